@@ -1,0 +1,174 @@
+"""What the suite measures: operations, modes, shapes, presets and minimum bytes.
+
+A *case* is one input configuration ``(N, V, density, dtype)``; every
+(provider, op, mode) of a preset runs on it. Minimum bytes follow PERF.md:
+the forward reads the policy logits (and the reference logits when the op
+takes them) once for active rows; the backward reads the policy logits once
+for active rows and writes the whole ``[N, V]`` gradient once (inactive rows
+must hold exact zeros, so they are written too).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, NamedTuple, Tuple
+
+__all__ = [
+    "BWD",
+    "CLIP_EPS",
+    "Case",
+    "FWD",
+    "FWD_BWD",
+    "KL_COEF",
+    "OPS",
+    "PRESETS",
+    "Preset",
+    "TIMED_MODES",
+    "Timing",
+    "TorchOp",
+    "min_bytes",
+    "uses_ref_logits",
+]
+
+#: Operations: the public function and how the reference enters.
+OPS: Tuple[str, ...] = (
+    "selected_logprobs",
+    "ratio_kl",  # reference logits given
+    "ratio_kl_ref_logps",  # precomputed reference log-probs given
+    "policy_loss",  # reference logits given
+    "policy_loss_ref_logps",  # precomputed reference log-probs given
+)
+
+FWD, BWD, FWD_BWD = "fwd", "bwd", "fwd+bwd"
+#: Modes that are timed; ``bwd`` is derived as ``fwd+bwd - fwd`` (see README).
+TIMED_MODES: Tuple[str, ...] = (FWD, FWD_BWD)
+
+#: Policy-loss hyperparameters shared by every provider (PPO clip, KL weight).
+CLIP_EPS = 0.2
+KL_COEF = 0.04
+
+#: Bytes per element of the logits dtypes the suite runs.
+_ITEMSIZE: Dict[str, int] = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+#: Longest sequence of the ``[B, T]`` leading shape; ``B = N / T``.
+_MAX_SEQ = 1024
+
+
+class TorchOp(NamedTuple):
+    """A torch provider's op: ``forward() -> (diff, aux)`` and the leaf the gradient reaches."""
+
+    forward: Callable[[], Any]
+    wrt: Any  # torch.Tensor [B, T, V] (or the provider's own copy of it), requires_grad
+
+
+def uses_ref_logits(op: str) -> bool:
+    """Whether ``op`` reads a second ``[N, V]`` tensor (the reference logits)."""
+    return op in ("ratio_kl", "policy_loss")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One input configuration: ``n`` tokens of vocabulary ``v``, a mask density, a dtype."""
+
+    n: int
+    v: int
+    density: float
+    dtype: str  # "bfloat16" | "float32"
+
+    def __post_init__(self) -> None:
+        if self.n % self.seq:
+            raise ValueError(f"N={self.n} must be a multiple of the sequence length {self.seq}")
+
+    @property
+    def seq(self) -> int:
+        """Tokens per sequence ``T`` of the ``[B, T]`` leading shape."""
+        return min(self.n, _MAX_SEQ)
+
+    @property
+    def batch(self) -> int:
+        """Sequences ``B``; one advantage each (GRPO)."""
+        return self.n // self.seq
+
+    @property
+    def active(self) -> int:
+        """Active (mask true) tokens: exactly ``round(density * n)``."""
+        return int(round(self.density * self.n))
+
+    @property
+    def itemsize(self) -> int:
+        return _ITEMSIZE[self.dtype]
+
+    def label(self) -> str:
+        return f"N={self.n} V={self.v} d={self.density:g} {self.dtype}"
+
+
+def min_bytes(op: str, mode: str, case: Case) -> int:
+    """Minimum HBM traffic of ``op`` in ``mode`` on ``case`` (per-row vectors ignored)."""
+    row_bytes = case.v * case.itemsize
+    fwd = case.active * row_bytes * (2 if uses_ref_logits(op) else 1)
+    bwd = case.active * row_bytes + case.n * row_bytes
+    return {FWD: fwd, BWD: bwd, FWD_BWD: fwd + bwd}[mode]
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Timer budget: warmup and repetition time (ms) on a GPU; repetitions on a CPU."""
+
+    warmup_ms: int
+    rep_ms: int
+    cpu_reps: int
+
+
+@dataclass(frozen=True)
+class Preset:
+    """Groups of cases, each with the providers that run on it, and the ops."""
+
+    groups: Tuple[Tuple[Tuple[Case, ...], Tuple[str, ...]], ...]
+    ops: Tuple[str, ...]
+    timing: Timing
+
+
+_ALL = (
+    "ratiokl-torch-triton",
+    "ratiokl-jax-triton",
+    "ratiokl-torch-native",
+    "ratiokl-jax-native",
+    "torch-eager",
+    "torch-compile",
+    "liger",
+)
+_FAST = ("ratiokl-torch-triton", "ratiokl-jax-triton", "torch-eager", "liger")
+_NATIVE = ("ratiokl-torch-native", "ratiokl-jax-native", "torch-eager")
+_HEADLINE_OPS = ("selected_logprobs", "ratio_kl", "ratio_kl_ref_logps", "policy_loss_ref_logps")
+
+
+def _grid(ns, vs, densities, dtypes) -> Tuple[Case, ...]:
+    return tuple(Case(n, v, d, t) for t in dtypes for n in ns for v in vs for d in densities)
+
+
+PRESETS: Dict[str, Preset] = {
+    # Every shape of issue 5; far more than one device session.
+    "full": Preset(
+        groups=((_grid((128, 8192, 32768), (32768, 151936, 262144), (1.0, 0.5),
+                       ("bfloat16", "float32")), _ALL),),
+        ops=OPS,
+        timing=Timing(warmup_ms=25, rep_ms=100, cpu_reps=10),
+    ),
+    # PERF.md's targets: the headline shape for every provider at both
+    # densities; the few-rows shape for ratiokl and the cheap peers (torch.compile
+    # and XLA would add minutes of compilation for no target).
+    "headline": Preset(
+        groups=(
+            (_grid((8192,), (151936,), (1.0, 0.5), ("bfloat16",)), _ALL),
+            (_grid((128,), (151936,), (1.0,), ("bfloat16",)), _FAST),
+        ),
+        ops=_HEADLINE_OPS,
+        timing=Timing(warmup_ms=10, rep_ms=60, cpu_reps=10),
+    ),
+    # CI on the CPU: tiny, native providers, every op.
+    "cpu-smoke": Preset(
+        groups=((_grid((32,), (256,), (0.5,), ("float32",)), _NATIVE),),
+        ops=OPS,
+        timing=Timing(warmup_ms=1, rep_ms=5, cpu_reps=3),
+    ),
+}

@@ -1,0 +1,81 @@
+"""Bandwidth ceilings measured in the benchmark's own process.
+
+- copy: ``dst.copy_(src)`` of a 2 GiB buffer; read + write bytes counted;
+- read: the Triton row reduction of ``_read_kernel`` over an ``[8192, 151936]``
+  bf16 tensor (the headline shape), best of a small grid of block sizes and
+  warp counts.
+
+On the CPU the same quantities are measured with torch ops (``copy_`` and
+``sum``) so the smoke run exercises this code; they are not a GPU ceiling.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict
+
+import torch
+
+from _cases import Timing
+from _harness import cpu_ms, cuda_ms
+
+__all__ = ["measure_ceilings"]
+
+_COPY_BYTES_GPU = 2 * 1024**3
+_COPY_BYTES_CPU = 32 * 1024**2
+_READ_SHAPE_GPU = (8192, 151936)
+_READ_SHAPE_CPU = (256, 32768)
+#: (BLOCK, num_warps) grid for the read kernel.
+_READ_CONFIGS = tuple((b, w) for b in (2048, 4096, 8192) for w in (8, 16))
+
+
+def _gbps(nbytes: int, ms: float) -> float:
+    return nbytes / (ms * 1e-3) / 1e9
+
+
+def _timer(timing: Timing, on_gpu: bool) -> Callable[[Callable[[], Any]], float]:
+    if on_gpu:
+        return lambda fn: cuda_ms(fn, timing.warmup_ms, timing.rep_ms, est_ms=1.0)
+    return lambda fn: cpu_ms(fn, lambda _: None, max(timing.cpu_reps, 3))
+
+
+def _read_gpu(x: torch.Tensor, timing: Timing) -> Dict[str, Any]:
+    from _read_kernel import row_sum_kernel
+
+    out = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+    best: Dict[str, Any] = {}
+    for block, warps in _READ_CONFIGS:
+        def run(block: int = block, warps: int = warps) -> None:
+            row_sum_kernel[(x.shape[0],)](x, out, x.stride(0), V=x.shape[1], BLOCK=block,
+                                          num_warps=warps)
+
+        run()
+        gbps = _gbps(x.numel() * x.element_size(), _timer(timing, True)(run))
+        if gbps > best.get("read_gbps", 0.0):
+            best = {"read_gbps": gbps, "read_method": f"triton row sum BLOCK={block} "
+                    f"num_warps={warps} on {list(x.shape)} {x.dtype}"}
+    return best
+
+
+def measure_ceilings(on_gpu: bool, timing: Timing) -> Dict[str, Any]:
+    """``{"copy_gbps", "read_gbps", "copy_method", "read_method"}`` for this device."""
+    device = torch.device("cuda" if on_gpu else "cpu")
+    time_it = _timer(timing, on_gpu)
+    nbytes = _COPY_BYTES_GPU if on_gpu else _COPY_BYTES_CPU
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    copy = _gbps(2 * nbytes, time_it(lambda: dst.copy_(src)))
+    del src, dst
+    result: Dict[str, Any] = {"copy_gbps": copy,
+                              "copy_method": f"torch copy_ of {nbytes} bytes (read + write)"}
+    if on_gpu:
+        x = torch.ones(_READ_SHAPE_GPU, dtype=torch.bfloat16, device=device)
+        result.update(_read_gpu(x, timing))
+    else:
+        x = torch.ones(_READ_SHAPE_CPU, dtype=torch.float32)
+        ms = time_it(lambda: x.sum())
+        result.update(read_gbps=_gbps(x.numel() * x.element_size(), ms),
+                      read_method=f"torch sum on {list(x.shape)} float32 (CPU stand-in)")
+    del x
+    if on_gpu:
+        torch.cuda.empty_cache()
+    return result

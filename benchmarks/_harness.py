@@ -1,0 +1,257 @@
+"""Shared benchmark machinery: timers, peak memory, metadata, the results file.
+
+Timers (all return milliseconds, the median of repeated runs):
+
+- torch on CUDA: ``triton.testing.do_bench``'s method (CUDA events around
+  each run, the L2 flushed before each by writing a buffer, the median), with
+  a 1 GiB flush instead of do_bench's 256 MB. The flush is enqueued before
+  the start event, so the host's Python work for the op (validation and
+  launch, ~0.1 ms for a small op) overlaps the device's flush and is not
+  counted; do_bench's ~80 us flush would let that host time leak into small
+  ops (N = 128) and misstate their bandwidth. For large ops the two agree;
+- JAX on a GPU: JAX work runs on its own stream, which torch's CUDA events
+  cannot bracket, so batches of ``[flush, op]`` are enqueued back to back and
+  timed on the host, minus a batch of flushes alone; the same 1 GiB flush
+  keeps the host ahead of the device. The median over batches is reported;
+- CPU: ``time.perf_counter`` around each (synchronised) call, no flush.
+
+Extra peak memory is what the op allocates beyond the inputs it is given:
+torch ``max_memory_allocated`` minus ``memory_allocated`` just before the
+call (CUDA only), and for JAX XLA's compiled memory analysis of the jitted
+op (temporaries + outputs - aliased), on any backend.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime as _dt
+import importlib.metadata
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+
+__all__ = [
+    "RECORD_FIELDS",
+    "ResultsWriter",
+    "cpu_ms",
+    "cuda_ms",
+    "jax_gpu_ms",
+    "jax_peak_extra",
+    "metadata",
+    "torch_peak_extra",
+]
+
+#: Bytes written between runs to evict the GPU's L2 cache (50 MB on an H200)
+#: and to keep the host ahead of the device (see the module doc).
+_FLUSH_BYTES = 1024**3
+#: Host-timed JAX batches per measurement.
+_JAX_BATCHES = 5
+#: Runs of one timing: at least (a median of fewer is noise), at most (time).
+_MIN_RUNS, _MAX_RUNS = 5, 200
+
+_TORCH_FLUSH: Dict[str, torch.Tensor] = {}
+
+
+def _runs(budget_ms: float, est_ms: float) -> int:
+    return min(max(int(budget_ms / max(est_ms, 1e-3)), _MIN_RUNS), _MAX_RUNS)
+
+
+def cuda_ms(fn: Callable[[], Any], warmup_ms: float, rep_ms: float, est_ms: float) -> float:
+    """Median device ms of ``fn`` (torch on CUDA), the L2 flushed before each run.
+
+    ``est_ms`` (a warm call's wall time) sets the number of runs: about
+    ``rep_ms`` worth, within ``[_MIN_RUNS, _MAX_RUNS]``.
+    """
+    if "buf" not in _TORCH_FLUSH:
+        _TORCH_FLUSH["buf"] = torch.empty(_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    flush = _TORCH_FLUSH["buf"]
+    for _ in range(max(1, int(warmup_ms / max(est_ms, 1e-3)))):
+        fn()
+    runs = _runs(rep_ms, est_ms)
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(runs)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(runs)]
+    for start, end in zip(starts, ends):
+        flush.zero_()
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return float(statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)))
+
+
+def _block(value: Any) -> Any:
+    import jax
+
+    return jax.block_until_ready(value)
+
+
+class _JaxFlush:
+    """A 1 GiB device buffer rewritten (donated, write-only) to evict L2."""
+
+    def __init__(self) -> None:
+        import jax
+        import jax.numpy as jnp
+
+        self._zero = jax.jit(jnp.zeros_like, donate_argnums=0)
+        self._buf = _block(jnp.ones(_FLUSH_BYTES // 4, jnp.int32))
+
+    def __call__(self) -> Any:
+        self._buf = self._zero(self._buf)
+        return self._buf
+
+
+_JAX_FLUSH: List[_JaxFlush] = []
+
+
+def jax_gpu_ms(call: Callable[[], Any], warmup_ms: float, rep_ms: float, est_ms: float) -> float:
+    """Median per-call device ms of ``call`` (a jitted JAX op) on a GPU; see the module doc."""
+    if not _JAX_FLUSH:
+        _JAX_FLUSH.append(_JaxFlush())
+    flush = _JAX_FLUSH[0]
+
+    def batch(k: int, with_op: bool) -> float:
+        _block(flush())
+        start = time.perf_counter()
+        last = None
+        for _ in range(k):
+            last = (flush(), call() if with_op else None)
+        _block(last)
+        return time.perf_counter() - start
+
+    batch(max(1, int(warmup_ms / max(est_ms, 1e-3))), True)
+    k = _runs(rep_ms / _JAX_BATCHES, est_ms)
+    samples = [(batch(k, True) - batch(k, False)) / k for _ in range(_JAX_BATCHES)]
+    return max(statistics.median(samples), 0.0) * 1e3
+
+
+def cpu_ms(call: Callable[[], Any], sync: Callable[[Any], Any], reps: int) -> float:
+    """Median wall-clock ms of ``sync(call())`` over ``reps`` runs (no cache flush)."""
+    samples = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        sync(call())
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples) * 1e3
+
+
+def torch_peak_extra(fn: Callable[[], Any]) -> Optional[int]:
+    """Bytes allocated at the peak of one ``fn()`` beyond what was held before; None off CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    del out
+    return int(peak)
+
+
+def jax_peak_extra(compiled: Any) -> Optional[int]:
+    """Temporaries + outputs - aliased bytes of a compiled JAX op (None if XLA won't say)."""
+    stats = compiled.memory_analysis()
+    if stats is None:
+        return None
+    return int(stats.temp_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes)
+
+
+def _version(dist: str) -> Optional[str]:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _ratiokl_source() -> Dict[str, Optional[str]]:
+    """ratiokl's version (installed, or the imported package's) and the checkout's commit."""
+    import ratiokl
+
+    root = Path(__file__).resolve().parents[1]
+    try:
+        proc = subprocess.run(["git", "rev-parse", "--verify", "-q", "HEAD"], cwd=root,
+                              capture_output=True, text=True, timeout=10)
+        commit = proc.stdout.strip() if proc.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return {"version": getattr(ratiokl, "__version__", None), "git_commit": commit}
+
+
+def metadata() -> Dict[str, Any]:
+    """The machine and software the results come from."""
+    meta: Dict[str, Any] = {
+        "ratiokl": _ratiokl_source(),
+        "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "versions": {
+            d: _version(d)
+            for d in ("torch", "triton", "jax", "jaxlib", "jax-triton",
+                      "liger-kernel", "numpy")
+        },
+        "gpu": None,
+    }
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        meta["gpu"] = {
+            "name": props.name,
+            "sm_count": props.multi_processor_count,
+            "memory_bytes": props.total_memory,
+            "cuda": torch.version.cuda,
+        }
+    return meta
+
+
+#: Columns of every record, in CSV order.
+RECORD_FIELDS = (
+    "op", "provider", "framework", "mode", "N", "V", "density", "dtype", "status",
+    "ms", "gbps", "pct_read_ceiling", "pct_copy_ceiling", "peak_extra_bytes", "min_bytes",
+    "timer", "mem_method", "first_call_s", "reason",
+)
+
+
+class ResultsWriter:
+    """Holds the run's metadata, ceilings, records and summary; rewrites the files on change.
+
+    The JSON (``path``) holds everything; a CSV beside it (same stem) holds
+    the records. Both are replaced atomically after every record, so an
+    interrupted run keeps what it measured.
+    """
+
+    def __init__(self, path: Path, meta: Dict[str, Any]) -> None:
+        self.path = path
+        self.data: Dict[str, Any] = {
+            "metadata": meta, "ceilings": {}, "records": [], "summary": {},
+        }
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def records(self) -> List[Dict[str, Any]]:
+        return self.data["records"]
+
+    def set(self, key: str, value: Any) -> None:
+        self.data[key] = value
+        self._write()
+
+    def add(self, record: Dict[str, Any]) -> None:
+        self.records.append({k: record.get(k) for k in RECORD_FIELDS})
+        self._write()
+
+    def _write(self) -> None:
+        tmp = self.path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self.data, indent=1, allow_nan=False) + "\n")
+        os.replace(tmp, self.path)
+        csv_path = self.path.with_suffix(".csv")
+        tmp = csv_path.with_suffix(".csv.tmp")
+        with tmp.open("w", newline="") as fh:
+            writer = csv.DictWriter(fh, fieldnames=RECORD_FIELDS)
+            writer.writeheader()
+            writer.writerows(self.records)
+        os.replace(tmp, csv_path)

@@ -1,0 +1,169 @@
+"""One measurement: a provider's op in one mode on one case -> a record.
+
+Modes: ``fwd`` is the forward as a trainer runs it (autograd on, so the
+tensors kept for the backward are allocated and counted); ``fwd+bwd`` is
+the forward followed by the gradient with respect to the policy logits
+(``torch.autograd.grad`` / ``jax.vjp``) for fixed random upstream gradients
+(1 for a scalar loss); ``bwd`` is derived as ``fwd+bwd - fwd`` (the same
+rule for every provider, including JAX, where the backward cannot be run
+alone), so its memory is that of ``fwd+bwd``'s record.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import torch
+
+from _cases import BWD, FWD, Case, Timing, TorchOp, min_bytes
+from _harness import (
+    RECORD_FIELDS,
+    cpu_ms,
+    cuda_ms,
+    jax_gpu_ms,
+    jax_peak_extra,
+    torch_peak_extra,
+)
+
+__all__ = ["derive_bwd", "make_record", "measure_jax", "measure_torch"]
+
+
+def _torch_cotangents(op: str, x: Any) -> Optional[Tuple[torch.Tensor, ...]]:
+    if op == "selected_logprobs":
+        return (x.cot_a,)
+    if op.startswith("ratio_kl"):
+        return (x.cot_a, x.cot_b)
+    return None  # scalar loss: upstream gradient 1
+
+
+def _jax_cotangents(op: str, rest: Dict[str, Any]) -> Any:
+    import jax.numpy as jnp
+
+    if op == "selected_logprobs":
+        return rest["cot_a"]
+    if op.startswith("ratio_kl"):
+        return (rest["cot_a"], rest["cot_b"])
+    return jnp.ones((), jnp.float32)
+
+
+def _torch_mode(t: TorchOp, op: str, mode: str, x: Any) -> Callable[[], Any]:
+    if mode == FWD:
+        return t.forward
+    cot = _torch_cotangents(op, x)
+
+    def fwd_bwd() -> Any:
+        diff, aux = t.forward()
+        outs = diff if isinstance(diff, tuple) else (diff,)
+        return diff, aux, torch.autograd.grad(outs, t.wrt, grad_outputs=cot)
+
+    return fwd_bwd
+
+
+def _timed_first(call: Callable[[], Any], sync: Callable[[Any], Any]) -> Tuple[float, float]:
+    """Seconds of a first call (compilation included) and ms of a second (warm)."""
+    start = time.perf_counter()
+    sync(call())
+    first = time.perf_counter() - start
+    start = time.perf_counter()
+    sync(call())
+    return first, (time.perf_counter() - start) * 1e3
+
+
+def measure_torch(t: TorchOp, op: str, mode: str, x: Any, timing: Timing) -> Dict[str, Any]:
+    """Time ``t`` (a torch provider's op) in ``mode`` on the inputs ``x``."""
+    fn = _torch_mode(t, op, mode, x)
+    on_gpu = torch.cuda.is_available()
+    sync = (lambda _: torch.cuda.synchronize()) if on_gpu else (lambda _: None)
+    first_s, est_ms = _timed_first(fn, sync)
+    peak = torch_peak_extra(fn)
+    if on_gpu:
+        ms, timer = cuda_ms(fn, timing.warmup_ms, timing.rep_ms, est_ms), "cuda-events"
+    else:
+        ms, timer = cpu_ms(fn, sync, timing.cpu_reps), "cpu-median"
+    return {"ms": ms, "timer": timer, "first_call_s": first_s, "peak_extra_bytes": peak,
+            "mem_method": "torch-max-allocated" if on_gpu else None}
+
+
+def _jax_compiled(f: Callable[..., Any], op: str, mode: str, policy: Any,
+                  rest: Dict[str, Any]) -> Any:
+    """``f`` (forward) or forward + vjp, jitted and compiled for these inputs' shapes."""
+    import jax
+
+    g = f
+    if mode != FWD:
+        def g(p: Any, r: Dict[str, Any]) -> Any:
+            diff, vjp, aux = jax.vjp(lambda q: f(q, r), p, has_aux=True)
+            return diff, aux, vjp(_jax_cotangents(op, r))
+
+    return jax.jit(g).lower(policy, rest).compile()
+
+
+def measure_jax(build: Callable[[], Callable[..., Any]], op: str, mode: str,
+                xj: Dict[str, Any], timing: Timing, cache: Dict[Any, Any],
+                key: Any) -> Dict[str, Any]:
+    """Jit ``build()`` (a JAX provider's ``f(policy, rest)``) in ``mode``, time it on ``xj``.
+
+    ``cache[key]`` keeps the compiled op, so a case that differs only in its
+    values (the mask density) does not compile again.
+    """
+    import jax
+
+    policy = xj["policy"]
+    rest = {k: v for k, v in xj.items() if k != "policy"}
+    start = time.perf_counter()
+    if key not in cache:
+        cache[key] = _jax_compiled(build(), op, mode, policy, rest)
+    compiled = cache[key]
+    compile_s = time.perf_counter() - start
+
+    def call() -> Any:
+        return compiled(policy, rest)
+
+    first_s, est_ms = _timed_first(call, jax.block_until_ready)
+    if jax.default_backend() == "gpu":
+        ms, timer = jax_gpu_ms(call, timing.warmup_ms, timing.rep_ms, est_ms), "jax-batched"
+    else:
+        ms, timer = cpu_ms(call, jax.block_until_ready, timing.cpu_reps), "cpu-median"
+    return {"ms": ms, "timer": timer, "first_call_s": compile_s + first_s,
+            "peak_extra_bytes": jax_peak_extra(compiled), "mem_method": "xla-memory-analysis"}
+
+
+def make_record(op: str, provider: str, framework: str, mode: str, case: Case,
+                ceilings: Dict[str, Any], measured: Dict[str, Any],
+                status: str = "ok", reason: Optional[str] = None) -> Dict[str, Any]:
+    """A tidy record; bandwidth fields from ``min_bytes`` and the ceilings when timed."""
+    nbytes = min_bytes(op, mode, case)
+    ms = measured.get("ms")
+    gbps = nbytes / (ms * 1e-3) / 1e9 if ms else None
+    pct = (lambda key: 100.0 * gbps / ceilings[key] if gbps and ceilings.get(key) else None)
+    rec = {
+        **measured,
+        "op": op, "provider": provider, "framework": framework, "mode": mode,
+        "N": case.n, "V": case.v, "density": case.density, "dtype": case.dtype,
+        "status": status, "reason": reason, "min_bytes": nbytes, "gbps": gbps,
+        "pct_read_ceiling": pct("read_gbps"), "pct_copy_ceiling": pct("copy_gbps"),
+    }
+    return {k: _finite(rec.get(k)) for k in RECORD_FIELDS}
+
+
+def _finite(value: Any) -> Any:
+    """NaN/inf (a broken timing) become None, so the JSON stays strict."""
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+def derive_bwd(fwd: Dict[str, Any], fwd_bwd: Dict[str, Any], case: Case,
+               ceilings: Dict[str, Any]) -> Dict[str, Any]:
+    """The ``bwd`` record: ``fwd+bwd`` ms minus ``fwd`` ms (clamped at 0), ``fwd+bwd`` memory."""
+    args = (fwd["op"], fwd["provider"], fwd["framework"], BWD, case, ceilings)
+    if fwd["status"] != "ok" or fwd_bwd["status"] != "ok":
+        status = "skipped" if "skipped" in (fwd["status"], fwd_bwd["status"]) else "error"
+        return make_record(*args, {}, status, "needs both fwd and fwd+bwd")
+    measured = {
+        "ms": max(fwd_bwd["ms"] - fwd["ms"], 0.0),
+        "timer": f"{fwd_bwd['timer']} (fwd+bwd - fwd)",
+        "peak_extra_bytes": fwd_bwd["peak_extra_bytes"],
+        "mem_method": fwd_bwd["mem_method"],
+    }
+    return make_record(*args, measured)

@@ -1,0 +1,186 @@
+"""Run the ratiokl benchmark suite: every provider side by side, in one process.
+
+    python benchmarks/run.py --preset headline --out benchmarks/results/h200.json
+    python benchmarks/run.py --preset cpu-smoke --out /tmp/smoke.json
+
+Writes tidy records (JSON + CSV beside it) after every measurement, then
+the summary (speedups against each peer, PERF.md's targets) and prints it.
+A provider that fails (import, compile, OOM) gets an ``error`` record and
+the run goes on; one that cannot run here gets ``skipped``. See README.md.
+"""
+
+from __future__ import annotations
+
+import os
+
+# JAX shares the GPU with torch: allocate on demand instead of 75 % up front.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import argparse  # noqa: E402
+import gc  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any, Dict, List, Optional, Sequence  # noqa: E402
+
+import torch  # noqa: E402
+
+from _cases import OPS, PRESETS, TIMED_MODES, Case, Preset  # noqa: E402
+from _ceilings import measure_ceilings  # noqa: E402
+from _harness import ResultsWriter, metadata  # noqa: E402
+from _inputs import jax_inputs, make_inputs  # noqa: E402
+from _measure import derive_bwd, make_record, measure_jax, measure_torch  # noqa: E402
+from _summary import check_targets, render, speedups, tables  # noqa: E402
+from providers import PROVIDERS, Provider  # noqa: E402
+
+_START = time.perf_counter()
+
+
+def _log(msg: str) -> None:
+    print(f"[{time.perf_counter() - _START:7.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+def _free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _error_text(exc: BaseException) -> str:
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {first[:300]}"
+
+
+class _Run:
+    """One suite run: the writer, the ceilings, and the per-case state."""
+
+    def __init__(self, writer: ResultsWriter, preset: Preset, ceilings: Dict[str, Any]) -> None:
+        self.writer, self.preset, self.ceilings = writer, preset, ceilings
+        self.unavailable: Dict[str, Optional[str]] = {}
+        self.jax_compiled: Dict[Any, Any] = {}  # (provider, op, mode, N, V, dtype) -> compiled
+        self.shape: Optional[tuple] = None  # (N, V, dtype) of the previous case
+
+    def record(self, prov: Provider, op: str, mode: str, case: Case, measured: Dict[str, Any],
+               status: str = "ok", reason: Optional[str] = None) -> Dict[str, Any]:
+        rec = make_record(op, prov.name, prov.framework, mode, case, self.ceilings, measured,
+                          status, reason)
+        self.writer.add(rec)
+        ms = f"{rec['ms']:.3f} ms" if rec["ms"] is not None else rec["status"]
+        pct = f" {rec['pct_read_ceiling']:.0f}% read" if rec["pct_read_ceiling"] else ""
+        why = f" ({reason})" if reason and status != "ok" else ""
+        _log(f"{case.label()} {op} {mode} {prov.name}: {ms}{pct}{why}")
+        return rec
+
+    def no_inputs(self, case: Case, names: Sequence[str], ops: Sequence[str], why: str) -> None:
+        """Error records for every measurement of a case whose inputs could not be made."""
+        _free()
+        for name in names:
+            for op in ops:
+                recs = [self.record(PROVIDERS[name], op, mode, case, {}, "error",
+                                    f"inputs: {why}") for mode in TIMED_MODES]
+                self.writer.add(derive_bwd(recs[0], recs[1], case, self.ceilings))
+
+    def provider_op(self, prov: Provider, op: str, case: Case, x: Any, xj: Any) -> None:
+        """Both timed modes of one (provider, op), then the derived backward."""
+        recs: List[Dict[str, Any]] = []
+        reason = self.unavailable[prov.name]
+        built: Any = None
+        for mode in TIMED_MODES:
+            why = reason or prov.unsupported(op, mode)
+            if why:
+                recs.append(self.record(prov, op, mode, case, {}, "skipped", why))
+                continue
+            try:
+                if prov.framework == "torch":
+                    built = built or prov.build(op, x)
+                    measured = measure_torch(built, op, mode, x, self.preset.timing)
+                else:
+                    key = (prov.name, op, mode, case.n, case.v, case.dtype)
+                    measured = measure_jax(lambda: prov.build(op), op, mode, xj(),
+                                           self.preset.timing, self.jax_compiled, key)
+                recs.append(self.record(prov, op, mode, case, measured))
+            except Exception as exc:  # noqa: BLE001 - one failure must not end the run
+                recs.append(self.record(prov, op, mode, case, {}, "error", _error_text(exc)))
+            _free()
+        bwd = derive_bwd(recs[0], recs[1], case, self.ceilings)
+        self.writer.add(bwd)
+
+    def case(self, case: Case, names: Sequence[str], ops: Sequence[str]) -> None:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        try:
+            x = make_inputs(case, device)
+        except Exception as exc:  # noqa: BLE001 - e.g. out of memory for the largest cases
+            self.no_inputs(case, names, ops, _error_text(exc))
+            return
+        cache: Dict[str, Any] = {}
+
+        def xj() -> Any:  # JAX views of the inputs, made on first use
+            if "jax" not in cache:
+                cache["jax"] = jax_inputs(x)
+            return cache["jax"]
+
+        shape = (case.n, case.v, case.dtype)
+        if shape != self.shape:
+            # New shapes: drop compiled code of the old ones, so torch.compile never
+            # reaches its recompile limit (and silently falls back to eager).
+            if "torch-compile" in names:
+                torch._dynamo.reset()
+            self.jax_compiled.clear()
+            self.shape = shape
+        for name in names:
+            prov = PROVIDERS[name]
+            if name not in self.unavailable:
+                self.unavailable[name] = prov.unavailable()
+            for op in ops:
+                self.provider_op(prov, op, case, x, xj)
+        del x, cache
+        _free()
+
+
+def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", choices=sorted(PRESETS),
+                    default="headline" if torch.cuda.is_available() else "cpu-smoke")
+    ap.add_argument("--out", type=Path, help="results JSON (CSV written beside it); "
+                    "default benchmarks/results/<preset>.json")
+    ap.add_argument("--providers", help=f"comma list, subset of: {', '.join(PROVIDERS)}")
+    ap.add_argument("--ops", help=f"comma list, subset of: {', '.join(OPS)}")
+    return ap.parse_args(argv)
+
+
+def _subset(arg: Optional[str], allowed: Sequence[str], what: str) -> Optional[set]:
+    if arg is None:
+        return None
+    chosen = {s.strip() for s in arg.split(",") if s.strip()}
+    bad = chosen - set(allowed)
+    if bad:
+        raise SystemExit(f"--{what}: unknown {sorted(bad)}; choose from {', '.join(allowed)}")
+    return chosen
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = _parse(argv)
+    preset = PRESETS[args.preset]
+    only_provs = _subset(args.providers, list(PROVIDERS), "providers")
+    only_ops = _subset(args.ops, OPS, "ops")
+    out = args.out or Path(__file__).parent / "results" / f"{args.preset}.json"
+    writer = ResultsWriter(out, {**metadata(), "preset": args.preset, "argv": sys.argv[1:]})
+    ceilings = measure_ceilings(torch.cuda.is_available(), preset.timing)
+    writer.set("ceilings", ceilings)
+    _log(f"ceilings: copy {ceilings['copy_gbps']:.0f} GB/s, read {ceilings['read_gbps']:.0f} GB/s")
+    run = _Run(writer, preset, ceilings)
+    ops = [op for op in preset.ops if only_ops is None or op in only_ops]
+    for cases, names in preset.groups:
+        names = [n for n in names if only_provs is None or n in only_provs]
+        for case in cases:
+            run.case(case, names, ops)
+    writer.set("summary", {"speedups": speedups(writer.records),
+                           "targets": check_targets(writer.records)})
+    for title, headers, rows in tables(writer.records):
+        print(render(title, headers, rows, markdown=False) + "\n")
+    _log(f"wrote {out} and {out.with_suffix('.csv')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

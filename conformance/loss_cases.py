@@ -1,0 +1,169 @@
+"""``policy_loss`` conformance cases: one group per behaviour the loss promises.
+
+Called by ``conformance/generate.py`` (the only writer of fixtures). Every
+case has poisoned inactive rows (NaN logits, NaN old log-probs / advantages /
+weights, out-of-range ids) unless its name says otherwise, float64
+expectations from ``ratiokl.spec.policy_loss`` and a scalar upstream
+cotangent on the loss. Behaviour log-probs are kept away from the clip
+thresholds so that float32 rounding cannot flip a clip decision.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any, Dict, Iterator, Tuple
+
+import numpy as np
+
+from ratiokl import spec
+from ratiokl.conformance import LOGIT_DTYPES, Case, build_case, round_to_dtype
+
+SEED = 20261130
+SUFFIX = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+B, T, V = 4, 8, 40
+#: Minimum relative distance of an active token's ratio from a clip threshold.
+MARGIN = 1e-3
+
+Inputs = Dict[str, Any]
+
+
+def _inputs(rng, dtype, *, lead=(B, T), active=0.75, per_token_adv=False, temperature=1.0):
+    """Policy/reference logits, ids, mask, behaviour log-probs, advantages, weights, segments."""
+    logits = rng.normal(0.0, 2.0, (*lead, V))
+    mask = rng.random(lead) < active
+    ids = rng.integers(0, V, lead)
+    logp = spec.selected_logprobs(round_to_dtype(logits, dtype), ids, mask, temperature=temperature)
+    adv = rng.normal(0.0, 1.0, lead if per_token_adv else lead[:-1])
+    return {
+        "policy_logits": logits,
+        "ref_logits": logits + rng.normal(0.0, 0.6, logits.shape),
+        "action_ids": ids,
+        "mask": mask,
+        "old_logps": logp + rng.normal(0.0, 0.5, lead),
+        "advantages": np.where(mask, adv, np.nan) if per_token_adv else adv,
+        "importance_weights": rng.uniform(0.3, 1.5, lead),
+        "segment_ids": np.sort(rng.integers(0, 3, lead), axis=-1),
+    }
+
+
+def _poison_inactive(x: Inputs) -> Inputs:
+    inactive = ~x["mask"]
+    for key in ("policy_logits", "ref_logits"):
+        if key in x:
+            x[key][inactive] = np.nan
+    x["action_ids"] = np.where(inactive, np.where(np.arange(inactive.size).reshape(
+        inactive.shape) % 2 == 0, -1, V + 5), x["action_ids"])
+    for key in ("old_logps", "importance_weights"):
+        x[key] = np.where(inactive, np.nan, x[key])
+    return x
+
+
+def _thresholds(options) -> Tuple[float, ...]:
+    """Ratios at which the loss switches branch: clip bounds, caps, ``exp(+-bound)``."""
+    opts = spec.policy_loss_options(**{**spec.POLICY_LOSS_DEFAULTS, **{
+        k: v for k, v in options.items() if k in spec.POLICY_LOSS_DEFAULTS}})
+    bound = () if opts.log_ratio_bound is None else (
+        np.exp(opts.log_ratio_bound), np.exp(-opts.log_ratio_bound))
+    caps = (opts.ratio_low, opts.ratio_high, opts.neg_cap) + bound
+    return tuple(t for t in caps if t is not None)
+
+
+def _keep_off_thresholds(x: Inputs, options, dtype, segments) -> Inputs:
+    """Shift ``old_logps`` of tokens whose ratio sits within ``MARGIN`` of a threshold."""
+    mask = x["mask"]
+    logp = spec.selected_logprobs(round_to_dtype(x["policy_logits"], dtype), x["action_ids"],
+                                  mask, temperature=options.get("temperature", 1.0))
+    seq, n = spec.sequence_index(mask, segments)
+    counts = np.maximum(np.bincount(seq[mask], minlength=n), 1)
+    for _ in range(4):
+        lr = np.where(mask, logp - x["old_logps"], 0.0)
+        if options.get("ratio_level") == "sequence":
+            means = np.bincount(seq[mask], lr[mask], n) / counts
+            lr = np.where(mask, np.append(means, 0.0)[seq], 0.0)
+        near = np.zeros(mask.shape, bool)
+        for t in _thresholds(options):
+            near |= mask & (np.abs(np.exp(lr) / t - 1.0) < MARGIN)
+        if not near.any():
+            return x
+        x["old_logps"] = np.where(near, x["old_logps"] - 0.01, x["old_logps"])
+    raise RuntimeError("could not keep the ratios away from the clip thresholds")
+
+
+#: group -> (dtypes, scalar options, arrays passed besides the positional ones, build kwargs,
+#: description). Every option the loss has is pinned by at least one group.
+GROUPS: Dict[str, Tuple[Tuple[str, ...], Dict[str, Any], Tuple[str, ...], Dict[str, Any], str]] = {
+    "policy_grpo_kl_k3": (LOGIT_DTYPES, {"kl_coef": 0.1}, (), {}, "PPO clip, k3 KL, token-mean"),
+    "policy_agg_token_sum": (("float32",), {"loss_agg": "token-sum"}, (), {}, "token-sum"),
+    "policy_agg_seq_mean_token_mean": (("float32",), {"loss_agg": "seq-mean-token-mean"}, (), {},
+                                       "seq-mean-token-mean (GRPO)"),
+    "policy_agg_seq_mean_token_sum": (("float32",), {"loss_agg": "seq-mean-token-sum"}, (), {},
+                                      "seq-mean-token-sum"),
+    "policy_agg_seq_mean_token_sum_norm": (("float32",), {"loss_agg": "seq-mean-token-sum-norm"},
+                                           (), {}, "seq-mean-token-sum-norm (/ T)"),
+    "policy_global_normalizer": (("float32",), {"loss_normalizer": 57.0}, (), {},
+                                 "token-mean over a global token count"),
+    "policy_clip_higher": (("float32",), {"clip_eps_high": 0.28}, (), {}, "DAPO clip-higher"),
+    "policy_dual_clip": (("float32",), {"dual_clip": 1.4}, (), {"per_token_adv": True},
+                         "dual-clip c = 1.4, per-token advantages (NaN on inactive rows)"),
+    "policy_ratio_cap": (("float32",), {"ratio_cap": 1.3, "clip_eps": 0.1}, (), {},
+                         "INTELLECT-2 delta = 1.3"),
+    "policy_kl_k1": (("float32",), {"kl_coef": 0.3, "kl_estimator": "k1"}, (), {}, "k1 KL"),
+    "policy_kl_k2": (("float32",), {"kl_coef": 0.3, "kl_estimator": "k2"}, (), {}, "k2 KL"),
+    "policy_kl_k3": (("float32",), {"kl_coef": 0.3, "kl_estimator": "k3"}, (), {}, "k3 KL"),
+    "policy_kl_k1_plus": (("float32",), {"kl_coef": 0.3, "kl_estimator": "k1+"}, (), {},
+                          "k1 value, k2 gradient"),
+    "policy_kl_k3_plus": (("float32",), {"kl_coef": 0.3, "kl_estimator": "k3+"}, (), {},
+                          "k3 value, k2 gradient"),
+    "policy_kl_k3_ratio_weighted": (("float32",), {"kl_coef": 0.3, "kl_estimator": "k3-is"}, (),
+                                    {}, "k3 times the importance ratio"),
+    "policy_gspo": (("float32", "bfloat16"), {"ratio_level": "sequence",
+                                              "loss_agg": "seq-mean-token-mean"}, (), {},
+                    "GSPO sequence ratio"),
+    "policy_gspo_packed": (("float32",), {"ratio_level": "sequence",
+                                          "loss_agg": "seq-mean-token-mean"},
+                           ("segment_ids",), {"active": 0.9}, "GSPO on packed rows"),
+    "policy_packed_seq_mean_token_sum": (("float32",), {"loss_agg": "seq-mean-token-sum"},
+                                         ("segment_ids",), {"active": 0.9},
+                                         "sequences = segments of packed rows"),
+    "policy_importance_weights": (("float32",), {"kl_coef": 0.1}, ("importance_weights",), {},
+                                  "truncated-IS weights on the policy term"),
+    "policy_log_ratio_bound": (("float32",), {"log_ratio_bound": 0.3, "kl_coef": 0.5,
+                                              "dual_clip": 3.0}, (), {},
+                               "|log ratio| and |d| bounded at 0.3: zero gradient beyond"),
+    "policy_temperature": (("float32",), {"temperature": 0.7, "kl_coef": 0.2}, (), {},
+                           "temperature 0.7 on policy and reference"),
+    "policy_ref_logps": (("float32",), {"kl_coef": 0.2}, ("ref_logps",), {},
+                         "ref_logps instead of ref_logits"),
+    "policy_all_inactive": (("float32", "bfloat16"), {"kl_coef": 0.5,
+                                                      "loss_agg": "seq-mean-token-mean"},
+                            ("segment_ids", "importance_weights"), {"active": 0.0},
+                            "no active token: loss 0, zero gradient"),
+    "policy_empty_rows": (("float32",), {"loss_agg": "seq-mean-token-sum"}, (),
+                          {"lead": (0, T)}, "no rows at all"),
+}
+
+
+def _build(group: str, dtype: str) -> Tuple[Inputs, Dict[str, Any]]:
+    dtypes, options, arrays, kwargs, _ = GROUPS[group]
+    rng = np.random.default_rng([SEED, zlib.crc32(group.encode())])
+    x = _inputs(rng, dtype, temperature=options.get("temperature", 1.0), **kwargs)
+    segments = x["segment_ids"] if "segment_ids" in arrays else None
+    x = _keep_off_thresholds(x, options, dtype, segments)
+    if "ref_logps" in arrays:
+        x["ref_logps"] = spec.selected_logprobs(round_to_dtype(x.pop("ref_logits"), dtype),
+                                                x["action_ids"], x["mask"])
+        x["ref_logps"][~x["mask"]] = np.nan
+    x = _poison_inactive(x)
+    keep = ("policy_logits", "ref_logits", "action_ids", "mask", "old_logps", "advantages")
+    return {k: v for k, v in x.items() if k in keep + arrays}, dict(options)
+
+
+def build_cases() -> Iterator[Case]:
+    """Every ``policy_loss`` case, in a fixed order."""
+    for group, (dtypes, _, _, _, description) in GROUPS.items():
+        for dtype in dtypes:
+            inputs, options = _build(group, dtype)
+            yield build_case(
+                f"{group}_{SUFFIX[dtype]}", group, "policy_loss", dtype, inputs, options=options,
+                cotangents={"loss": np.float32(0.75)}, description=description,
+            )

@@ -1,0 +1,138 @@
+"""Forward kernel: per-row log-prob, ratio, KL and log-sum-exp in one pass.
+
+One program per row of ``[N, V]`` logits. The policy and (optionally) the
+reference row are streamed once, block by block, through an online
+log-sum-exp: one running ``(max, sum)`` pair per tensor, updated with one
+block reduction per tile. Logits are scaled to base-2 units
+(``x * log2(e) / T``) so that the exponentials are ``exp2``.
+
+Inactive rows (mask 0) run zero loop iterations and a fully masked tail, so
+no logit of theirs is read; they write the neutral values
+``logp = 0, ratio = 1, kl = 0, dkl = 0, lse = 0``. An active row whose id is
+outside ``[0, V)`` reads the clamped id (never out of bounds) and is
+poisoned: ``logp``, ``ratio``, ``kl``, ``dkl`` and ``lse`` become NaN, so the
+backward is NaN too.
+
+Sizes and strides are ordinary arguments for the PyTorch launch (Triton
+specialises them on divisibility by 16 and on the value 1) and compile-time
+constants for the jax-triton launch, which gives runtime integers no
+alignment facts (see ``../shared/PERF.md``); the main loop is unmasked over
+whole blocks either way, with one masked tail block.
+"""
+
+import triton
+import triton.language as tl
+
+from ratiokl._kernels.numerics import LN2, LOG2E, kl_and_dkl, lse_step, shift_of
+
+
+@triton.jit
+def _rows_lse2(
+    p_row, r_row, V, stride_pv, stride_rv, k, n_full, active,
+    HAS_REF: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """Base-2 log-sum-exp of ``p_row * k`` and ``r_row * k`` (``k = log2(e) / T``), one pass.
+
+    Both rows advance through the same tiles, so their loads are in flight
+    together; without ``HAS_REF`` the reference result is ``-inf``.
+    """
+    cols = tl.arange(0, BLOCK_V)
+    m_p = -float("inf")
+    s_p = 0.0
+    m_r = -float("inf")
+    s_r = 0.0
+    # Unmasked main loop over whole blocks; inactive rows have n_full = 0.
+    for b in range(0, n_full):
+        offs = (b * BLOCK_V + cols).to(tl.int64)
+        x = tl.load(p_row + offs * stride_pv).to(tl.float32) * k
+        m_p, s_p = lse_step(x, m_p, s_p)
+        if HAS_REF:
+            y = tl.load(r_row + offs * stride_rv).to(tl.float32) * k
+            m_r, s_r = lse_step(y, m_r, s_r)
+    # Masked tail (the whole row when V < BLOCK_V); masked lanes are -inf and add 0.
+    if V % BLOCK_V != 0:
+        offs = ((V // BLOCK_V) * BLOCK_V + cols).to(tl.int64)
+        tail = (offs < V) & active
+        x = tl.load(p_row + offs * stride_pv, mask=tail, other=-float("inf"))
+        m_p, s_p = lse_step(x.to(tl.float32) * k, m_p, s_p)
+        if HAS_REF:
+            y = tl.load(r_row + offs * stride_rv, mask=tail, other=-float("inf"))
+            m_r, s_r = lse_step(y.to(tl.float32) * k, m_r, s_r)
+    return shift_of(m_p) + tl.log2(s_p), shift_of(m_r) + tl.log2(s_r)
+
+
+@triton.jit
+def _selected(row_ptr, a, stride_v, t, lse2, active):
+    """``x[a] / T - lse`` in natural-log units, from the base-2 log-sum-exp ``lse2``."""
+    x_a = tl.load(row_ptr + a * stride_v, mask=active, other=0.0).to(tl.float32)
+    return x_a / t - lse2 * LN2
+
+
+@triton.jit
+def logp_forward_kernel(
+    # inputs
+    policy_ptr,  # [N, V] policy logits (fp32/fp16/bf16), strides (stride_pn, stride_pv)
+    ref_ptr,  # [N, V] reference logits, strides (stride_rn, stride_rv); read iff HAS_REF
+    ids_ptr,  # [N] int32/int64 action ids
+    mask_ptr,  # [N] bool (torch) or int8 (jax), nonzero = active row
+    old_ptr,  # [N] f32 behaviour-policy log-probs; read iff KL_CODE > 0
+    ref_logps_ptr,  # [N] f32 reference log-probs; read iff KL_CODE > 0 and not HAS_REF
+    temp_ptr,  # [N] f32 temperature at temp_ptr + i * stride_t (stride_t = 0: one scalar)
+    # outputs
+    logp_ptr,  # [N] f32 log-prob of the action under the policy
+    ratio_ptr,  # [N] f32 exp(logp - old); 1 when KL_CODE == 0
+    kl_ptr,  # [N] f32 KL estimate on d = logp_ref - logp; 0 when KL_CODE == 0
+    dkl_ptr,  # [N] f32 d kl / d logp (for the backward); 0 when KL_CODE == 0
+    lse_ptr,  # [N] f32 logsumexp(policy / T) (for the backward)
+    # sizes and strides (elements)
+    V,
+    stride_pn,
+    stride_pv,
+    stride_rn,
+    stride_rv,
+    stride_t,
+    # compile-time options
+    HAS_REF: tl.constexpr,  # reference logits given (else ref_logps, or none)
+    KL_CODE: tl.constexpr,  # 0: log-prob only; 1/2/3: ratio and KL estimator k1/k2/k3
+    BLOCK_V: tl.constexpr,  # vocabulary tile (power of two)
+):
+    row = tl.program_id(0).to(tl.int64)
+    active = tl.load(mask_ptr + row) != 0
+    a = tl.load(ids_ptr + row).to(tl.int64)
+    bad = active & ((a < 0) | (a >= V))
+    # Clamp before any read: an out-of-range id never leaves the row.
+    a = tl.minimum(tl.maximum(a, 0), V - 1)
+    t = tl.where(active, tl.load(temp_ptr + row * stride_t), 1.0)
+    n_full = tl.where(active, V // BLOCK_V, 0)
+
+    p_row = policy_ptr + row * stride_pn
+    r_row = ref_ptr + row * stride_rn
+    lse2, ref_lse2 = _rows_lse2(
+        p_row, r_row, V, stride_pv, stride_rv, LOG2E / t, n_full, active, HAS_REF, BLOCK_V
+    )
+    lse = lse2 * LN2
+    logp = _selected(p_row, a, stride_pv, t, lse2, active)
+    nan = float("nan")
+    logp = tl.where(bad, nan, logp)
+    lse = tl.where(bad, nan, lse)
+    tl.store(logp_ptr + row, tl.where(active, logp, 0.0))
+    tl.store(lse_ptr + row, tl.where(active, lse, 0.0))
+
+    ratio = 1.0
+    kl = 0.0
+    dkl = 0.0
+    if KL_CODE > 0:
+        if HAS_REF:
+            logp_ref = _selected(r_row, a, stride_rv, t, ref_lse2, active)
+            logp_ref = tl.where(bad, nan, logp_ref)
+        else:
+            logp_ref = tl.load(ref_logps_ptr + row, mask=active, other=0.0)
+        old = tl.load(old_ptr + row, mask=active, other=0.0)
+        ratio = tl.exp(logp - old)
+        kl, dkl = kl_and_dkl(logp_ref - logp, KL_CODE)
+        ratio = tl.where(active, ratio, 1.0)
+        kl = tl.where(active, kl, 0.0)
+        dkl = tl.where(active, dkl, 0.0)
+    tl.store(ratio_ptr + row, ratio)
+    tl.store(kl_ptr + row, kl)
+    tl.store(dkl_ptr + row, dkl)

@@ -1,0 +1,75 @@
+"""Interpreter twins of the ``@triton.jit`` kernels, for CPU tensors in any process.
+
+``TRITON_INTERPRET`` is read when a kernel is decorated (and when
+``triton.language`` is imported), so a process that also launches the
+kernels on CUDA cannot flip it. Instead, a twin re-binds the kernel's very
+Python function to a copy of its module globals in which
+
+* every ``@triton.jit`` helper of ours is itself a twin (recursively), and
+* ``tl`` (``triton.language``) is a view whose ``@triton.jit`` library
+  functions (``tl.max``, ``tl.sum``, ...) are interpreted in their own
+  module, where the combine functions they pass to ``tl.reduce`` keep the
+  identity that the interpreter's fast NumPy reductions look for,
+
+and wraps it in Triton's ``InterpretedFunction``. The twin launches like the
+kernel (``twin[grid](...)``) and runs the same source through the interpreter.
+"""
+
+import types
+from typing import Dict
+
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+__all__ = ["interpreted"]
+
+#: id(JITFunction) -> its twin; registered before a twin's globals are filled (cycles).
+_TWINS: Dict[int, InterpretedFunction] = {}
+#: Name under which a twin's globals keep the real ``triton.language``: the
+#: interpreter patches its builtins there for the duration of a launch.
+_REAL_TL = "_ratiokl_real_triton_language"
+
+
+class _LanguageView(types.ModuleType):
+    """``triton.language`` with its ``@triton.jit`` functions interpreted."""
+
+    def __init__(self, lang: types.ModuleType) -> None:
+        super().__init__(lang.__name__)
+        self._lang = lang
+
+    def __getattr__(self, name: str):
+        value = getattr(self._lang, name)
+        if isinstance(value, triton.JITFunction):
+            return _library_twin(value)
+        return value
+
+
+def _library_twin(fn: triton.JITFunction) -> InterpretedFunction:
+    """A Triton library function interpreted in its own module globals."""
+    twin = _TWINS.get(id(fn))
+    if twin is None:
+        twin = _TWINS[id(fn)] = InterpretedFunction(fn.fn)
+    return twin
+
+
+def interpreted(kernel: triton.JITFunction) -> InterpretedFunction:
+    """The interpreter twin of ``kernel`` (cached; the helpers it calls are twinned too)."""
+    twin = _TWINS.get(id(kernel))
+    if twin is not None:
+        return twin
+    fn = kernel.fn
+    twin_globals = dict(fn.__globals__)
+    twin_globals[_REAL_TL] = tl
+    twin_fn = types.FunctionType(
+        fn.__code__, twin_globals, fn.__name__, fn.__defaults__, fn.__closure__
+    )
+    twin_fn.__qualname__ = fn.__qualname__
+    twin_fn.__module__ = fn.__module__
+    twin = _TWINS[id(kernel)] = InterpretedFunction(twin_fn)
+    for name, value in fn.__globals__.items():
+        if value is tl:
+            twin_globals[name] = _LanguageView(tl)
+        elif isinstance(value, triton.JITFunction):
+            twin_globals[name] = interpreted(value)
+    return twin

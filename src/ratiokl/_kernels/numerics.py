@@ -1,0 +1,72 @@
+"""Device helpers shared by the kernels: online log-sum-exp step, KL estimators.
+
+All math is float32. Row statistics are kept in base-2 units (logits times
+``log2(e) / T``) so that the hot loop uses ``exp2``/``log2``.
+"""
+
+import triton
+import triton.language as tl
+
+#: log2(e): scales natural-log logits to base-2 units.
+LOG2E = tl.constexpr(1.4426950408889634)
+#: ln(2): converts base-2 log-sum-exps back to natural-log units.
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def shift_of(m):
+    """The max used to shift exponentials: ``m`` if finite, else 0 (as in ``ratiokl.spec``).
+
+    A row of all ``-inf`` then sums to 0 (``lse = -inf``, ``logp = NaN``) and a
+    ``+inf`` logit gives ``lse = +inf``, never ``inf - inf`` inside the sum.
+    """
+    return tl.where(tl.abs(m) < float("inf"), m, 0.0)
+
+
+@triton.jit
+def lse_step(x, m, s):
+    """Fold one tile ``x`` (base-2 units) into the running ``(max m, sum s)`` of a row.
+
+    ``s`` is the sum of ``exp2(x - shift_of(m))`` seen so far; a NaN in ``x``
+    makes ``s`` NaN and keeps it so.
+    """
+    m_new = tl.maximum(m, tl.max(x, axis=0))
+    shift = shift_of(m_new)
+    # Rescale the old sum to the new max, then add this tile's terms.
+    s = s * tl.exp2(m - shift) + tl.sum(tl.exp2(x - shift), axis=0)
+    return m_new, s
+
+
+@triton.jit
+def _expm1_tail(d):
+    """``(expm1(d) - d) / d^2`` for ``|d| < 0.5`` (Taylor series, error below 1e-8 relative)."""
+    c = 1.0 / 40320.0
+    c = 1.0 / 5040.0 + d * c
+    c = 1.0 / 720.0 + d * c
+    c = 1.0 / 120.0 + d * c
+    c = 1.0 / 24.0 + d * c
+    c = 1.0 / 6.0 + d * c
+    return 0.5 + d * c
+
+
+@triton.jit
+def kl_and_dkl(d, KL_CODE: tl.constexpr):
+    """Schulman's estimator on ``d = logp_ref - logp`` and its derivative w.r.t. ``logp``.
+
+    k1: ``-d``, 1; k2: ``d^2/2``, ``-d``; k3: ``exp(d) - d - 1``, ``-expm1(d)``.
+    k3 uses a series near 0, where ``exp(d) - 1 - d`` would cancel to noise.
+    """
+    if KL_CODE == 1:
+        kl = -d
+        dkl = tl.full(d.shape, 1.0, tl.float32)
+    elif KL_CODE == 2:
+        kl = 0.5 * d * d
+        dkl = -d
+    else:
+        small = tl.abs(d) < 0.5
+        e = tl.exp(d)
+        # kl3 = expm1(d) - d = d^2 * tail(d); expm1(d) = d + d^2 * tail(d).
+        kl_series = d * d * _expm1_tail(tl.where(small, d, 0.0))
+        kl = tl.where(small, kl_series, e - 1.0 - d)
+        dkl = -tl.where(small, d + kl_series, e - 1.0)
+    return kl, dkl

@@ -1,0 +1,53 @@
+"""Conformance fixtures: locate, load, run on a (framework, backend) target, compare.
+
+Used by the test suite and by ``ratiokl check``. Importing this module
+imports neither torch nor jax; each framework adapter imports its framework
+when a case runs on it.
+
+Typical use::
+
+    from ratiokl import conformance
+    for name in conformance.list_cases("inactive_rows_*"):
+        result = conformance.run_case(conformance.load_case(name), "torch-native")
+        assert result.passed, result.failures
+
+Targets are ``"torch-native"``, ``"torch-interpret"``, ``"torch-triton"``,
+``"jax-native"`` and ``"jax-triton"``; :func:`target_status` says why one
+cannot run here (``None`` when it can).
+"""
+
+from ratiokl.conformance._cases import LOGIT_DTYPES, Case, build_case, round_to_dtype
+from ratiokl.conformance._fixtures import (
+    FORMAT_VERSION,
+    fixtures_root,
+    list_cases,
+    load_case,
+    load_manifest,
+    write_fixtures,
+)
+from ratiokl.conformance._frameworks import TARGETS, Outcome, Target, call_target, target_status
+from ratiokl.conformance._ops import OPS, Op
+from ratiokl.conformance._runner import CaseResult, judge, run_case
+
+__all__ = [
+    "FORMAT_VERSION",
+    "LOGIT_DTYPES",
+    "OPS",
+    "TARGETS",
+    "Case",
+    "CaseResult",
+    "Op",
+    "Outcome",
+    "Target",
+    "build_case",
+    "call_target",
+    "fixtures_root",
+    "judge",
+    "list_cases",
+    "load_case",
+    "load_manifest",
+    "round_to_dtype",
+    "run_case",
+    "target_status",
+    "write_fixtures",
+]

@@ -1,0 +1,243 @@
+"""Framework adapters: NumPy case -> framework call -> NumPy outputs and gradient.
+
+Each adapter imports its framework lazily, so importing
+``ratiokl.conformance`` imports neither torch nor jax. A target is one
+``(framework, backend)`` pair, named ``"<framework>-<backend>"``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import numpy as np
+
+from ratiokl.conformance._cases import Case
+from ratiokl.conformance._ops import OPS
+
+__all__ = ["TARGETS", "Outcome", "Target", "call_target", "target_status"]
+
+
+@dataclass(frozen=True)
+class Target:
+    """One ``(framework, backend)`` pair; ``gpu`` marks pairs that need a GPU."""
+
+    framework: str
+    backend: str
+    gpu: bool
+
+    @property
+    def name(self) -> str:
+        return f"{self.framework}-{self.backend}"
+
+
+TARGETS: Dict[str, Target] = {
+    t.name: t
+    for t in (
+        Target("torch", "native", gpu=False),
+        Target("torch", "interpret", gpu=False),
+        Target("torch", "triton", gpu=True),
+        Target("jax", "native", gpu=False),
+        Target("jax", "triton", gpu=True),
+    )
+}
+
+
+@dataclass
+class Outcome:
+    """What one call returned: outputs and gradient as NumPy, with their framework dtypes."""
+
+    outputs: Dict[str, np.ndarray]
+    output_dtypes: Dict[str, str]
+    grad: np.ndarray
+    grad_dtype: str
+    #: Gradient of the unused interleaved slots when the logits were strided (must be 0).
+    stride_gap_grad: Optional[np.ndarray] = None
+
+
+def _missing(module: str) -> Optional[str]:
+    try:
+        importlib.import_module(module)
+    except ImportError as exc:
+        first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return f"`{module}` is not importable ({first_line})"
+    return None
+
+
+def _torch_cuda() -> Optional[str]:
+    import torch
+
+    return None if torch.cuda.is_available() else "no CUDA device (torch.cuda.is_available() is False)"
+
+
+def _jax_gpu() -> Optional[str]:
+    import jax
+
+    try:
+        jax.devices("gpu")
+    except RuntimeError:
+        return "no JAX GPU device"
+    return None
+
+
+_REQUIREMENTS: Dict[str, Tuple[Callable[[], Optional[str]], ...]] = {
+    "torch-native": (lambda: _missing("torch"),),
+    "torch-interpret": (lambda: _missing("torch"), lambda: _missing("triton")),
+    "torch-triton": (lambda: _missing("torch"), lambda: _missing("triton"), _torch_cuda),
+    "jax-native": (lambda: _missing("jax"),),
+    "jax-triton": (lambda: _missing("jax"), lambda: _missing("jax_triton"), _jax_gpu),
+}
+
+
+def target_status(name: str) -> Optional[str]:
+    """``None`` if the target can run on this machine, else the reason it cannot."""
+    if name not in TARGETS:
+        raise ValueError(f"unknown target {name!r}; choose from {', '.join(TARGETS)}")
+    for requirement in _REQUIREMENTS[name]:
+        reason = requirement()
+        if reason is not None:
+            return reason
+    return None
+
+
+def _split_args(case: Case, convert: Callable[[str, Any], Any]) -> Tuple[list, Dict[str, Any]]:
+    op = case.spec
+    args = {k: convert(k, v) for k, v in case.arguments().items()}
+    return [args.get(k) for k in op.positional], {k: args[k] for k in op.keywords if k in args}
+
+
+def _torch_to_numpy(t) -> np.ndarray:
+    """Float32 NumPy copy of a tensor (exact for fp16/bf16 values)."""
+    import torch
+
+    return t.detach().to(device="cpu", dtype=torch.float32).numpy()
+
+
+def _call_torch(case: Case, backend: str, strided: bool) -> Outcome:
+    import torch
+
+    from ratiokl.torch import loss
+
+    op = case.spec
+    dtypes = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+    device = "cuda" if backend == "triton" else "cpu"
+    leaf = None
+
+    def convert(key: str, value: Any) -> Any:
+        nonlocal leaf
+        if not isinstance(value, np.ndarray):
+            return value
+        if key in op.logit_args:
+            t = torch.tensor(value, device=device).to(dtypes[case.dtype])
+            if key == op.differentiate:
+                if strided:
+                    # Logits interleaved with NaN slots the kernel must never read.
+                    leaf = torch.full((*t.shape[:-1], 2 * t.shape[-1]), float("nan"),
+                                      dtype=t.dtype, device=device)
+                    leaf[..., ::2] = t
+                    leaf.requires_grad_(True)
+                    return leaf[..., ::2]
+                leaf = t.requires_grad_(True)
+            return t
+        if value.dtype.kind in "iu":
+            value = value.astype(np.int64)
+        elif value.dtype.kind == "f":
+            value = value.astype(np.float32)
+        return torch.tensor(value, device=device)
+
+    positional, keywords = _split_args(case, convert)
+    outputs = op.unpack(getattr(loss, op.name)(*positional, **keywords, backend=backend))
+    cot = [torch.tensor(case.cotangents()[o], device=device) for o in op.cotangents]
+    grads = torch.autograd.grad([outputs[o] for o in op.cotangents], leaf, cot, allow_unused=True)
+    grad = grads[0] if grads[0] is not None else torch.zeros_like(leaf)
+    gap = None
+    if strided:
+        grad, gap = grad[..., ::2], grad[..., 1::2]
+    return Outcome(
+        outputs={o: _torch_to_numpy(v) for o, v in outputs.items()},
+        output_dtypes={o: str(v.dtype).replace("torch.", "") for o, v in outputs.items()},
+        grad=_torch_to_numpy(grad),
+        grad_dtype=str(grad.dtype).replace("torch.", ""),
+        stride_gap_grad=None if gap is None else _torch_to_numpy(gap),
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _jax_value_and_grad(op_name: str, backend: str, statics: Tuple[Tuple[str, Any], ...]):
+    """A jitted ``(args, array_kwargs, cotangents) -> (outputs, grad)``, one per static setup.
+
+    Every array is a jit argument (traced, like a training step's inputs), so
+    cases of equal shapes and dtypes share one compilation.
+    """
+    import jax
+
+    from ratiokl.jax import loss
+
+    op = OPS[op_name]
+    index = op.positional.index(op.differentiate)
+
+    def fn(logits, args, kwargs):
+        args = list(args)
+        args[index] = logits
+        outputs = op.unpack(getattr(loss, op.name)(*args, **kwargs, **dict(statics), backend=backend))
+        return tuple(outputs[o] for o in op.cotangents), outputs
+
+    @jax.jit
+    def value_and_grad(args, kwargs, cotangents):
+        _, vjp, outputs = jax.vjp(lambda z: fn(z, args, kwargs), args[index], has_aux=True)
+        return outputs, vjp(cotangents)[0]
+
+    return value_and_grad
+
+
+def _call_jax(case: Case, backend: str, strided: bool) -> Outcome:
+    import jax
+    import jax.numpy as jnp
+
+    from ratiokl.jax import loss
+
+    del strided  # JAX arrays carry no user-visible strides.
+    op = case.spec
+
+    def convert(key: str, value: Any) -> Any:
+        if not isinstance(value, np.ndarray):
+            return value
+        if key in op.logit_args:
+            return jnp.asarray(value).astype(jnp.dtype(case.dtype))
+        if value.dtype == np.bool_:
+            return jnp.asarray(value)
+        if value.dtype.kind in "iu":
+            return jnp.asarray(value.astype(np.int32))
+        return jnp.asarray(value.astype(np.float32))
+
+    positional, keywords = _split_args(case, convert)
+    arrays = {k: v for k, v in keywords.items() if isinstance(v, jax.Array)}
+    statics = tuple(sorted((k, v) for k, v in keywords.items() if k not in arrays))
+    if case.expect_error is not None:
+        # Eager, so the host id check sees concrete values and raises.
+        getattr(loss, op.name)(*positional, **keywords, backend=backend)
+        raise AssertionError(f"{op.name} returned although {case.expect_error} was expected")
+    cot = tuple(jnp.asarray(c) for c in case.cotangents().values())
+    outputs, grad = _jax_value_and_grad(op.name, backend, statics)(positional, arrays, cot)
+    to_np = lambda x: np.asarray(x.astype(jnp.float32))
+    return Outcome(
+        outputs={o: to_np(v) for o, v in outputs.items()},
+        output_dtypes={o: str(v.dtype) for o, v in outputs.items()},
+        grad=to_np(grad),
+        grad_dtype=str(grad.dtype),
+    )
+
+
+_CALLS = {"torch": _call_torch, "jax": _call_jax}
+
+
+def call_target(case: Case, target: str, *, strided: bool = False) -> Outcome:
+    """Run ``case`` through ``ratiokl.<framework>.loss`` with the target's backend.
+
+    ``strided`` passes the policy logits as a non-contiguous view (torch only).
+    Exceptions from the library propagate (an expected error is one of them).
+    """
+    t = TARGETS[target]
+    return _CALLS[t.framework](case, t.backend, strided)

@@ -1,0 +1,181 @@
+"""The operator table: how each public function is called, checked and referenced.
+
+One :class:`Op` per public function under test. The fixture generator uses
+``reference``/``reference_grad`` (the float64 spec) to write expected values;
+the runner uses the argument lists to call ``loss.<name>`` of either
+framework and the output names to compare. Adding an operator (e.g.
+``policy_loss``) means adding one entry to :data:`OPS` and its cases to
+``conformance/generate.py``; nothing else changes shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+
+import numpy as np
+
+from ratiokl import spec
+from ratiokl.spec.tolerances import Tolerance
+
+__all__ = ["OPS", "Op", "default_tolerances"]
+
+Arrays = Mapping[str, Any]
+
+
+def default_tolerances(op: "Op", dtype: str, logit_scale: float, grad_scale: float) -> Dict[str, Tolerance]:
+    """Forward tolerance for every output and the gradient tolerance, from ``ratiokl.spec``."""
+    fwd = spec.forward_tolerance(logit_scale)
+    tols = {out: fwd for out in op.outputs}
+    tols["grad"] = spec.grad_tolerance(dtype, logit_scale, grad_scale)
+    return tols
+
+
+@dataclass(frozen=True)
+class Op:
+    """How one public function is called and checked.
+
+    Attributes:
+        name: the function's name in ``ratiokl.<framework>.loss``.
+        positional: argument names passed positionally, in order; a name
+            missing from the case is passed as ``None``.
+        keywords: argument names passed by keyword when the case has them
+            (as an array, or as a scalar in the case's options).
+        logit_args: arguments cast to the case's logits dtype.
+        differentiate: the argument whose gradient is compared.
+        outputs: output names, in the order ``unpack`` returns them.
+        cotangents: outputs that receive an upstream cotangent
+            (``cotangent_<name>`` in the case) for the gradient.
+        neutral: per-row outputs and the exact value inactive rows must hold.
+        unpack: maps the function's return value to ``{output: array}``.
+        reference: float64 spec forward, ``(arguments) -> {output: array}``.
+        reference_grad: float64 spec gradient w.r.t. ``differentiate``,
+            ``(arguments, {output: cotangent}) -> array``.
+        row_mask: name of the argument holding the row mask (``None``: all rows active).
+        tolerances: ``(op, dtype, logit_scale, grad_scale) -> {output|"grad": Tolerance}``.
+    """
+
+    name: str
+    positional: Tuple[str, ...]
+    keywords: Tuple[str, ...]
+    logit_args: Tuple[str, ...]
+    differentiate: str
+    outputs: Tuple[str, ...]
+    cotangents: Tuple[str, ...]
+    neutral: Mapping[str, float]
+    unpack: Callable[[Any], Dict[str, Any]]
+    reference: Callable[[Arrays], Dict[str, np.ndarray]]
+    reference_grad: Callable[[Arrays, Arrays], np.ndarray]
+    row_mask: Optional[str] = "mask"
+    tolerances: Callable[["Op", str, float, float], Dict[str, Tolerance]] = field(
+        default=default_tolerances
+    )
+
+    @property
+    def arguments(self) -> Tuple[str, ...]:
+        return self.positional + self.keywords
+
+
+def _spec_args(args: Arrays, names: Tuple[str, ...]) -> Dict[str, Any]:
+    return {k: args[k] for k in names if k in args}
+
+
+_RATIO_KL_KW = ("ref_logps", "kl_estimator", "temperature")
+
+
+def _ratio_kl_reference(args: Arrays) -> Dict[str, np.ndarray]:
+    ratio, kl = spec.ratio_kl(
+        args["policy_logits"], args.get("ref_logits"), args["action_ids"], args["mask"],
+        args["old_logps"], **_spec_args(args, _RATIO_KL_KW),
+    )
+    return {"ratio": ratio, "kl": kl}
+
+
+def _ratio_kl_grad(args: Arrays, cot: Arrays) -> np.ndarray:
+    return spec.ratio_kl_grad(
+        args["policy_logits"], args.get("ref_logits"), args["action_ids"], args["mask"],
+        args["old_logps"], cot["ratio"], cot["kl"], **_spec_args(args, _RATIO_KL_KW),
+    )
+
+
+def _selected_reference(args: Arrays) -> Dict[str, np.ndarray]:
+    logp = spec.selected_logprobs(
+        args["logits"], args["action_ids"], args.get("mask"), **_spec_args(args, ("temperature",))
+    )
+    return {"logp": logp}
+
+
+def _selected_grad(args: Arrays, cot: Arrays) -> np.ndarray:
+    return spec.selected_logprobs_grad(
+        args["logits"], args["action_ids"], args.get("mask"), cot["logp"],
+        **_spec_args(args, ("temperature",)),
+    )
+
+
+_POLICY_POSITIONAL = (
+    "policy_logits", "ref_logits", "action_ids", "mask", "old_logps", "advantages",
+)
+_POLICY_KW = (
+    "ref_logps", "clip_eps", "clip_eps_high", "dual_clip", "ratio_cap", "kl_coef",
+    "kl_estimator", "loss_agg", "loss_normalizer", "ratio_level", "segment_ids",
+    "importance_weights", "log_ratio_bound", "temperature",
+)
+_POLICY_METRICS = (
+    "clip_fraction", "clip_fraction_low", "clip_fraction_high", "dual_clip_fraction",
+    "ratio_mean", "kl_mean", "approx_kl",
+)
+
+
+def _policy_reference(args: Arrays) -> Dict[str, np.ndarray]:
+    positional = [args.get(k) for k in _POLICY_POSITIONAL]
+    value, metrics = spec.policy_loss(*positional, **_spec_args(args, _POLICY_KW))
+    return {"loss": np.float64(value), **{k: np.float64(v) for k, v in metrics.items()}}
+
+
+def _policy_grad(args: Arrays, cot: Arrays) -> np.ndarray:
+    positional = [args.get(k) for k in _POLICY_POSITIONAL]
+    grad = spec.policy_loss_grad(*positional, **_spec_args(args, _POLICY_KW))
+    return float(cot["loss"]) * grad
+
+
+OPS: Dict[str, Op] = {
+    "ratio_kl": Op(
+        name="ratio_kl",
+        positional=("policy_logits", "ref_logits", "action_ids", "mask", "old_logps"),
+        keywords=_RATIO_KL_KW,
+        logit_args=("policy_logits", "ref_logits"),
+        differentiate="policy_logits",
+        outputs=("ratio", "kl"),
+        cotangents=("ratio", "kl"),
+        neutral={"ratio": 1.0, "kl": 0.0},
+        unpack=lambda result: {"ratio": result[0], "kl": result[1]},
+        reference=_ratio_kl_reference,
+        reference_grad=_ratio_kl_grad,
+    ),
+    "selected_logprobs": Op(
+        name="selected_logprobs",
+        positional=("logits", "action_ids", "mask"),
+        keywords=("temperature",),
+        logit_args=("logits",),
+        differentiate="logits",
+        outputs=("logp",),
+        cotangents=("logp",),
+        neutral={"logp": 0.0},
+        unpack=lambda result: {"logp": result},
+        reference=_selected_reference,
+        reference_grad=_selected_grad,
+    ),
+    "policy_loss": Op(
+        name="policy_loss",
+        positional=_POLICY_POSITIONAL,
+        keywords=_POLICY_KW,
+        logit_args=("policy_logits", "ref_logits"),
+        differentiate="policy_logits",
+        outputs=("loss",) + _POLICY_METRICS,
+        cotangents=("loss",),
+        neutral={},
+        unpack=lambda result: {"loss": result[0], **result[1]},
+        reference=_policy_reference,
+        reference_grad=_policy_grad,
+    ),
+}

@@ -1,0 +1,157 @@
+"""The native JAX backend: ``jnp`` ops compiled by XLA, with an analytic backward.
+
+The selected log-prob is one ``jax.custom_vjp``. Its forward computes, per
+row, the statistics (row max ``m``, sum of exponentials ``s`` relative to
+``m``, the selected scaled logit ``z_a``) and then combines them into
+``lse = m + log s`` and ``logp = z_a - lse``. The split mirrors the design's
+vocabulary-parallel mode, where the combine step reduces the statistics of
+each shard with ``lax.pmax`` / ``lax.psum`` (``docs/design.md``). The
+backward saves only the per-row ``lse`` (O(N)) beside the input logits and
+recomputes ``softmax(z) = exp(z - lse)``::
+
+    dlogits[v] = g * (onehot(a)[v] - softmax(z)[v]) / T
+
+Inactive rows are isolated by construction: their logits and temperature
+are replaced with ``jnp.where`` (never a multiplication) before any
+arithmetic, their ids are clamped before the gather, and their gradient is
+selected to exactly 0. An active row whose id is outside ``[0, V)`` reads
+the clamped id and, unless the caller verified the ids (``check_ids``), is
+poisoned: its ``lse`` is NaN, so its outputs and its gradient are NaN. All
+math is float32; the gradient is cast to the logits' dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ratiokl.jax import _elementwise
+from ratiokl.jax._checks import Temperature
+
+__all__ = ["ratio_kl", "selected_logprobs"]
+
+
+def _row_temperature(temperature: Temperature, rows: int) -> jax.Array:
+    """Temperature as float32 ``[N]`` (a Python float is broadcast)."""
+    if isinstance(temperature, float):
+        return jnp.full((rows,), temperature, dtype=jnp.float32)
+    return temperature.astype(jnp.float32)
+
+
+def _safe_ids(ids: jax.Array, mask: jax.Array, vocab: int) -> Tuple[jax.Array, jax.Array]:
+    """``(in-range ids, poisoned rows)``: ids clamped (0 on inactive rows), bad active rows."""
+    bad = mask & ((ids < 0) | (ids >= vocab))
+    return jnp.where(mask, jnp.clip(ids, 0, vocab - 1), 0), bad
+
+
+def _scaled_logits(
+    logits: jax.Array, mask: jax.Array, temperature: jax.Array
+) -> Tuple[jax.Array, jax.Array]:
+    """``(z = logits / T, T)`` in float32; inactive rows hold ``z = 0``, ``T = 1``."""
+    t = jnp.where(mask, temperature, 1.0)
+    x = jnp.where(mask[:, None], logits.astype(jnp.float32), 0.0)
+    return x / t[:, None], t
+
+
+def _finite_or_zero(m: jax.Array) -> jax.Array:
+    # A row with no finite maximum (all -inf, or +inf present) keeps its
+    # non-finite lse: shifting by 0 leaves it visible instead of 0/0 hiding it.
+    return jnp.where(jnp.isfinite(m), m, 0.0)
+
+
+def _row_stats(z: jax.Array, ids: jax.Array) -> Tuple[jax.Array, jax.Array, jax.Array]:
+    """Per-row ``(m, s, z_a)``: max, ``sum(exp(z - shift(m)))``, selected scaled logit."""
+    m = jnp.max(z, axis=-1)
+    s = jnp.sum(jnp.exp(z - _finite_or_zero(m)[:, None]), axis=-1)
+    z_a = jnp.take_along_axis(z, ids[:, None], axis=-1)[:, 0]
+    return m, s, z_a
+
+
+def _combine(m: jax.Array, s: jax.Array) -> jax.Array:
+    """``lse`` from one shard's row statistics (the whole vocabulary)."""
+    return _finite_or_zero(m) + jnp.log(s)
+
+
+def _forward(
+    logits: jax.Array, ids: jax.Array, mask: jax.Array, temperature: jax.Array, verified: bool
+) -> Tuple[jax.Array, jax.Array]:
+    """``(logp, lse)`` float32 ``[N]``; ``logp = 0`` on inactive rows, NaN on poisoned rows."""
+    safe, bad = _safe_ids(ids, mask, logits.shape[-1])
+    z, _ = _scaled_logits(logits, mask, temperature)
+    m, s, z_a = _row_stats(z, safe)
+    lse = _combine(m, s)
+    if not verified:
+        lse = jnp.where(bad, jnp.nan, lse)
+    return jnp.where(mask, z_a - lse, 0.0), lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _logp(
+    logits: jax.Array, ids: jax.Array, mask: jax.Array, temperature: jax.Array, verified: bool
+) -> jax.Array:
+    return _forward(logits, ids, mask, temperature, verified)[0]
+
+
+def _logp_fwd(logits, ids, mask, temperature, verified):
+    logp, lse = _forward(logits, ids, mask, temperature, verified)
+    return logp, (logits, ids, mask, temperature, lse)
+
+
+def _logp_bwd(verified, residuals, g):
+    del verified  # a poisoned row's NaN lse already makes its gradient NaN
+    logits, ids, mask, temperature, lse = residuals
+    safe, _ = _safe_ids(ids, mask, logits.shape[-1])
+    z, t = _scaled_logits(logits, mask, temperature)
+    softmax = jnp.exp(z - lse[:, None])
+    onehot = safe[:, None] == jnp.arange(logits.shape[-1])[None, :]
+    coef = jnp.where(mask, g, 0.0) / t
+    grad = jnp.where(mask[:, None], coef[:, None] * (onehot - softmax), 0.0)
+    # Nothing flows to the temperature: the contract differentiates the policy logits only.
+    return grad.astype(logits.dtype), None, None, jnp.zeros_like(temperature)
+
+
+_logp.defvjp(_logp_fwd, _logp_bwd)
+
+
+def selected_logprobs(
+    logits: jax.Array, ids: jax.Array, mask: jax.Array, temperature: Temperature, check_ids: bool
+) -> jax.Array:
+    """``logp`` float32 ``[N]`` from logits ``[N, V]``, ids ``[N]``, bool mask ``[N]``.
+
+    Differentiable with respect to ``logits`` (gradient in its dtype).
+    Inactive rows: ``logp = 0`` and exactly zero gradient. ``check_ids``:
+    True when every active id is known to be in ``[0, V)`` (no poisoning).
+    """
+    t = _row_temperature(temperature, logits.shape[0])
+    return _logp(logits, ids, mask, t, check_ids)
+
+
+def ratio_kl(
+    policy: jax.Array,
+    ref: Optional[jax.Array],
+    ids: jax.Array,
+    mask: jax.Array,
+    old_logps: jax.Array,
+    ref_logps: Optional[jax.Array],
+    kl_code: int,
+    temperature: Temperature,
+    check_ids: bool,
+) -> Tuple[jax.Array, jax.Array]:
+    """``(ratio, kl)`` float32 ``[N]``; differentiable with respect to ``policy`` only.
+
+    The reference log-prob comes from ``ref`` logits ``[N, V]`` or is given
+    as ``ref_logps`` ``[N]`` (exactly one is not None). ``check_ids`` as in
+    :func:`selected_logprobs`.
+    """
+    t = _row_temperature(temperature, policy.shape[0])
+    logp = _logp(policy, ids, mask, t, check_ids)
+    if ref_logps is None:
+        ref, t_ref = lax.stop_gradient(ref), lax.stop_gradient(t)
+        logp_ref = _forward(ref, ids, mask, t_ref, check_ids)[0]
+    else:
+        logp_ref = lax.stop_gradient(ref_logps)
+    return _elementwise.ratio_kl(logp, logp_ref, lax.stop_gradient(old_logps), mask, kl_code)

@@ -1,0 +1,286 @@
+"""The PPO/GRPO objective on per-token log-probs: ``[R, T]``-sized ``jnp`` ops.
+
+``ratiokl.jax.loss.policy_loss`` gets ``logp`` from a backend's
+differentiable ``selected_logprobs`` and hands it here with the other
+per-token inputs laid out as ``R`` rows of ``T`` tokens; JAX's autodiff
+differentiates the result. The math is ``ratiokl.spec.policy_loss``'s and the
+code mirrors ``ratiokl.torch._objective`` line for line.
+
+Inactive tokens' inputs are replaced with neutral values *before* any
+arithmetic and every intermediate stays finite on them, so a NaN there never
+sits in an untaken ``jnp.where`` branch whose gradient would be ``0 * NaN``.
+Options are static Python values; everything else may be traced (``jit``,
+``grad``, ``vmap``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ratiokl.jax import _checks
+from ratiokl.spec import PolicyLossOptions
+
+__all__ = ["TokenInputs", "as_rows", "policy_objective", "token_inputs"]
+
+Normalizer = Union[None, float, jax.Array]
+_ARRAYS = (jax.Array, np.ndarray, jax.core.Tracer)
+
+
+def as_rows(x: jax.Array, lead: Tuple[int, ...]) -> jax.Array:
+    """A per-token array of leading shape ``[..., T]`` viewed as ``[R, T]``."""
+    width = lead[-1] if lead else 1
+    return x.reshape(-1, width)
+
+
+@dataclass(frozen=True)
+class TokenInputs:
+    """``policy_loss``'s per-token inputs, validated, under stop-gradient, laid out ``[R, T]``."""
+
+    old_logps: jax.Array  # float32
+    advantages: jax.Array  # float32, broadcast over tokens
+    segment_ids: Optional[jax.Array]  # integer
+    importance_weights: Optional[jax.Array]  # float32
+    loss_normalizer: Normalizer
+
+
+def _floats(x: jax.Array, lead: Tuple[int, ...]) -> jax.Array:
+    return as_rows(lax.stop_gradient(jnp.asarray(x, jnp.float32)), lead)
+
+
+def _check_advantages(advantages: Any, lead: Tuple[int, ...]) -> jax.Array:
+    """Per token ``[...]``, or per sequence ``lead[:-1]`` / ``lead[:-1] + [1]``; ``[R, T]`` out."""
+    if not isinstance(advantages, _ARRAYS) or not jnp.issubdtype(advantages.dtype, jnp.floating):
+        raise TypeError("`advantages` must be a floating jax.Array (float32 recommended)")
+    shape = tuple(advantages.shape)
+    if shape != lead and not (lead and shape in (lead[:-1], lead[:-1] + (1,))):
+        raise ValueError(
+            f"`advantages` must have shape {list(lead)} (per token) or {list(lead[:-1])} "
+            f"(per sequence); got {list(shape)}"
+        )
+    adv = jnp.asarray(advantages)
+    if shape != lead:
+        adv = jnp.broadcast_to(adv.reshape(lead[:-1] + (1,)), lead)
+    return _floats(adv, lead)
+
+
+def _check_normalizer(value: Any) -> Normalizer:
+    """None, a positive finite Python number, or a 0-d floating array (not inspected)."""
+    if value is None:
+        return None
+    if isinstance(value, _ARRAYS):
+        if value.ndim != 0 or not jnp.issubdtype(value.dtype, jnp.floating):
+            raise ValueError("`loss_normalizer` array must be a 0-d floating array")
+        return lax.stop_gradient(jnp.asarray(value, jnp.float32))
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError("`loss_normalizer` must be None, a Python number or a 0-d array")
+    if not (math.isfinite(float(value)) and float(value) > 0.0):
+        raise ValueError(f"`loss_normalizer` must be a positive finite number; got {value}")
+    return float(value)
+
+
+def _check_segments(segment_ids: Any, lead: Tuple[int, ...]) -> Optional[jax.Array]:
+    if segment_ids is None:
+        return None
+    if not isinstance(segment_ids, _ARRAYS) or not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+        raise TypeError("`segment_ids` must be an integer jax.Array (e.g. int32)")
+    if tuple(segment_ids.shape) != lead:
+        raise ValueError(
+            f"`segment_ids` must have the leading shape {list(lead)}; "
+            f"got {list(segment_ids.shape)}"
+        )
+    return as_rows(jnp.asarray(segment_ids), lead)
+
+
+def token_inputs(
+    lead: Tuple[int, ...],
+    old_logps: Any,
+    advantages: Any,
+    segment_ids: Any,
+    importance_weights: Any,
+    loss_normalizer: Any,
+) -> TokenInputs:
+    """Validate ``policy_loss``'s per-token arguments (errors name the argument)."""
+    old = _checks.check_row_values("old_logps", old_logps, lead)
+    weights = None
+    if importance_weights is not None:
+        weights = _checks.check_row_values("importance_weights", importance_weights, lead)
+        weights = _floats(weights, lead)
+    return TokenInputs(
+        old_logps=_floats(old, lead),
+        advantages=_check_advantages(advantages, lead),
+        segment_ids=_check_segments(segment_ids, lead),
+        importance_weights=weights,
+        loss_normalizer=_check_normalizer(loss_normalizer),
+    )
+
+
+def _bounded(x: jax.Array, bound: Optional[float]) -> jax.Array:
+    """``clip(x, -bound, bound)`` with gradient 1 inside ``[-bound, bound]``, 0 outside."""
+    if bound is None:
+        return x
+    return jnp.where(x > bound, bound, jnp.where(x < -bound, -bound, x))
+
+
+def _straight_through(grad_like: jax.Array, value: jax.Array) -> jax.Array:
+    """The value of ``value`` with the gradient of ``grad_like``."""
+    return grad_like - lax.stop_gradient(grad_like) + lax.stop_gradient(value)
+
+
+def _kl(d: jax.Array, code: int, ratio: jax.Array, bound: Optional[float]) -> jax.Array:
+    """KL variant ``code`` (``ratiokl.spec.POLICY_KL_ESTIMATORS``) on ``d = logp_ref - logp``."""
+    d_b = _bounded(d, bound)
+    k3 = jnp.expm1(d_b) - d_b
+    k2 = 0.5 * d * d
+    if code == 1:
+        return -d
+    if code == 2:
+        return k2
+    if code == 3:
+        return k3
+    if code == 4:
+        return _straight_through(k2, -d)
+    if code == 5:
+        return _straight_through(k2, k3)
+    return ratio * k3
+
+
+def _shift_right(x: jax.Array, step: int, fill) -> jax.Array:
+    """``x`` moved ``step`` positions along the last axis, ``fill`` entering on the left."""
+    pad = jnp.full(x.shape[:-1] + (step,), fill, dtype=x.dtype)
+    return jnp.concatenate([pad, x[..., :-step]], axis=-1)
+
+
+def _segments(mask: jax.Array, segment_ids: Optional[jax.Array]):
+    """Per token: the first and last position of its sequence, and sequence starts.
+
+    A sequence starts at an active token that is the first active one of its
+    row or whose segment id differs from the previous active token's. Inactive
+    tokens join the sequence before them; their ids are never compared.
+    """
+    width = mask.shape[-1]
+    if width == 0:
+        empty = jnp.zeros(mask.shape, jnp.int32)
+        return empty, empty, mask
+    pos = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), mask.shape)
+    seg = jnp.zeros_like(pos) if segment_ids is None else segment_ids.astype(jnp.int32)
+    last_active = lax.cummax(jnp.where(mask, pos, -1), axis=1)
+    prev_active = _shift_right(last_active, 1, -1)
+    prev_seg = jnp.take_along_axis(seg, jnp.maximum(prev_active, 0), axis=1)
+    starts = mask & ((prev_active < 0) | (seg != prev_seg))
+    first = lax.cummax(jnp.where(starts, pos, 0), axis=1)
+    next_start = lax.cummin(jnp.where(starts, pos, width), axis=1, reverse=True)
+    last = jnp.concatenate([next_start[:, 1:], jnp.full_like(pos[:, :1], width)], axis=1) - 1
+    return first, last, starts
+
+
+def _segment_totals(x: jax.Array, first: jax.Array, last: jax.Array) -> jax.Array:
+    """Per token, the sum of ``x`` over its sequence (a segmented scan, then a gather).
+
+    Doubling steps (Hillis-Steele) keep it deterministic and free of scatters.
+    """
+    pos = jnp.arange(x.shape[-1], dtype=jnp.int32)
+    acc, step = x, 1
+    while step < x.shape[-1]:
+        acc = jnp.where(pos - step >= first, acc + _shift_right(acc, step, 0.0), acc)
+        step *= 2
+    return jnp.take_along_axis(acc, last, axis=1)
+
+
+def _clipped_ratio(ratio, adv, opts: PolicyLossOptions):
+    """The ratio the surrogate uses, and the low / high / dual-clip indicators."""
+    high = (adv > 0) & (ratio > opts.ratio_high)
+    low = (adv < 0) & (ratio < opts.ratio_low)
+    capped = jnp.zeros_like(high)
+    q = jnp.where(high, opts.ratio_high, jnp.where(low, opts.ratio_low, ratio))
+    if opts.neg_cap is not None:
+        capped = (adv < 0) & (ratio > opts.neg_cap)
+        q = jnp.where(capped, opts.neg_cap, q)
+    return q, low, high, capped
+
+
+def _denominator(agg_code: int, n_tok, n_seq, width: int, loss_normalizer: Normalizer):
+    """``D`` of ``sum(a * loss) / D``; a count of 0 becomes 1 (its numerator is 0)."""
+    if loss_normalizer is not None:
+        return loss_normalizer
+    if agg_code == 0:
+        return jnp.maximum(n_tok, 1)
+    if agg_code in (2, 3):
+        return jnp.maximum(n_seq, 1)
+    return 1.0 if agg_code == 1 else float(width)
+
+
+def policy_objective(
+    logp: jax.Array,
+    logp_ref: Optional[jax.Array],
+    mask: jax.Array,
+    inputs: TokenInputs,
+    opts: PolicyLossOptions,
+) -> Tuple[jax.Array, Dict[str, jax.Array]]:
+    """``(loss, metrics)`` from per-token inputs laid out ``[R, T]``.
+
+    Args:
+      logp: float32 ``[R, T]``, differentiable (the only input that is).
+      logp_ref: float32 ``[R, T]`` (stop-gradient), or None (then the KL is 0).
+      mask: bool ``[R, T]``.
+      inputs: the other per-token inputs (:func:`token_inputs`).
+      opts: validated options (``ratiokl.spec.policy_loss_options``).
+
+    Returns:
+      The float32 0-d loss and a dict of float32 0-d metrics (stop-gradient).
+    """
+    logp = jnp.where(mask, logp, 0.0)
+    old = jnp.where(mask, inputs.old_logps, 0.0)
+    adv = jnp.where(mask, inputs.advantages, 0.0)
+    need_segments = opts.sequence_ratio or opts.agg_code in (2, 3)
+    if need_segments:
+        first, last, starts = _segments(mask, inputs.segment_ids)
+        counts = jnp.maximum(_segment_totals(mask.astype(jnp.float32), first, last), 1.0)
+    log_ratio = logp - old
+    if opts.sequence_ratio:
+        seq_mean = _segment_totals(lax.stop_gradient(log_ratio), first, last) / counts
+        # GSPO-token form (verl): value sg(s_i), gradient on the token's own logp.
+        log_ratio = jnp.where(mask, seq_mean + (logp - lax.stop_gradient(logp)), 0.0)
+    ratio = jnp.exp(_bounded(log_ratio, opts.log_ratio_bound))
+    q, low, high, capped = _clipped_ratio(ratio, adv, opts)
+    per_token = -adv * q
+    if inputs.importance_weights is not None:
+        per_token = per_token * jnp.where(mask, inputs.importance_weights, 0.0)
+    kl = jnp.zeros(mask.shape, jnp.float32)
+    if logp_ref is not None:
+        d = jnp.where(mask, logp_ref, 0.0) - logp
+        kl = _kl(d, opts.kl_code, ratio, opts.log_ratio_bound)
+        if opts.kl_coef != 0.0:  # kl_coef = 0: the KL is only logged (0 * inf would be NaN)
+            per_token = per_token + opts.kl_coef * kl
+    if opts.agg_code == 2:
+        per_token = per_token / counts
+    n_tok = jnp.sum(mask, dtype=jnp.int32)
+    n_seq = jnp.sum(starts, dtype=jnp.int32) if need_segments else None
+    denom = _denominator(opts.agg_code, n_tok, n_seq, mask.shape[-1], inputs.loss_normalizer)
+    loss = jnp.sum(jnp.where(mask, per_token, 0.0)) / denom
+    return loss.astype(jnp.float32), _metrics(mask, n_tok, low, high, capped, ratio, kl, old - logp)
+
+
+def _metrics(mask, n_tok, low, high, capped, ratio, kl, approx_kl) -> Dict[str, jax.Array]:
+    """Means over active tokens (0 when there is none), under stop-gradient."""
+    count = jnp.maximum(n_tok, 1).astype(jnp.float32)
+
+    def mean(x: jax.Array) -> jax.Array:
+        x = lax.stop_gradient(x).astype(jnp.float32)
+        return jnp.sum(jnp.where(mask, x, 0.0)) / count
+
+    return {
+        "clip_fraction": mean(low | high),
+        "clip_fraction_low": mean(low),
+        "clip_fraction_high": mean(high),
+        "dual_clip_fraction": mean(capped),
+        "ratio_mean": mean(ratio),
+        "kl_mean": mean(kl),
+        "approx_kl": mean(approx_kl),
+    }

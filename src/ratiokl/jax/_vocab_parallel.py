@@ -1,0 +1,163 @@
+"""Vocabulary-parallel JAX backend: inside ``shard_map``, the vocabulary mapped to a mesh axis.
+
+Each device of mesh axis ``axis`` holds a contiguous, equal block of the
+vocabulary (``shard_map`` splits a dimension evenly): device ``k`` of the axis
+holds columns ``[k * V_local, (k + 1) * V_local)`` and the global vocabulary
+is ``V = V_local * axis_size``. Action ids, mask, temperature and the other
+per-token inputs are global (replicated along ``axis``).
+
+Per row: ``M = pmax(max z)`` (under ``stop_gradient``; any shift gives the
+same log-sum-exp), then one ``lax.psum`` of the stacked per-block sums
+(policy and reference fused)::
+
+    S   = psum(s),   s   = sum over the block of exp(z - shift(M))
+    z_a = psum(z_a on the owning device, 0 elsewhere)
+    logp = z_a - shift(M) - log(S)
+
+so ``logp`` is the same on every device of the axis. The per-block sums are
+one ``jax.custom_vjp`` (``_shard_sums``) whose backward is local: it saves
+nothing but its inputs and writes the block's
+``g_s * exp(z - shift) + g_z * onehot`` (one-hot on the owning device only),
+which with ``g_s = -g / S`` from the psum is the block of
+``g * (onehot(a) - softmax(z)) / T``. The psum stays outside the custom rule
+so JAX transposes it itself: with ``check_vma=True`` (the default) into a
+no-op ``pvary``, so the backward has no collective; with ``check_vma=False``
+into a psum of the ``[N]`` cotangents, which cancels the ``1/axis_size``
+JAX gives each device's cotangent of a replicated output. Either way the
+gradient is exact; a custom rule that dropped the psum would be scaled by
+``1/axis_size`` under ``check_vma=False``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ratiokl.jax import _elementwise, _native
+from ratiokl.jax._checks import Temperature
+
+__all__ = ["VocabParallel", "bind", "global_vocab"]
+
+
+def _axis_size(axis: str) -> int:
+    try:
+        return lax.axis_size(axis)
+    except NameError:
+        raise ValueError(
+            f"vocab_axis={axis!r} is not a mesh axis bound here: call the function inside "
+            "`jax.shard_map` with the logits' vocabulary dimension mapped to that axis "
+            "(in_specs=P(..., axis)), or drop `vocab_axis` to use the unsharded path"
+        ) from None
+
+
+def global_vocab(local_vocab: int, axis: Optional[str]) -> int:
+    """The global vocabulary size ``V_local * axis_size`` (``local_vocab`` without an axis)."""
+    return local_vocab if axis is None else local_vocab * _axis_size(axis)
+
+
+def bind(backend: str, axis: str) -> "VocabParallel":
+    """The vocabulary-parallel backend over mesh axis ``axis`` (a static string)."""
+    if backend not in ("auto", "native"):
+        raise ValueError(
+            f"vocabulary-parallel calls (`vocab_axis=`) run the native per-shard math; got "
+            f"backend={backend!r}. Pass backend='auto' or 'native'"
+        )
+    _axis_size(axis)
+    return VocabParallel(axis)
+
+
+def _ownership(ids: jax.Array, mask: jax.Array, local_vocab: int, axis: str):
+    """``(local ids clamped into this block, owned [N], bad [N])`` for global ``ids``."""
+    local = ids - lax.axis_index(axis) * local_vocab
+    owned = mask & (local >= 0) & (local < local_vocab)
+    bad = mask & ((ids < 0) | (ids >= local_vocab * _axis_size(axis)))
+    return jnp.where(owned, local, 0), owned, bad
+
+
+def _shard_sums_fwd(logits, local_ids, owned, mask, temperature, shift):
+    z, _ = _native._scaled_logits(logits, mask, temperature)
+    s = jnp.sum(jnp.exp(z - shift[:, None]), axis=-1)
+    z_a = jnp.where(owned, jnp.take_along_axis(z, local_ids[:, None], axis=-1)[:, 0], 0.0)
+    return (s, z_a), (logits, local_ids, owned, mask, temperature, shift)
+
+
+@jax.custom_vjp
+def _shard_sums(logits, local_ids, owned, mask, temperature, shift):
+    """This block's ``s = sum exp(z - shift)`` and owned ``z_a`` (0 elsewhere), float32 ``[N]``."""
+    return _shard_sums_fwd(logits, local_ids, owned, mask, temperature, shift)[0]
+
+
+def _shard_sums_bwd(residuals, cotangents):
+    logits, local_ids, owned, mask, temperature, shift = residuals
+    g_s, g_z = cotangents
+    z, t = _native._scaled_logits(logits, mask, temperature)
+    onehot = owned[:, None] & (local_ids[:, None] == jnp.arange(logits.shape[-1])[None, :])
+    grad = g_s[:, None] * jnp.exp(z - shift[:, None]) + jnp.where(onehot, g_z[:, None], 0.0)
+    grad = jnp.where(mask[:, None], grad / t[:, None], 0.0)
+    # Nothing flows to the temperature or the (stop-gradient) shift.
+    return grad.astype(logits.dtype), None, None, None, jnp.zeros_like(temperature), None
+
+
+_shard_sums.defvjp(_shard_sums_fwd, _shard_sums_bwd)
+
+
+def _logps(shards, ids, mask, temperature, axis):
+    """``logp`` float32 ``[N]`` per block in ``shards``; one pmax and one psum in all."""
+    local_ids, owned, bad = _ownership(ids, mask, shards[0].shape[-1], axis)
+    z = [_native._scaled_logits(lax.stop_gradient(x), mask, temperature)[0] for x in shards]
+    m = jnp.stack([jnp.max(zk, axis=-1) for zk in z])
+    shift = lax.stop_gradient(_native._finite_or_zero(lax.pmax(m, axis)))
+    sums = [_shard_sums(x, local_ids, owned, mask, temperature, shift[k])
+            for k, x in enumerate(shards)]
+    s, z_a = lax.psum((jnp.stack([s for s, _ in sums]), jnp.stack([z for _, z in sums])), axis)
+    # An out-of-range active id poisons its row, value and gradient (NaN is added, not selected).
+    s = s + jnp.where(bad, jnp.nan, 0.0)
+    return [jnp.where(mask, z_a[k] - shift[k] - jnp.log(s[k]), 0.0) for k in range(len(shards))]
+
+
+class VocabParallel:
+    """The backend interface of ``ratiokl.jax._dispatch`` over a vocabulary-sharded mesh axis.
+
+    ``check_ids`` is accepted for the interface and not needed: rows whose
+    active id is outside the global ``[0, V)`` are always poisoned with NaN.
+    """
+
+    def __init__(self, axis: str) -> None:
+        self.axis = axis
+
+    def selected_logprobs(
+        self,
+        logits: jax.Array,
+        ids: jax.Array,
+        mask: jax.Array,
+        temperature: Temperature,
+        check_ids: bool,
+    ) -> jax.Array:
+        """Float32 ``logp[N]`` from this device's block ``logits[N, V_local]``."""
+        t = _native._row_temperature(temperature, logits.shape[0])
+        return _logps([logits], ids, mask, t, self.axis)[0]
+
+    def ratio_kl(
+        self,
+        policy: jax.Array,
+        ref: Optional[jax.Array],
+        ids: jax.Array,
+        mask: jax.Array,
+        old_logps: jax.Array,
+        ref_logps: Optional[jax.Array],
+        kl_code: int,
+        temperature: Temperature,
+        check_ids: bool,
+    ) -> Tuple[jax.Array, jax.Array]:
+        """Float32 ``(ratio[N], kl[N])``; one pmax and one psum for policy and reference."""
+        t = _native._row_temperature(temperature, policy.shape[0])
+        if ref is None:
+            (logp,), logp_ref = _logps([policy], ids, mask, t, self.axis), ref_logps
+        else:
+            logp, logp_ref = _logps([policy, lax.stop_gradient(ref)], ids, mask, t, self.axis)
+        return _elementwise.ratio_kl(
+            logp, lax.stop_gradient(logp_ref), lax.stop_gradient(old_logps), mask, kl_code
+        )

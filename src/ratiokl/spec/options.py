@@ -1,0 +1,145 @@
+"""String options and the integer codes kernels receive: one table each.
+
+Kernels take small integer codes as ``tl.constexpr`` (never strings, never
+Python floats); every framework maps user strings through these tables, so
+an unknown option is rejected with the same message everywhere.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+__all__ = [
+    "BACKENDS",
+    "DEFAULT_LOG_RATIO_BOUND",
+    "KL_ESTIMATORS",
+    "LOSS_AGGS",
+    "POLICY_KL_ESTIMATORS",
+    "PolicyLossOptions",
+    "RATIO_LEVELS",
+    "kl_estimator_code",
+    "option_code",
+    "policy_loss_options",
+]
+
+#: Schulman's estimators of KL(pi || pi_ref) from ``d = logp_ref - logp``.
+KL_ESTIMATORS: Mapping[str, int] = {"k1": 1, "k2": 2, "k3": 3}
+
+#: Backends a caller may name; which ones run where is decided per framework.
+BACKENDS = ("auto", "native", "triton", "interpret")
+
+
+def option_code(name: str, value: str, table: Mapping[str, int]) -> int:
+    """Integer code of ``value`` in ``table``; ``ValueError`` naming ``name`` otherwise."""
+    try:
+        return table[value]
+    except (KeyError, TypeError):
+        choices = ", ".join(repr(k) for k in table)
+        raise ValueError(f"`{name}` must be one of {choices}; got {value!r}") from None
+
+
+def kl_estimator_code(kl_estimator: str) -> int:
+    """Integer code of a KL estimator name (``"k1"``, ``"k2"``, ``"k3"``)."""
+    return option_code("kl_estimator", kl_estimator, KL_ESTIMATORS)
+
+
+# --------------------------------------------------------------------------
+# policy_loss options
+# --------------------------------------------------------------------------
+
+#: KL variants of ``policy_loss``: the estimator's value and the gradient it
+#: carries. ``k1+``/``k3+`` take the value of k1/k3 and the gradient of k2
+#: (verl's straight-through estimators); ``k3-is`` is k3 multiplied by the
+#: importance ratio, differentiated through both (TRL/Liger
+#: ``use_bias_correction_kl``, DeepSeek-V3.2's unbiased KL estimate).
+POLICY_KL_ESTIMATORS: Mapping[str, int] = {
+    "k1": 1, "k2": 2, "k3": 3, "k1+": 4, "k3+": 5, "k3-is": 6,
+}
+
+#: How per-token losses become one number (see docs/policy_loss.md for verl/TRL names).
+LOSS_AGGS: Mapping[str, int] = {
+    "token-mean": 0,
+    "token-sum": 1,
+    "seq-mean-token-mean": 2,
+    "seq-mean-token-sum": 3,
+    "seq-mean-token-sum-norm": 4,
+}
+
+#: Importance-ratio level: per token (PPO/GRPO) or per sequence (GSPO).
+RATIO_LEVELS: Mapping[str, int] = {"token": 0, "sequence": 1}
+
+#: Default bound on ``|log ratio|`` (and on ``|d|`` before k3's ``exp``): verl's
+#: +-20. ``exp(20) ~ 4.9e8`` keeps ``A * ratio`` finite in float32 for any
+#: sane advantage, while a ratio that far from 1 is clipped anyway.
+DEFAULT_LOG_RATIO_BOUND = 20.0
+
+
+@dataclass(frozen=True)
+class PolicyLossOptions:
+    """Validated scalar options of ``policy_loss`` (shared by both frameworks)."""
+
+    ratio_low: float  # 1 - clip_eps: floor of the ratio for A < 0
+    ratio_high: float  # min(1 + clip_eps_high, ratio_cap): ceiling for A > 0
+    neg_cap: Optional[float]  # min(dual_clip, ratio_cap): ceiling for A < 0, or None
+    kl_coef: float
+    kl_code: int  # POLICY_KL_ESTIMATORS
+    agg_code: int  # LOSS_AGGS
+    sequence_ratio: bool  # RATIO_LEVELS == "sequence"
+    log_ratio_bound: Optional[float]  # None: no bound
+
+
+def _number(name: str, value: object, *, allow_none: bool = False) -> Optional[float]:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"`{name}` must be a Python number; got {type(value).__name__}")
+    if not math.isfinite(float(value)):
+        raise ValueError(f"`{name}` must be finite; got {value}")
+    return float(value)
+
+
+def _above(name: str, value: Optional[float], floor: float, hint: str) -> None:
+    if value is not None and not value > floor:
+        raise ValueError(f"`{name}` must be > {floor} ({hint}); got {value}")
+
+
+def policy_loss_options(
+    *,
+    clip_eps: float,
+    clip_eps_high: Optional[float],
+    dual_clip: Optional[float],
+    ratio_cap: Optional[float],
+    kl_coef: float,
+    kl_estimator: str,
+    loss_agg: str,
+    ratio_level: str,
+    log_ratio_bound: Optional[float],
+) -> PolicyLossOptions:
+    """Check ``policy_loss``'s scalar options; errors name the argument and the fix."""
+    eps_low = _number("clip_eps", clip_eps)
+    if not 0.0 <= eps_low < 1.0:
+        raise ValueError(
+            f"`clip_eps` must be in [0, 1) (the ratio floor is 1 - clip_eps); got {eps_low}"
+        )
+    eps_high = eps_low if clip_eps_high is None else _number("clip_eps_high", clip_eps_high)
+    if eps_high < 0.0:
+        raise ValueError(f"`clip_eps_high` must be >= 0; got {eps_high}")
+    dual = _number("dual_clip", dual_clip, allow_none=True)
+    _above("dual_clip", dual, 1.0, "the dual-clip constant c > 1; None turns it off")
+    cap = _number("ratio_cap", ratio_cap, allow_none=True)
+    _above("ratio_cap", cap, 1.0, "INTELLECT-2's delta, e.g. 4.0; None turns it off")
+    bound = _number("log_ratio_bound", log_ratio_bound, allow_none=True)
+    _above("log_ratio_bound", bound, 0.0, "a bound on |log ratio| before exp; None: no bound")
+    caps = [c for c in (dual, cap) if c is not None]
+    return PolicyLossOptions(
+        ratio_low=1.0 - eps_low,
+        ratio_high=min(1.0 + eps_high, cap) if cap is not None else 1.0 + eps_high,
+        neg_cap=min(caps) if caps else None,
+        kl_coef=_number("kl_coef", kl_coef),
+        kl_code=option_code("kl_estimator", kl_estimator, POLICY_KL_ESTIMATORS),
+        agg_code=option_code("loss_agg", loss_agg, LOSS_AGGS),
+        sequence_ratio=option_code("ratio_level", ratio_level, RATIO_LEVELS) == 1,
+        log_ratio_bound=bound,
+    )

@@ -1,0 +1,272 @@
+"""Float64 NumPy reference of the PPO/GRPO policy loss: the numeric spec.
+
+Built on the per-token log-probs of :mod:`ratiokl.spec.reference`. Per active
+token ``t`` (inactive tokens contribute nothing and get a zero gradient)::
+
+    lr    = logp - old_logp                     (ratio_level="token")
+          = mean over t's sequence of lr        (ratio_level="sequence", GSPO)
+    lr_b  = clip(lr, -bound, bound)             (log_ratio_bound; None: no bound)
+    r     = exp(lr_b)
+    q     = A >= 0: min(r, ratio_high)          ratio_high = min(1 + clip_eps_high, ratio_cap)
+            A <  0: min(max(r, 1 - clip_eps), neg_cap)   neg_cap = min(dual_clip, ratio_cap)
+    pg    = -A * q * w                          (w: importance_weights, default 1)
+    loss  = pg + kl_coef * kl                   (kl: POLICY_KL_ESTIMATORS on d = logp_ref - logp)
+
+which equals ``max(-A*r, -A*clip(r, 1-eps, 1+eps_high))`` with the dual clip
+``min(., -A*c)`` for ``A < 0`` (PPO, DAPO clip-higher, dual-clip PPO,
+INTELLECT-2's delta). Gradient with respect to ``logp`` (a clipped or capped
+branch, and a log-ratio outside the bound, carry none)::
+
+    dr/dlogp  = r if |lr| <= bound else 0   (GSPO: the token's own logp only,
+                                             i.e. sg(s_i) * pi_t / sg(pi_t) as in verl)
+    dq/dr     = 1 on the unclipped branch, else 0
+
+The aggregation is ``sum_t a_t * loss_t / D`` (``a_t = 1`` except
+``seq-mean-token-mean``: ``1 / |active tokens of t's sequence|``; ``D``: active
+tokens, 1, sequences with an active token, or the padded length ``T`` for
+``seq-mean-token-sum-norm``; ``loss_normalizer`` replaces ``D``). A count of 0
+gives loss 0, never NaN. Sequences are the rows of the leading shape
+``[..., T]``; with ``segment_ids`` a new sequence starts at every active token
+whose id differs from the previous active token's in the same row.
+
+References:
+    Schulman et al., "Proximal Policy Optimization Algorithms" (2017); Ye et al.,
+    "Mastering Complex Control in MOBA Games" (2019, dual-clip); Yu et al., "DAPO"
+    (2025, clip-higher, token-mean); Liu et al., "Understanding R1-Zero-Like
+    Training" (2025, Dr. GRPO); Zheng et al., "Group Sequence Policy Optimization"
+    (2025); Prime Intellect, "INTELLECT-2" (2025, delta); Schulman, "Approximating
+    KL Divergence" (2020); DeepSeek-AI, "DeepSeek-V3.2" (2025, ratio-weighted KL).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+import numpy as np
+
+from ratiokl.spec.options import (
+    DEFAULT_LOG_RATIO_BOUND,
+    PolicyLossOptions,
+    policy_loss_options,
+)
+from ratiokl.spec.reference import ArrayLike, selected_logprobs, selected_logprobs_grad
+
+__all__ = [
+    "POLICY_LOSS_DEFAULTS",
+    "policy_loss",
+    "policy_loss_from_logps",
+    "policy_loss_grad",
+    "sequence_index",
+]
+
+#: ``policy_loss``'s scalar options and their defaults (as in both frameworks' signatures).
+POLICY_LOSS_DEFAULTS = dict(
+    clip_eps=0.2, clip_eps_high=None, dual_clip=None, ratio_cap=None, kl_coef=0.0,
+    kl_estimator="k3", loss_agg="token-mean", ratio_level="token",
+    log_ratio_bound=DEFAULT_LOG_RATIO_BOUND,
+)
+
+
+def sequence_index(
+    mask: np.ndarray, segment_ids: Optional[np.ndarray] = None
+) -> Tuple[np.ndarray, int]:
+    """Sequence number of every active token (``-1`` on inactive ones) and the count.
+
+    Rows are the leading shape without its last axis. Without ``segment_ids`` a
+    row's active tokens form one sequence; with them, a new sequence starts at
+    each active token whose id differs from the previous *active* token's in the
+    row (inactive tokens' ids are never read).
+    """
+    mask = np.asarray(mask, dtype=bool)
+    lead = mask.shape
+    width = lead[-1] if lead else 1
+    rows = mask.reshape(-1, width)
+    segs = np.zeros(rows.shape, np.int64) if segment_ids is None else np.asarray(segment_ids)
+    segs = segs.reshape(rows.shape)
+    out = np.full(rows.shape, -1, dtype=np.int64)
+    count = 0
+    for r in range(rows.shape[0]):
+        previous = None
+        for t in range(width):
+            if not rows[r, t]:
+                continue
+            if previous is None or segs[r, t] != previous:
+                count += 1
+            previous = segs[r, t]
+            out[r, t] = count - 1
+    return out.reshape(lead), count
+
+
+def _advantages(advantages: ArrayLike, lead: Tuple[int, ...]) -> np.ndarray:
+    """Per-token advantages: ``[...]``, ``[..., 1]`` or one per row ``lead[:-1]``."""
+    adv = np.asarray(advantages, dtype=np.float64)
+    if adv.shape == lead:
+        return adv
+    if lead and adv.shape in (lead[:-1], lead[:-1] + (1,)):
+        return np.broadcast_to(adv.reshape(lead[:-1] + (1,)), lead)
+    raise ValueError(
+        f"`advantages` must have shape {list(lead)} (per token) or {list(lead[:-1])} "
+        f"(per sequence); got {list(adv.shape)}"
+    )
+
+
+def _kl_terms(d, kind: int, r, dr, bound):
+    """KL value and its derivative w.r.t. ``logp`` (``dd/dlogp = -1``) per variant."""
+    inside = np.ones_like(d, dtype=bool) if bound is None else np.abs(d) <= bound
+    d_b = d if bound is None else np.clip(d, -bound, bound)
+    k3 = np.expm1(d_b) - d_b
+    k3_grad = np.where(inside, -np.expm1(d), 0.0)
+    values = {1: -d, 2: 0.5 * d * d, 3: k3, 4: -d, 5: k3, 6: r * k3}
+    grads = {1: np.ones_like(d), 2: -d, 3: k3_grad, 4: -d, 5: -d, 6: dr * k3 + r * k3_grad}
+    return values[kind], grads[kind]
+
+
+def _clipped(r, adv, opts: PolicyLossOptions):
+    """``q`` (the ratio the surrogate uses), ``dq/dr`` and the clip indicators."""
+    high = (adv > 0) & (r > opts.ratio_high)
+    low = (adv < 0) & (r < opts.ratio_low)
+    cap = np.inf if opts.neg_cap is None else opts.neg_cap
+    capped = (adv < 0) & (r > cap)
+    q = np.where(high, opts.ratio_high, np.where(low, opts.ratio_low, np.where(capped, cap, r)))
+    return q, np.where(high | low | capped, 0.0, 1.0), high, low, capped
+
+
+def _aggregation(mask, seq, n_seq, opts: PolicyLossOptions, loss_normalizer):
+    """Per-token weights ``a`` and the denominator ``D`` of ``sum(a * loss) / D``."""
+    n_tok = int(mask.sum())
+    weights = np.where(mask, 1.0, 0.0)
+    if opts.agg_code == 2:
+        counts = np.bincount(seq[mask], minlength=n_seq).astype(np.float64)
+        weights[mask] = 1.0 / counts[seq[mask]]
+    width = mask.shape[-1] if mask.shape else 1
+    denom = {0: max(n_tok, 1), 1: 1, 2: max(n_seq, 1), 3: max(n_seq, 1), 4: width}[opts.agg_code]
+    return weights, float(denom if loss_normalizer is None else loss_normalizer)
+
+
+def policy_loss_from_logps(
+    logp: np.ndarray,
+    logp_ref: Optional[np.ndarray],
+    old_logps: np.ndarray,
+    advantages: ArrayLike,
+    mask: np.ndarray,
+    *,
+    loss_normalizer: Optional[float] = None,
+    segment_ids: Optional[np.ndarray] = None,
+    importance_weights: Optional[np.ndarray] = None,
+    **options,
+) -> Tuple[float, np.ndarray, Dict[str, float]]:
+    """Policy loss from per-token log-probs ``[...]``: ``(loss, dloss/dlogp, metrics)``.
+
+    ``options`` are ``policy_loss``'s scalar options (``clip_eps`` ...
+    ``log_ratio_bound``); see the module docstring for the formulas. ``logp_ref``
+    may be None when ``kl_coef == 0`` (the KL is then 0). Metrics are means over
+    active tokens (0 when there is none): ``clip_fraction`` (= ``_low`` + ``_high``),
+    ``dual_clip_fraction``, ``ratio_mean``, ``kl_mean`` and ``approx_kl``.
+    """
+    opts = policy_loss_options(**{**POLICY_LOSS_DEFAULTS, **options})
+    mask = np.asarray(mask, dtype=bool)
+    lead = mask.shape
+    if logp_ref is None and opts.kl_coef != 0.0:
+        raise ValueError("`kl_coef` != 0 needs `ref_logits` or `ref_logps`")
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        logp = np.where(mask, np.asarray(logp, np.float64), 0.0)
+        old = np.where(mask, np.asarray(old_logps, np.float64), 0.0)
+        adv = np.where(mask, _advantages(advantages, lead), 0.0)
+        w = 1.0 if importance_weights is None else np.asarray(importance_weights, np.float64)
+        w = np.where(mask, w, 0.0)
+        seq, n_seq = sequence_index(mask, segment_ids)
+        lr = logp - old
+        if opts.sequence_ratio:
+            counts = np.bincount(seq[mask], minlength=n_seq)
+            sums = np.bincount(seq[mask], weights=lr[mask], minlength=n_seq)
+            # One extra slot holding 0 for seq == -1 (inactive tokens).
+            per_seq = np.append(sums / np.maximum(counts, 1), 0.0)
+            lr = np.where(mask, per_seq[seq], 0.0)
+        bound = opts.log_ratio_bound
+        r = np.exp(lr if bound is None else np.clip(lr, -bound, bound))
+        dr = r if bound is None else np.where(np.abs(lr) <= bound, r, 0.0)
+        q, dq, high, low, capped = _clipped(r, adv, opts)
+        pg, dpg = -adv * q * w, -adv * dq * dr * w
+        if logp_ref is None:
+            kl, dkl = np.zeros(lead), np.zeros(lead)
+        else:
+            ref = np.where(mask, np.asarray(logp_ref, np.float64), 0.0)
+            kl, dkl = _kl_terms(ref - logp, opts.kl_code, r, dr, bound)
+        if opts.kl_coef != 0.0:  # kl_coef = 0: the KL is only logged (0 * inf would be NaN)
+            pg, dpg = pg + opts.kl_coef * kl, dpg + opts.kl_coef * dkl
+        a, denom = _aggregation(mask, seq, n_seq, opts, loss_normalizer)
+        per_token = np.where(mask, a * pg, 0.0)
+        grad = np.where(mask, a * dpg / denom, 0.0)
+        n_tok = max(int(mask.sum()), 1)
+
+        def mean(x):
+            return float(np.where(mask, x, 0.0).sum() / n_tok)
+
+        metrics = {
+            "clip_fraction": mean(high | low),
+            "clip_fraction_low": mean(low),
+            "clip_fraction_high": mean(high),
+            "dual_clip_fraction": mean(capped),
+            "ratio_mean": mean(r),
+            "kl_mean": mean(kl),
+            "approx_kl": mean(old - logp),
+        }
+        return float(per_token.sum() / denom), grad, metrics
+
+
+def _reference_logps(ref_logits, ref_logps, action_ids, mask, temperature):
+    if ref_logps is not None:
+        return np.where(mask, np.asarray(ref_logps, dtype=np.float64), 0.0)
+    if ref_logits is None:
+        return None
+    return selected_logprobs(ref_logits, action_ids, mask, temperature=temperature)
+
+
+def _from_logits(policy_logits, ref_logits, action_ids, mask, old_logps, advantages,
+                 ref_logps, temperature, options):
+    mask = np.asarray(mask, dtype=bool)
+    logp = selected_logprobs(policy_logits, action_ids, mask, temperature=temperature)
+    logp_ref = _reference_logps(ref_logits, ref_logps, action_ids, mask, temperature)
+    return policy_loss_from_logps(logp, logp_ref, old_logps, advantages, mask, **options)
+
+
+def policy_loss(
+    policy_logits: np.ndarray,
+    ref_logits: Optional[np.ndarray],
+    action_ids: np.ndarray,
+    mask: np.ndarray,
+    old_logps: np.ndarray,
+    advantages: ArrayLike,
+    *,
+    ref_logps: Optional[np.ndarray] = None,
+    temperature: ArrayLike = 1.0,
+    **options,
+) -> Tuple[float, Dict[str, float]]:
+    """Float64 ``(loss, metrics)`` of ``policy_loss`` (same arguments as the frameworks')."""
+    loss, _, metrics = _from_logits(
+        policy_logits, ref_logits, action_ids, mask, old_logps, advantages,
+        ref_logps, temperature, options,
+    )
+    return loss, metrics
+
+
+def policy_loss_grad(
+    policy_logits: np.ndarray,
+    ref_logits: Optional[np.ndarray],
+    action_ids: np.ndarray,
+    mask: np.ndarray,
+    old_logps: np.ndarray,
+    advantages: ArrayLike,
+    *,
+    ref_logps: Optional[np.ndarray] = None,
+    temperature: ArrayLike = 1.0,
+    **options,
+) -> np.ndarray:
+    """Gradient of the loss w.r.t. ``policy_logits``: float64 ``[..., V]``, 0 on inactive rows."""
+    _, dlogp, _ = _from_logits(
+        policy_logits, ref_logits, action_ids, mask, old_logps, advantages,
+        ref_logps, temperature, options,
+    )
+    return selected_logprobs_grad(
+        policy_logits, action_ids, mask, dlogp, temperature=temperature
+    )

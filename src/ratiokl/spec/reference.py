@@ -1,0 +1,240 @@
+"""Float64 NumPy reference of ratiokl's operator: the numeric spec.
+
+Every backend of both frameworks is tested against these functions. They are
+written for clarity, not speed, and hold the math in one place.
+
+Definitions, per row ``i`` of the leading shape ``[...]`` (vocabulary last)::
+
+    z        = logits[i] / T_i                       (T: temperature, > 0)
+    lse      = logsumexp(z)
+    logp     = z[a_i] - lse                          (a_i: the sampled action id)
+    ratio    = exp(logp - old_logp)
+    d        = logp_ref - logp
+    kl       = k1: -d   |   k2: d*d/2   |   k3: exp(d) - d - 1
+
+Gradient with respect to the policy logits, for an upstream cotangent
+``g_logp`` on the row's log-prob::
+
+    dlogp / dlogits[v] = (onehot(a)[v] - softmax(z)[v]) / T
+    dratio / dlogp     = ratio
+    dkl / dlogp        = k1: 1   |   k2: -d   |   k3: 1 - exp(d)
+
+so ``grad_logits[v] = c * (onehot(a)[v] - softmax(z)[v]) / T`` with the
+per-row coefficient ``c = g_ratio * ratio + g_kl * dkl/dlogp``.
+
+Inactive rows (``mask`` false) are neutral *by construction*: their inputs
+are replaced before any arithmetic, so whatever they hold (NaN, +-inf,
+out-of-range ids, NaN ``old_logp``) never reaches another value:
+``logp = 0``, ``ratio = 1``, ``kl = 0``, gradient exactly ``0``.
+
+Active rows keep their errors visible: a NaN logit gives NaN outputs and a
+NaN gradient for that row only; ``-inf`` logits at tokens other than the
+action are valid vocabulary masking; an action id outside ``[0, V)`` raises
+:class:`ValueError` naming the first bad position.
+
+References:
+    J. Schulman, "Approximating KL Divergence" (2020) -- the k1/k2/k3
+    estimators. J. Schulman et al., "Proximal Policy Optimization
+    Algorithms" (2017) -- the importance ratio.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import numpy as np
+
+from ratiokl.spec.options import kl_estimator_code
+
+ArrayLike = Union[np.ndarray, float]
+
+__all__ = [
+    "check_action_ids",
+    "kl_dlogp",
+    "kl_value",
+    "ratio_kl",
+    "ratio_kl_grad",
+    "selected_logprobs",
+    "selected_logprobs_grad",
+]
+
+
+def check_action_ids(action_ids: np.ndarray, mask: np.ndarray, vocab_size: int) -> None:
+    """Raise ``ValueError`` naming the first active position whose id is outside ``[0, V)``."""
+    ids = np.asarray(action_ids)
+    bad = np.asarray(mask, dtype=bool) & ((ids < 0) | (ids >= vocab_size))
+    if bad.any():
+        pos = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(
+            f"action_ids{list(pos)} = {int(ids[pos])} is outside [0, {vocab_size}) on an "
+            "active row; fix the sampled ids or mark the row inactive in `mask`"
+        )
+
+
+def _row_temperature(temperature: ArrayLike, lead_shape: Tuple[int, ...]) -> np.ndarray:
+    """Temperature as a float64 array of the leading shape (scalar broadcast)."""
+    t = np.broadcast_to(np.asarray(temperature, dtype=np.float64), lead_shape)
+    return t
+
+
+def _isolate(logits, action_ids, mask, temperature):
+    """Replace inactive rows' inputs with neutral values before any arithmetic.
+
+    Returns float64 scaled logits ``z = logits / T`` (zero on inactive rows),
+    in-range ids (0 on inactive rows), the boolean mask and ``T``.
+    """
+    logits = np.asarray(logits, dtype=np.float64)
+    lead = logits.shape[:-1]
+    mask = np.ones(lead, dtype=bool) if mask is None else np.asarray(mask, dtype=bool)
+    temp = np.where(mask, _row_temperature(temperature, lead), 1.0)
+    z = np.where(mask[..., None], logits, 0.0) / temp[..., None]
+    ids = np.where(mask, np.asarray(action_ids), 0).astype(np.int64)
+    return z, ids, mask, temp
+
+
+def _logsumexp(z: np.ndarray) -> np.ndarray:
+    """Row log-sum-exp, max-shifted; ``-inf`` entries contribute 0, NaN propagates."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        m = np.max(z, axis=-1)
+        # A row of all -inf has no valid distribution: keep it NaN, never 0/0 silently.
+        shift = np.where(np.isfinite(m), m, 0.0)
+        s = np.sum(np.exp(z - shift[..., None]), axis=-1)
+        return shift + np.log(s)
+
+
+def selected_logprobs(
+    logits: np.ndarray,
+    action_ids: np.ndarray,
+    mask: Optional[np.ndarray] = None,
+    *,
+    temperature: ArrayLike = 1.0,
+) -> np.ndarray:
+    """``logp = logits[a]/T - logsumexp(logits/T)`` per row, float64 ``[...]``; 0 on inactive rows."""
+    logits = np.asarray(logits, dtype=np.float64)
+    lead = logits.shape[:-1]
+    if mask is None:
+        mask = np.ones(lead, dtype=bool)
+    check_action_ids(action_ids, mask, logits.shape[-1])
+    z, ids, mask, _ = _isolate(logits, action_ids, mask, temperature)
+    with np.errstate(invalid="ignore", over="ignore"):
+        z_sel = np.take_along_axis(z, ids[..., None], axis=-1)[..., 0]
+        logp = z_sel - _logsumexp(z)
+    return np.where(mask, logp, 0.0)
+
+
+def kl_value(d: np.ndarray, kl_estimator: str) -> np.ndarray:
+    """KL estimator of ``d = logp_ref - logp``: k1 ``-d``, k2 ``d^2/2``, k3 ``exp(d) - d - 1``."""
+    code = kl_estimator_code(kl_estimator)
+    with np.errstate(invalid="ignore", over="ignore"):
+        if code == 1:
+            return -d
+        if code == 2:
+            return 0.5 * d * d
+        return np.expm1(d) - d
+
+
+def kl_dlogp(d: np.ndarray, kl_estimator: str) -> np.ndarray:
+    """Derivative of the KL estimator with respect to ``logp`` (``dd/dlogp = -1``)."""
+    code = kl_estimator_code(kl_estimator)
+    with np.errstate(invalid="ignore", over="ignore"):
+        if code == 1:
+            return np.ones_like(d)
+        if code == 2:
+            return -d
+        return -np.expm1(d)
+
+
+def _ref_logps(ref_logits, ref_logps, action_ids, mask, temperature):
+    if ref_logps is not None:
+        return np.where(mask, np.asarray(ref_logps, dtype=np.float64), 0.0)
+    if ref_logits is None:
+        raise ValueError("pass either `ref_logits` or `ref_logps`")
+    return selected_logprobs(ref_logits, action_ids, mask, temperature=temperature)
+
+
+def ratio_kl(
+    policy_logits: np.ndarray,
+    ref_logits: Optional[np.ndarray],
+    action_ids: np.ndarray,
+    mask: np.ndarray,
+    old_logps: np.ndarray,
+    *,
+    ref_logps: Optional[np.ndarray] = None,
+    kl_estimator: str = "k3",
+    temperature: ArrayLike = 1.0,
+) -> Tuple[np.ndarray, np.ndarray]:
+    """Per-token importance ratio and KL penalty, float64 ``[...]`` each.
+
+    ``ratio = exp(logp - old_logp)``; ``kl`` by ``kl_estimator`` on
+    ``d = logp_ref - logp``. Inactive rows: ``ratio = 1``, ``kl = 0``.
+    """
+    mask = np.asarray(mask, dtype=bool)
+    logp = selected_logprobs(policy_logits, action_ids, mask, temperature=temperature)
+    logp_ref = _ref_logps(ref_logits, ref_logps, action_ids, mask, temperature)
+    old = np.where(mask, np.asarray(old_logps, dtype=np.float64), 0.0)
+    with np.errstate(invalid="ignore", over="ignore"):
+        ratio = np.exp(logp - old)
+        kl = kl_value(logp_ref - logp, kl_estimator)
+    return np.where(mask, ratio, 1.0), np.where(mask, kl, 0.0)
+
+
+def selected_logprobs_grad(
+    logits: np.ndarray,
+    action_ids: np.ndarray,
+    mask: Optional[np.ndarray],
+    grad_logp: np.ndarray,
+    *,
+    temperature: ArrayLike = 1.0,
+) -> np.ndarray:
+    """Gradient of ``sum(grad_logp * logp)`` w.r.t. ``logits``: float64 ``[..., V]``.
+
+    ``grad[v] = g * (onehot(a)[v] - softmax(logits/T)[v]) / T``; exactly 0 on inactive rows.
+    """
+    logits = np.asarray(logits, dtype=np.float64)
+    lead = logits.shape[:-1]
+    if mask is None:
+        mask = np.ones(lead, dtype=bool)
+    check_action_ids(action_ids, mask, logits.shape[-1])
+    z, ids, mask, temp = _isolate(logits, action_ids, mask, temperature)
+    g = np.where(mask, np.asarray(grad_logp, dtype=np.float64), 0.0)
+    with np.errstate(invalid="ignore", over="ignore"):
+        softmax = np.exp(z - _logsumexp(z)[..., None])
+        onehot = np.zeros_like(z)
+        np.put_along_axis(onehot, ids[..., None], 1.0, axis=-1)
+        grad = (g / temp)[..., None] * (onehot - softmax)
+    return np.where(mask[..., None], grad, 0.0)
+
+
+def ratio_kl_grad(
+    policy_logits: np.ndarray,
+    ref_logits: Optional[np.ndarray],
+    action_ids: np.ndarray,
+    mask: np.ndarray,
+    old_logps: np.ndarray,
+    grad_ratio: np.ndarray,
+    grad_kl: np.ndarray,
+    *,
+    ref_logps: Optional[np.ndarray] = None,
+    kl_estimator: str = "k3",
+    temperature: ArrayLike = 1.0,
+) -> np.ndarray:
+    """Gradient of ``sum(grad_ratio * ratio + grad_kl * kl)`` w.r.t. ``policy_logits``.
+
+    The per-row coefficient is ``c = grad_ratio * ratio + grad_kl * dkl/dlogp``
+    and the result is :func:`selected_logprobs_grad` with ``grad_logp = c``.
+    Nothing flows to ``ref_logits``, ``ref_logps`` or ``old_logps``.
+    """
+    mask = np.asarray(mask, dtype=bool)
+    ratio, _ = ratio_kl(
+        policy_logits, ref_logits, action_ids, mask, old_logps,
+        ref_logps=ref_logps, kl_estimator=kl_estimator, temperature=temperature,
+    )
+    logp = selected_logprobs(policy_logits, action_ids, mask, temperature=temperature)
+    logp_ref = _ref_logps(ref_logits, ref_logps, action_ids, mask, temperature)
+    g_ratio = np.where(mask, np.asarray(grad_ratio, dtype=np.float64), 0.0)
+    g_kl = np.where(mask, np.asarray(grad_kl, dtype=np.float64), 0.0)
+    with np.errstate(invalid="ignore", over="ignore"):
+        coef = g_ratio * ratio + g_kl * kl_dlogp(logp_ref - logp, kl_estimator)
+    return selected_logprobs_grad(
+        policy_logits, action_ids, mask, np.where(mask, coef, 0.0), temperature=temperature
+    )

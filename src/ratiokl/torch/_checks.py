@@ -1,0 +1,152 @@
+"""Argument validation for ``ratiokl.torch.loss``.
+
+Every check here looks only at shapes, dtypes, devices and Python scalars, so
+it costs no device synchronisation and traces under ``torch.compile``. The one
+exception is :func:`check_active_ids`, the documented host check that
+``check_ids=False`` skips. Errors name the argument and say how to fix it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple, Union
+
+import torch
+
+__all__ = [
+    "LOGIT_DTYPES",
+    "check_active_ids",
+    "check_logits",
+    "check_ids",
+    "check_mask",
+    "check_row_values",
+    "check_same_device",
+    "check_temperature",
+]
+
+#: Logit dtypes every backend accepts; math is float32 whatever the input.
+LOGIT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+Temperature = Union[float, torch.Tensor]
+
+
+def _require_tensor(name: str, value: object) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"`{name}` must be a torch.Tensor; got {type(value).__name__}")
+    return value
+
+
+def check_logits(name: str, logits: object) -> torch.Tensor:
+    """``logits`` is a float32/float16/bfloat16 tensor ``[..., V]`` with ``V >= 1``."""
+    logits = _require_tensor(name, logits)
+    if logits.dtype not in LOGIT_DTYPES:
+        raise TypeError(
+            f"`{name}` must be float32, float16 or bfloat16; got {logits.dtype}. "
+            f"Cast it, e.g. `{name}.float()`"
+        )
+    if logits.dim() < 1 or logits.shape[-1] < 1:
+        raise ValueError(
+            f"`{name}` must have shape [..., V] with a vocabulary axis V >= 1 last; "
+            f"got shape {tuple(logits.shape)}"
+        )
+    return logits
+
+
+def _check_lead_shape(name: str, value: torch.Tensor, lead: Tuple[int, ...]) -> None:
+    if tuple(value.shape) != lead:
+        raise ValueError(
+            f"`{name}` must have the logits' leading shape {list(lead)} (one value per "
+            f"token); got {list(value.shape)}"
+        )
+
+
+def check_ids(action_ids: object, lead: Tuple[int, ...]) -> torch.Tensor:
+    """``action_ids`` is an integer tensor of the leading shape."""
+    ids = _require_tensor("action_ids", action_ids)
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise TypeError(
+            f"`action_ids` must have an integer dtype (int64 or int32); got {ids.dtype}. "
+            "Cast it with `action_ids.long()`"
+        )
+    _check_lead_shape("action_ids", ids, lead)
+    return ids
+
+
+def check_mask(mask: object, lead: Tuple[int, ...]) -> torch.Tensor:
+    """``mask`` is a bool (or integer 0/1) tensor of the leading shape; returned as bool."""
+    mask = _require_tensor("mask", mask)
+    if mask.dtype != torch.bool and (mask.dtype.is_floating_point or mask.dtype.is_complex):
+        raise TypeError(
+            f"`mask` must be bool (or integer 0/1); got {mask.dtype}. "
+            "Pass `mask.bool()` or `mask > 0`"
+        )
+    _check_lead_shape("mask", mask, lead)
+    return mask if mask.dtype == torch.bool else mask != 0
+
+
+def check_row_values(name: str, values: object, lead: Tuple[int, ...]) -> torch.Tensor:
+    """A per-token floating tensor (``old_logps``, ``ref_logps``) of the leading shape."""
+    values = _require_tensor(name, values)
+    if not values.dtype.is_floating_point:
+        raise TypeError(
+            f"`{name}` must be a floating tensor (float32 recommended); got {values.dtype}"
+        )
+    _check_lead_shape(name, values, lead)
+    return values
+
+
+def check_temperature(temperature: object, lead: Tuple[int, ...]) -> Temperature:
+    """A positive finite Python float, or a floating tensor of the leading shape (or 0-d).
+
+    A tensor is not inspected on the host (that would synchronise): a
+    non-positive entry on an active row shows up as inf/NaN in that row.
+    """
+    if isinstance(temperature, torch.Tensor):
+        if not temperature.dtype.is_floating_point:
+            raise TypeError(
+                f"`temperature` tensor must be floating; got {temperature.dtype}"
+            )
+        if temperature.dim() == 0:
+            return temperature.expand(lead)
+        _check_lead_shape("temperature", temperature, lead)
+        return temperature
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise TypeError(
+            "`temperature` must be a Python float or a tensor of the leading shape; "
+            f"got {type(temperature).__name__}"
+        )
+    value = float(temperature)
+    # Comparisons, not math.isfinite: they also trace under torch.compile(dynamic=True).
+    if not 0.0 < value < math.inf:
+        raise ValueError(f"`temperature` must be a positive finite number; got {value}")
+    return value
+
+
+def check_same_device(**tensors: Optional[torch.Tensor]) -> torch.device:
+    """All given tensors live on one device; returns it (``ValueError`` otherwise)."""
+    named = [(name, t) for name, t in tensors.items() if t is not None]
+    first_name, first = named[0]
+    for name, t in named[1:]:
+        if t.device != first.device:
+            raise ValueError(
+                f"`{name}` is on {t.device} but `{first_name}` is on {first.device}; "
+                f"move it with `{name}.to({first_name}.device)`"
+            )
+    return first.device
+
+
+def check_active_ids(ids: torch.Tensor, mask: torch.Tensor, vocab_size: int) -> None:
+    """Raise ``ValueError`` naming the first active position whose id is outside ``[0, V)``.
+
+    One host synchronisation (on a boolean of the leading shape); callers that
+    cannot afford it pass ``check_ids=False`` and get NaN rows instead.
+    """
+    bad = mask & ((ids < 0) | (ids >= vocab_size))
+    if not bool(bad.any()):
+        return
+    flat = int(torch.nonzero(bad.reshape(-1))[0, 0])
+    pos = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), bad.shape))
+    raise ValueError(
+        f"action_ids{list(pos)} = {int(ids[pos])} is outside [0, {vocab_size}) on an "
+        "active row; fix the sampled ids or mark the row inactive in `mask`"
+    )

@@ -1,0 +1,206 @@
+"""The native PyTorch backend: framework ops only, any device, any logits dtype.
+
+Implements the backend interface documented in ``ratiokl.torch._dispatch`` on
+flattened inputs (logits ``[N, V]``, per-row tensors ``[N]``).
+
+How it works. Rows are processed in chunks whose size depends only on
+``(N, V)`` (never on values, so no host sync). Per chunk, inactive rows are
+replaced with zeros by ``torch.where`` *before* any arithmetic, the logits are
+upcast to float32 and scaled by ``1/T``, and three row statistics are taken:
+the row max ``m``, the shifted sum of exponentials ``s`` and the selected
+scaled logit ``z_a``. Their combine gives ``lse`` (the vocabulary-parallel
+mode all-reduces the same statistics across ranks first, see
+docs/design.md). The backward recomputes the softmax chunk by chunk from the
+saved ``lse`` and writes ``g * (onehot(a) - softmax(z)) / T`` directly in the
+logits' dtype, selected (never multiplied) to exactly 0 on inactive rows.
+
+Memory beyond the inputs and outputs:
+  * saved for backward: ``lse`` (float32 ``[N]``) plus the clamped ids and
+    per-row temperature (``[N]`` each) -- O(N); the logits themselves are
+    the caller's tensor, referenced, not copied;
+  * while running: a few float32 chunk temporaries of at most
+    ``_CHUNK_BYTES`` each (bounded, independent of ``N``);
+  * the gradient: one ``[N, V]`` tensor in the logits' dtype;
+  * if the caller's logits cannot be viewed as ``[N, V]`` (e.g. a transposed
+    ``[T, B, V]`` tensor seen as ``[B, T, V]``), ``reshape`` in the public
+    function makes one copy in the logits' dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import torch
+
+from ratiokl.torch import _elementwise
+
+__all__ = ["ratio_kl", "selected_logprobs"]
+
+#: Upper bound on one float32 ``[rows, V]`` chunk temporary.
+_CHUNK_BYTES = 32 * 2**20
+
+Temperature = Union[float, torch.Tensor]
+
+
+def _chunk_rows(n_rows: int, vocab: int) -> int:
+    """Rows per chunk so that one float32 ``[rows, V]`` temporary fits ``_CHUNK_BYTES``."""
+    return max(1, min(n_rows, _CHUNK_BYTES // (4 * vocab)))
+
+
+def _scaled_logits(
+    logits: torch.Tensor, mask: torch.Tensor, temperature: Temperature
+) -> torch.Tensor:
+    """Float32 ``z = logits / T`` of a chunk, with inactive rows zeroed first."""
+    zero = torch.zeros((), dtype=logits.dtype, device=logits.device)
+    # Select, never multiply: a NaN/inf on an inactive row must not survive.
+    z = torch.where(mask[:, None], logits, zero).float()
+    if isinstance(temperature, torch.Tensor):
+        return z.div_(temperature[:, None])
+    return z if temperature == 1.0 else z.div_(temperature)
+
+
+def _row_stats(
+    z: torch.Tensor, ids: torch.Tensor
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Row max ``m``, ``s = sum exp(z - shift(m))`` and the selected ``z[a]``, each ``[rows]``."""
+    m = z.amax(dim=1)
+    s = (z - _shift(m)[:, None]).exp_().sum(dim=1)
+    z_sel = z.gather(1, ids[:, None])[:, 0]
+    return m, s, z_sel
+
+
+def _shift(m: torch.Tensor) -> torch.Tensor:
+    """The max used to shift the exponentials; 0 where the max is +-inf or NaN.
+
+    A row of all ``-inf`` then gets ``lse = -inf`` and ``logp = NaN`` (no valid
+    distribution), and a ``+inf`` logit gives ``lse = +inf``, as in the spec.
+    """
+    return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+
+
+def _lse(m: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """Combine row statistics into the log-sum-exp (single shard)."""
+    return _shift(m) + torch.log(s)
+
+
+def _forward(
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    temperature: Temperature,
+    bad: Optional[torch.Tensor],
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(logp, lse)``, float32 ``[N]`` each.
+
+    ``logp`` is 0 on inactive rows; ``lse`` is NaN on ``bad`` rows (so are their
+    ``logp`` and, through the saved ``lse``, their gradient).
+    """
+    n_rows, vocab = logits.shape
+    lse = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
+    z_sel = torch.empty_like(lse)
+    step = _chunk_rows(n_rows, vocab)
+    for start in range(0, n_rows, step):
+        rows = slice(start, start + step)
+        t = temperature[rows] if isinstance(temperature, torch.Tensor) else temperature
+        z = _scaled_logits(logits[rows], mask[rows], t)
+        m, s, selected = _row_stats(z, ids[rows])
+        lse[rows] = _lse(m, s)
+        z_sel[rows] = selected
+    if bad is not None:
+        # An out-of-range active id (unchecked): poison the row, forward and backward.
+        lse = torch.where(bad, torch.full_like(lse, float("nan")), lse)
+    logp = torch.where(mask, z_sel - lse, torch.zeros_like(lse))
+    return logp, lse
+
+
+def _backward(
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    temperature: Temperature,
+    lse: torch.Tensor,
+    grad_logp: torch.Tensor,
+) -> torch.Tensor:
+    """``g * (onehot(a) - softmax(z)) / T`` in the logits' dtype ``[N, V]``; 0 on inactive rows."""
+    n_rows, vocab = logits.shape
+    grad = torch.empty((n_rows, vocab), dtype=logits.dtype, device=logits.device)
+    coef = torch.where(mask, grad_logp, torch.zeros_like(grad_logp)) / temperature
+    step = _chunk_rows(n_rows, vocab)
+    for start in range(0, n_rows, step):
+        rows = slice(start, start + step)
+        t = temperature[rows] if isinstance(temperature, torch.Tensor) else temperature
+        # -softmax(z), then +1 at the action: exactly onehot - softmax.
+        d = (_scaled_logits(logits[rows], mask[rows], t) - lse[rows, None]).exp_().neg_()
+        d.scatter_add_(1, ids[rows, None], torch.ones_like(d[:, :1]))
+        d.mul_(coef[rows, None]).masked_fill_(~mask[rows, None], 0.0)
+        grad[rows] = d
+    return grad
+
+
+class _SelectedLogprob(torch.autograd.Function):
+    """``logp[N]`` from ``logits[N, V]`` with the analytic, chunked backward."""
+
+    @staticmethod
+    def forward(ctx, logits, ids, mask, temperature, bad):
+        logp, lse = _forward(logits, ids, mask, temperature, bad)
+        if isinstance(temperature, torch.Tensor):
+            ctx.save_for_backward(logits, ids, mask, lse, temperature)
+        else:
+            ctx.save_for_backward(logits, ids, mask, lse)
+            ctx.temperature = temperature
+        return logp
+
+    @staticmethod
+    def backward(ctx, grad_logp):
+        saved = ctx.saved_tensors
+        logits, ids, mask, lse = saved[:4]
+        temperature = saved[4] if len(saved) == 5 else ctx.temperature
+        grad = _backward(logits, ids, mask, temperature, lse, grad_logp)
+        return grad, None, None, None, None
+
+
+def _prepare_rows(
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    temperature: Temperature,
+    vocab: int,
+    check_ids: bool,
+) -> Tuple[torch.Tensor, Temperature, Optional[torch.Tensor]]:
+    """In-range int64 ids (0 on inactive rows), neutral temperature, and the rows to poison."""
+    bad = None if check_ids else mask & ((ids < 0) | (ids >= vocab))
+    safe_ids = torch.where(mask, ids, torch.zeros_like(ids)).clamp(0, vocab - 1).long()
+    if isinstance(temperature, torch.Tensor):
+        temperature = torch.where(mask, temperature, torch.ones_like(temperature))
+    return safe_ids, temperature, bad
+
+
+def selected_logprobs(
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    temperature: Temperature,
+    check_ids: bool,
+) -> torch.Tensor:
+    """Float32 ``logp[N]`` of ``logits[N, V]``; differentiable w.r.t. ``logits``."""
+    safe_ids, temp, bad = _prepare_rows(ids, mask, temperature, logits.shape[1], check_ids)
+    return _SelectedLogprob.apply(logits, safe_ids, mask, temp, bad)
+
+
+def ratio_kl(
+    policy: torch.Tensor,
+    ref: Optional[torch.Tensor],
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    old_logps: torch.Tensor,
+    ref_logps: Optional[torch.Tensor],
+    kl_code: int,
+    temperature: Temperature,
+    check_ids: bool,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Float32 ``(ratio[N], kl[N])``; differentiable w.r.t. ``policy`` only."""
+    safe_ids, temp, bad = _prepare_rows(ids, mask, temperature, policy.shape[1], check_ids)
+    logp = _SelectedLogprob.apply(policy, safe_ids, mask, temp, bad)
+    if ref_logps is None:
+        with torch.no_grad():
+            ref_logps, _ = _forward(ref.detach(), safe_ids, mask, temp, bad)
+    return _elementwise.ratio_kl(logp, ref_logps.detach(), old_logps.detach(), mask, kl_code)

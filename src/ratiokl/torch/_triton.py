@@ -1,0 +1,243 @@
+"""The ``"triton"`` and ``"interpret"`` PyTorch backends: ``ratiokl._kernels`` launched from torch.
+
+Implements the backend interface documented in ``ratiokl.torch._dispatch``
+on flattened inputs (logits ``[N, V]`` with any strides, per-row tensors
+``[N]``). Both backends run the very same kernel functions:
+
+* ``"triton"`` (CUDA tensors): the kernels are launched through
+  ``torch.library.triton_op`` + ``wrap_triton``, so ``torch.compile`` sees
+  them (``fullgraph=True`` works) and the autograd formula is registered
+  with ``register_autograd``;
+* ``"interpret"`` (CPU tensors): the interpreter twins of the same kernels
+  (``ratiokl._kernels.interpreted``) inside a ``torch.library.custom_op``,
+  opaque to ``torch.compile``, with the same autograd formula.
+
+Forward: one kernel writes per row ``logp``, ``ratio``, ``kl``, ``dkl/dlogp``
+and ``lse``. Backward: the per-row coefficient
+``c = g_logp + g_ratio * ratio + g_kl * dkl`` (``[N]`` framework ops, 0 on
+inactive rows), then one kernel writes ``c * (onehot - softmax) / T`` in the
+logits' dtype. Nothing synchronises with the host; the kernels clamp every
+id and poison active rows with an out-of-range id (NaN outputs and gradient)
+whether or not the caller checked them, so ``check_ids`` needs nothing here.
+
+Memory: O(N) saved for the backward (``lse``, ``ratio``, ``dkl`` and the
+caller's logits, referenced, not copied); the gradient is one row-major
+``[N, V]`` tensor in the logits' dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Tuple, Union
+
+import numpy as np
+import torch
+from torch.library import custom_op, register_autograd, triton_op, wrap_triton
+
+from ratiokl._kernels import (
+    LaunchConfig,
+    backward_config,
+    forward_config,
+    interpreted,
+    logp_backward_kernel,
+    logp_forward_kernel,
+)
+
+__all__ = ["ratio_kl", "selected_logprobs"]
+
+Temperature = Union[float, torch.Tensor]
+Outputs = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _launch_forward(
+    kernel: Callable, policy: torch.Tensor, ref: Optional[torch.Tensor], ids: torch.Tensor,
+    mask: torch.Tensor, old: Optional[torch.Tensor], ref_logps: Optional[torch.Tensor],
+    temp: torch.Tensor, kl_code: int, config: Optional[LaunchConfig] = None,
+) -> Outputs:
+    """``(logp, ratio, kl, dkl, lse)`` float32 ``[N]`` each; ``kernel`` is a launchable handle.
+
+    ``config`` overrides the heuristic launch configuration (for tuning sweeps).
+    """
+    n_rows, vocab = policy.shape
+    outs = tuple(torch.empty(n_rows, dtype=torch.float32, device=policy.device) for _ in range(5))
+    if n_rows == 0:
+        return outs
+    logp, ratio, kl, dkl, lse = outs
+    ref_t = policy if ref is None else ref  # never read when absent (HAS_REF is False)
+    config = config or forward_config(vocab, policy.element_size())
+    kernel[(n_rows,)](
+        policy, ref_t, ids, mask,
+        temp if old is None else old, temp if ref_logps is None else ref_logps, temp,
+        logp, ratio, kl, dkl, lse,
+        vocab, policy.stride(0), policy.stride(1), ref_t.stride(0), ref_t.stride(1),
+        0 if temp.numel() == 1 else temp.stride(0),
+        HAS_REF=ref is not None, KL_CODE=kl_code, BLOCK_V=config.block_v,
+        num_warps=config.num_warps,
+    )
+    return outs
+
+
+def _launch_backward(
+    kernel: Callable, logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor,
+    temp: torch.Tensor, lse: torch.Tensor, coef: torch.Tensor,
+    config: Optional[LaunchConfig] = None,
+) -> torch.Tensor:
+    """Gradient ``[N, V]`` in the logits' dtype (row-major), exact 0 on inactive rows.
+
+    ``config`` overrides the heuristic launch configuration (for tuning sweeps).
+    """
+    n_rows, vocab = logits.shape
+    grad = torch.empty((n_rows, vocab), dtype=logits.dtype, device=logits.device)
+    if n_rows == 0:
+        return grad
+    config = config or backward_config(vocab, logits.element_size())
+    kernel[(n_rows,)](
+        logits, ids, mask, temp, lse, coef,
+        grad,
+        vocab, logits.stride(0), logits.stride(1), 0 if temp.numel() == 1 else temp.stride(0),
+        BLOCK_V=config.block_v, num_warps=config.num_warps,
+    )
+    return grad
+
+
+# --- "triton": CUDA, visible to torch.compile -------------------------------------------
+
+
+@triton_op("ratiokl::triton_forward", mutates_args=())
+def _triton_forward(
+    policy: torch.Tensor, ref: Optional[torch.Tensor], ids: torch.Tensor, mask: torch.Tensor,
+    old: Optional[torch.Tensor], ref_logps: Optional[torch.Tensor], temp: torch.Tensor,
+    kl_code: int,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _launch_forward(
+        wrap_triton(logp_forward_kernel), policy, ref, ids, mask, old, ref_logps, temp, kl_code
+    )
+
+
+@triton_op("ratiokl::triton_backward", mutates_args=())
+def _triton_backward(
+    logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, temp: torch.Tensor,
+    lse: torch.Tensor, coef: torch.Tensor,
+) -> torch.Tensor:
+    return _launch_backward(wrap_triton(logp_backward_kernel), logits, ids, mask, temp, lse, coef)
+
+
+# --- "interpret": CPU, Triton's interpreter, opaque to torch.compile ---------------------
+
+
+@custom_op("ratiokl::interpret_forward", mutates_args=(), device_types="cpu")
+def _interpret_forward(
+    policy: torch.Tensor, ref: Optional[torch.Tensor], ids: torch.Tensor, mask: torch.Tensor,
+    old: Optional[torch.Tensor], ref_logps: Optional[torch.Tensor], temp: torch.Tensor,
+    kl_code: int,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    with np.errstate(all="ignore"):  # NaN/inf rows are data here, not accidents
+        return _launch_forward(
+            interpreted(logp_forward_kernel), policy, ref, ids, mask, old, ref_logps, temp, kl_code
+        )
+
+
+@_interpret_forward.register_fake
+def _(policy, ref, ids, mask, old, ref_logps, temp, kl_code):
+    return tuple(policy.new_empty(policy.shape[0], dtype=torch.float32) for _ in range(5))
+
+
+@custom_op("ratiokl::interpret_backward", mutates_args=(), device_types="cpu")
+def _interpret_backward(
+    logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, temp: torch.Tensor,
+    lse: torch.Tensor, coef: torch.Tensor,
+) -> torch.Tensor:
+    with np.errstate(all="ignore"):
+        return _launch_backward(
+            interpreted(logp_backward_kernel), logits, ids, mask, temp, lse, coef
+        )
+
+
+@_interpret_backward.register_fake
+def _(logits, ids, mask, temp, lse, coef):
+    return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+
+
+# --- autograd: the same formula for both --------------------------------------------------
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    policy, _, ids, mask, _, _, temp, _ = inputs
+    _, ratio, _, dkl, lse = output
+    ctx.save_for_backward(policy, ids, mask, temp, lse, ratio, dkl)
+    ctx.mark_non_differentiable(dkl, lse)
+
+
+def _coefficient(mask, ratio, dkl, g_logp, g_ratio, g_kl) -> torch.Tensor:
+    """``dL/dlogp = g_logp + g_ratio * ratio + g_kl * dkl`` per row, 0 on inactive rows."""
+    coef = torch.zeros_like(ratio)
+    for grad, factor in ((g_logp, None), (g_ratio, ratio), (g_kl, dkl)):
+        if grad is not None:
+            coef = coef + (grad if factor is None else grad * factor)
+    # Select, never multiply: a NaN upstream value on an inactive row stays out.
+    return torch.where(mask, coef, torch.zeros_like(coef))
+
+
+def _make_backward(backward_op: Callable) -> Callable:
+    def backward(ctx, g_logp, g_ratio, g_kl, _g_dkl, _g_lse):
+        policy, ids, mask, temp, lse, ratio, dkl = ctx.saved_tensors
+        coef = _coefficient(mask, ratio, dkl, g_logp, g_ratio, g_kl)
+        grad = backward_op(policy, ids, mask, temp, lse, coef)
+        return grad, None, None, None, None, None, None, None
+
+    return backward
+
+
+register_autograd(
+    "ratiokl::triton_forward", _make_backward(_triton_backward), setup_context=_setup_context
+)
+register_autograd(
+    "ratiokl::interpret_forward", _make_backward(_interpret_backward), setup_context=_setup_context
+)
+
+
+# --- backend interface ----------------------------------------------------------------------
+
+
+def _forward_op(device: torch.device) -> Callable:
+    return _triton_forward if device.type == "cuda" else _interpret_forward
+
+
+def _temperature(temperature: Temperature, device: torch.device) -> torch.Tensor:
+    """Temperature as float32 data the kernels read: ``[1]`` (stride 0 in-kernel) or ``[N]``."""
+    if isinstance(temperature, torch.Tensor):
+        return temperature.detach().to(torch.float32)
+    return torch.full((1,), float(temperature), dtype=torch.float32, device=device)
+
+
+def selected_logprobs(
+    logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, temperature: Temperature,
+    check_ids: bool,
+) -> torch.Tensor:
+    """Float32 ``logp[N]`` of ``logits[N, V]``; 0 on inactive rows, NaN on bad-id rows.
+
+    Differentiable w.r.t. ``logits`` (gradient in its dtype). ``check_ids``
+    is accepted for the interface; the kernel poisons bad ids regardless.
+    """
+    temp = _temperature(temperature, logits.device)
+    logp, _, _, _, _ = _forward_op(logits.device)(logits, None, ids, mask, None, None, temp, 0)
+    return logp
+
+
+def ratio_kl(
+    policy: torch.Tensor, ref: Optional[torch.Tensor], ids: torch.Tensor, mask: torch.Tensor,
+    old_logps: torch.Tensor, ref_logps: Optional[torch.Tensor], kl_code: int,
+    temperature: Temperature, check_ids: bool,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Float32 ``(ratio[N], kl[N])``: ``(1, 0)`` on inactive rows, NaN on bad-id rows.
+
+    Differentiable w.r.t. ``policy`` only; ``ref``, ``ref_logps`` and
+    ``old_logps`` are read detached. ``check_ids`` as in :func:`selected_logprobs`.
+    """
+    temp = _temperature(temperature, policy.device)
+    ref = None if ref is None else ref.detach()
+    ref_logps = None if ref_logps is None else ref_logps.detach().to(torch.float32)
+    old = old_logps.detach().to(torch.float32)
+    _, ratio, kl, _, _ = _forward_op(policy.device)(
+        policy, ref, ids, mask, old, ref_logps, temp, kl_code
+    )
+    return ratio, kl

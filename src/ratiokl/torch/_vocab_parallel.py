@@ -1,0 +1,238 @@
+"""Vocabulary-parallel PyTorch backend: each rank holds a contiguous vocabulary shard.
+
+Layout (Megatron's): the ranks of ``group``, in group-rank order, hold
+consecutive column ranges of the logits; rank ``r`` holds
+``[start_r, start_r + V_r)`` with ``start_r = V_0 + ... + V_{r-1}``. Shards may
+be uneven; the global vocabulary is ``V = sum_r V_r``. Action ids, mask,
+temperature and the other per-token inputs are global and identical on every
+rank.
+
+Per row, every rank computes its shard's statistics (max ``m_r`` and
+``s_r = sum exp(z - shift(m_r))``, see ``ratiokl.torch._native``) and the
+ranks combine them with two ``[N]``-sized all-reduces per call, fused over
+the policy and the reference logits::
+
+    MAX all-reduce of (m_policy, m_ref, one-hot shard sizes)   -> M, every V_r
+    SUM all-reduce of (s_r * exp(m_r - shift(M)), z_a on the owning rank, 0 elsewhere)
+    lse = shift(M) + log(S),   logp = z_a - lse
+
+(the MAX of a one-hot of the sizes is their all-gather, so uneven shards cost
+nothing extra). The outputs are then bitwise identical on every rank. The
+backward needs no collective: each rank writes its slice of
+``g * (onehot(a) - exp(z - lse)) / T``, the one-hot only on the owning rank.
+The collectives are plain ``torch.distributed.all_reduce`` calls on detached
+tensors, never a differentiable all-reduce (whose backward all-reduce would
+multiply the replicated loss's gradient by the group size).
+
+Every shard runs the native per-shard math (framework ops, any device):
+``backend`` may be ``"auto"`` or ``"native"``.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from ratiokl.torch import _checks, _elementwise, _native
+
+__all__ = ["VocabParallel", "bind"]
+
+Temperature = Union[float, torch.Tensor]
+
+
+def bind(backend: str, group: dist.ProcessGroup, lead: Tuple[int, ...]) -> "VocabParallel":
+    """The vocabulary-parallel backend over ``group`` for inputs of leading shape ``lead``."""
+    if backend not in ("auto", "native"):
+        raise ValueError(
+            f"vocabulary-parallel calls (`vocab_group=`) run the native per-shard math; "
+            f"got backend={backend!r}. Pass backend='auto' or 'native'"
+        )
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "`vocab_group` needs torch.distributed: call "
+            "torch.distributed.init_process_group first"
+        )
+    return VocabParallel(group, lead)
+
+
+def _shard_stats(
+    logits: torch.Tensor, mask: torch.Tensor, temperature: Temperature
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """This shard's row max ``m`` and ``s = sum exp(z - shift(m))``, float32 ``[N]`` each."""
+    n_rows, vocab = logits.shape
+    m = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
+    s = torch.empty_like(m)
+    step = _native._chunk_rows(n_rows, vocab)
+    for first in range(0, n_rows, step):
+        rows = slice(first, first + step)
+        t = temperature[rows] if isinstance(temperature, torch.Tensor) else temperature
+        z = _native._scaled_logits(logits[rows], mask[rows], t)
+        m[rows] = z.amax(dim=1)
+        s[rows] = (z - _native._shift(m[rows])[:, None]).exp_().sum(dim=1)
+    return m, s
+
+
+def _selected(
+    logits: torch.Tensor,
+    local_ids: torch.Tensor,
+    owned: torch.Tensor,
+    temperature: Temperature,
+) -> torch.Tensor:
+    """``z[a]`` float32 ``[N]`` on rows whose action lies in this shard, 0 elsewhere."""
+    zero = torch.zeros((), dtype=logits.dtype, device=logits.device)
+    x = torch.where(owned, logits.gather(1, local_ids[:, None])[:, 0], zero).float()
+    return x / temperature
+
+
+class _AttachGrad(torch.autograd.Function):
+    """``logp = z_a - lse`` (0 on inactive rows) with this shard's analytic backward."""
+
+    @staticmethod
+    def forward(ctx, logits, z_sel, lse, local_ids, owned, mask, temperature):
+        if isinstance(temperature, torch.Tensor):
+            ctx.save_for_backward(logits, lse, local_ids, owned, mask, temperature)
+        else:
+            ctx.save_for_backward(logits, lse, local_ids, owned, mask)
+            ctx.temperature = temperature
+        return torch.where(mask, z_sel - lse, torch.zeros_like(lse))
+
+    @staticmethod
+    def backward(ctx, grad_logp):
+        saved = ctx.saved_tensors
+        logits, lse, local_ids, owned, mask = saved[:5]
+        temperature = saved[5] if len(saved) == 6 else ctx.temperature
+        grad = _shard_grad(logits, lse, local_ids, owned, mask, temperature, grad_logp)
+        return grad, None, None, None, None, None, None
+
+
+def _shard_grad(logits, lse, local_ids, owned, mask, temperature, grad_logp) -> torch.Tensor:
+    """This shard's slice of ``g * (onehot(a) - softmax(z)) / T`` in the logits' dtype."""
+    n_rows, vocab = logits.shape
+    grad = torch.empty((n_rows, vocab), dtype=logits.dtype, device=logits.device)
+    coef = torch.where(mask, grad_logp, torch.zeros_like(grad_logp)) / temperature
+    step = _native._chunk_rows(n_rows, vocab)
+    for first in range(0, n_rows, step):
+        rows = slice(first, first + step)
+        t = temperature[rows] if isinstance(temperature, torch.Tensor) else temperature
+        d = (_native._scaled_logits(logits[rows], mask[rows], t) - lse[rows, None]).exp_().neg_()
+        # +1 at the action, on the owning shard only (others write their column back).
+        col = d.gather(1, local_ids[rows, None])
+        d.scatter_(1, local_ids[rows, None], torch.where(owned[rows, None], col + 1.0, col))
+        d.mul_(coef[rows, None]).masked_fill_(~mask[rows, None], 0.0)
+        grad[rows] = d
+    return grad
+
+
+class VocabParallel:
+    """The backend interface of ``ratiokl.torch._dispatch`` over a vocabulary-sharded group.
+
+    ``check_ids=True`` here means: range-check active ids against the global
+    vocabulary on the host (one sync, after the first collective), raising
+    ``ValueError`` with the position in the leading shape ``lead``.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, lead: Tuple[int, ...]) -> None:
+        self.group = group
+        self.lead = lead
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+
+    def selected_logprobs(
+        self,
+        logits: torch.Tensor,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        temperature: Temperature,
+        check_ids: bool,
+    ) -> torch.Tensor:
+        """Float32 ``logp[N]`` of this rank's shard ``logits[N, V_r]``; same on every rank."""
+        return self.logprobs(logits, None, ids, mask, temperature, check_ids)[0]
+
+    def ratio_kl(
+        self,
+        policy: torch.Tensor,
+        ref: Optional[torch.Tensor],
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        old_logps: torch.Tensor,
+        ref_logps: Optional[torch.Tensor],
+        kl_code: int,
+        temperature: Temperature,
+        check_ids: bool,
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Float32 ``(ratio[N], kl[N])``; differentiable w.r.t. this rank's ``policy`` shard."""
+        logp, logp_ref = self.logprobs(policy, ref, ids, mask, temperature, check_ids)
+        if logp_ref is None:
+            logp_ref = ref_logps
+        return _elementwise.ratio_kl(logp, logp_ref.detach(), old_logps.detach(), mask, kl_code)
+
+    def logprobs(
+        self,
+        policy: torch.Tensor,
+        ref: Optional[torch.Tensor],
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        temperature: Temperature,
+        check_ids: bool,
+    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """``(logp, logp_ref)`` float32 ``[N]`` from shards ``[N, V_r]`` (``ref`` may be None).
+
+        ``logp`` is differentiable w.r.t. ``policy``; ``logp_ref`` (None when
+        ``ref`` is None) is detached. One MAX and one SUM all-reduce in all.
+        """
+        if isinstance(temperature, torch.Tensor):
+            temperature = torch.where(mask, temperature, torch.ones_like(temperature))
+        shards = [policy.detach()] + ([] if ref is None else [ref.detach()])
+        if mask.numel() == 0:
+            empty = torch.zeros(0, dtype=torch.float32, device=policy.device)
+            local = torch.zeros(0, dtype=torch.long, device=policy.device)
+            logp = _AttachGrad.apply(policy, empty, empty, local, mask, mask, temperature)
+            return logp, None if ref is None else empty
+        with torch.no_grad():
+            z_sel, lse, local_ids, owned = self._combine(shards, ids, mask, temperature, check_ids)
+        logp = _AttachGrad.apply(policy, z_sel[0], lse[0], local_ids, owned, mask, temperature)
+        if ref is None:
+            return logp, None
+        return logp, torch.where(mask, z_sel[1] - lse[1], torch.zeros_like(lse[1]))
+
+    def _combine(
+        self,
+        shards: Sequence[torch.Tensor],
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        temperature: Temperature,
+        check_ids: bool,
+    ) -> Tuple[List[torch.Tensor], List[torch.Tensor], torch.Tensor, torch.Tensor]:
+        """Global ``z_a`` and ``lse`` per shard tensor, plus local ids and ownership ``[N]``."""
+        n_rows, local_vocab = shards[0].shape
+        stats = [_shard_stats(x, mask, temperature) for x in shards]
+        sizes = torch.zeros(self.world, dtype=torch.float64, device=ids.device)
+        sizes[self.rank] = local_vocab
+        maxima = torch.cat([m.double() for m, _ in stats] + [sizes])
+        dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=self.group)
+        sizes = maxima[len(shards) * n_rows :].long()
+        start, vocab = sizes[: self.rank].sum(), sizes.sum()
+        if check_ids:
+            self._check_ids(ids, mask, vocab)
+        bad = mask & ((ids < 0) | (ids >= vocab))
+        local = ids.long() - start
+        owned = mask & (local >= 0) & (local < local_vocab)
+        local_ids = torch.where(owned, local, torch.zeros_like(local))
+        shift = _native._shift(maxima[: len(shards) * n_rows].float()).reshape(len(shards), n_rows)
+        sums = []
+        for k, (x, (m, s)) in enumerate(zip(shards, stats)):
+            sums.append(s * torch.exp(m - shift[k]))
+            sums.append(_selected(x, local_ids, owned, temperature))
+        sums = torch.stack(sums)
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=self.group)
+        nan = torch.full_like(shift[0], float("nan"))
+        # log(S) after the max shift; an out-of-range active id poisons its row (unchecked calls).
+        lse = [torch.where(bad, nan, shift[k] + torch.log(sums[2 * k])) for k in range(len(shards))]
+        return [sums[2 * k + 1] for k in range(len(shards))], lse, local_ids, owned
+
+    def _check_ids(self, ids: torch.Tensor, mask: torch.Tensor, vocab: torch.Tensor) -> None:
+        """Host check of active ids against the global vocabulary (identical on every rank)."""
+        if bool((mask & ((ids < 0) | (ids >= vocab))).any()):
+            _checks.check_active_ids(ids.reshape(self.lead), mask.reshape(self.lead), int(vocab))

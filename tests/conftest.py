@@ -1,0 +1,62 @@
+"""Shared pytest setup: which (framework, backend) targets the suite runs.
+
+A test that takes a ``target`` argument runs once per target
+(``torch-native``, ``torch-interpret``, ``torch-triton``, ``jax-native``,
+``jax-triton``); ``native_target`` once per ``*-native`` target and
+``torch_target`` once per ``torch-*`` target.
+``--backends`` narrows the list (comma-separated globs, e.g.
+``--backends=torch-*``). GPU targets carry ``pytest.mark.gpu``; a target that
+cannot run here is skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+
+import pytest
+
+from ratiokl import conformance
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--backends",
+        default="*",
+        help="comma-separated globs of conformance targets to run "
+        f"(default: all of {', '.join(conformance.TARGETS)}; unavailable ones are skipped)",
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _status(target: str):
+    return conformance.target_status(target)
+
+
+def _params(config: pytest.Config, names):
+    patterns = [p.strip() for p in config.getoption("--backends").split(",") if p.strip()]
+    params = []
+    for name in names:
+        if not any(fnmatch.fnmatch(name, p) for p in patterns):
+            continue
+        marks = [pytest.mark.gpu] if conformance.TARGETS[name].gpu else []
+        reason = _status(name)
+        if reason is not None:
+            marks.append(pytest.mark.skip(reason=f"{name} unavailable: {reason}"))
+        params.append(pytest.param(name, marks=marks, id=name))
+    return params
+
+
+#: Fixture name -> which targets it is parametrised over.
+_TARGET_FIXTURES = {
+    "target": lambda t: True,
+    "native_target": lambda t: t.backend == "native",
+    "torch_target": lambda t: t.framework == "torch",
+}
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    for fixture, keep in _TARGET_FIXTURES.items():
+        if fixture in metafunc.fixturenames:
+            names = [n for n, t in conformance.TARGETS.items() if keep(t)]
+            metafunc.parametrize(fixture, _params(metafunc.config, names))

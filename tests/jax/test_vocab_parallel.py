@@ -1,0 +1,41 @@
+"""Vocabulary-parallel ``ratiokl.jax.loss`` (``vocab_axis=`` in ``shard_map``) on 4 CPU devices.
+
+The checks live in ``vocab_parallel_worker.py`` and run in a subprocess:
+``--xla_force_host_platform_device_count=4`` must be set before JAX
+initialises, which would otherwise leak into the other tests of this
+pytest worker. Each test runs a few named checks and requires a clean exit.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("jax")
+
+WORKER = Path(__file__).with_name("vocab_parallel_worker.py")
+SRC = Path(__file__).resolve().parents[2] / "src"
+
+
+def _run(*checks: str) -> None:
+    path = os.pathsep.join(p for p in (str(SRC), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, PYTHONPATH=path, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, str(WORKER), *checks], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-4000:]}"
+    assert proc.stdout.split() == [w for c in checks for w in ("ok", c)], proc.stdout
+
+
+def test_conformance_fixtures_sharded_over_four_devices() -> None:
+    """A fixture of every ratio_kl / selected_logprobs group, V padded with -inf."""
+    _run("fixtures")
+
+
+def test_transforms_policy_loss_and_sharding_modes() -> None:
+    """grad inside the body, check_vma=False, policy_loss, plain jit, dp x tp, bad ids, HLO."""
+    _run("grad_inside_body", "vma_off", "policy_loss", "plain_jit_named_sharding",
+         "data_and_tensor_parallel", "bad_ids_and_errors", "collectives")

@@ -1,0 +1,99 @@
+"""The one conformance test body, run for every (framework, backend) target.
+
+Each fixture case (``conformance/cases``) goes through the public API of the
+target's framework and is compared with the float64 spec under the case's
+tolerances (see ``ratiokl.conformance``). Torch targets also run every case
+with the policy logits as a non-contiguous view whose gaps hold NaN.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import ratiokl
+from ratiokl import conformance
+from ratiokl.__main__ import main
+
+CASES = conformance.list_cases()
+
+
+@functools.lru_cache(maxsize=None)
+def _case(name: str) -> conformance.Case:
+    return conformance.load_case(name)
+
+
+def _check(case_name: str, target: str, strided: bool) -> None:
+    result = conformance.run_case(_case(case_name), target, strided=strided)
+    assert result.passed, f"{target} {case_name} [{result.variant}]:\n" + "\n".join(result.failures)
+
+
+@pytest.mark.parametrize("case_name", CASES)
+def test_fixture(target: str, case_name: str) -> None:
+    _check(case_name, target, strided=False)
+
+
+@pytest.mark.parametrize("case_name", CASES)
+def test_fixture_strided_logits(torch_target: str, case_name: str) -> None:
+    _check(case_name, torch_target, strided=True)
+
+
+def test_every_group_covers_the_promised_dtypes() -> None:
+    """Each ratio_kl / selected_logprobs group exists in every dtype (one large case: fp32 only)."""
+    manifest = conformance.load_manifest()["cases"]
+    groups = {}
+    for entry in manifest.values():
+        if entry["op"] in ("ratio_kl", "selected_logprobs"):
+            groups.setdefault(entry["group"], set()).add(entry["dtype"])
+    assert len(groups) >= 29
+    for group, dtypes in groups.items():
+        assert "float32" in dtypes, group
+        if group != "vocab_20011":
+            assert dtypes == set(conformance.LOGIT_DTYPES), group
+
+
+def test_importing_conformance_imports_no_framework() -> None:
+    code = "import sys, ratiokl.conformance; print(sorted({'torch', 'jax'} & set(sys.modules)))"
+    env = dict(os.environ, PYTHONPATH=str(Path(ratiokl.__file__).resolve().parents[1]))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_cli_check_writes_a_report(tmp_path: Path, capsys) -> None:
+    runnable = [t for t in conformance.TARGETS if conformance.target_status(t) is None]
+    if not runnable:
+        pytest.skip("no target can run here")
+    report = tmp_path / "report.json"
+    status = main(["check", "--backend", runnable[0], "--case", "vocab_2_*", "--json", str(report)])
+    results = json.loads(report.read_text())["results"]
+    assert status == (0 if all(r["passed"] for r in results) else 1)
+    assert {r["case"] for r in results} == {"vocab_2_fp32", "vocab_2_fp16", "vocab_2_bf16"}
+    assert "vocab_2" in capsys.readouterr().out
+
+
+def test_cli_rejects_unknown_command_and_empty_selection(capsys) -> None:
+    assert main(["frobnicate"]) == 2
+    assert main(["check", "--case", "no_such_case_*"]) == 2
+
+
+def test_fixtures_found_in_wheel_layout(tmp_path: Path) -> None:
+    """A wheel carries the fixtures as ratiokl/_conformance (see pyproject's force-include)."""
+    source = Path(conformance.fixtures_root())
+    package = Path(ratiokl.__file__).resolve().parent
+    shutil.copytree(package, tmp_path / "ratiokl", ignore=shutil.ignore_patterns("__pycache__"))
+    data = tmp_path / "ratiokl" / "_conformance"
+    shutil.copytree(source / "cases", data / "cases")
+    shutil.copy(source / "manifest.json", data / "manifest.json")
+    code = ("from ratiokl import conformance as c; "
+            "print(c.fixtures_root()); print(len(c.list_cases()))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env=dict(os.environ, PYTHONPATH=str(tmp_path)), cwd=tmp_path)
+    root, count = out.stdout.split()
+    assert Path(root) == data and int(count) == len(CASES)

@@ -1,0 +1,92 @@
+"""The committed fixtures are exactly what ``conformance/generate.py`` writes.
+
+Inputs and cotangents must be bit-identical. Expected values come from NumPy's
+float64 ``exp``/``log``, whose last bit may differ between CPUs (SIMD paths),
+so they may differ by a few ulps; wherever every array is identical, the
+``.npz`` bytes and the manifest must be identical too (the writer has no
+timestamps or ordering freedom).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ratiokl
+from ratiokl import conformance
+from ratiokl.conformance._cases import read_npz, write_npz
+
+REPO = Path(__file__).resolve().parents[1]
+GENERATE = REPO / "conformance" / "generate.py"
+#: Float64 expectations may move by this many ulps across CPUs' libm paths.
+MAX_ULPS = 4
+
+pytestmark = pytest.mark.skipif(not GENERATE.is_file(), reason="needs a source checkout")
+
+
+@pytest.fixture(scope="module")
+def regenerated(tmp_path_factory) -> Path:
+    """Fixtures freshly written by the generator script, run as documented in the README."""
+    out = tmp_path_factory.mktemp("fixtures")
+    env = dict(os.environ, PYTHONPATH=str(Path(ratiokl.__file__).resolve().parents[1]))
+    subprocess.run([sys.executable, str(GENERATE), "--out", str(out)], check=True, env=env)
+    return out
+
+
+def _identical(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+def test_same_case_files(regenerated: Path) -> None:
+    committed = sorted(p.name for p in (REPO / "conformance" / "cases").glob("*.npz"))
+    assert sorted(p.name for p in (regenerated / "cases").glob("*.npz")) == committed
+
+
+@pytest.mark.parametrize("name", conformance.list_cases())
+def test_case_reproduces(regenerated: Path, name: str) -> None:
+    new_bytes = (regenerated / "cases" / f"{name}.npz").read_bytes()
+    old_bytes = (REPO / "conformance" / "cases" / f"{name}.npz").read_bytes()
+    new, old = read_npz(new_bytes), read_npz(old_bytes)
+    assert sorted(new) == sorted(old)
+    for key in old:
+        if key.startswith("expected_") and old[key].dtype == np.float64:
+            assert new[key].shape == old[key].shape, key
+            np.testing.assert_array_max_ulp(new[key], old[key], maxulp=MAX_ULPS)
+        else:
+            assert _identical(new[key], old[key]), f"{name}: input {key!r} changed"
+    if all(_identical(new[k], old[k]) for k in old):
+        assert new_bytes == old_bytes, f"{name}: same arrays but different file bytes"
+
+
+def test_manifest_reproduces(regenerated: Path) -> None:
+    new_text = (regenerated / "manifest.json").read_text()
+    old_text = (REPO / "conformance" / "manifest.json").read_text()
+    new, old = json.loads(new_text), json.loads(old_text)
+    assert new["format_version"] == old["format_version"] == conformance.FORMAT_VERSION
+    assert sorted(new["cases"]) == sorted(old["cases"])
+    for name, entry in old["cases"].items():
+        fresh = dict(new["cases"][name])
+        for which, tol in entry.pop("tolerances").items():
+            for key, value in tol.items():
+                assert fresh["tolerances"][which][key] == pytest.approx(value, rel=1e-9), (name, which)
+        fresh.pop("tolerances"), fresh.pop("sha256"), entry.pop("sha256")
+        assert fresh == entry, name
+    same_files = all(
+        (regenerated / e["file"]).read_bytes() == (REPO / "conformance" / e["file"]).read_bytes()
+        for e in old["cases"].values()
+    )
+    if same_files:
+        assert new_text == old_text
+
+
+def test_writer_is_deterministic() -> None:
+    arrays = {"b": np.arange(5, dtype=np.float32), "a": np.ones((2, 3), dtype=bool)}
+    first = write_npz(arrays)
+    assert write_npz(dict(reversed(list(arrays.items())))) == first
+    assert all(_identical(read_npz(first)[k], v) for k, v in arrays.items())

@@ -1,0 +1,70 @@
+"""``torch.compile(fullgraph=True)`` of the public functions matches eager.
+
+``check_ids=False`` is the compiled callers' mode: no host sync (a sync
+would be a graph break, which ``fullgraph=True`` turns into an error), and a
+bad active id poisons its row with NaN instead of raising.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from ratiokl import spec  # noqa: E402
+from ratiokl.torch import loss  # noqa: E402
+
+V = 29
+
+
+def _objective(logits, ref, ids, mask, old, temperature):
+    """A scalar mixing every output, with non-unit weights, plus the outputs."""
+    ratio, kl = loss.ratio_kl(
+        logits, ref, ids, mask, old, kl_estimator="k3", temperature=temperature,
+        backend="native", check_ids=False,
+    )
+    logp = loss.selected_logprobs(
+        logits, ids, mask, temperature=0.8, backend="native", check_ids=False
+    )
+    return (1.5 * ratio - 0.5 * kl + 2.0 * logp).sum(), ratio, kl, logp
+
+
+def _run(fn, logits, *rest):
+    logits = logits.detach().requires_grad_()
+    total, *outputs = fn(logits, *rest)
+    (grad,) = torch.autograd.grad(total, logits)
+    return outputs, grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_compiled_matches_eager(dtype) -> None:
+    gen = torch.Generator().manual_seed(0)
+    logits = (2 * torch.randn(3, 5, V, generator=gen)).to(dtype)
+    ref = (2 * torch.randn(3, 5, V, generator=gen)).to(dtype)
+    ids = torch.randint(0, V, (3, 5), generator=gen)
+    mask = torch.rand(3, 5, generator=gen) < 0.7
+    mask[0, 0], ids[0, 0] = True, V + 4  # an unchecked bad id: NaN row, no error
+    mask[2, 1], logits[2, 1] = False, float("nan")  # a poisoned inactive row
+    old = torch.randn(3, 5, generator=gen)
+    temperature = 0.5 + torch.rand(3, 5, generator=gen)
+    args = (logits, ref, ids, mask, old, temperature)
+
+    eager_out, eager_grad = _run(_objective, *args)
+    comp_out, comp_grad = _run(torch.compile(_objective, fullgraph=True), *args)
+
+    scale = float(logits[mask].float().nan_to_num(0.0).abs().max() / temperature.min())
+    fwd = spec.forward_tolerance(scale)
+    for eager, compiled in zip(eager_out, comp_out):
+        np.testing.assert_allclose(
+            compiled.detach().numpy(), eager.detach().numpy(), equal_nan=True, **fwd.as_dict()
+        )
+    assert comp_grad.dtype == dtype
+    grad_scale = float(eager_grad.float().nan_to_num(0.0).abs().max())
+    grad_tol = spec.grad_tolerance(str(dtype).removeprefix("torch."), scale, grad_scale)
+    np.testing.assert_allclose(
+        comp_grad.double().numpy(), eager_grad.double().numpy(), equal_nan=True,
+        **grad_tol.as_dict(),
+    )
+    assert comp_out[0][0, 0].isnan() and comp_grad[0, 0].isnan().all()
+    assert comp_out[0][2, 1] == 1.0 and comp_out[1][2, 1] == 0.0 and (comp_grad[2, 1] == 0).all()

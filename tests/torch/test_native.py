@@ -1,0 +1,317 @@
+"""The native PyTorch backend against the float64 spec (``ratiokl.spec``).
+
+Forward and gradient per logits dtype and leading shape, the inactive-row
+rules, active-row error visibility, the id check and its opt-out, argument
+validation, and determinism. Every comparison uses ``ratiokl.spec.tolerances``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from ratiokl import spec  # noqa: E402
+from ratiokl.torch import _dispatch, _elementwise, _native, loss  # noqa: E402
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+V = 37
+NATIVE = {"backend": "native"}
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().double().numpy() if t.is_floating_point() else t.detach().numpy()
+
+
+def _scale(logits: np.ndarray, mask: np.ndarray, temperature=1.0) -> float:
+    """max |logits / T| over the finite entries of active rows."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        z = np.abs(logits / np.broadcast_to(np.asarray(temperature), mask.shape)[..., None])
+    z = np.where(mask[..., None] & np.isfinite(z), z, 0.0)
+    return float(z.max(initial=0.0))
+
+
+def _assert_close(actual: torch.Tensor, expected: np.ndarray, tol: spec.Tolerance) -> None:
+    assert actual.dtype in (torch.float32, torch.float16, torch.bfloat16)
+    np.testing.assert_allclose(_np(actual), expected, rtol=tol.rtol, atol=tol.atol, equal_nan=True)
+
+
+def _case(lead, dtype=torch.float32, seed=0, active=0.7):
+    """Random logits (scale 3) in ``dtype``, ref logits, ids, mask and old log-probs."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = (3 * torch.randn(*lead, V, generator=gen)).to(dtype)
+    ref = (logits.float() + 0.3 * torch.randn(*lead, V, generator=gen)).to(dtype)
+    ids = torch.randint(0, V, lead, generator=gen)
+    mask = torch.rand(lead, generator=gen) < active
+    exact = spec.selected_logprobs(_np(logits), _np(ids), _np(mask))
+    old = torch.from_numpy(exact).float() + 0.2 * torch.randn(lead, generator=gen)
+    return logits.requires_grad_(), ref, ids, mask, old
+
+
+def _check_ratio_kl(logits, ref, ids, mask, old, *, seed=1, **kw):
+    """Forward and gradient of ratio_kl (random upstream cotangents) against the spec."""
+    ratio, kl = loss.ratio_kl(logits, ref, ids, mask, old, **NATIVE, **kw)
+    gen = torch.Generator().manual_seed(seed)
+    g_ratio, g_kl = torch.randn(ratio.shape, generator=gen), torch.randn(kl.shape, generator=gen)
+    (grad,) = torch.autograd.grad((ratio * g_ratio + kl * g_kl).sum(), logits)
+    args = [_np(logits), None if ref is None else _np(ref), _np(ids), _np(mask), _np(old)]
+    opts = {k: (_np(v) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+    exp_ratio, exp_kl = spec.ratio_kl(*args, **opts)
+    exp_grad = spec.ratio_kl_grad(*args, _np(g_ratio), _np(g_kl), **opts)
+    scale = _scale(_np(logits), _np(mask), kw.get("temperature", 1.0))
+    fwd = spec.forward_tolerance(scale)
+    _assert_close(ratio, exp_ratio, fwd)
+    _assert_close(kl, exp_kl, fwd)
+    assert grad.dtype == logits.dtype and grad.shape == logits.shape
+    grad_scale = float(np.abs(np.nan_to_num(exp_grad)).max(initial=0.0))
+    dtype_name = str(logits.dtype).removeprefix("torch.")
+    _assert_close(grad, exp_grad, spec.grad_tolerance(dtype_name, scale, grad_scale))
+    return ratio, kl, grad
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lead", [(13,), (3, 5), (2, 3, 4)], ids=["N", "BT", "BTK"])
+def test_selected_logprobs_matches_spec(dtype: str, lead) -> None:
+    logits, _, ids, mask, _ = _case(lead, DTYPES[dtype])
+    logp = loss.selected_logprobs(logits, ids, mask, temperature=0.7, **NATIVE)
+    g = torch.randn(lead, generator=torch.Generator().manual_seed(5))
+    (grad,) = torch.autograd.grad((logp * g).sum(), logits)
+    x, a, m = _np(logits), _np(ids), _np(mask)
+    scale = _scale(x, m, 0.7)
+    assert logp.dtype == torch.float32 and logp.shape == lead
+    expected = spec.selected_logprobs(x, a, m, temperature=0.7)
+    _assert_close(logp, expected, spec.forward_tolerance(scale))
+    exp_grad = spec.selected_logprobs_grad(x, a, m, _np(g), temperature=0.7)
+    assert grad.dtype == logits.dtype
+    tol = spec.grad_tolerance(dtype, scale, float(np.abs(exp_grad).max()))
+    _assert_close(grad, exp_grad, tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kl_estimator", ["k1", "k2", "k3"])
+def test_ratio_kl_matches_spec(dtype: str, kl_estimator: str) -> None:
+    _check_ratio_kl(*_case((3, 5), DTYPES[dtype]), kl_estimator=kl_estimator, temperature=0.9)
+
+
+def test_ref_logps_instead_of_ref_logits() -> None:
+    logits, _, ids, mask, old = _case((4, 6))
+    ref_logps = old - 0.1
+    _check_ratio_kl(logits, None, ids, mask, old, ref_logps=ref_logps)
+
+
+def test_per_row_temperature_tensor() -> None:
+    logits, ref, ids, mask, old = _case((3, 5))
+    temperature = 0.5 + torch.rand((3, 5), generator=torch.Generator().manual_seed(2))
+    _check_ratio_kl(logits, ref, ids, mask, old, temperature=temperature)
+
+
+def test_zero_dim_temperature_tensor_broadcasts() -> None:
+    logits, ref, ids, mask, old = _case((3, 4))
+    as_float = loss.ratio_kl(logits, ref, ids, mask, old, temperature=0.6, **NATIVE)
+    as_tensor = loss.ratio_kl(logits, ref, ids, mask, old, temperature=torch.tensor(0.6), **NATIVE)
+    assert all(torch.equal(a, b) for a, b in zip(as_float, as_tensor))
+
+
+@pytest.mark.parametrize("transpose", [False, True], ids=["vocab_stride_2", "transposed"])
+def test_non_contiguous_inputs(transpose: bool) -> None:
+    base, ref, ids, mask, old = _case((5, 3), torch.bfloat16)
+    pairs = torch.stack([base.detach(), torch.full_like(base, float("nan"))], dim=-1)
+    wide = pairs.reshape(5, 3, 2 * V)[..., ::2]  # vocab stride 2, NaN between the entries
+    t = (lambda x: x.transpose(0, 1)) if transpose else (lambda x: x)  # [3, 5, ...] or [5, 3, ...]
+    logits = t(wide).detach().requires_grad_()
+    assert not logits.is_contiguous() and torch.equal(logits, t(base))
+    _check_ratio_kl(logits, t(ref), t(ids), t(mask), t(old))
+
+
+def test_many_chunks_match_spec(monkeypatch) -> None:
+    monkeypatch.setattr(_native, "_CHUNK_BYTES", 4 * V * 3)  # 3 rows per chunk
+    assert _native._chunk_rows(40, V) == 3
+    _check_ratio_kl(*_case((40,), torch.float16), temperature=1.3)
+
+
+def _poisoned_inactive_rows():
+    """Inactive rows holding NaN/+inf/-inf logits, NaN old_logps and bad ids."""
+    logits, ref, ids, mask, old = _case((4, 5), active=1.0)
+    x, r = logits.detach().clone(), ref.clone()
+    mask[0, :] = False
+    nan, inf = float("nan"), float("inf")
+    x[0, 0, 3], x[0, 1, :], x[0, 2, 0], x[0, 3, :] = nan, inf, -inf, -inf
+    r[0, :, 1] = float("nan")
+    ids[0, 0], ids[0, 1], ids[0, 2] = -5, V, V + 100
+    old[0, :] = float("nan")
+    temperature = torch.ones(4, 5)
+    temperature[0, :] = torch.tensor([0.0, float("nan"), -1.0, float("inf"), 0.0])
+    return x.requires_grad_(), r, ids, mask, old, temperature
+
+
+@pytest.mark.parametrize("with_ref_logits", [True, False])
+def test_inactive_rows_are_exactly_neutral(with_ref_logits: bool) -> None:
+    logits, ref, ids, mask, old, temperature = _poisoned_inactive_rows()
+    ref_kw = {} if with_ref_logits else {"ref_logps": old - 0.1}  # NaN on row 0
+    ratio, kl, grad = _check_ratio_kl(
+        logits, ref if with_ref_logits else None, ids, mask, old, temperature=temperature, **ref_kw
+    )
+    assert torch.equal(ratio[0], torch.ones(5)) and torch.equal(kl[0], torch.zeros(5))
+    assert torch.equal(grad[0], torch.zeros(5, V))
+    assert torch.isfinite(ratio).all() and torch.isfinite(kl).all() and torch.isfinite(grad).all()
+    logp = loss.selected_logprobs(logits, ids, mask, temperature=temperature, **NATIVE)
+    (grad_logp,) = torch.autograd.grad(logp.sum(), logits)
+    assert torch.equal(logp[0], torch.zeros(5)) and torch.equal(grad_logp[0], torch.zeros(5, V))
+
+
+@pytest.mark.parametrize("kl_code", [1, 2, 3])
+def test_elementwise_epilogue_isolates_inactive_rows(kl_code: int) -> None:
+    """The shared epilogue alone: NaN/inf inputs on inactive rows give exactly 0 gradient."""
+    nan, inf = float("nan"), float("inf")
+    logp = torch.tensor([-1.0, nan, inf, -0.5], requires_grad=True)
+    logp_ref = torch.tensor([-1.2, nan, -inf, -0.4])
+    old = torch.tensor([-0.9, nan, nan, -inf])
+    mask = torch.tensor([True, False, False, False])
+    ratio, kl = _elementwise.ratio_kl(logp, logp_ref, old, mask, kl_code)
+    (grad,) = torch.autograd.grad((ratio + kl).sum(), logp)
+    assert torch.equal(ratio[1:], torch.ones(3)) and torch.equal(kl[1:], torch.zeros(3))
+    assert torch.equal(grad[1:], torch.zeros(3)) and torch.isfinite(grad[0])
+
+
+def test_nan_logit_poisons_only_its_row() -> None:
+    logits, ref, ids, mask, old = _case((2, 6), active=1.0)
+    x = logits.detach().clone()
+    x[1, 2, 7] = float("nan")
+    ratio, kl, grad = _check_ratio_kl(x.requires_grad_(), ref, ids, mask, old)
+    assert ratio[1, 2].isnan() and kl[1, 2].isnan() and grad[1, 2].isnan().all()
+    others = torch.ones(2, 6, dtype=torch.bool)
+    others[1, 2] = False
+    assert torch.isfinite(ratio[others]).all() and torch.isfinite(grad[others]).all()
+
+
+def test_neg_inf_at_other_tokens_stays_finite() -> None:
+    logits, ref, ids, mask, old = _case((3, 4), active=1.0)
+    x = logits.detach().clone()
+    x[..., :10] = -float("inf")
+    ids = 10 + ids % (V - 10)
+    ratio, kl, grad = _check_ratio_kl(x.requires_grad_(), ref, ids, mask, old)
+    assert torch.isfinite(ratio).all() and torch.isfinite(kl).all() and torch.isfinite(grad).all()
+
+
+@pytest.mark.parametrize("bad_id", [-1, V, 10**9])
+def test_out_of_range_active_id_raises_naming_position(bad_id: int) -> None:
+    logits, ref, ids, mask, old = _case((3, 4))
+    ids[1, 2], mask[1, 2] = bad_id, True
+    message = rf"action_ids\[1, 2\] = {bad_id} is outside \[0, {V}\)"
+    with pytest.raises(ValueError, match=message):
+        loss.ratio_kl(logits, ref, ids, mask, old, **NATIVE)
+    with pytest.raises(ValueError, match=message):
+        loss.selected_logprobs(logits, ids, mask, **NATIVE)
+
+
+def test_check_ids_false_poisons_the_row_without_raising() -> None:
+    logits, ref, ids, mask, old = _case((3, 4), active=1.0)
+    ids[1, 2] = V + 3
+    ratio, kl = loss.ratio_kl(logits, ref, ids, mask, old, check_ids=False, **NATIVE)
+    logp = loss.selected_logprobs(logits, ids, mask, check_ids=False, **NATIVE)
+    (grad,) = torch.autograd.grad((ratio + kl + logp).sum(), logits)
+    assert ratio[1, 2].isnan() and kl[1, 2].isnan() and logp[1, 2].isnan()
+    assert grad[1, 2].isnan().all()
+    ok = torch.ones(3, 4, dtype=torch.bool)
+    ok[1, 2] = False
+    assert torch.isfinite(ratio[ok]).all() and torch.isfinite(grad[ok]).all()
+    exp_ratio, _ = spec.ratio_kl(*(_np(t)[ok] for t in (logits, ref, ids, mask, old)))
+    _assert_close(ratio[ok], exp_ratio, spec.forward_tolerance(_scale(_np(logits), _np(mask))))
+
+
+@pytest.mark.parametrize("lead", [(0,), (2, 0)])
+def test_empty_input(lead) -> None:
+    logits, ref, ids, mask, old = _case(lead)
+    ratio, kl, grad = _check_ratio_kl(logits, ref, ids, mask, old)
+    assert ratio.shape == lead and kl.shape == lead and grad.shape == (*lead, V)
+
+
+def test_all_inactive_input() -> None:
+    logits, ref, ids, mask, old = _case((3, 4), active=0.0)
+    ratio, kl, grad = _check_ratio_kl(logits, ref, ids, mask, old)
+    assert torch.equal(ratio, torch.ones(3, 4)) and torch.equal(kl, torch.zeros(3, 4))
+    assert torch.equal(grad, torch.zeros(3, 4, V))
+
+
+def test_gradient_reaches_policy_logits_only() -> None:
+    logits, ref, ids, mask, old = _case((3, 4))
+    ref, old = ref.requires_grad_(), old.requires_grad_()
+    temperature = torch.full((3, 4), 0.8, requires_grad=True)
+    ratio, kl = loss.ratio_kl(logits, ref, ids, mask, old, temperature=temperature, **NATIVE)
+    ref_logps = (old.detach() - 0.1).requires_grad_()
+    ratio2, kl2 = loss.ratio_kl(logits, None, ids, mask, old, ref_logps=ref_logps, **NATIVE)
+    (ratio + kl + ratio2 + kl2).sum().backward()
+    assert logits.grad is not None and logits.grad.abs().sum() > 0
+    assert ref.grad is None and old.grad is None
+    assert ref_logps.grad is None and temperature.grad is None
+
+
+def test_integer_mask_is_accepted() -> None:
+    logits, ref, ids, mask, old = _case((3, 4))
+    as_bool = loss.ratio_kl(logits, ref, ids, mask, old, **NATIVE)
+    as_int = loss.ratio_kl(logits, ref, ids, mask.to(torch.int32), old, **NATIVE)
+    assert all(torch.equal(a, b) for a, b in zip(as_bool, as_int))
+
+
+def test_deterministic_bitwise() -> None:
+    def run():
+        logits, ref, ids, mask, old = _case((6, 7), torch.bfloat16, seed=3)
+        ratio, kl = loss.ratio_kl(logits, ref, ids, mask, old, **NATIVE)
+        (grad,) = torch.autograd.grad((ratio * 2 - kl).sum(), logits)
+        return ratio, kl, grad
+
+    first, second = run(), run()
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+def _bad(name: str):
+    """Valid ratio_kl arguments with one replaced, as (args, kwargs)."""
+    logits, ref, ids, mask, old = _case((3, 4))
+    args = {"policy_logits": logits, "ref_logits": ref, "action_ids": ids, "mask": mask,
+            "old_logps": old}
+    kwargs = dict(NATIVE)
+    bad = {
+        "policy_logits": logits.detach().double(),
+        "ref_logits": ref[:, :2],
+        "action_ids": ids.float(),
+        "mask": mask[:2],
+        "old_logps": old.long(),
+        "ref_logps": old,
+        "temperature": 0.0,
+        "kl_estimator": "k4",
+        "backend": "cuda",
+    }[name]
+    (args if name in args else kwargs)[name] = bad
+    return list(args.values()), kwargs
+
+
+@pytest.mark.parametrize(
+    "name, error",
+    [("policy_logits", TypeError), ("ref_logits", ValueError), ("action_ids", TypeError),
+     ("mask", ValueError), ("old_logps", TypeError), ("ref_logps", ValueError),
+     ("temperature", ValueError), ("kl_estimator", ValueError), ("backend", ValueError)],
+)
+def test_validation_errors_name_the_argument(name: str, error) -> None:
+    args, kwargs = _bad(name)
+    with pytest.raises(error, match=name):
+        loss.ratio_kl(*args, **kwargs)
+
+
+def test_vocabulary_temperature_and_device_errors() -> None:
+    with pytest.raises(ValueError, match="policy_logits"):
+        loss.selected_logprobs(torch.zeros(3, 0), torch.zeros(3, dtype=torch.long), **NATIVE)
+    logits, ref, ids, mask, old = _case((3, 4))
+    with pytest.raises(ValueError, match="temperature"):
+        loss.selected_logprobs(logits, ids, temperature=torch.ones(4), **NATIVE)
+    with pytest.raises(ValueError, match="old_logps"):
+        loss.ratio_kl(logits, ref, ids, mask, old.to("meta"), **NATIVE)
+
+
+def test_backend_resolution() -> None:
+    assert _dispatch.resolve("auto", torch.device("cpu")) is _native
+    assert _dispatch.resolve("native", torch.device("cpu")) is _native
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        _dispatch.resolve("triton", torch.device("cpu"))
+    with pytest.raises(ValueError, match="needs CPU tensors"):
+        _dispatch.resolve("interpret", torch.device("cuda"))

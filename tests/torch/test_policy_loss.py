@@ -1,0 +1,255 @@
+"""``ratiokl.torch.loss.policy_loss`` against the float64 spec (``ratiokl.spec.policy_loss``).
+
+Each option's loss, metrics and policy-logit gradient (autograd) on inputs
+whose inactive rows hold NaN logits, NaN old log-probs / advantages /
+weights and out-of-range ids; all-inactive and empty batches; dtypes;
+argument errors. Mirrors ``tests/jax/test_policy_loss.py``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from ratiokl import spec  # noqa: E402
+from ratiokl.torch import loss  # noqa: E402
+
+B, T, V = 3, 7, 19
+#: The loss sums up to B*T float32 terms: a few float32 ulps of the largest.
+LOSS_TOL = spec.Tolerance(rtol=2e-5, atol=2e-6)
+
+#: name -> policy_loss options; each pins one behaviour down.
+OPTIONS = {
+    "ppo_default": {},
+    "clip_higher": {"clip_eps_high": 0.28},
+    "dual_clip": {"dual_clip": 1.3},
+    "ratio_cap": {"ratio_cap": 1.2, "clip_eps": 0.1},
+    "kl_k1": {"kl_coef": 0.3, "kl_estimator": "k1"},
+    "kl_k2": {"kl_coef": 0.3, "kl_estimator": "k2"},
+    "kl_k3": {"kl_coef": 0.3, "kl_estimator": "k3"},
+    "kl_k1_straight_through": {"kl_coef": 0.3, "kl_estimator": "k1+"},
+    "kl_k3_straight_through": {"kl_coef": 0.3, "kl_estimator": "k3+"},
+    "kl_k3_ratio_weighted": {"kl_coef": 0.3, "kl_estimator": "k3-is"},
+    "agg_token_sum": {"loss_agg": "token-sum"},
+    "agg_seq_mean_token_mean": {"loss_agg": "seq-mean-token-mean"},
+    "agg_seq_mean_token_sum": {"loss_agg": "seq-mean-token-sum"},
+    "agg_seq_mean_token_sum_norm": {"loss_agg": "seq-mean-token-sum-norm"},
+    "global_normalizer": {"loss_normalizer": 37.0},
+    "gspo": {"ratio_level": "sequence", "loss_agg": "seq-mean-token-mean"},
+    "gspo_token_mean_kl": {"ratio_level": "sequence", "kl_coef": 0.2, "kl_estimator": "k3-is"},
+    "log_ratio_bound_active": {"log_ratio_bound": 0.3, "kl_coef": 0.5},
+    "no_log_ratio_bound": {"log_ratio_bound": None, "dual_clip": 3.0},
+    "temperature": {"temperature": 0.7, "kl_coef": 0.1},
+}
+#: Options that read packed-row segments.
+PACKED = {
+    "packed_seq_mean_token_mean": {"loss_agg": "seq-mean-token-mean"},
+    "packed_gspo": {"ratio_level": "sequence", "loss_agg": "seq-mean-token-sum"},
+}
+
+
+def make_inputs(seed=0, active=0.75, per_token_adv=False, lead=(B, T)):
+    """NumPy inputs; inactive rows hold NaN logits/old/advantages/weights and bad ids."""
+    rng = np.random.default_rng(seed)
+    logits = rng.normal(0.0, 2.0, (*lead, V))
+    mask = rng.random(lead) < active
+    ids = rng.integers(0, V, lead)
+    logp = spec.selected_logprobs(logits, ids, mask)
+    old = np.where(mask, logp + rng.normal(0.0, 0.5, lead), np.nan)
+    adv = rng.normal(0.0, 1.0, lead if per_token_adv else lead[:-1])
+    if per_token_adv:
+        adv = np.where(mask, adv, np.nan)
+    x = {
+        "policy_logits": np.where(mask[..., None], logits, np.nan),
+        "ref_logits": logits + rng.normal(0.0, 0.5, logits.shape),
+        "action_ids": np.where(mask, ids, np.where(rng.random(lead) < 0.5, -1, V + 3)),
+        "mask": mask,
+        "old_logps": old,
+        "advantages": adv,
+        "importance_weights": np.where(mask, rng.uniform(0.5, 1.5, lead), np.nan),
+        "segment_ids": np.sort(rng.integers(0, 3, lead), axis=-1),
+    }
+    return {k: np.asarray(v, np.float32) if v.dtype.kind == "f" else v for k, v in x.items()}
+
+
+def _torch(x, dtype=torch.float32):
+    out = {k: torch.from_numpy(v) for k, v in x.items()}
+    out["policy_logits"] = out["policy_logits"].to(dtype).requires_grad_()
+    out["ref_logits"] = out["ref_logits"].to(dtype)
+    return out
+
+
+def _run(x, options, *, backend="native", dtype=torch.float32, keys=()):
+    """``(loss, metrics, grad)`` of the torch call and ``(loss, metrics, grad)`` of the spec."""
+    t = _torch(x, dtype)
+    extra = {k: t[k] for k in keys}
+    value, metrics = loss.policy_loss(
+        t["policy_logits"], t["ref_logits"], t["action_ids"], t["mask"], t["old_logps"],
+        t["advantages"], backend=backend, **extra, **options,
+    )
+    (grad,) = torch.autograd.grad(value, t["policy_logits"])
+    args = dict(x, policy_logits=t["policy_logits"].detach().float().numpy(),
+                ref_logits=t["ref_logits"].float().numpy())
+    positional = [args[k] for k in ("policy_logits", "ref_logits", "action_ids", "mask",
+                                    "old_logps", "advantages")]
+    kw = {**{k: x[k] for k in keys}, **options}
+    exp_loss, exp_metrics = spec.policy_loss(*positional, **kw)
+    exp_grad = spec.policy_loss_grad(*positional, **kw)
+    return (value, metrics, grad), (exp_loss, exp_metrics, exp_grad)
+
+
+def _assert_matches(actual, expected, dtype="float32"):
+    (value, metrics, grad), (exp_loss, exp_metrics, exp_grad) = actual, expected
+    assert value.dtype == torch.float32 and value.dim() == 0
+    np.testing.assert_allclose(value.item(), exp_loss, rtol=LOSS_TOL.rtol, atol=LOSS_TOL.atol)
+    assert set(metrics) == set(exp_metrics)
+    for name, m in metrics.items():
+        assert m.dtype == torch.float32 and m.dim() == 0 and not m.requires_grad
+        np.testing.assert_allclose(m.item(), exp_metrics[name], rtol=LOSS_TOL.rtol,
+                                   atol=LOSS_TOL.atol, err_msg=name)
+    assert np.all(np.isfinite(exp_grad))
+    tol = spec.grad_tolerance(dtype, 8.0, float(np.abs(exp_grad).max()))
+    np.testing.assert_allclose(grad.float().numpy(), exp_grad, rtol=tol.rtol, atol=tol.atol)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIONS))
+def test_option_matches_spec(name):
+    x = make_inputs(seed=len(name))
+    keys = ("importance_weights",) if name == "ppo_default" else ()
+    _assert_matches(*_run(x, OPTIONS[name], keys=keys))
+
+
+@pytest.mark.parametrize("name", sorted(PACKED))
+def test_packed_rows_match_spec(name):
+    x = make_inputs(seed=5, active=0.9)
+    _assert_matches(*_run(x, PACKED[name], keys=("segment_ids",)))
+
+
+def test_per_token_advantages_with_nan_on_inactive_rows():
+    x = make_inputs(seed=3, per_token_adv=True)
+    _assert_matches(*_run(x, {"dual_clip": 2.0, "kl_coef": 0.1}, keys=("importance_weights",)))
+
+
+def test_ref_logps_instead_of_ref_logits():
+    x = make_inputs(seed=4)
+    t = _torch(x)
+    ref_logps = loss.selected_logprobs(t["ref_logits"], t["action_ids"], t["mask"], check_ids=False)
+    with_logits = loss.policy_loss(
+        t["policy_logits"], t["ref_logits"], t["action_ids"], t["mask"], t["old_logps"],
+        t["advantages"], kl_coef=0.2,
+    )[0]
+    with_logps = loss.policy_loss(
+        t["policy_logits"], None, t["action_ids"], t["mask"], t["old_logps"], t["advantages"],
+        ref_logps=ref_logps, kl_coef=0.2,
+    )[0]
+    assert with_logits.item() == with_logps.item()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_low_precision_logits(dtype):
+    x = make_inputs(seed=6)
+    actual, expected = _run(x, {"kl_coef": 0.1}, dtype=getattr(torch, dtype))
+    assert actual[2].dtype == getattr(torch, dtype)
+    _assert_matches(actual, expected, dtype)
+
+
+@pytest.mark.parametrize("agg", sorted(spec.LOSS_AGGS))
+@pytest.mark.parametrize("level", sorted(spec.RATIO_LEVELS))
+def test_all_inactive_gives_zero_loss_and_zero_grad(agg, level):
+    x = make_inputs(seed=7, active=0.0)
+    (value, metrics, grad), _ = _run(x, {"loss_agg": agg, "ratio_level": level, "kl_coef": 0.5},
+                                     keys=("segment_ids", "importance_weights"))
+    assert value.item() == 0.0
+    assert all(m.item() == 0.0 for m in metrics.values())
+    assert torch.equal(grad, torch.zeros_like(grad))
+
+
+def test_empty_batch():
+    x = make_inputs(seed=8, lead=(0, T))
+    (value, metrics, grad), _ = _run(x, {"loss_agg": "seq-mean-token-mean"})
+    assert value.item() == 0.0 and grad.shape == (0, T, V)
+
+
+def test_inactive_rows_get_exactly_zero_grad_and_do_not_change_the_loss():
+    x = make_inputs(seed=9, per_token_adv=True)
+    opts = {"ratio_level": "sequence", "loss_agg": "seq-mean-token-mean", "kl_coef": 0.3}
+    (value, _, grad), _ = _run(x, opts, keys=("segment_ids", "importance_weights"))
+    assert torch.equal(grad[torch.from_numpy(~x["mask"])], torch.zeros(int((~x["mask"]).sum()), V))
+    clean = dict(x)
+    for key in ("policy_logits", "old_logps", "advantages", "importance_weights"):
+        clean[key] = np.where(x["mask"].reshape(x["mask"].shape + (1,) * (x[key].ndim - 2)),
+                              x[key], 0.25).astype(np.float32)
+    clean["action_ids"] = np.where(x["mask"], x["action_ids"], 0)
+    (value2, _, grad2), _ = _run(clean, opts, keys=("segment_ids", "importance_weights"))
+    assert value.item() == value2.item() and torch.equal(grad, grad2)
+
+
+def test_loss_normalizer_tensor_equals_float():
+    x = make_inputs(seed=10)
+    t = _torch(x)
+    args = (t["policy_logits"], t["ref_logits"], t["action_ids"], t["mask"], t["old_logps"],
+            t["advantages"])
+    a = loss.policy_loss(*args, loss_normalizer=12.0)[0]
+    b = loss.policy_loss(*args, loss_normalizer=torch.tensor(12.0))[0]
+    assert a.item() == b.item()
+
+
+@pytest.mark.parametrize(
+    "options, error, match",
+    [
+        ({"kl_coef": 0.1, "no_ref": True}, ValueError, "ref_logits"),
+        ({"loss_agg": "mean"}, ValueError, "loss_agg"),
+        ({"kl_estimator": "k4"}, ValueError, "kl_estimator"),
+        ({"ratio_level": "seq"}, ValueError, "ratio_level"),
+        ({"dual_clip": 0.9}, ValueError, "dual_clip"),
+        ({"clip_eps": 1.5}, ValueError, "clip_eps"),
+        ({"loss_normalizer": 0.0}, ValueError, "loss_normalizer"),
+        ({"advantages": np.zeros(T, np.float32)}, ValueError, "advantages"),
+        ({"segment_ids": np.zeros((B, T), np.float32)}, TypeError, "segment_ids"),
+    ],
+)
+def test_bad_arguments_name_the_argument(options, error, match):
+    t = _torch(make_inputs(seed=11))
+    options = dict(options)
+    ref = None if options.pop("no_ref", False) else t["ref_logits"]
+    adv = torch.from_numpy(options.pop("advantages", t["advantages"].numpy()))
+    if "segment_ids" in options:
+        options["segment_ids"] = torch.from_numpy(options["segment_ids"])
+    with pytest.raises(error, match=match):
+        loss.policy_loss(t["policy_logits"], ref, t["action_ids"], t["mask"], t["old_logps"],
+                         adv, **options)
+
+
+def test_interpret_backend_matches_native():
+    pytest.importorskip("triton")
+    x = make_inputs(seed=12)
+    native, _ = _run(x, {"kl_coef": 0.2})
+    interpret, _ = _run(x, {"kl_coef": 0.2}, backend="interpret")
+    np.testing.assert_allclose(interpret[0].item(), native[0].item(), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(interpret[2].numpy(), native[2].numpy(), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_torch_compile_fullgraph_matches_eager():
+    """GSPO on packed rows with a straight-through KL: every ``[R, T]`` op traces."""
+    t = _torch(make_inputs(seed=16, per_token_adv=True))
+
+    def fn(logits, *rest):
+        value, metrics = loss.policy_loss(
+            logits, *rest[:5], segment_ids=rest[5], ratio_level="sequence",
+            loss_agg="seq-mean-token-mean", kl_coef=0.2, kl_estimator="k3+", dual_clip=2.0,
+            backend="native", check_ids=False,
+        )
+        return value, metrics["clip_fraction"]
+
+    args = [t[k] for k in ("policy_logits", "ref_logits", "action_ids", "mask", "old_logps",
+                           "advantages", "segment_ids")]
+    compiled_value, compiled_clip = torch.compile(fn, fullgraph=True)(*args)
+    (compiled_grad,) = torch.autograd.grad(compiled_value, args[0])
+    value, clip = fn(*args)
+    (grad,) = torch.autograd.grad(value, args[0])
+    np.testing.assert_allclose(compiled_value.item(), value.item(), rtol=1e-6, atol=1e-7)
+    assert compiled_clip.item() == clip.item()
+    np.testing.assert_allclose(compiled_grad.numpy(), grad.numpy(), rtol=1e-5, atol=1e-7)

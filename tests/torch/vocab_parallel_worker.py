@@ -1,0 +1,340 @@
+"""One rank of the vocabulary-parallel check, forked by ``test_vocab_parallel.py``.
+
+Every rank builds the same global inputs, keeps its contiguous vocabulary
+shard (uneven when V is not divisible by WORLD), runs the sharded
+``ratiokl.torch.loss`` calls over a ``gloo`` group and compares outputs and
+its gradient slice with the float64 spec and with the unsharded native call.
+A failed comparison is sent back to the parent as a traceback.
+"""
+
+from __future__ import annotations
+
+import traceback
+from typing import Dict, List, Tuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ratiokl import conformance, spec
+from ratiokl.torch import loss
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def shard_bounds(vocab: int, world: int) -> List[Tuple[int, int]]:
+    """Contiguous ``[start, stop)`` per rank; the first ``vocab % world`` shards are one wider."""
+    sizes = [vocab // world + (r < vocab % world) for r in range(world)]
+    starts = np.cumsum([0] + sizes)
+    return [(int(starts[r]), int(starts[r + 1])) for r in range(world)]
+
+
+def make_case(seed: int, lead: Tuple[int, ...], vocab: int, dtype: str) -> Dict[str, np.ndarray]:
+    """Global inputs whose values are exact in ``dtype``; ids include every shard edge."""
+    rng = np.random.default_rng(seed)
+    to = DTYPES[dtype]
+    grid = lambda x: torch.tensor(x, dtype=torch.float32).to(to).double().numpy()  # noqa: E731
+    n = int(np.prod(lead))
+    ids = rng.integers(0, vocab, size=n)
+    edges = sorted({e for b in shard_bounds(vocab, 4) + shard_bounds(vocab, 2) for e in b})
+    edges = [e for e in edges if e < vocab] + [vocab - 1]
+    ids[: min(n, len(edges))] = edges[: min(n, len(edges))]
+    return {
+        "policy": grid(rng.normal(0.0, 3.0, size=lead + (vocab,))),
+        "ref": grid(rng.normal(0.0, 3.0, size=lead + (vocab,))),
+        "ids": ids.reshape(lead),
+        "mask": rng.random(lead) < 0.75,
+        "old": rng.normal(-3.0, 1.0, size=lead),
+        "ref_logps": rng.normal(-3.0, 1.0, size=lead),
+        "temperature": rng.uniform(0.5, 2.0, size=lead),
+        "g_ratio": rng.normal(size=lead),
+        "g_kl": rng.normal(size=lead),
+    }
+
+
+def assert_close(name: str, actual: torch.Tensor, expected, tol: spec.Tolerance) -> None:
+    """``actual`` within ``tol`` of ``expected`` (float64 array or tensor), NaN where NaN."""
+    if isinstance(expected, torch.Tensor):
+        expected = expected.detach().double().numpy()
+    np.testing.assert_allclose(
+        actual.detach().double().numpy(), expected, rtol=tol.rtol, atol=tol.atol,
+        equal_nan=True, err_msg=name,
+    )
+
+
+def tensors(case, *keys: str):
+    """Per-token inputs of ``case`` as tensors (floats as float32)."""
+    return [torch.tensor(case[k], dtype=torch.float32 if case[k].dtype.kind == "f" else None)
+            for k in keys]
+
+
+def sharded_and_whole(run, case, dtype: str, cols: slice, group):
+    """``run(policy, ref, cols, group)`` on this rank's shard and on the whole vocabulary.
+
+    ``run`` returns a scalar to differentiate and the outputs; returns
+    ``{"sharded"|"whole": (outputs, policy gradient)}``.
+    """
+    results = {}
+    for name, c, g in (("sharded", cols, group), ("whole", slice(None), None)):
+        policy = torch.tensor(case["policy"][..., c], dtype=torch.float32).to(DTYPES[dtype])
+        ref = torch.tensor(case["ref"][..., c], dtype=torch.float32).to(DTYPES[dtype])
+        objective, outputs = run(policy.requires_grad_(True), ref, g)
+        objective.backward()
+        results[name] = (outputs, policy.grad)
+    return results
+
+
+def check_ratio_kl(case, dtype: str, bounds, group, *, with_ref: bool, per_row_t: bool, kl: str):
+    """Sharded ``ratio_kl`` vs the spec and the unsharded call; outputs and gradient slice."""
+    start, stop = bounds[dist.get_rank()]
+    t_np = case["temperature"] if per_row_t else 1.3
+    t = torch.tensor(t_np, dtype=torch.float32) if per_row_t else t_np
+    ids, mask, old, ref_logps, g_r, g_k = tensors(case, "ids", "mask", "old", "ref_logps",
+                                                  "g_ratio", "g_kl")
+
+    def run(policy, ref, group_arg):
+        ratio, kl_val = loss.ratio_kl(
+            policy, ref if with_ref else None, ids, mask, old, kl_estimator=kl, temperature=t,
+            ref_logps=None if with_ref else ref_logps, vocab_group=group_arg)
+        return (ratio * g_r + kl_val * g_k).sum(), (ratio, kl_val)
+
+    results = sharded_and_whole(run, case, dtype, slice(start, stop), group)
+    spec_kwargs = dict(ref_logps=None if with_ref else case["ref_logps"], kl_estimator=kl,
+                       temperature=t_np)
+    ref_np = case["ref"] if with_ref else None
+    args = (case["policy"], ref_np, case["ids"], case["mask"], case["old"])
+    exp_ratio, exp_kl = spec.ratio_kl(*args, **spec_kwargs)
+    exp_grad = spec.ratio_kl_grad(*args, case["g_ratio"], case["g_kl"], **spec_kwargs)
+    exp_grad = exp_grad[..., start:stop]
+    scale = float(np.nanmax(np.abs(case["policy"][np.isfinite(case["policy"])]))) / 0.5
+    fwd = spec.forward_tolerance(scale)
+    grad_tol = spec.grad_tolerance(dtype, scale, float(np.nanmax(np.abs(exp_grad), initial=1.0)))
+    (ratio, kl_val), grad = results["sharded"]
+    assert_close("ratio", ratio, exp_ratio, fwd)
+    assert_close("kl", kl_val, exp_kl, fwd)
+    assert_close("grad", grad, exp_grad, grad_tol)
+    (whole_ratio, _), whole_grad = results["whole"]
+    assert_close("ratio vs unsharded", ratio, whole_ratio, fwd)
+    assert_close("grad vs unsharded", grad, whole_grad[..., start:stop], grad_tol)
+    assert grad.dtype == DTYPES[dtype]
+
+
+def poison_inactive(case, shard_cols: slice) -> None:
+    """NaN/inf in inactive rows, inside one shard's columns only, and NaN old log-probs there."""
+    inactive = ~case["mask"]
+    for key in ("policy", "ref"):
+        block = case[key][..., shard_cols]
+        block[inactive] = np.nan
+        block[inactive, 0] = np.inf
+    case["old"][inactive] = np.nan
+    case["ids"][inactive] = -7
+
+
+def check_selected(case, dtype: str, bounds, group):
+    """Sharded ``selected_logprobs`` (scalar T) vs the spec and its gradient slice."""
+    start, stop = bounds[dist.get_rank(group)]
+    policy = torch.tensor(case["policy"][..., start:stop], dtype=torch.float32).to(DTYPES[dtype])
+    policy.requires_grad_(True)
+    logp = loss.selected_logprobs(policy, *tensors(case, "ids", "mask"), temperature=0.7,
+                                  vocab_group=group)
+    g = torch.tensor(case["g_ratio"], dtype=torch.float32)
+    (logp * g).sum().backward()
+    exp = spec.selected_logprobs(case["policy"], case["ids"], case["mask"], temperature=0.7)
+    exp_grad = spec.selected_logprobs_grad(case["policy"], case["ids"], case["mask"],
+                                           case["g_ratio"], temperature=0.7)[..., start:stop]
+    finite = case["policy"][np.isfinite(case["policy"])]
+    scale = float(np.max(np.abs(finite), initial=1.0)) / 0.7
+    assert_close("logp", logp, exp, spec.forward_tolerance(scale))
+    grad_scale = float(np.nanmax(np.abs(exp_grad), initial=1.0))
+    assert_close("logp grad", policy.grad, exp_grad, spec.grad_tolerance(dtype, scale, grad_scale))
+    return logp, policy.grad
+
+
+def check_masking_and_nan(world: int, group) -> None:
+    """-inf over a whole shard of a row is valid; an active NaN in one shard poisons its row."""
+    case = make_case(3, (3, 4), 29, "float32")
+    bounds = shard_bounds(29, world)
+    case["mask"][:] = True
+    case["policy"][0, 0, slice(*bounds[0])] = -np.inf
+    case["ids"][0, 0] = bounds[-1][0]
+    case["policy"][0, 1, bounds[-1][0]] = np.nan
+    logp, grad = check_selected(case, "float32", bounds, group)
+    assert bool(torch.isfinite(logp[0, 0])) and bool(torch.isfinite(grad[0, 0]).all())
+    assert bool(torch.isnan(logp[0, 1])) and bool(torch.isnan(grad[0, 1]).all())
+    assert int(torch.isnan(logp).sum()) == 1
+
+
+def check_bad_ids(world: int, group) -> None:
+    """Ids are checked against the global V: a shard-local-looking id is fine, V is not."""
+    vocab = 4 * world + 1
+    case = make_case(5, (2, 3), vocab, "float32")
+    bounds = shard_bounds(vocab, world)
+    case["mask"][:] = True
+    case["ids"][0, 0] = vocab - 1
+    check_selected(case, "float32", bounds, group)
+    case["ids"][1, 2] = vocab
+    try:
+        check_selected(case, "float32", bounds, group)
+    except ValueError as err:
+        assert f"action_ids[1, 2] = {vocab} is outside [0, {vocab})" in str(err), err
+    else:
+        raise AssertionError("an out-of-range active id was accepted")
+    start, stop = bounds[dist.get_rank(group)]
+    policy = torch.tensor(case["policy"][..., start:stop], dtype=torch.float32,
+                          requires_grad=True)
+    logp = loss.selected_logprobs(policy, *tensors(case, "ids", "mask"), vocab_group=group,
+                                  check_ids=False)
+    logp.sum().backward()
+    assert torch.isnan(logp).nonzero().tolist() == [[1, 2]], logp
+    assert bool(torch.isnan(policy.grad[1, 2]).all())
+    assert bool(torch.isfinite(policy.grad[0]).all())
+
+
+def check_empty(group) -> None:
+    policy = torch.zeros((0, 5, 3), requires_grad=True)
+    ids = torch.zeros((0, 5), dtype=torch.long)
+    ratio, kl_val = loss.ratio_kl(policy, policy.detach(), ids, ids > 0, torch.zeros((0, 5)),
+                                  vocab_group=group)
+    (ratio.sum() + kl_val.sum()).backward()
+    assert ratio.shape == (0, 5) and policy.grad.shape == (0, 5, 3)
+
+
+def _conformance_call(case, start: int, stop: int, group):
+    """Run ``case`` on this rank's shard; returns an ``Outcome`` with the gathered gradient."""
+    op = case.spec
+    dtype = DTYPES[case.dtype]
+    args = {}
+    for key, value in case.arguments().items():
+        if key in op.logit_args:
+            value = torch.from_numpy(value[..., start:stop].copy()).to(dtype)
+        elif isinstance(value, np.ndarray):
+            kind = {"b": bool, "i": np.int64, "u": np.int64}.get(value.dtype.kind, np.float32)
+            value = torch.from_numpy(value.astype(kind))
+        args[key] = value
+    leaf = args[op.differentiate].requires_grad_(True)
+    positional = [args.get(k) for k in op.positional]
+    keywords = {k: args[k] for k in op.keywords if k in args}
+    outputs = op.unpack(getattr(loss, op.name)(*positional, **keywords, vocab_group=group))
+    cot = case.cotangents()
+    grad = torch.autograd.grad([outputs[o] for o in op.cotangents], leaf,
+                               [torch.from_numpy(cot[o]) for o in op.cotangents],
+                               allow_unused=True)[0]
+    grad = torch.zeros_like(leaf) if grad is None else grad
+    # Assemble the whole gradient: every rank contributes its slice, zeros elsewhere.
+    whole = torch.zeros(case.logits.shape, dtype=torch.float32)
+    whole[..., start:stop] = grad.float()
+    dist.all_reduce(whole, group=group)
+    return conformance.Outcome(
+        outputs={o: v.detach().numpy() for o, v in outputs.items()},
+        output_dtypes={o: str(v.dtype).replace("torch.", "") for o, v in outputs.items()},
+        grad=whole.numpy(),
+        grad_dtype=str(grad.dtype).replace("torch.", ""),
+    )
+
+
+def check_conformance(world: int, group) -> int:
+    """Every ratio_kl / selected_logprobs fixture with ``V >= world``; returns the count."""
+    ran = 0
+    for name in conformance.list_cases():
+        case = conformance.load_case(name)
+        if case.op not in ("ratio_kl", "selected_logprobs") or case.logits.shape[-1] < world:
+            continue
+        start, stop = shard_bounds(case.logits.shape[-1], world)[dist.get_rank(group)]
+        try:
+            outcome = _conformance_call(case, start, stop, group)
+        except ValueError as err:
+            assert case.expect_error == "ValueError" and "action_ids" in str(err), (name, err)
+        else:
+            assert case.expect_error is None, f"{name}: expected {case.expect_error}"
+            check = conformance.judge(case, outcome)
+            assert check.passed, (name, check.failures)
+        ran += 1
+    return ran
+
+
+def check_policy_loss(world: int, group) -> None:
+    """Sharded ``policy_loss`` (KL on reference logits) equals the unsharded call, grads too."""
+    vocab = 3 * world + 2
+    case = make_case(11, (4, 5), vocab, "float32")
+    start, stop = shard_bounds(vocab, world)[dist.get_rank(group)]
+    poison_inactive(case, slice(*shard_bounds(vocab, world)[-1]))
+    ids, mask, old, adv = tensors(case, "ids", "mask", "old", "g_kl")
+
+    def run(policy, ref, group_arg):
+        value, metrics = loss.policy_loss(
+            policy, ref, ids, mask, old, adv, kl_coef=0.1, temperature=0.9,
+            loss_agg="seq-mean-token-mean", vocab_group=group_arg)
+        return value, (value, metrics)
+
+    results = sharded_and_whole(run, case, "float32", slice(start, stop), group)
+    ((value, metrics), grad), ((value_1, metrics_1), grad_1) = results["sharded"], results["whole"]
+    tol = spec.Tolerance(rtol=1e-5, atol=1e-6)
+    assert bool(torch.isfinite(value)), value
+    assert_close("policy loss", value, value_1, tol)
+    assert_close("policy loss grad", grad, grad_1[..., start:stop], tol)
+    for key, expected in metrics_1.items():
+        assert_close(key, metrics[key], expected, tol)
+
+
+def check_collective_count(world: int, group) -> None:
+    """``ratio_kl`` with ref logits: 2 all-reduces forward, no collective in the backward."""
+    case = make_case(13, (3, 4), 8 * world, "float32")
+    start, stop = shard_bounds(8 * world, world)[dist.get_rank(group)]
+    calls = []
+    real = dist.all_reduce
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        policy = torch.tensor(case["policy"][..., start:stop], dtype=torch.float32,
+                              requires_grad=True)
+        ref = torch.tensor(case["ref"][..., start:stop], dtype=torch.float32)
+        ratio, kl_val = loss.ratio_kl(policy, ref, *tensors(case, "ids", "mask", "old"),
+                                      vocab_group=group)
+        assert len(calls) == 2, calls
+        (ratio + kl_val).sum().backward()
+        assert len(calls) == 2, calls
+    finally:
+        dist.all_reduce = real
+
+
+def run_all(world: int) -> None:
+    group = dist.group.WORLD
+    rank = dist.get_rank()
+    for seed, (lead, vocab, dtype, with_ref, per_row_t, kl) in enumerate([
+        ((4, 6), 37, "float32", True, True, "k3"),
+        ((5, 3), 37, "bfloat16", False, False, "k2"),
+        ((7,), 64, "float16", True, True, "k1"),
+    ]):
+        case = make_case(seed, lead, vocab, dtype)
+        bounds = shard_bounds(vocab, world)
+        poison_inactive(case, slice(*bounds[seed % world]))
+        check_ratio_kl(case, dtype, bounds, group, with_ref=with_ref, per_row_t=per_row_t, kl=kl)
+    check_masking_and_nan(world, group)
+    check_bad_ids(world, group)
+    check_empty(group)
+    check_collective_count(world, group)
+    check_policy_loss(world, group)
+    assert check_conformance(world, group) >= 60
+    if world == 4:
+        # Tensor parallelism inside data parallelism: two groups of two ranks.
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        pair = pairs[rank // 2]
+        check_masking_and_nan(2, pair)
+        check_bad_ids(2, pair)
+
+
+def run_rank(rank: int, world: int, port: int, results) -> None:
+    """Entry point of one forked rank: runs every check, sends ``None`` or the traceback."""
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world)
+        run_all(world)
+        dist.destroy_process_group()
+        results.put((rank, None))
+    except BaseException:  # report any failure, including assertion errors, to the parent
+        results.put((rank, traceback.format_exc()))
