@@ -217,7 +217,7 @@ def _max_abs_diff(a, b) -> float:
 def _jax_part(cfg: Dict[str, Any]) -> Dict[str, Any]:
     import jax
     import jax.numpy as jnp
-    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import AxisType, Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
     from ratiokl.jax import loss
@@ -226,7 +226,7 @@ def _jax_part(cfg: Dict[str, Any]) -> Dict[str, Any]:
     gpus = [d for d in jax.devices() if d.platform == platform_name]
     if len(gpus) < 2:
         return {"skipped": f"needs 2 JAX {platform_name} devices; {len(gpus)} visible"}
-    mesh = Mesh(np.array(gpus[:2]), ("tp",))
+    mesh = Mesh(np.array(gpus[:2]), ("tp",), axis_types=(AxisType.Auto,))
     vocab_spec = NamedSharding(mesh, P(None, "tp"))
 
     def objective(policy, ref, ids, mask, old, **kw):

@@ -31,7 +31,7 @@ def _run(*checks: str) -> None:
 
 
 def test_conformance_fixtures_sharded_over_four_devices() -> None:
-    """A fixture of every ratio_kl / selected_logprobs group, V padded with -inf."""
+    """The CI subset of ratio_kl / selected_logprobs fixtures, V padded with -inf."""
     _run("fixtures")
 
 

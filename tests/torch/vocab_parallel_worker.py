@@ -188,6 +188,13 @@ def check_bad_ids(world: int, group) -> None:
     assert torch.isnan(logp).nonzero().tolist() == [[1, 2]], logp
     assert bool(torch.isnan(policy.grad[1, 2]).all())
     assert bool(torch.isfinite(policy.grad[0]).all())
+    try:
+        loss.selected_logprobs(policy, *tensors(case, "ids", "mask"), vocab_group=group,
+                               backend="interpret")
+    except ValueError as err:
+        assert "native per-shard math" in str(err), err
+    else:
+        raise AssertionError("backend='interpret' was accepted with vocab_group")
 
 
 def check_empty(group) -> None:

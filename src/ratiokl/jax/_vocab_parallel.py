@@ -23,9 +23,11 @@ which with ``g_s = -g / S`` from the psum is the block of
 so JAX transposes it itself: with ``check_vma=True`` (the default) into a
 no-op ``pvary``, so the backward has no collective; with ``check_vma=False``
 into a psum of the ``[N]`` cotangents, which cancels the ``1/axis_size``
-JAX gives each device's cotangent of a replicated output. Either way the
-gradient is exact; a custom rule that dropped the psum would be scaled by
-``1/axis_size`` under ``check_vma=False``.
+JAX gives each device's cotangent of a replicated output. A gradient taken
+outside the ``shard_map`` is exact in both modes (a custom rule that hid the
+psum would be scaled by ``1/axis_size`` under ``check_vma=False``); one taken
+inside the body is exact with ``check_vma=True`` and, as for any psum,
+``axis_size`` times too large with ``check_vma=False``.
 """
 
 from __future__ import annotations

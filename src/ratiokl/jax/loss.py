@@ -239,7 +239,7 @@ def policy_loss(
         temperature, backend, check_ids, vocab_axis: as in :func:`ratio_kl`; ``ref_logits``
         and ``ref_logps`` may both be None when ``kl_coef == 0``. Every option
         but ``loss_normalizer`` is a static Python value; arrays may be traced.
-      advantages: floating ``[...]`` per token, or ``[...-1]`` per sequence.
+      advantages: floating, per token ``[..., T]`` or per sequence ``[...]`` / ``[..., 1]``.
       clip_eps: ratio floor ``1 - clip_eps``; clip_eps_high: ceiling
         ``1 + clip_eps_high`` (DAPO clip-higher; default ``clip_eps``).
       dual_clip: ``c > 1`` caps the loss of ``A < 0`` tokens at ``-A*c``; None: off.

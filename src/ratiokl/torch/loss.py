@@ -103,7 +103,9 @@ def _check_reference(
         )
 
 
-def _backend(backend: str, rows: _Rows, vocab_group=None) -> ModuleType:
+def _backend(
+    backend: str, rows: _Rows, vocab_group: Optional[torch.distributed.ProcessGroup] = None
+) -> ModuleType:
     if vocab_group is not None:
         return _vocab_parallel.bind(backend, vocab_group, rows.lead)
     return _dispatch.resolve(backend, rows.device)
@@ -269,7 +271,7 @@ def policy_loss(
       policy_logits, ref_logits, action_ids, mask, old_logps, ref_logps,
         temperature, backend, check_ids, vocab_group: as in :func:`ratio_kl`;
         ``ref_logits`` and ``ref_logps`` may both be None when ``kl_coef == 0``.
-      advantages: floating ``[...]`` per token, or ``[...-1]`` per sequence.
+      advantages: floating, per token ``[..., T]`` or per sequence ``[...]`` / ``[..., 1]``.
       clip_eps: ratio floor ``1 - clip_eps``; clip_eps_high: ceiling
         ``1 + clip_eps_high`` (DAPO clip-higher; default ``clip_eps``).
       dual_clip: ``c > 1`` caps the loss of ``A < 0`` tokens at ``-A*c``; None: off.
