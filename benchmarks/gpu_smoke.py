@@ -80,11 +80,14 @@ def _sweep(results, policy, ref, ids, mask, old, do_bench):
     """Forward and backward timings over launch configurations (data for the heuristics)."""
     from triton import cdiv
 
-    from ratiokl._kernels import LaunchConfig, logp_backward_kernel, logp_forward_kernel
+    from ratiokl._kernels import LaunchConfig
+
+    def raw(kernel):  # launch the JITFunction itself
+        return kernel
 
     n, vocab = policy.shape
     temp = torch.ones(1, device="cuda")
-    lse = _triton._launch_forward(logp_forward_kernel, policy, ref, ids, mask, old, None, temp, 3)[4]
+    lse = _triton._launch_forward(raw, policy, ref, ids, mask, old, None, temp, 3)[4]
     coef = torch.ones(n, device="cuda")
     row_bytes = vocab * policy.element_size()
     for block in (2048, 4096, 8192, 16384):
@@ -93,10 +96,10 @@ def _sweep(results, policy, ref, ids, mask, old, do_bench):
                 continue
             cfg = LaunchConfig(block, warps)
             ms = do_bench(lambda: _triton._launch_forward(
-                logp_forward_kernel, policy, ref, ids, mask, old, None, temp, 3, cfg))
+                raw, policy, ref, ids, mask, old, None, temp, 3, cfg))
             _record(results, f"sweep fwd BLOCK_V={block} warps={warps}", ms, 2 * n * row_bytes)
             ms = do_bench(lambda: _triton._launch_backward(
-                logp_backward_kernel, policy, ids, mask, temp, lse, coef, cfg))
+                raw, policy, ids, mask, temp, lse, coef, cfg))
             _record(results, f"sweep bwd BLOCK_V={block} warps={warps}", ms, 2 * n * row_bytes)
 
 

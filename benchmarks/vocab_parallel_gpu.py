@@ -12,6 +12,9 @@ API. Each part checks the sharded outputs and gradients against the float64
 spec on a small case and against the unsharded call at the benchmark size,
 then times one forward+backward of ``ratio_kl`` (loss ``sum(0.5 * ratio +
 kl)``) sharded over 2 GPUs and unsharded on one GPU at the same total size.
+The sharded paths run on each per-shard backend: ``native`` and ``triton``
+(the Triton statistics and backward kernels; ``interpret`` in the CPU dry
+run for PyTorch), in PyTorch and inside JAX's ``shard_map``.
 Everything needing CUDA is skipped (and says so in the JSON) when fewer than
 2 GPUs are visible. Writes one JSON document to OUT.json. ``--cpu`` runs the
 same script on the CPU (gloo, 2 host devices) to check it before using a GPU;
@@ -98,16 +101,20 @@ def _torch_rank(rank: int, world: int, port: int, cfg: Dict[str, Any], out_path:
         (0.5 * ratio + kl).sum().backward()
         return ratio, kl, policy.grad
 
+    kernels = "triton" if cuda else "interpret"  # the Triton kernels on each shard
+
     # Small case against the float64 spec (uneven shards: 501 + 500 columns).
     case = _spec_case(*SMALL)
     half = (SMALL[1] + 1) // 2
     cols = slice(0, half) if rank == 0 else slice(half, SMALL[1])
     t = lambda x, **kw: torch.tensor(x, device=dev, **kw)  # noqa: E731
-    policy = t(case["policy"][:, cols], requires_grad=True)
-    ratio, kl, grad = run(policy, t(case["ref"][:, cols]), t(case["ids"]), t(case["mask"]),
-                          t(case["old"]), dist.group.WORLD)
-    outputs = [x.detach().cpu() for x in (ratio, kl, grad)]
-    result["spec_max_rel_error"] = _spec_errors(case, *outputs, cols)
+    result["spec_max_rel_error"] = {}
+    for backend in ("native", kernels):
+        policy = t(case["policy"][:, cols], requires_grad=True)
+        ratio, kl, grad = run(policy, t(case["ref"][:, cols]), t(case["ids"]), t(case["mask"]),
+                              t(case["old"]), dist.group.WORLD, backend=backend)
+        outputs = [x.detach().cpu() for x in (ratio, kl, grad)]
+        result["spec_max_rel_error"][f"sharded_{backend}"] = _spec_errors(case, *outputs, cols)
 
     # Benchmark size: the same inputs on every rank (same seed), sharded vs unsharded.
     rows, vocab = cfg["rows"], cfg["vocab"]
@@ -122,15 +129,19 @@ def _torch_rank(rank: int, world: int, port: int, cfg: Dict[str, Any], out_path:
     shard = full[:, cols].contiguous().requires_grad_(True)
     ref_shard = ref_full[:, cols].contiguous()
     whole = full.clone().requires_grad_(True)
-    sharded_out = run(shard, ref_shard, ids, mask, old, dist.group.WORLD)
-    whole_out = run(whole, ref_full, ids, mask, old, None, backend="native")
-    whole_out = (whole_out[0], whole_out[1], whole_out[2][:, cols])
-    result["vs_unsharded_native_max_abs_error"] = {
-        name: float((a.detach().float() - b.detach().float()).abs().max())
-        for name, a, b in zip(("ratio", "kl", "grad"), sharded_out, whole_out)
-    }
-    timings = {"sharded_2gpu_native": lambda: run(shard, ref_shard, ids, mask, old,
-                                                 dist.group.WORLD)}
+    whole_out = [x.detach().clone() for x in run(whole, ref_full, ids, mask, old, None,
+                                                   backend="native")]
+    whole_out[2] = whole_out[2][:, cols]
+    result["vs_unsharded_native_max_abs_error"] = {}
+    timings = {}
+    for backend in ("native", kernels):
+        sharded_out = run(shard, ref_shard, ids, mask, old, dist.group.WORLD, backend=backend)
+        result["vs_unsharded_native_max_abs_error"][f"sharded_{backend}"] = {
+            name: float((a.detach().float() - b.float()).abs().max())
+            for name, a, b in zip(("ratio", "kl", "grad"), sharded_out, whole_out)
+        }
+        timings[f"sharded_2gpu_{backend}"] = lambda b=backend: run(
+            shard, ref_shard, ids, mask, old, dist.group.WORLD, backend=b)
     for backend in ("native", "auto"):
         timings[f"unsharded_1gpu_{backend}"] = lambda b=backend: run(whole, ref_full, ids, mask,
                                                                     old, None, backend=b)
@@ -233,19 +244,27 @@ def _jax_part(cfg: Dict[str, Any]) -> Dict[str, Any]:
         ratio, kl = loss.ratio_kl(policy, ref, ids, mask, old, **kw)
         return (0.5 * ratio + kl).sum(), (ratio, kl)
 
-    def sharded(policy, ref, ids, mask, old):
-        body = lambda *a: objective(*a, vocab_axis="tp")  # noqa: E731
-        return jax.shard_map(body, mesh=mesh, out_specs=(P(), (P(), P())),
-                             in_specs=(P(None, "tp"), P(None, "tp"), P(), P(), P()))(
-            policy, ref, ids, mask, old)
+    def sharded(backend: str) -> Callable:
+        def run(policy, ref, ids, mask, old):
+            body = lambda *a: objective(*a, vocab_axis="tp", backend=backend)  # noqa: E731
+            return jax.shard_map(body, mesh=mesh, out_specs=(P(), (P(), P())),
+                                 in_specs=(P(None, "tp"), P(None, "tp"), P(), P(), P()))(
+                policy, ref, ids, mask, old)
+
+        return run
 
     step = lambda f: jax.jit(jax.value_and_grad(f, has_aux=True))  # noqa: E731
-    result: Dict[str, Any] = {}
+    result: Dict[str, Any] = {"spec_max_rel_error": {}}
 
     case = _spec_case(SMALL[0], SMALL[1] + 1)  # shard_map splits evenly: 2 x 501
     args = [jnp.asarray(case[k]) for k in ("policy", "ref", "ids", "mask", "old")]
-    (_, (ratio, kl)), grad = step(sharded)(*args)
-    result["spec_max_rel_error"] = _spec_errors(case, ratio, kl, grad, slice(None))
+    for backend in ("native", "triton"):
+        try:
+            (_, (ratio, kl)), grad = step(sharded(backend))(*args)
+            errors = _spec_errors(case, ratio, kl, grad, slice(None))
+        except Exception as err:  # noqa: BLE001 - e.g. no jax-triton here: recorded, not fatal
+            errors = f"failed: {type(err).__name__}: {err}"
+        result["spec_max_rel_error"][f"shard_map_{backend}"] = errors
 
     rows, vocab = cfg["rows"], cfg["vocab"]
     keys = jax.random.split(jax.random.key(0), 5)
@@ -259,7 +278,8 @@ def _jax_part(cfg: Dict[str, Any]) -> Dict[str, Any]:
     split = [jax.device_put(x, vocab_spec) for x in (full, ref)] + [
         jax.device_put(x, NamedSharding(mesh, P())) for x in (ids, mask, old)]
     runs = {
-        "sharded_2gpu_shard_map": (step(sharded), split),
+        "sharded_2gpu_shard_map_native": (step(sharded("native")), split),
+        "sharded_2gpu_shard_map_triton": (step(sharded("triton")), split),
         "sharded_2gpu_plain_jit_native": (step(lambda *a: objective(*a, backend="native")), split),
         "unsharded_1gpu_native": (step(lambda *a: objective(*a, backend="native")), single),
         "unsharded_1gpu_auto": (step(lambda *a: objective(*a, backend="auto")), single),

@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, Iterator, List, Tuple
 import numpy as np
 
 from ratiokl import spec
-from ratiokl.conformance import LOGIT_DTYPES, Case, build_case, round_to_dtype, write_fixtures
+from ratiokl.conformance import LOGIT_DTYPES, OPS, Case, build_case, round_to_dtype, write_fixtures
 
 import loss_cases  # noqa: E402 - conformance/ is the script's directory (policy_loss cases)
 
@@ -267,8 +267,6 @@ GROUPS: Dict[str, Tuple[str, Tuple[str, ...], Builder, str]] = {
 
 
 def _cotangents(rng, op: str, lead) -> Dict[str, np.ndarray]:
-    from ratiokl.conformance import OPS
-
     return {o: rng.normal(0.0, 1.0, lead) for o in OPS[op].cotangents}
 
 

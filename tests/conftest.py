@@ -6,7 +6,8 @@ A test that takes a ``target`` argument runs once per target
 ``torch_target`` once per ``torch-*`` target.
 ``--backends`` narrows the list (comma-separated globs, e.g.
 ``--backends=torch-*``). GPU targets carry ``pytest.mark.gpu``; a target that
-cannot run here is skipped with the reason.
+cannot run here is skipped with the reason; the Triton interpreter's strided
+second pass carries ``pytest.mark.slow``.
 """
 
 from __future__ import annotations
@@ -33,13 +34,20 @@ def _status(target: str):
     return conformance.target_status(target)
 
 
-def _params(config: pytest.Config, names):
+#: (fixture, target) pairs marked slow: the strided second pass through the
+#: Triton interpreter doubles its time and `ratiokl check` already covers it.
+_SLOW = {("torch_target", "torch-interpret")}
+
+
+def _params(config: pytest.Config, fixture: str, names):
     patterns = [p.strip() for p in config.getoption("--backends").split(",") if p.strip()]
     params = []
     for name in names:
         if not any(fnmatch.fnmatch(name, p) for p in patterns):
             continue
         marks = [pytest.mark.gpu] if conformance.TARGETS[name].gpu else []
+        if (fixture, name) in _SLOW:
+            marks.append(pytest.mark.slow)
         reason = _status(name)
         if reason is not None:
             marks.append(pytest.mark.skip(reason=f"{name} unavailable: {reason}"))
@@ -59,4 +67,4 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     for fixture, keep in _TARGET_FIXTURES.items():
         if fixture in metafunc.fixturenames:
             names = [n for n, t in conformance.TARGETS.items() if keep(t)]
-            metafunc.parametrize(fixture, _params(metafunc.config, names))
+            metafunc.parametrize(fixture, _params(metafunc.config, fixture, names))

@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import ratiokl
@@ -97,3 +98,37 @@ def test_fixtures_found_in_wheel_layout(tmp_path: Path) -> None:
                          env=dict(os.environ, PYTHONPATH=str(tmp_path)), cwd=tmp_path)
     root, count = out.stdout.split()
     assert Path(root) == data and int(count) == len(CASES)
+
+
+def _perfect_outcome(case: conformance.Case) -> conformance.Outcome:
+    """What an exact backend would return: the expectations rounded to the API dtypes."""
+    outputs = {o: case.arrays[f"expected_{o}"].astype(np.float32) for o in case.spec.outputs}
+    grad = conformance.round_to_dtype(case.arrays["expected_grad"], case.dtype)
+    return conformance.Outcome(outputs, {o: "float32" for o in outputs}, grad, case.dtype)
+
+
+def _mutate(outcome: conformance.Outcome, how: str, case: conformance.Case) -> None:
+    inactive, active = ~case.row_mask, np.argwhere(case.row_mask)[0]
+    if how == "inactive_ratio_off_by_one_ulp":
+        outcome.outputs["ratio"][inactive] = np.nextafter(np.float32(1), np.float32(2))
+    elif how == "inactive_kl_negative_zero":
+        outcome.outputs["kl"][inactive] = -0.0
+    elif how == "inactive_grad_nan":
+        outcome.grad[inactive] = np.nan
+    elif how == "active_ratio_outside_tolerance":
+        outcome.outputs["ratio"][tuple(active)] *= 1.0 + 1e-3
+    elif how == "active_grad_spurious_nan":
+        outcome.grad[tuple(active)][0] = np.nan
+    elif how == "grad_dtype":
+        outcome.grad_dtype = "float32" if case.dtype != "float32" else "float16"
+
+
+@pytest.mark.parametrize("how", ["inactive_ratio_off_by_one_ulp", "inactive_kl_negative_zero",
+                                 "inactive_grad_nan", "active_ratio_outside_tolerance",
+                                 "active_grad_spurious_nan", "grad_dtype"])
+def test_judge_rejects(how: str) -> None:
+    case = _case("inactive_rows_nan_logits_bf16")
+    assert conformance.judge(case, _perfect_outcome(case)).passed
+    outcome = _perfect_outcome(case)
+    _mutate(outcome, how, case)
+    assert not conformance.judge(case, outcome).passed

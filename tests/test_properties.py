@@ -13,7 +13,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ratiokl import conformance
+from ratiokl import conformance, spec
 
 #: What an inactive row may hold instead of logits.
 POISON = (np.nan, np.inf, -np.inf, 1e30, "random")
@@ -51,9 +51,14 @@ def cases(draw) -> conformance.Case:
         inputs["logits"] = logits
     else:
         inputs["policy_logits"] = logits
-        inputs["old_logps"] = np.where(mask, rng.normal(-2.0, 1.0, lead), np.nan)
+        # Behaviour / reference log-probs near the policy's keep ratio and KL (and so the
+        # gradient) inside fp16's range.
+        temp = inputs.get("temperature", options.get("temperature"))
+        logp = spec.selected_logprobs(conformance.round_to_dtype(logits, dtype), ids, mask,
+                                      temperature=temp)
+        inputs["old_logps"] = np.where(mask, logp + rng.normal(0.0, 0.3, lead), np.nan)
         if draw(st.booleans()):
-            inputs["ref_logps"] = np.where(mask, rng.normal(-2.0, 1.0, lead), np.nan)
+            inputs["ref_logps"] = np.where(mask, logp + rng.normal(0.0, 0.5, lead), np.nan)
         else:
             inputs["ref_logits"] = logits + rng.normal(0.0, 0.5, logits.shape)
         options["kl_estimator"] = draw(st.sampled_from(("k1", "k2", "k3")))

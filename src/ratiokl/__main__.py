@@ -80,7 +80,11 @@ def _print_summary(results, unavailable, seconds, out) -> None:
 
 def check(argv: Optional[Sequence[str]] = None) -> int:
     """Run ``ratiokl check``; returns the exit status (0: every case passed)."""
-    parser = argparse.ArgumentParser(prog="ratiokl check", description=check.__doc__)
+    parser = argparse.ArgumentParser(
+        prog="ratiokl check",
+        description="Run the conformance fixtures on every (framework, backend) target that can "
+        "run here; exit 1 if any case fails, 2 if nothing could run.",
+    )
     parser.add_argument("--backend", action="append", metavar="GLOB",
                         help="target(s) to run, e.g. torch-native or 'jax-*' (repeatable; "
                              f"default all: {', '.join(conformance.TARGETS)})")

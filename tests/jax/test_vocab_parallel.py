@@ -21,10 +21,10 @@ WORKER = Path(__file__).with_name("vocab_parallel_worker.py")
 SRC = Path(__file__).resolve().parents[2] / "src"
 
 
-def _run(*checks: str) -> None:
+def _run(*checks: str, worker: Path = WORKER) -> None:
     path = os.pathsep.join(p for p in (str(SRC), os.environ.get("PYTHONPATH", "")) if p)
     env = dict(os.environ, PYTHONPATH=path, JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, str(WORKER), *checks], env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, str(worker), *checks], env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-4000:]}"
     assert proc.stdout.split() == [w for c in checks for w in ("ok", c)], proc.stdout
@@ -39,3 +39,12 @@ def test_transforms_policy_loss_and_sharding_modes() -> None:
     """grad inside the body, check_vma=False, policy_loss, plain jit, dp x tp, bad ids, HLO."""
     _run("grad_inside_body", "vma_off", "policy_loss", "plain_jit_named_sharding",
          "data_and_tensor_parallel", "bad_ids_and_errors", "collectives")
+
+
+def test_triton_path_through_the_interpreter() -> None:
+    """``backend="triton"`` blocks (kernels interpreted behind pure_callback): fixtures,
+    ``check_vma=False`` (auto falls back, triton refuses), grad inside the body, policy_loss."""
+    pytest.importorskip("torch")
+    pytest.importorskip("triton")
+    _run("fixtures", "vma_off", "grad_inside_body", "policy_loss",
+         worker=WORKER.with_name("vocab_parallel_triton_worker.py"))

@@ -6,6 +6,8 @@ report success. The worker holds the comparisons: sharded vs the float64
 spec and vs the unsharded call, outputs and each rank's gradient slice, on
 uneven shards, inactive rows poisoned in one shard, vocabulary masking, an
 active NaN, out-of-range ids, empty input and sub-groups (TP inside DP).
+The ``backend="interpret"`` checks (the Triton kernels on each shard) are in
+``vocab_parallel_interpret_worker.py`` and run on 2 ranks.
 """
 
 from __future__ import annotations
@@ -30,20 +32,28 @@ def _load_worker():
     return module
 
 
+def _load_interpret_worker():
+    path = Path(__file__).with_name("vocab_parallel_interpret_worker.py")
+    module_spec = importlib.util.spec_from_file_location("_ratiokl_vp_interpret_worker", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
-@pytest.mark.skipif(not dist.is_gloo_available(), reason="torch built without gloo")
-@pytest.mark.parametrize("world", [2, 4])
-def test_sharded_matches_unsharded(world: int) -> None:
+def _run_ranks(world: int, checks=None) -> None:
+    """Fork ``world`` ranks running ``checks(world)`` (default: the native suite); all must pass."""
     worker = _load_worker()
     ctx = multiprocessing.get_context("fork")
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=worker.run_rank, args=(rank, world, port, results))
+    extra = () if checks is None else (checks,)
+    procs = [ctx.Process(target=worker.run_rank, args=(rank, world, port, results) + extra)
              for rank in range(world)]
     for proc in procs:
         proc.start()
@@ -62,3 +72,16 @@ def test_sharded_matches_unsharded(world: int) -> None:
     failures = [f"rank {rank}:\n{report}" for rank, report in reports.items() if report]
     assert not failures, "\n".join(failures)
     assert sorted(reports) == list(range(world))
+
+
+@pytest.mark.skipif(not dist.is_gloo_available(), reason="torch built without gloo")
+@pytest.mark.parametrize("world", [2, 4])
+def test_sharded_matches_unsharded(world: int) -> None:
+    _run_ranks(world)
+
+
+@pytest.mark.skipif(not dist.is_gloo_available(), reason="torch built without gloo")
+def test_interpret_backend_sharded_matches_unsharded() -> None:
+    """The Triton kernels (interpreted) on 2 gloo ranks' shards."""
+    pytest.importorskip("triton")
+    _run_ranks(2, _load_interpret_worker().run_interpret)

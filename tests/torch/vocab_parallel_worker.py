@@ -84,8 +84,9 @@ def sharded_and_whole(run, case, dtype: str, cols: slice, group):
     return results
 
 
-def check_ratio_kl(case, dtype: str, bounds, group, *, with_ref: bool, per_row_t: bool, kl: str):
-    """Sharded ``ratio_kl`` vs the spec and the unsharded call; outputs and gradient slice."""
+def check_ratio_kl(case, dtype: str, bounds, group, *, with_ref: bool, per_row_t: bool, kl: str,
+                   backend: str = "auto"):
+    """Sharded ``ratio_kl`` vs the spec and the unsharded native call; outputs and grad slice."""
     start, stop = bounds[dist.get_rank()]
     t_np = case["temperature"] if per_row_t else 1.3
     t = torch.tensor(t_np, dtype=torch.float32) if per_row_t else t_np
@@ -95,7 +96,8 @@ def check_ratio_kl(case, dtype: str, bounds, group, *, with_ref: bool, per_row_t
     def run(policy, ref, group_arg):
         ratio, kl_val = loss.ratio_kl(
             policy, ref if with_ref else None, ids, mask, old, kl_estimator=kl, temperature=t,
-            ref_logps=None if with_ref else ref_logps, vocab_group=group_arg)
+            ref_logps=None if with_ref else ref_logps, vocab_group=group_arg,
+            backend=backend if group_arg is not None else "native")
         return (ratio * g_r + kl_val * g_k).sum(), (ratio, kl_val)
 
     results = sharded_and_whole(run, case, dtype, slice(start, stop), group)
@@ -130,13 +132,13 @@ def poison_inactive(case, shard_cols: slice) -> None:
     case["ids"][inactive] = -7
 
 
-def check_selected(case, dtype: str, bounds, group):
+def check_selected(case, dtype: str, bounds, group, backend: str = "auto"):
     """Sharded ``selected_logprobs`` (scalar T) vs the spec and its gradient slice."""
     start, stop = bounds[dist.get_rank(group)]
     policy = torch.tensor(case["policy"][..., start:stop], dtype=torch.float32).to(DTYPES[dtype])
     policy.requires_grad_(True)
     logp = loss.selected_logprobs(policy, *tensors(case, "ids", "mask"), temperature=0.7,
-                                  vocab_group=group)
+                                  vocab_group=group, backend=backend)
     g = torch.tensor(case["g_ratio"], dtype=torch.float32)
     (logp * g).sum().backward()
     exp = spec.selected_logprobs(case["policy"], case["ids"], case["mask"], temperature=0.7)
@@ -150,7 +152,7 @@ def check_selected(case, dtype: str, bounds, group):
     return logp, policy.grad
 
 
-def check_masking_and_nan(world: int, group) -> None:
+def check_masking_and_nan(world: int, group, backend: str = "auto") -> None:
     """-inf over a whole shard of a row is valid; an active NaN in one shard poisons its row."""
     case = make_case(3, (3, 4), 29, "float32")
     bounds = shard_bounds(29, world)
@@ -158,7 +160,7 @@ def check_masking_and_nan(world: int, group) -> None:
     case["policy"][0, 0, slice(*bounds[0])] = -np.inf
     case["ids"][0, 0] = bounds[-1][0]
     case["policy"][0, 1, bounds[-1][0]] = np.nan
-    logp, grad = check_selected(case, "float32", bounds, group)
+    logp, grad = check_selected(case, "float32", bounds, group, backend)
     assert bool(torch.isfinite(logp[0, 0])) and bool(torch.isfinite(grad[0, 0]).all())
     assert bool(torch.isnan(logp[0, 1])) and bool(torch.isnan(grad[0, 1]).all())
     assert int(torch.isnan(logp).sum()) == 1
@@ -180,21 +182,22 @@ def check_bad_ids(world: int, group) -> None:
     else:
         raise AssertionError("an out-of-range active id was accepted")
     start, stop = bounds[dist.get_rank(group)]
-    policy = torch.tensor(case["policy"][..., start:stop], dtype=torch.float32,
-                          requires_grad=True)
-    logp = loss.selected_logprobs(policy, *tensors(case, "ids", "mask"), vocab_group=group,
-                                  check_ids=False)
-    logp.sum().backward()
-    assert torch.isnan(logp).nonzero().tolist() == [[1, 2]], logp
-    assert bool(torch.isnan(policy.grad[1, 2]).all())
-    assert bool(torch.isfinite(policy.grad[0]).all())
+    for backend in ("native", "interpret"):
+        policy = torch.tensor(case["policy"][..., start:stop], dtype=torch.float32,
+                              requires_grad=True)
+        logp = loss.selected_logprobs(policy, *tensors(case, "ids", "mask"), vocab_group=group,
+                                      check_ids=False, backend=backend)
+        logp.sum().backward()
+        assert torch.isnan(logp).nonzero().tolist() == [[1, 2]], (backend, logp)
+        assert bool(torch.isnan(policy.grad[1, 2]).all()), backend
+        assert bool(torch.isfinite(policy.grad[0]).all()), backend
     try:
         loss.selected_logprobs(policy, *tensors(case, "ids", "mask"), vocab_group=group,
-                               backend="interpret")
+                               backend="triton")
     except ValueError as err:
-        assert "native per-shard math" in str(err), err
+        assert "needs CUDA tensors" in str(err), err
     else:
-        raise AssertionError("backend='interpret' was accepted with vocab_group")
+        raise AssertionError("backend='triton' was accepted for CPU shards")
 
 
 def check_empty(group) -> None:
@@ -206,7 +209,7 @@ def check_empty(group) -> None:
     assert ratio.shape == (0, 5) and policy.grad.shape == (0, 5, 3)
 
 
-def _conformance_call(case, start: int, stop: int, group):
+def _conformance_call(case, start: int, stop: int, group, backend: str):
     """Run ``case`` on this rank's shard; returns an ``Outcome`` with the gathered gradient."""
     op = case.spec
     dtype = DTYPES[case.dtype]
@@ -221,7 +224,8 @@ def _conformance_call(case, start: int, stop: int, group):
     leaf = args[op.differentiate].requires_grad_(True)
     positional = [args.get(k) for k in op.positional]
     keywords = {k: args[k] for k in op.keywords if k in args}
-    outputs = op.unpack(getattr(loss, op.name)(*positional, **keywords, vocab_group=group))
+    outputs = op.unpack(getattr(loss, op.name)(*positional, **keywords, vocab_group=group,
+                                               backend=backend))
     cot = case.cotangents()
     grad = torch.autograd.grad([outputs[o] for o in op.cotangents], leaf,
                                [torch.from_numpy(cot[o]) for o in op.cotangents],
@@ -239,16 +243,19 @@ def _conformance_call(case, start: int, stop: int, group):
     )
 
 
-def check_conformance(world: int, group) -> int:
-    """Every ratio_kl / selected_logprobs fixture with ``V >= world``; returns the count."""
+def check_conformance(world: int, group, names=None, backend: str = "auto") -> int:
+    """Every ratio_kl / selected_logprobs fixture (or those in ``names``) with ``V >= world``.
+
+    Returns the count run.
+    """
     ran = 0
-    for name in conformance.list_cases():
+    for name in conformance.list_cases() if names is None else names:
         case = conformance.load_case(name)
         if case.op not in ("ratio_kl", "selected_logprobs") or case.logits.shape[-1] < world:
             continue
         start, stop = shard_bounds(case.logits.shape[-1], world)[dist.get_rank(group)]
         try:
-            outcome = _conformance_call(case, start, stop, group)
+            outcome = _conformance_call(case, start, stop, group, backend)
         except ValueError as err:
             assert case.expect_error == "ValueError" and "action_ids" in str(err), (name, err)
         else:
@@ -283,7 +290,7 @@ def check_policy_loss(world: int, group) -> None:
         assert_close(key, metrics[key], expected, tol)
 
 
-def check_collective_count(world: int, group) -> None:
+def check_collective_count(world: int, group, backend: str = "auto") -> None:
     """``ratio_kl`` with ref logits: 2 all-reduces forward, no collective in the backward."""
     case = make_case(13, (3, 4), 8 * world, "float32")
     start, stop = shard_bounds(8 * world, world)[dist.get_rank(group)]
@@ -300,7 +307,7 @@ def check_collective_count(world: int, group) -> None:
                               requires_grad=True)
         ref = torch.tensor(case["ref"][..., start:stop], dtype=torch.float32)
         ratio, kl_val = loss.ratio_kl(policy, ref, *tensors(case, "ids", "mask", "old"),
-                                      vocab_group=group)
+                                      vocab_group=group, backend=backend)
         assert len(calls) == 2, calls
         (ratio + kl_val).sum().backward()
         assert len(calls) == 2, calls
@@ -334,13 +341,13 @@ def run_all(world: int) -> None:
         check_bad_ids(2, pair)
 
 
-def run_rank(rank: int, world: int, port: int, results) -> None:
-    """Entry point of one forked rank: runs every check, sends ``None`` or the traceback."""
+def run_rank(rank: int, world: int, port: int, results, checks=run_all) -> None:
+    """Entry point of one forked rank: runs ``checks(world)``, sends ``None`` or the traceback."""
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world)
-        run_all(world)
+        checks(world)
         dist.destroy_process_group()
         results.put((rank, None))
     except BaseException:  # report any failure, including assertion errors, to the parent

@@ -7,18 +7,38 @@ Triton's interpreter on CPU tensors: :func:`interpreted` gives the twin), JAX th
 Kernels (one program per row of ``[N, V]`` logits):
     logp_forward_kernel   -- log-prob, ratio, KL, dKL/dlogp and log-sum-exp per row
     logp_backward_kernel  -- ``c * (onehot - softmax) / T`` in the logits' dtype
+    shard_stats_kernel    -- a vocabulary shard's partial log-sum-exp and selected logit
+    lse_partials_kernel   -- few rows: partial log-sum-exps per (row, vocabulary split)
+    logp_combine_kernel   -- few rows: folds the partials into the forward's outputs
 """
 
 from ratiokl._kernels.backward import logp_backward_kernel
 from ratiokl._kernels.forward import logp_forward_kernel
-from ratiokl._kernels.heuristics import LaunchConfig, backward_config, forward_config
+from ratiokl._kernels.heuristics import (
+    LaunchConfig,
+    SplitPlan,
+    backward_config,
+    backward_splits,
+    forward_config,
+    split_plan,
+    use_split_forward,
+)
 from ratiokl._kernels.interpret import interpreted
+from ratiokl._kernels.shard_stats import shard_stats_kernel
+from ratiokl._kernels.split_forward import logp_combine_kernel, lse_partials_kernel
 
 __all__ = [
     "LaunchConfig",
+    "SplitPlan",
     "backward_config",
+    "backward_splits",
     "forward_config",
     "interpreted",
     "logp_backward_kernel",
+    "logp_combine_kernel",
     "logp_forward_kernel",
+    "lse_partials_kernel",
+    "split_plan",
+    "use_split_forward",
+    "shard_stats_kernel",
 ]

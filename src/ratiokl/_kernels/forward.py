@@ -69,6 +69,104 @@ def _selected(row_ptr, a, stride_v, t, lse2, active):
 
 
 @triton.jit
+def span_lse2(
+    p_row, r_row, V, stride_pv, stride_rv, k, t0, t1, tail_on,
+    HAS_REF: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """``(m_p, s_p, m_r, s_r)`` of whole tiles ``[t0, t1)`` and, where ``tail_on``, the tail.
+
+    A split's partial base-2 log-sum-exp (see ``heuristics.split_plan``):
+    every path folds the same tiles in the same order, so the bits of the
+    partials do not depend on which kernel computes them. The masked tail
+    step runs in every split (all lanes ``-inf`` where ``tail_on`` is false,
+    which leaves ``(m, s)`` bitwise unchanged).
+    """
+    cols = tl.arange(0, BLOCK_V)
+    m_p = -float("inf")
+    s_p = 0.0
+    m_r = -float("inf")
+    s_r = 0.0
+    for b in range(t0, t1):
+        offs = (b * BLOCK_V + cols).to(tl.int64)
+        x = tl.load(p_row + offs * stride_pv).to(tl.float32) * k
+        m_p, s_p = lse_step(x, m_p, s_p)
+        if HAS_REF:
+            y = tl.load(r_row + offs * stride_rv).to(tl.float32) * k
+            m_r, s_r = lse_step(y, m_r, s_r)
+    if V % BLOCK_V != 0:
+        offs = ((V // BLOCK_V) * BLOCK_V + cols).to(tl.int64)
+        tail = (offs < V) & tail_on
+        x = tl.load(p_row + offs * stride_pv, mask=tail, other=-float("inf"))
+        m_p, s_p = lse_step(x.to(tl.float32) * k, m_p, s_p)
+        if HAS_REF:
+            y = tl.load(r_row + offs * stride_rv, mask=tail, other=-float("inf"))
+            m_r, s_r = lse_step(y.to(tl.float32) * k, m_r, s_r)
+    return m_p, s_p, m_r, s_r
+
+
+@triton.jit
+def split_span(split, V, active, TILES_PER_SPLIT: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Whole tiles ``[t0, t1)`` of split ``split`` and whether it owns the tail (none if inactive)."""
+    n_full = V // BLOCK_V
+    t0 = split * TILES_PER_SPLIT
+    t1 = tl.where(active, tl.minimum(t0 + TILES_PER_SPLIT, n_full), t0)
+    tail_on = active & (n_full >= t0) & (n_full < t0 + TILES_PER_SPLIT)
+    return t0, t1, tail_on
+
+
+@triton.jit
+def fold_lse2(m_acc, s_acc, m, s):
+    """Fold a split's partial ``(m, s)`` into the running pair (the same code on every path)."""
+    m_new = tl.maximum(m_acc, m)
+    shift = shift_of(m_new)
+    return m_new, s_acc * tl.exp2(m_acc - shift) + s * tl.exp2(m - shift)
+
+
+@triton.jit
+def forward_epilogue(
+    row, p_row, r_row, ids_ptr, mask_ptr, old_ptr, ref_logps_ptr, temp_ptr,
+    logp_ptr, ratio_ptr, kl_ptr, dkl_ptr, lse_ptr,
+    V, stride_pv, stride_rv, stride_t, m_p, s_p, m_r, s_r,
+    HAS_REF: tl.constexpr, KL_CODE: tl.constexpr,
+):
+    """Per-row outputs of the forward from the folded ``(max, sum)`` pairs of policy and ref."""
+    active = tl.load(mask_ptr + row) != 0
+    a = tl.load(ids_ptr + row).to(tl.int64)
+    bad = active & ((a < 0) | (a >= V))
+    # Clamp before any read: an out-of-range id never leaves the row.
+    a = tl.minimum(tl.maximum(a, 0), V - 1)
+    t = tl.where(active, tl.load(temp_ptr + row * stride_t), 1.0)
+    lse2 = shift_of(m_p) + tl.log2(s_p)
+    lse = lse2 * LN2
+    logp = _selected(p_row, a, stride_pv, t, lse2, active)
+    nan = float("nan")
+    logp = tl.where(bad, nan, logp)
+    lse = tl.where(bad, nan, lse)
+    tl.store(logp_ptr + row, tl.where(active, logp, 0.0))
+    tl.store(lse_ptr + row, tl.where(active, lse, 0.0))
+
+    ratio = 1.0
+    kl = 0.0
+    dkl = 0.0
+    if KL_CODE > 0:
+        if HAS_REF:
+            ref_lse2 = shift_of(m_r) + tl.log2(s_r)
+            logp_ref = _selected(r_row, a, stride_rv, t, ref_lse2, active)
+            logp_ref = tl.where(bad, nan, logp_ref)
+        else:
+            logp_ref = tl.load(ref_logps_ptr + row, mask=active, other=0.0)
+        old = tl.load(old_ptr + row, mask=active, other=0.0)
+        ratio = tl.exp(logp - old)
+        kl, dkl = kl_and_dkl(logp_ref - logp, KL_CODE)
+        ratio = tl.where(active, ratio, 1.0)
+        kl = tl.where(active, kl, 0.0)
+        dkl = tl.where(active, dkl, 0.0)
+    tl.store(ratio_ptr + row, ratio)
+    tl.store(kl_ptr + row, kl)
+    tl.store(dkl_ptr + row, dkl)
+
+
+@triton.jit
 def logp_forward_kernel(
     # inputs
     policy_ptr,  # [N, V] policy logits (fp32/fp16/bf16), strides (stride_pn, stride_pv)
@@ -94,45 +192,30 @@ def logp_forward_kernel(
     # compile-time options
     HAS_REF: tl.constexpr,  # reference logits given (else ref_logps, or none)
     KL_CODE: tl.constexpr,  # 0: log-prob only; 1/2/3: ratio and KL estimator k1/k2/k3
+    SPLITS: tl.constexpr,  # spans of the row folded in order (heuristics.split_plan)
+    TILES_PER_SPLIT: tl.constexpr,  # whole tiles per span
     BLOCK_V: tl.constexpr,  # vocabulary tile (power of two)
 ):
     row = tl.program_id(0).to(tl.int64)
     active = tl.load(mask_ptr + row) != 0
-    a = tl.load(ids_ptr + row).to(tl.int64)
-    bad = active & ((a < 0) | (a >= V))
-    # Clamp before any read: an out-of-range id never leaves the row.
-    a = tl.minimum(tl.maximum(a, 0), V - 1)
     t = tl.where(active, tl.load(temp_ptr + row * stride_t), 1.0)
-    n_full = tl.where(active, V // BLOCK_V, 0)
-
+    k = LOG2E / t
     p_row = policy_ptr + row * stride_pn
     r_row = ref_ptr + row * stride_rn
-    lse2, ref_lse2 = _rows_lse2(
-        p_row, r_row, V, stride_pv, stride_rv, LOG2E / t, n_full, active, HAS_REF, BLOCK_V
+    m_p = -float("inf")
+    s_p = 0.0
+    m_r = -float("inf")
+    s_r = 0.0
+    # The same spans, partials and fold as split_forward's two kernels: the same bits.
+    for split in range(0, SPLITS):
+        t0, t1, tail_on = split_span(split, V, active, TILES_PER_SPLIT, BLOCK_V)
+        mp, sp, mr, sr = span_lse2(
+            p_row, r_row, V, stride_pv, stride_rv, k, t0, t1, tail_on, HAS_REF, BLOCK_V
+        )
+        m_p, s_p = fold_lse2(m_p, s_p, mp, sp)
+        m_r, s_r = fold_lse2(m_r, s_r, mr, sr)
+    forward_epilogue(
+        row, p_row, r_row, ids_ptr, mask_ptr, old_ptr, ref_logps_ptr, temp_ptr,
+        logp_ptr, ratio_ptr, kl_ptr, dkl_ptr, lse_ptr,
+        V, stride_pv, stride_rv, stride_t, m_p, s_p, m_r, s_r, HAS_REF, KL_CODE,
     )
-    lse = lse2 * LN2
-    logp = _selected(p_row, a, stride_pv, t, lse2, active)
-    nan = float("nan")
-    logp = tl.where(bad, nan, logp)
-    lse = tl.where(bad, nan, lse)
-    tl.store(logp_ptr + row, tl.where(active, logp, 0.0))
-    tl.store(lse_ptr + row, tl.where(active, lse, 0.0))
-
-    ratio = 1.0
-    kl = 0.0
-    dkl = 0.0
-    if KL_CODE > 0:
-        if HAS_REF:
-            logp_ref = _selected(r_row, a, stride_rv, t, ref_lse2, active)
-            logp_ref = tl.where(bad, nan, logp_ref)
-        else:
-            logp_ref = tl.load(ref_logps_ptr + row, mask=active, other=0.0)
-        old = tl.load(old_ptr + row, mask=active, other=0.0)
-        ratio = tl.exp(logp - old)
-        kl, dkl = kl_and_dkl(logp_ref - logp, KL_CODE)
-        ratio = tl.where(active, ratio, 1.0)
-        kl = tl.where(active, kl, 0.0)
-        dkl = tl.where(active, dkl, 0.0)
-    tl.store(ratio_ptr + row, ratio)
-    tl.store(kl_ptr + row, kl)
-    tl.store(dkl_ptr + row, dkl)

@@ -15,10 +15,24 @@ write) is within 2 % across 8-16 warps and 16-64 bytes per thread, best at
 
 from typing import NamedTuple
 
-__all__ = ["LaunchConfig", "backward_config", "forward_config"]
+__all__ = [
+    "LaunchConfig",
+    "SplitPlan",
+    "backward_config",
+    "backward_splits",
+    "forward_config",
+    "split_plan",
+    "use_split_forward",
+]
 
 #: Smallest tile: keeps tiny vocabularies to one masked block.
 _MIN_BLOCK = 16
+#: Vocabulary splits of a row's log-sum-exp (fewer when the row has fewer tiles).
+_SPLITS = 8
+#: Below this many rows the forward runs one program per (row, split) plus a combine.
+_SPLIT_BELOW_ROWS = 1024
+#: Programs the backward aims for (132 SMs x 4) when rows alone are fewer.
+_BACKWARD_PROGRAMS = 528
 
 
 class LaunchConfig(NamedTuple):
@@ -51,3 +65,44 @@ def forward_config(vocab: int, itemsize: int) -> LaunchConfig:
 def backward_config(vocab: int, itemsize: int) -> LaunchConfig:
     """Backward tile (8192 x 16 warps in bf16)."""
     return _config(vocab, itemsize, num_warps=16, bytes_per_thread=32)
+
+
+class SplitPlan(NamedTuple):
+    """A row's tiles cut into ``splits`` consecutive spans of ``tiles_per_split`` tiles."""
+
+    splits: int
+    tiles_per_split: int
+
+
+def split_plan(vocab: int, block_v: int, max_splits: int = _SPLITS) -> SplitPlan:
+    """How the forward's log-sum-exp of a row is cut into partial ``(max, sum)`` pairs.
+
+    ``block_v`` is the forward tile (``forward_config``). A function of the
+    vocabulary and the tile alone (never of the row count): both forward
+    paths -- one program per row, or one per (row, split) plus a combine --
+    fold the same spans in the same order, so a row's bits do not depend on
+    the batch or on which path ran. No split is empty. ``max_splits`` is for
+    tuning sweeps only; the library always uses the default.
+    """
+    tiles = -(-vocab // block_v)
+    per_split = -(-tiles // max(1, max_splits))
+    return SplitPlan(splits=-(-tiles // per_split), tiles_per_split=per_split)
+
+
+def use_split_forward(n_rows: int, plan: SplitPlan) -> bool:
+    """Whether the forward launches a program per (row, split): too few rows to fill the GPU.
+
+    Speed only: both paths give the same bits (see :func:`split_plan`).
+    """
+    return n_rows < _SPLIT_BELOW_ROWS and plan.splits > 1
+
+
+def backward_splits(n_rows: int, vocab: int, itemsize: int) -> int:
+    """Programs per row of the backward (each takes a span of whole tiles).
+
+    The backward is elementwise given the forward's log-sum-exp, so the split
+    changes no bit; it only fills the GPU when rows are few.
+    """
+    tiles = -(-vocab // backward_config(vocab, itemsize).block_v)
+    want = -(-_BACKWARD_PROGRAMS // max(1, n_rows))
+    return max(1, min(tiles, want))

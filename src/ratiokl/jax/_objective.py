@@ -27,7 +27,10 @@ from jax import lax
 from ratiokl.jax import _checks
 from ratiokl.spec import PolicyLossOptions
 
-__all__ = ["TokenInputs", "as_rows", "policy_objective", "token_inputs"]
+__all__ = [
+    "TokenInputs", "aggregation_weights", "as_rows", "policy_objective", "token_inputs",
+    "token_metrics",
+]
 
 Normalizer = Union[None, float, jax.Array]
 _ARRAYS = (jax.Array, np.ndarray, jax.core.Tracer)
@@ -216,6 +219,26 @@ def _denominator(agg_code: int, n_tok, n_seq, width: int, loss_normalizer: Norma
     return 1.0 if agg_code == 1 else float(width)
 
 
+def aggregation_weights(mask: jax.Array, inputs: TokenInputs, opts: PolicyLossOptions) -> jax.Array:
+    """Per-token weights ``a_t / D`` with ``loss = sum_t w_t * loss_t``: float32 ``[R, T]``.
+
+    Depends only on the mask, the segment ids and the normaliser (never on
+    log-probs), so fused kernels take it precomputed; 0 on inactive tokens.
+    """
+    weights = jnp.ones(mask.shape, jnp.float32)
+    n_seq = None
+    if opts.agg_code in (2, 3):
+        first, last, starts = _segments(mask, inputs.segment_ids)
+        n_seq = jnp.sum(starts, dtype=jnp.int32)
+        if opts.agg_code == 2:
+            weights = 1.0 / jnp.maximum(
+                _segment_totals(mask.astype(jnp.float32), first, last), 1.0
+            )
+    n_tok = jnp.sum(mask, dtype=jnp.int32)
+    denom = _denominator(opts.agg_code, n_tok, n_seq, mask.shape[-1], inputs.loss_normalizer)
+    return jnp.where(mask, weights / denom, 0.0).astype(jnp.float32)
+
+
 def policy_objective(
     logp: jax.Array,
     logp_ref: Optional[jax.Array],
@@ -264,11 +287,12 @@ def policy_objective(
     n_seq = jnp.sum(starts, dtype=jnp.int32) if need_segments else None
     denom = _denominator(opts.agg_code, n_tok, n_seq, mask.shape[-1], inputs.loss_normalizer)
     loss = jnp.sum(jnp.where(mask, per_token, 0.0)) / denom
-    return loss.astype(jnp.float32), _metrics(mask, n_tok, low, high, capped, ratio, kl, old - logp)
+    metrics = token_metrics(mask, n_tok, low, high, capped, ratio, kl, old - logp)
+    return loss.astype(jnp.float32), metrics
 
 
-def _metrics(mask, n_tok, low, high, capped, ratio, kl, approx_kl) -> Dict[str, jax.Array]:
-    """Means over active tokens (0 when there is none), under stop-gradient."""
+def token_metrics(mask, n_tok, low, high, capped, ratio, kl, approx_kl) -> Dict[str, jax.Array]:
+    """Means over active tokens (0 when there is none), under stop-gradient; any shape."""
     count = jnp.maximum(n_tok, 1).astype(jnp.float32)
 
     def mean(x: jax.Array) -> jax.Array:

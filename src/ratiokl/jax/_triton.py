@@ -5,7 +5,8 @@ on flattened inputs (logits ``[N, V]``, per-row arrays ``[N]``) with the
 very kernel functions that ``ratiokl.torch._triton`` launches:
 
 * one ``jax.custom_vjp`` whose forward runs ``logp_forward_kernel`` (per
-  row: ``logp``, ``ratio``, ``kl``, ``dkl/dlogp``, ``lse``) and whose
+  row: ``logp``, ``ratio``, ``kl``, ``dkl/dlogp``, ``lse``; few rows:
+  ``lse_partials_kernel`` + ``logp_combine_kernel``, the same bits) and whose
   backward forms ``c = g_logp + g_ratio * ratio + g_kl * dkl`` (``[N]`` jnp
   ops, 0 on inactive rows) and runs ``logp_backward_kernel``, cast to the
   logits' dtype;
@@ -36,9 +37,14 @@ import jax.numpy as jnp
 
 from ratiokl._kernels import (
     backward_config,
+    backward_splits,
     forward_config,
     logp_backward_kernel,
+    logp_combine_kernel,
     logp_forward_kernel,
+    lse_partials_kernel,
+    split_plan,
+    use_split_forward,
 )
 
 __all__ = ["import_jax_triton", "ratio_kl", "selected_logprobs"]
@@ -72,34 +78,56 @@ def _triton_call(*args, **kwargs):
 
 
 def _forward_call(kl_code: int, has_ref: bool, policy, ref, ids, mask, old, ref_logps, temp):
-    """``(logp, ratio, kl, dkl, lse)`` float32 ``[N]`` from one forward launch."""
+    """``(logp, ratio, kl, dkl, lse)`` float32 ``[N]``: one launch, or partials + combine.
+
+    Few rows (``use_split_forward``) run a program per (row, vocabulary
+    split) and a per-row combine; the bits are those of the one-launch path.
+    """
     n_rows, vocab = policy.shape
     row = jax.ShapeDtypeStruct((n_rows,), jnp.float32)
     if n_rows == 0:
         return tuple(jnp.zeros((0,), jnp.float32) for _ in range(5))
     config = forward_config(vocab, policy.dtype.itemsize)
-    return tuple(_triton_call(
-        policy, ref, ids, mask, old, ref_logps, temp,
-        kernel=logp_forward_kernel, out_shape=[row] * 5, grid=(n_rows,),
-        num_warps=config.num_warps,
+    plan = split_plan(vocab, config.block_v)
+    sizes = dict(
         V=vocab, stride_pn=vocab, stride_pv=1, stride_rn=vocab, stride_rv=1,
-        stride_t=0 if temp.shape[0] == 1 else 1,
-        HAS_REF=has_ref, KL_CODE=kl_code, BLOCK_V=config.block_v,
+        stride_t=0 if temp.shape[0] == 1 else 1, HAS_REF=has_ref, SPLITS=plan.splits,
+    )
+    if not use_split_forward(n_rows, plan):
+        return tuple(_triton_call(
+            policy, ref, ids, mask, old, ref_logps, temp,
+            kernel=logp_forward_kernel, out_shape=[row] * 5, grid=(n_rows,),
+            num_warps=config.num_warps, KL_CODE=kl_code,
+            TILES_PER_SPLIT=plan.tiles_per_split, BLOCK_V=config.block_v, **sizes,
+        ))
+    parts = _triton_call(
+        policy, ref, mask, temp,
+        kernel=lse_partials_kernel,
+        out_shape=jax.ShapeDtypeStruct((n_rows, plan.splits, 4), jnp.float32),
+        grid=(n_rows, plan.splits), num_warps=config.num_warps,
+        TILES_PER_SPLIT=plan.tiles_per_split, BLOCK_V=config.block_v, **sizes,
+    )
+    return tuple(_triton_call(
+        policy, ref, ids, mask, old, ref_logps, temp, parts,
+        kernel=logp_combine_kernel, out_shape=[row] * 5, grid=(n_rows,), num_warps=1,
+        KL_CODE=kl_code, **sizes,
     ))
 
 
 def _backward_call(policy, ids, mask, temp, lse, coef):
-    """Gradient ``[N, V]`` in the logits' dtype from one backward launch."""
+    """Gradient ``[N, V]`` in the logits' dtype; grid ``(N, S)``, ``S = backward_splits``."""
     n_rows, vocab = policy.shape
     if n_rows == 0:
         return jnp.zeros(policy.shape, policy.dtype)
     config = backward_config(vocab, policy.dtype.itemsize)
+    tiles = -(-vocab // config.block_v)
+    per_prog = -(-tiles // backward_splits(n_rows, vocab, policy.dtype.itemsize))
     return _triton_call(
         policy, ids, mask, temp, lse, coef,
         kernel=logp_backward_kernel, out_shape=jax.ShapeDtypeStruct(policy.shape, policy.dtype),
-        grid=(n_rows,), num_warps=config.num_warps,
+        grid=(n_rows, -(-tiles // per_prog)), num_warps=config.num_warps,
         V=vocab, stride_ln=vocab, stride_lv=1, stride_t=0 if temp.shape[0] == 1 else 1,
-        BLOCK_V=config.block_v,
+        tiles_per_prog=per_prog, BLOCK_V=config.block_v,
     )
 
 

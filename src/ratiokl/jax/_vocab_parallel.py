@@ -28,6 +28,11 @@ outside the ``shard_map`` is exact in both modes (a custom rule that hid the
 psum would be scaled by ``1/axis_size`` under ``check_vma=False``); one taken
 inside the body is exact with ``check_vma=True`` and, as for any psum,
 ``axis_size`` times too large with ``check_vma=False``.
+
+That is the native math (``backend="native"``, and ``"auto"`` without a
+GPU). ``backend="triton"`` (and ``"auto"`` where jax-triton runs) computes
+the same statistics with the Triton kernels and the same one pmax and one
+psum (``ratiokl.jax._triton_stats``); it needs ``check_vma=True``.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ratiokl.jax import _elementwise, _native
+from ratiokl.jax import _dispatch, _elementwise, _native
 from ratiokl.jax._checks import Temperature
 
 __all__ = ["VocabParallel", "bind", "global_vocab"]
@@ -62,13 +67,9 @@ def global_vocab(local_vocab: int, axis: Optional[str]) -> int:
 
 def bind(backend: str, axis: str) -> "VocabParallel":
     """The vocabulary-parallel backend over mesh axis ``axis`` (a static string)."""
-    if backend not in ("auto", "native"):
-        raise ValueError(
-            f"vocabulary-parallel calls (`vocab_axis=`) run the native per-shard math; got "
-            f"backend={backend!r}. Pass backend='auto' or 'native'"
-        )
+    name = _dispatch._resolve_name(backend)
     _axis_size(axis)
-    return VocabParallel(axis)
+    return VocabParallel(axis, name, explicit=backend != "auto")
 
 
 def _ownership(ids: jax.Array, mask: jax.Array, local_vocab: int, axis: str):
@@ -125,10 +126,25 @@ class VocabParallel:
 
     ``check_ids`` is accepted for the interface and not needed: rows whose
     active id is outside the global ``[0, V)`` are always poisoned with NaN.
+    ``backend``: the resolved per-block math, ``"native"`` or ``"triton"``;
+    ``explicit``: it was asked for by name. A resolved ``"auto"`` runs the
+    Triton path only where it is exact (``check_vma=True``), else the native one.
     """
 
-    def __init__(self, axis: str) -> None:
+    def __init__(self, axis: str, backend: str = "native", explicit: bool = False) -> None:
         self.axis = axis
+        self.backend = backend
+        self.explicit = explicit
+
+    def _logps(self, shards, ids, mask, temperature):
+        # No rows: nothing to launch (the native math on [0, V] is free).
+        if self.backend == "triton" and shards[0].shape[0] > 0:
+            from ratiokl.jax import _triton_stats  # imports triton; jax_triton on first launch
+
+            if self.explicit or _triton_stats.varies_over(shards[0], self.axis):
+                return _triton_stats.logps(shards, ids, mask, temperature, self.axis)
+        t = _native._row_temperature(temperature, shards[0].shape[0])
+        return _logps(shards, ids, mask, t, self.axis)
 
     def selected_logprobs(
         self,
@@ -139,8 +155,7 @@ class VocabParallel:
         check_ids: bool,
     ) -> jax.Array:
         """Float32 ``logp[N]`` from this device's block ``logits[N, V_local]``."""
-        t = _native._row_temperature(temperature, logits.shape[0])
-        return _logps([logits], ids, mask, t, self.axis)[0]
+        return self._logps([logits], ids, mask, temperature)[0]
 
     def ratio_kl(
         self,
@@ -155,11 +170,10 @@ class VocabParallel:
         check_ids: bool,
     ) -> Tuple[jax.Array, jax.Array]:
         """Float32 ``(ratio[N], kl[N])``; one pmax and one psum for policy and reference."""
-        t = _native._row_temperature(temperature, policy.shape[0])
         if ref is None:
-            (logp,), logp_ref = _logps([policy], ids, mask, t, self.axis), ref_logps
+            (logp,), logp_ref = self._logps([policy], ids, mask, temperature), ref_logps
         else:
-            logp, logp_ref = _logps([policy, lax.stop_gradient(ref)], ids, mask, t, self.axis)
+            logp, logp_ref = self._logps([policy, lax.stop_gradient(ref)], ids, mask, temperature)
         return _elementwise.ratio_kl(
             logp, lax.stop_gradient(logp_ref), lax.stop_gradient(old_logps), mask, kl_code
         )

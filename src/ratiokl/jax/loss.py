@@ -78,6 +78,15 @@ def _backend(backend: str, vocab_axis: Optional[str] = None) -> ModuleType:
     return _dispatch.resolve(backend)
 
 
+def _fused(run: ModuleType, opts) -> Optional[ModuleType]:
+    """The fused policy-loss module when ``run`` is the Triton backend and ``opts`` fuse."""
+    if getattr(run, "__name__", None) != "ratiokl.jax._triton":  # vocab-parallel: an object
+        return None
+    from ratiokl.jax import _fused_loss
+
+    return _fused_loss if _fused_loss.fuses(run, opts) else None
+
+
 def selected_logprobs(
     logits: jax.Array,
     action_ids: jax.Array,
@@ -234,6 +243,11 @@ def policy_loss(
     are then aggregated by ``loss_agg``. docs/policy_loss.md has every formula
     and the table of verl / TRL equivalents.
 
+    On the Triton backends one fused kernel computes the loss, the metrics and
+    the policy-logit gradient in one pass per row (the backward only scales the
+    stored gradient by the upstream value); every option fuses except
+    ``ratio_level="sequence"`` and ``vocab_axis``, which take the two-pass path.
+
     Args:
       policy_logits, ref_logits, action_ids, mask, old_logps, ref_logps,
         temperature, backend, check_ids, vocab_axis: as in :func:`ratio_kl`; ``ref_logits``
@@ -286,6 +300,13 @@ def policy_loss(
     )
     rows = _prepare(policy_logits, action_ids, mask, temperature, check_ids, vocab_axis)
     run = _backend(backend, vocab_axis)
+    fused = _fused(run, opts)
+    if fused is not None:  # one-pass kernel: loss, metrics and gradient together
+        ref = None if ref_logits is None else ref_logits.reshape(rows.logits.shape)
+        return fused.policy_loss(
+            rows.logits, ref, rows.ids, rows.mask, _flat_rows(ref_logps), rows.temperature,
+            inputs, opts, lead,
+        )
     logp = run.selected_logprobs(
         rows.logits, rows.ids, rows.mask, rows.temperature, rows.ids_verified
     )

@@ -22,7 +22,10 @@ import torch
 from ratiokl.spec import PolicyLossOptions
 from ratiokl.torch import _checks
 
-__all__ = ["TokenInputs", "as_rows", "policy_objective", "token_inputs"]
+__all__ = [
+    "TokenInputs", "aggregation_weights", "as_rows", "policy_objective", "token_inputs",
+    "token_metrics",
+]
 
 Normalizer = Union[None, float, torch.Tensor]
 
@@ -199,6 +202,26 @@ def _denominator(agg_code: int, n_tok, n_seq, width: int, loss_normalizer: Norma
     return 1.0 if agg_code == 1 else float(width)
 
 
+def aggregation_weights(
+    mask: torch.Tensor, inputs: TokenInputs, opts: PolicyLossOptions
+) -> torch.Tensor:
+    """Per-token weights ``a_t / D`` with ``loss = sum_t w_t * loss_t``: float32 ``[R, T]``.
+
+    Depends only on the mask, the segment ids and the normaliser (never on
+    log-probs), so fused kernels take it precomputed; 0 on inactive tokens.
+    """
+    zero = torch.zeros((), dtype=torch.float32, device=mask.device)
+    weights = torch.ones(mask.shape, dtype=torch.float32, device=mask.device)
+    n_seq = None
+    if opts.agg_code in (2, 3):
+        first, last, starts = _segments(mask, inputs.segment_ids)
+        n_seq = starts.sum()
+        if opts.agg_code == 2:
+            weights = 1.0 / _segment_totals(mask.float(), first, last).clamp(min=1)
+    denom = _denominator(opts.agg_code, mask.sum(), n_seq, mask.shape[-1], inputs.loss_normalizer)
+    return torch.where(mask, weights / denom, zero)
+
+
 def policy_objective(
     logp: torch.Tensor,
     logp_ref: Optional[torch.Tensor],
@@ -248,11 +271,13 @@ def policy_objective(
     n_seq = starts.sum() if need_segments else None
     denom = _denominator(opts.agg_code, n_tok, n_seq, mask.shape[-1], inputs.loss_normalizer)
     loss = torch.where(mask, per_token, zero).sum() / denom
-    return loss, _metrics(mask, n_tok, low, high, capped, ratio, kl, old - logp)
+    return loss, token_metrics(mask, n_tok, low, high, capped, ratio, kl, old - logp)
 
 
-def _metrics(mask, n_tok, low, high, capped, ratio, kl, approx_kl) -> Dict[str, torch.Tensor]:
-    """Detached means over active tokens (0 when there is none)."""
+def token_metrics(
+    mask, n_tok, low, high, capped, ratio, kl, approx_kl
+) -> Dict[str, torch.Tensor]:
+    """Detached means over active tokens (0 when there is none); per-token inputs, any shape."""
     zero = torch.zeros((), dtype=torch.float32, device=mask.device)
     count = n_tok.clamp(min=1).float()
 

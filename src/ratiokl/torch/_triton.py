@@ -13,7 +13,8 @@ on flattened inputs (logits ``[N, V]`` with any strides, per-row tensors
   opaque to ``torch.compile``, with the same autograd formula.
 
 Forward: one kernel writes per row ``logp``, ``ratio``, ``kl``, ``dkl/dlogp``
-and ``lse``. Backward: the per-row coefficient
+and ``lse`` (few rows: a program per (row, vocabulary split) and a per-row
+combine, bitwise the same; ``ratiokl._kernels.split_forward``). Backward: the per-row coefficient
 ``c = g_logp + g_ratio * ratio + g_kl * dkl`` (``[N]`` framework ops, 0 on
 inactive rows), then one kernel writes ``c * (onehot - softmax) / T`` in the
 logits' dtype. Nothing synchronises with the host; the kernels clamp every
@@ -35,11 +36,17 @@ from torch.library import custom_op, register_autograd, triton_op, wrap_triton
 
 from ratiokl._kernels import (
     LaunchConfig,
+    SplitPlan,
     backward_config,
+    backward_splits,
     forward_config,
     interpreted,
     logp_backward_kernel,
+    logp_combine_kernel,
     logp_forward_kernel,
+    lse_partials_kernel,
+    split_plan,
+    use_split_forward,
 )
 
 __all__ = ["ratio_kl", "selected_logprobs"]
@@ -49,52 +56,72 @@ Outputs = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Te
 
 
 def _launch_forward(
-    kernel: Callable, policy: torch.Tensor, ref: Optional[torch.Tensor], ids: torch.Tensor,
+    wrap: Callable, policy: torch.Tensor, ref: Optional[torch.Tensor], ids: torch.Tensor,
     mask: torch.Tensor, old: Optional[torch.Tensor], ref_logps: Optional[torch.Tensor],
     temp: torch.Tensor, kl_code: int, config: Optional[LaunchConfig] = None,
+    plan: Optional[SplitPlan] = None, split: Optional[bool] = None,
 ) -> Outputs:
-    """``(logp, ratio, kl, dkl, lse)`` float32 ``[N]`` each; ``kernel`` is a launchable handle.
+    """``(logp, ratio, kl, dkl, lse)`` float32 ``[N]`` each; ``wrap(kernel)`` is launchable.
 
-    ``config`` overrides the heuristic launch configuration (for tuning sweeps).
+    Few rows run a program per (row, split) and a combine (``use_split_forward``),
+    else one program per row; both give the same bits. ``config``, ``plan``
+    and ``split`` override the heuristics (for tuning sweeps).
     """
     n_rows, vocab = policy.shape
     outs = tuple(torch.empty(n_rows, dtype=torch.float32, device=policy.device) for _ in range(5))
     if n_rows == 0:
         return outs
-    logp, ratio, kl, dkl, lse = outs
     ref_t = policy if ref is None else ref  # never read when absent (HAS_REF is False)
     config = config or forward_config(vocab, policy.element_size())
-    kernel[(n_rows,)](
-        policy, ref_t, ids, mask,
-        temp if old is None else old, temp if ref_logps is None else ref_logps, temp,
-        logp, ratio, kl, dkl, lse,
-        vocab, policy.stride(0), policy.stride(1), ref_t.stride(0), ref_t.stride(1),
-        0 if temp.numel() == 1 else temp.stride(0),
-        HAS_REF=ref is not None, KL_CODE=kl_code, BLOCK_V=config.block_v,
-        num_warps=config.num_warps,
+    plan = plan or split_plan(vocab, config.block_v)
+    split = use_split_forward(n_rows, plan) if split is None else split
+    sizes = (vocab, policy.stride(0), policy.stride(1), ref_t.stride(0), ref_t.stride(1),
+             0 if temp.numel() == 1 else temp.stride(0))
+    rows = (ids, mask, temp if old is None else old, temp if ref_logps is None else ref_logps,
+            temp)
+    if not split:
+        wrap(logp_forward_kernel)[(n_rows,)](
+            policy, ref_t, *rows, *outs, *sizes,
+            HAS_REF=ref is not None, KL_CODE=kl_code, SPLITS=plan.splits,
+            TILES_PER_SPLIT=plan.tiles_per_split, BLOCK_V=config.block_v,
+            num_warps=config.num_warps,
+        )
+        return outs
+    parts = torch.empty((n_rows, plan.splits, 4), dtype=torch.float32, device=policy.device)
+    wrap(lse_partials_kernel)[(n_rows, plan.splits)](
+        policy, ref_t, mask, temp, parts, *sizes,
+        HAS_REF=ref is not None, SPLITS=plan.splits, TILES_PER_SPLIT=plan.tiles_per_split,
+        BLOCK_V=config.block_v, num_warps=config.num_warps,
+    )
+    wrap(logp_combine_kernel)[(n_rows,)](
+        policy, ref_t, *rows, parts, *outs, *sizes,
+        HAS_REF=ref is not None, KL_CODE=kl_code, SPLITS=plan.splits, num_warps=1,
     )
     return outs
 
 
 def _launch_backward(
-    kernel: Callable, logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor,
+    wrap: Callable, logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor,
     temp: torch.Tensor, lse: torch.Tensor, coef: torch.Tensor,
     config: Optional[LaunchConfig] = None,
 ) -> torch.Tensor:
     """Gradient ``[N, V]`` in the logits' dtype (row-major), exact 0 on inactive rows.
 
-    ``config`` overrides the heuristic launch configuration (for tuning sweeps).
+    Grid ``(N, S)`` with ``S = backward_splits(...)`` spans per row (no bit
+    depends on ``S``). ``config`` overrides the heuristic tile (for tuning sweeps).
     """
     n_rows, vocab = logits.shape
     grad = torch.empty((n_rows, vocab), dtype=logits.dtype, device=logits.device)
     if n_rows == 0:
         return grad
     config = config or backward_config(vocab, logits.element_size())
-    kernel[(n_rows,)](
+    tiles = -(-vocab // config.block_v)
+    per_prog = -(-tiles // backward_splits(n_rows, vocab, logits.element_size()))
+    wrap(logp_backward_kernel)[(n_rows, -(-tiles // per_prog))](
         logits, ids, mask, temp, lse, coef,
         grad,
         vocab, logits.stride(0), logits.stride(1), 0 if temp.numel() == 1 else temp.stride(0),
-        BLOCK_V=config.block_v, num_warps=config.num_warps,
+        per_prog, BLOCK_V=config.block_v, num_warps=config.num_warps,
     )
     return grad
 
@@ -109,7 +136,7 @@ def _triton_forward(
     kl_code: int,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return _launch_forward(
-        wrap_triton(logp_forward_kernel), policy, ref, ids, mask, old, ref_logps, temp, kl_code
+        wrap_triton, policy, ref, ids, mask, old, ref_logps, temp, kl_code
     )
 
 
@@ -118,7 +145,7 @@ def _triton_backward(
     logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, temp: torch.Tensor,
     lse: torch.Tensor, coef: torch.Tensor,
 ) -> torch.Tensor:
-    return _launch_backward(wrap_triton(logp_backward_kernel), logits, ids, mask, temp, lse, coef)
+    return _launch_backward(wrap_triton, logits, ids, mask, temp, lse, coef)
 
 
 # --- "interpret": CPU, Triton's interpreter, opaque to torch.compile ---------------------
@@ -132,7 +159,7 @@ def _interpret_forward(
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     with np.errstate(all="ignore"):  # NaN/inf rows are data here, not accidents
         return _launch_forward(
-            interpreted(logp_forward_kernel), policy, ref, ids, mask, old, ref_logps, temp, kl_code
+            interpreted, policy, ref, ids, mask, old, ref_logps, temp, kl_code
         )
 
 
@@ -148,7 +175,7 @@ def _interpret_backward(
 ) -> torch.Tensor:
     with np.errstate(all="ignore"):
         return _launch_backward(
-            interpreted(logp_backward_kernel), logits, ids, mask, temp, lse, coef
+            interpreted, logits, ids, mask, temp, lse, coef
         )
 
 

@@ -24,8 +24,13 @@ The collectives are plain ``torch.distributed.all_reduce`` calls on detached
 tensors, never a differentiable all-reduce (whose backward all-reduce would
 multiply the replicated loss's gradient by the group size).
 
-Every shard runs the native per-shard math (framework ops, any device):
-``backend`` may be ``"auto"`` or ``"native"``.
+The per-shard math runs on the backend that ``backend`` resolves to for
+the logits' device (as unsharded: ``"auto"`` is ``"triton"`` on CUDA):
+``"native"`` (framework ops) or the Triton kernels, ``"triton"`` on CUDA and
+``"interpret"`` on CPU (``ratiokl.torch._triton_stats``: the shard's
+log-sum-exp from ``shard_stats_kernel``, combined as ``(m, s) = (lse_r, 1)``;
+the backward from ``logp_backward_kernel`` with the global ``lse``). The
+collectives are the same for every backend.
 """
 
 from __future__ import annotations
@@ -35,7 +40,8 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from ratiokl.torch import _checks, _elementwise, _native
+from ratiokl.spec import BACKENDS
+from ratiokl.torch import _checks, _dispatch, _elementwise, _native
 
 __all__ = ["VocabParallel", "bind"]
 
@@ -44,17 +50,15 @@ Temperature = Union[float, torch.Tensor]
 
 def bind(backend: str, group: dist.ProcessGroup, lead: Tuple[int, ...]) -> "VocabParallel":
     """The vocabulary-parallel backend over ``group`` for inputs of leading shape ``lead``."""
-    if backend not in ("auto", "native"):
-        raise ValueError(
-            f"vocabulary-parallel calls (`vocab_group=`) run the native per-shard math; "
-            f"got backend={backend!r}. Pass backend='auto' or 'native'"
-        )
+    if backend not in BACKENDS:
+        choices = ", ".join(repr(b) for b in BACKENDS)
+        raise ValueError(f"`backend` must be one of {choices}; got {backend!r}")
     if not dist.is_initialized():
         raise RuntimeError(
             "`vocab_group` needs torch.distributed: call "
             "torch.distributed.init_process_group first"
         )
-    return VocabParallel(group, lead)
+    return VocabParallel(group, lead, backend)
 
 
 def _shard_stats(
@@ -86,11 +90,35 @@ def _selected(
     return x / temperature
 
 
+def _stats(
+    shards: Sequence[torch.Tensor], mask: torch.Tensor, temperature: Temperature, kernels: bool
+) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """``(m, s)`` float32 ``[N]`` per shard tensor (policy, then ref if given).
+
+    Native: the row max and shifted sum. Kernels: the shard's log-sum-exp
+    ``lse_r`` as ``(lse_r, 1)`` (one pass over policy and ref together), which
+    the combine turns into the same ``M`` shift and ``S`` sum.
+    """
+    if not kernels:
+        return [_shard_stats(x, mask, temperature) for x in shards]
+    from ratiokl.torch import _triton_stats  # imports triton: only when a kernel backend runs
+
+    temp = _triton_stats.kernel_temperature(temperature, shards[0].device)
+    lse, ref_lse = _triton_stats.shard_lse(shards[0], shards[1] if len(shards) > 1 else None,
+                                           mask, temp)
+    return [(m, torch.ones_like(m)) for m in ([lse] if ref_lse is None else [lse, ref_lse])]
+
+
 class _AttachGrad(torch.autograd.Function):
-    """``logp = z_a - lse`` (0 on inactive rows) with this shard's analytic backward."""
+    """``logp = z_a - lse`` (0 on inactive rows) with this shard's analytic backward.
+
+    ``kernels``: the backward runs ``logp_backward_kernel`` (``"triton"`` /
+    ``"interpret"`` backends) instead of the native math.
+    """
 
     @staticmethod
-    def forward(ctx, logits, z_sel, lse, local_ids, owned, mask, temperature):
+    def forward(ctx, logits, z_sel, lse, local_ids, owned, mask, temperature, kernels):
+        ctx.kernels = kernels
         if isinstance(temperature, torch.Tensor):
             ctx.save_for_backward(logits, lse, local_ids, owned, mask, temperature)
         else:
@@ -103,8 +131,17 @@ class _AttachGrad(torch.autograd.Function):
         saved = ctx.saved_tensors
         logits, lse, local_ids, owned, mask = saved[:5]
         temperature = saved[5] if len(saved) == 6 else ctx.temperature
-        grad = _shard_grad(logits, lse, local_ids, owned, mask, temperature, grad_logp)
-        return grad, None, None, None, None, None, None
+        if ctx.kernels:
+            from ratiokl.torch import _triton_stats
+
+            grad = _triton_stats.shard_grad(
+                logits, torch.where(owned, local_ids, -1), mask,
+                _triton_stats.kernel_temperature(temperature, logits.device), lse,
+                torch.where(mask, grad_logp, torch.zeros_like(grad_logp)).float(),
+            )
+        else:
+            grad = _shard_grad(logits, lse, local_ids, owned, mask, temperature, grad_logp)
+        return grad, None, None, None, None, None, None, None
 
 
 def _shard_grad(logits, lse, local_ids, owned, mask, temperature, grad_logp) -> torch.Tensor:
@@ -133,9 +170,10 @@ class VocabParallel:
     ``ValueError`` with the position in the leading shape ``lead``.
     """
 
-    def __init__(self, group: dist.ProcessGroup, lead: Tuple[int, ...]) -> None:
+    def __init__(self, group: dist.ProcessGroup, lead: Tuple[int, ...], backend: str) -> None:
         self.group = group
         self.lead = lead
+        self.backend = backend
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
 
@@ -184,15 +222,21 @@ class VocabParallel:
         """
         if isinstance(temperature, torch.Tensor):
             temperature = torch.where(mask, temperature, torch.ones_like(temperature))
+        kernels = _dispatch._backend_name(self.backend, policy.device) != "native"
         shards = [policy.detach()] + ([] if ref is None else [ref.detach()])
         if mask.numel() == 0:
             empty = torch.zeros(0, dtype=torch.float32, device=policy.device)
             local = torch.zeros(0, dtype=torch.long, device=policy.device)
-            logp = _AttachGrad.apply(policy, empty, empty, local, mask, mask, temperature)
+            logp = _AttachGrad.apply(policy, empty, empty, local, mask, mask, temperature, kernels)
             return logp, None if ref is None else empty
         with torch.no_grad():
-            z_sel, lse, local_ids, owned = self._combine(shards, ids, mask, temperature, check_ids)
-        logp = _AttachGrad.apply(policy, z_sel[0], lse[0], local_ids, owned, mask, temperature)
+            stats = _stats(shards, mask, temperature, kernels)
+            z_sel, lse, local_ids, owned = self._combine(
+                shards, stats, ids, mask, temperature, check_ids
+            )
+        logp = _AttachGrad.apply(
+            policy, z_sel[0], lse[0], local_ids, owned, mask, temperature, kernels
+        )
         if ref is None:
             return logp, None
         return logp, torch.where(mask, z_sel[1] - lse[1], torch.zeros_like(lse[1]))
@@ -200,14 +244,17 @@ class VocabParallel:
     def _combine(
         self,
         shards: Sequence[torch.Tensor],
+        stats: Sequence[Tuple[torch.Tensor, torch.Tensor]],
         ids: torch.Tensor,
         mask: torch.Tensor,
         temperature: Temperature,
         check_ids: bool,
     ) -> Tuple[List[torch.Tensor], List[torch.Tensor], torch.Tensor, torch.Tensor]:
-        """Global ``z_a`` and ``lse`` per shard tensor, plus local ids and ownership ``[N]``."""
+        """Global ``z_a`` and ``lse`` per shard tensor, plus local ids and ownership ``[N]``.
+
+        ``stats`` holds each shard tensor's ``(m, s)`` from :func:`_stats`.
+        """
         n_rows, local_vocab = shards[0].shape
-        stats = [_shard_stats(x, mask, temperature) for x in shards]
         sizes = torch.zeros(self.world, dtype=torch.float64, device=ids.device)
         sizes[self.rank] = local_vocab
         maxima = torch.cat([m.double() for m, _ in stats] + [sizes])

@@ -111,6 +111,15 @@ def _backend(
     return _dispatch.resolve(backend, rows.device)
 
 
+def _fused(run: ModuleType, opts) -> Optional[ModuleType]:
+    """The fused policy-loss module when ``run`` is the Triton backend and ``opts`` fuse."""
+    if getattr(run, "__name__", None) != "ratiokl.torch._triton":  # vocab-parallel: an object
+        return None
+    from ratiokl.torch import _fused_loss
+
+    return _fused_loss if _fused_loss.fuses(run, opts) else None
+
+
 def selected_logprobs(
     logits: torch.Tensor,
     action_ids: torch.Tensor,
@@ -267,6 +276,11 @@ def policy_loss(
     are then aggregated by ``loss_agg``. docs/policy_loss.md has every formula
     and the table of verl / TRL equivalents.
 
+    On the Triton backends one fused kernel computes the loss, the metrics and
+    the policy-logit gradient in one pass per row (the backward only scales the
+    stored gradient by the upstream value); every option fuses except
+    ``ratio_level="sequence"`` and ``vocab_group``, which take the two-pass path.
+
     Args:
       policy_logits, ref_logits, action_ids, mask, old_logps, ref_logps,
         temperature, backend, check_ids, vocab_group: as in :func:`ratio_kl`;
@@ -322,6 +336,13 @@ def policy_loss(
         advantages=advantages, segment_ids=segment_ids, importance_weights=importance_weights,
     )
     run = _backend(backend, rows, vocab_group)
+    fused = _fused(run, opts)
+    if fused is not None:  # one-pass kernel: loss, metrics and gradient together
+        ref = None if ref_logits is None else ref_logits.reshape(rows.logits.shape)
+        return fused.policy_loss(
+            rows.logits, ref, rows.ids, rows.mask, _flat_rows(ref_logps), rows.temperature,
+            inputs, opts, lead,
+        )
     logp = run.selected_logprobs(rows.logits, rows.ids, rows.mask, rows.temperature, check_ids)
     logp_ref = _flat_rows(ref_logps)
     if ref_logits is not None:

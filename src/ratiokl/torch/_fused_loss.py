@@ -1,0 +1,236 @@
+"""The one-pass fused ``policy_loss`` on the ``"triton"`` and ``"interpret"`` PyTorch backends.
+
+``ratiokl._kernels.policy_loss_kernel`` computes, per row, the log-sum-exp,
+the per-token objective and -- in the same program, while the row is in
+L2 -- the policy-logit gradient of ``sum_t w_t * loss_t``, stored in the
+logits' dtype. The backward is ``scale_rows_kernel``: the stored gradient
+scaled in place by the upstream value of each row, skipped on the device
+for rows whose upstream value is exactly 1 (``loss.backward()``) -- no host
+synchronisation anywhere.
+
+Which options fuse (:func:`fuses`): every option of ``policy_loss`` except
+``ratio_level="sequence"`` (GSPO needs a cross-row mean of the log-ratio
+before the objective) and vocabulary-sharded logits (``vocab_group``);
+those run the two-pass path (``selected_logprobs`` + ``_objective``). The
+aggregation weights ``w = a_t / D`` depend only on the mask, segment ids
+and ``loss_normalizer``, so they are ``[N]`` framework ops before the launch
+(``_objective.aggregation_weights``); the float options (clip bounds,
+``kl_coef``, ``log_ratio_bound``) are compile-time constants of the kernel
+(one compile per distinct value, as they are fixed for a run).
+
+Memory and aliasing: the forward allocates the ``[N, V]`` gradient (the
+kernel writes it even when no gradient is needed) and keeps it for the
+backward, which scales it in place and returns it; the backward therefore
+runs once per forward (a second ``backward`` with ``retain_graph=True``
+fails autograd's in-place check rather than returning a wrong gradient).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+import numpy as np
+import torch
+from torch.library import custom_op, register_autograd, triton_op, wrap_triton
+
+from ratiokl._kernels import interpreted
+from ratiokl._kernels.fused_loss import (
+    CLIP_CAPPED,
+    CLIP_HIGH,
+    CLIP_LOW,
+    launch_plan,
+    policy_loss_kernel,
+    scale_rows_kernel,
+)
+from ratiokl.spec import PolicyLossOptions
+from ratiokl.torch import _objective, _triton
+
+__all__ = ["fuses", "policy_loss"]
+
+#: Tile of the in-place scale (a plain streaming read-modify-write).
+_SCALE_BLOCK = 4096
+
+FusedOutputs = Tuple[torch.Tensor, ...]
+
+
+def fuses(backend_module: object, opts: PolicyLossOptions) -> bool:
+    """Whether ``policy_loss`` with these options on this backend takes the fused kernel."""
+    return backend_module is _triton and not opts.sequence_ratio
+
+
+def _options(opts: PolicyLossOptions, has_ref: bool) -> Tuple:
+    """The kernel's float/int options as a hashable tuple (custom ops take no dataclasses)."""
+    return (
+        opts.kl_code if has_ref else 0,
+        opts.kl_coef,
+        opts.ratio_low,
+        opts.ratio_high,
+        opts.neg_cap or 0.0,
+        opts.log_ratio_bound or 0.0,
+    )
+
+
+def _launch(kernel, policy, ref, ids, mask, old, ref_logps, temp, adv, iw, w,
+            has_ref: bool, kl_code: int, kl_coef: float, ratio_low: float, ratio_high: float,
+            neg_cap: float, bound: float) -> FusedOutputs:
+    """``(loss_rows, logp, ratio, kl, clip_bits, grad)``; see ``policy_loss_kernel``."""
+    n_rows, vocab = policy.shape
+    f32 = dict(dtype=torch.float32, device=policy.device)
+    outs = tuple(torch.empty(n_rows, **f32) for _ in range(4)) + (
+        torch.empty(n_rows, dtype=torch.int32, device=policy.device),
+        torch.empty((n_rows, vocab), dtype=policy.dtype, device=policy.device),
+    )
+    if n_rows == 0:
+        return outs
+    ref_t = ref if has_ref else policy  # never read without HAS_REF
+    config, programs = launch_plan(n_rows, vocab, policy.element_size())
+    kernel[(programs,)](
+        policy, ref_t, ids, mask, old, w if ref_logps is None else ref_logps, temp, adv,
+        w if iw is None else iw, w,
+        *outs,
+        n_rows, vocab, policy.stride(0), policy.stride(1), ref_t.stride(0), ref_t.stride(1),
+        0 if temp.numel() == 1 else temp.stride(0),
+        HAS_REF=has_ref, HAS_IW=iw is not None, KL_CODE=kl_code, KL_COEF=kl_coef,
+        RATIO_LOW=ratio_low, RATIO_HIGH=ratio_high, NEG_CAP=neg_cap, BOUND=bound,
+        BLOCK_V=config.block_v, num_warps=config.num_warps,
+    )
+    return outs
+
+
+def _scale(kernel, grad: torch.Tensor, g: torch.Tensor, mask: torch.Tensor) -> None:
+    """``grad[i] *= g[i]`` in place on active rows whose ``g[i] != 1`` (device-side test)."""
+    n_rows, vocab = grad.shape
+    if n_rows == 0:
+        return
+    kernel[(n_rows,)](
+        grad, g, mask, grad, vocab, 0 if g.numel() == 1 else g.stride(0),
+        BLOCK_V=min(_SCALE_BLOCK, max(16, 1 << (vocab - 1).bit_length())), num_warps=8,
+    )
+
+
+# --- "triton": CUDA, visible to torch.compile -------------------------------------------
+
+
+@triton_op("ratiokl::fused_policy_loss", mutates_args=())
+def _triton_fused(
+    policy: torch.Tensor, ref: Optional[torch.Tensor], ids: torch.Tensor, mask: torch.Tensor,
+    old: torch.Tensor, ref_logps: Optional[torch.Tensor], temp: torch.Tensor,
+    adv: torch.Tensor, iw: Optional[torch.Tensor], w: torch.Tensor, has_ref: bool,
+    kl_code: int, kl_coef: float, ratio_low: float, ratio_high: float, neg_cap: float,
+    bound: float,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _launch(
+        wrap_triton(policy_loss_kernel), policy, ref, ids, mask, old, ref_logps, temp, adv,
+        iw, w, has_ref, kl_code, kl_coef, ratio_low, ratio_high, neg_cap, bound,
+    )
+
+
+@triton_op("ratiokl::fused_scale_rows_", mutates_args={"grad"})
+def _triton_scale(grad: torch.Tensor, g: torch.Tensor, mask: torch.Tensor) -> None:
+    _scale(wrap_triton(scale_rows_kernel), grad, g, mask)
+
+
+# --- "interpret": CPU, Triton's interpreter, opaque to torch.compile ---------------------
+
+
+@custom_op("ratiokl::interpret_fused_policy_loss", mutates_args=(), device_types="cpu")
+def _interpret_fused(
+    policy: torch.Tensor, ref: Optional[torch.Tensor], ids: torch.Tensor, mask: torch.Tensor,
+    old: torch.Tensor, ref_logps: Optional[torch.Tensor], temp: torch.Tensor,
+    adv: torch.Tensor, iw: Optional[torch.Tensor], w: torch.Tensor, has_ref: bool,
+    kl_code: int, kl_coef: float, ratio_low: float, ratio_high: float, neg_cap: float,
+    bound: float,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    with np.errstate(all="ignore"):  # NaN/inf rows are data here, not accidents
+        return _launch(
+            interpreted(policy_loss_kernel), policy, ref, ids, mask, old, ref_logps, temp, adv,
+            iw, w, has_ref, kl_code, kl_coef, ratio_low, ratio_high, neg_cap, bound,
+        )
+
+
+@_interpret_fused.register_fake
+def _(policy, ref, ids, mask, old, ref_logps, temp, adv, iw, w, *options):
+    n_rows = policy.shape[0]
+    rows = tuple(policy.new_empty(n_rows, dtype=torch.float32) for _ in range(4))
+    return rows + (policy.new_empty(n_rows, dtype=torch.int32), torch.empty_like(policy))
+
+
+@custom_op("ratiokl::interpret_scale_rows_", mutates_args={"grad"}, device_types="cpu")
+def _interpret_scale(grad: torch.Tensor, g: torch.Tensor, mask: torch.Tensor) -> None:
+    with np.errstate(all="ignore"):
+        _scale(interpreted(scale_rows_kernel), grad, g, mask)
+
+
+# --- autograd: the stored gradient, scaled by the upstream value --------------------------
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    mask = inputs[3]
+    grad = output[5]
+    ctx.save_for_backward(grad, mask)
+    ctx.mark_non_differentiable(*output[1:])
+    # Else autograd fills a zero [N, V] cotangent for the stored-gradient output.
+    ctx.set_materialize_grads(False)
+
+
+def _make_backward(scale_op):
+    def backward(ctx, g_loss, *_unused):
+        if g_loss is None:
+            return (None,) * 17
+        grad, mask = ctx.saved_tensors
+        scale_op(grad, g_loss.to(torch.float32), mask)
+        return (grad,) + (None,) * 16
+
+    return backward
+
+
+register_autograd(
+    "ratiokl::fused_policy_loss", _make_backward(_triton_scale), setup_context=_setup_context
+)
+register_autograd(
+    "ratiokl::interpret_fused_policy_loss", _make_backward(_interpret_scale),
+    setup_context=_setup_context,
+)
+
+
+# --- entry point from ratiokl.torch.loss -----------------------------------------------------
+
+
+def _flat(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if x is None else x.detach().reshape(-1).to(torch.float32)
+
+
+def policy_loss(
+    policy: torch.Tensor, ref: Optional[torch.Tensor], ids: torch.Tensor, mask: torch.Tensor,
+    ref_logps: Optional[torch.Tensor], temperature: _triton.Temperature,
+    inputs: _objective.TokenInputs, opts: PolicyLossOptions, lead: Tuple[int, ...],
+) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """Fused ``(loss, metrics)`` on flattened rows (requires :func:`fuses`).
+
+    Args:
+      policy: ``[N, V]`` logits (any strides), the only differentiable input.
+      ref: ``[N, V]`` reference logits or None; ref_logps: float ``[N]`` or None.
+      ids, mask: ``[N]`` integer / bool. temperature: a float or float32 ``[N]``.
+      inputs, opts, lead: as for ``_objective.policy_objective`` (``[R, T]`` layout
+        of the leading shape ``lead``).
+
+    Returns:
+      The float32 0-d loss (its gradient reaches ``policy`` only, in its dtype)
+      and the detached metrics of ``_objective.token_metrics``.
+    """
+    mask_rows = _objective.as_rows(mask, lead)
+    w = _objective.aggregation_weights(mask_rows, inputs, opts).reshape(-1)
+    has_ref = ref is not None or ref_logps is not None
+    op = _triton_fused if policy.device.type == "cuda" else _interpret_fused
+    loss_rows, logp, ratio, kl, bits, _ = op(
+        policy, None if ref is None else ref.detach(), ids, mask, _flat(inputs.old_logps),
+        _flat(ref_logps), _triton._temperature(temperature, policy.device),
+        _flat(inputs.advantages), _flat(inputs.importance_weights), w, ref is not None,
+        *_options(opts, has_ref),
+    )
+    old = torch.where(mask, _flat(inputs.old_logps), 0.0)
+    metrics = _objective.token_metrics(
+        mask, mask.sum(), (bits & CLIP_LOW.value) != 0, (bits & CLIP_HIGH.value) != 0,
+        (bits & CLIP_CAPPED.value) != 0, ratio, kl, old - logp,
+    )
+    return loss_rows.sum(), metrics

@@ -1,0 +1,292 @@
+"""The fused ``policy_loss`` kernel through Triton's CPU interpreter.
+
+``backend="interpret"`` runs ``ratiokl._kernels.fused_loss`` (one pass per
+row: log-sum-exp, objective, gradient) exactly as the GPU does. Each case
+is checked against the float64 spec (``ratiokl.spec.policy_loss``) and
+against the two-pass native path (loss, every metric, the policy-logit
+gradient) across clip modes, KL variants, aggregations, packed rows, bf16,
+all-inactive input, garbage (NaN, bad ids) in inactive rows and upstream
+gradients of 1 (the device-side skip) and not 1. The JAX launch
+(``ratiokl.jax._fused_loss``) runs with ``jax_triton.triton_call`` replaced
+by the interpreter behind ``jax.pure_callback``. Sizes are small: the
+interpreter is slow.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from ratiokl import spec  # noqa: E402
+from ratiokl.spec import policy_loss_options  # noqa: E402
+from ratiokl.spec.policy_loss import POLICY_LOSS_DEFAULTS  # noqa: E402
+from ratiokl.torch import _dispatch, _fused_loss, loss  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:Conversion of an array with ndim:DeprecationWarning"
+)
+
+B, T, V = 3, 4, 37
+#: Native and fused paths round the same float32 math in a different order.
+RTOL, ATOL = 2e-5, 2e-6
+
+CASES = {
+    "ppo_defaults_no_reference": dict(ref="none"),
+    "dapo_clip_higher_dual_clip_k3_seq_mean_token_mean": dict(
+        clip_eps_high=0.28, dual_clip=3.0, kl_coef=0.1, loss_agg="seq-mean-token-mean"),
+    "ratio_cap_k1_straight_through_token_sum_ref_logps_is_weights": dict(
+        ref="logps", ratio_cap=1.3, kl_coef=0.2, kl_estimator="k1+", loss_agg="token-sum",
+        weights=True),
+    "k2_seq_mean_token_sum_packed": dict(
+        kl_coef=0.3, kl_estimator="k2", loss_agg="seq-mean-token-sum", packed=True),
+    "k3_straight_through_sum_norm_unbounded_per_seq_adv_row_temp": dict(
+        kl_coef=0.1, kl_estimator="k3+", loss_agg="seq-mean-token-sum-norm",
+        log_ratio_bound=None, per_seq_adv=True, row_temp=True),
+    "k3_ratio_weighted_tensor_normalizer_small_bound": dict(
+        kl_coef=0.5, kl_estimator="k3-is", loss_normalizer=7.0, log_ratio_bound=0.5),
+    "k1_bf16_packed_seq_mean_token_mean": dict(
+        kl_coef=0.1, kl_estimator="k1", loss_agg="seq-mean-token-mean", packed=True,
+        dtype="bfloat16"),
+}
+
+
+def _inputs(seed: int, case: dict):
+    """NumPy inputs; inactive rows hold NaN logits, NaN per-token values and bad ids."""
+    rng = np.random.default_rng(seed)
+    logits = rng.normal(0.0, 2.0, (B, T, V)).astype(np.float32)
+    mask = rng.random((B, T)) < 0.75
+    mask[0, 0] = True
+    logits[~mask] = np.nan
+    nan_off = lambda a: np.where(mask, a, np.nan).astype(np.float32)  # noqa: E731
+    x = {
+        "policy_logits": logits,
+        "ref_logits": (logits + rng.normal(0.0, 0.5, logits.shape)).astype(np.float32),
+        "action_ids": np.where(mask, rng.integers(0, V, (B, T)), -7),
+        "mask": mask,
+        "old_logps": nan_off(rng.normal(-3.3, 1.0, (B, T))),
+        "advantages": nan_off(rng.normal(0.0, 1.0, (B, T))),
+    }
+    if case.get("ref") == "logps":
+        x["ref_logps"] = nan_off(rng.normal(-3.0, 0.5, (B, T)))
+    if case.get("per_seq_adv"):
+        x["advantages"] = rng.normal(0.0, 1.0, (B,)).astype(np.float32)
+    if case.get("packed"):
+        x["segment_ids"] = np.sort(rng.integers(0, 3, (B, T)), axis=-1)
+    if case.get("weights"):
+        x["importance_weights"] = nan_off(rng.uniform(0.5, 1.5, (B, T)))
+    if case.get("row_temp"):
+        x["temperature"] = rng.uniform(0.7, 1.4, (B, T)).astype(np.float32)
+    if case.get("dtype") == "bfloat16":  # exactly representable, so the spec sees the same
+        x["policy_logits"] = torch.from_numpy(logits).bfloat16().float().numpy()
+        x["ref_logits"] = torch.from_numpy(x["ref_logits"]).bfloat16().float().numpy()
+    return x
+
+
+_FLAGS = ("ref", "per_seq_adv", "packed", "weights", "row_temp", "dtype")
+
+
+def _options(case: dict) -> dict:
+    return {k: v for k, v in case.items() if k not in _FLAGS}
+
+
+def _torch(x: dict, case: dict, backend: str, upstream: float):
+    """``(loss, metrics, grad)`` of one call; the loss is scaled by ``upstream`` before backward."""
+    t = {k: torch.from_numpy(np.asarray(v)) for k, v in x.items()}
+    dtype = torch.bfloat16 if case.get("dtype") == "bfloat16" else torch.float32
+    logits = t.pop("policy_logits").to(dtype).requires_grad_()
+    ref = t.pop("ref_logits").to(dtype)
+    options = _options(case)
+    if "loss_normalizer" in options:
+        options["loss_normalizer"] = torch.tensor(options["loss_normalizer"])
+    if case.get("ref") == "none":
+        ref = None
+    elif case.get("ref") == "logps":
+        ref = None
+    value, metrics = loss.policy_loss(
+        logits, ref, t.pop("action_ids"), t.pop("mask"), t.pop("old_logps"),
+        t.pop("advantages"), backend=backend, **t, **options,
+    )
+    (value * upstream).backward()
+    return value.item(), {k: v.item() for k, v in metrics.items()}, logits.grad
+
+
+def _spec(x: dict, case: dict):
+    args = {k: v for k, v in x.items() if k != "ref_logits"}
+    ref = None if case.get("ref") in ("none", "logps") else x["ref_logits"]
+    options = _options(case)
+    value, metrics = spec.policy_loss(
+        args.pop("policy_logits"), ref, args.pop("action_ids"), args.pop("mask"),
+        args.pop("old_logps"), args.pop("advantages"), **args, **options)
+    grad = spec.policy_loss_grad(
+        x["policy_logits"], ref, x["action_ids"], x["mask"], x["old_logps"], x["advantages"],
+        **{k: v for k, v in x.items() if k not in ("policy_logits", "ref_logits", "action_ids",
+                                                    "mask", "old_logps", "advantages")},
+        **options)
+    return value, metrics, grad
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_fused_matches_spec_and_native(name):
+    case = CASES[name]
+    x = _inputs(sum(map(ord, name)), case)
+    upstream = 1.0 if name.startswith("ppo") else -2.5  # 1: the backward's device-side skip
+    f_loss, f_metrics, f_grad = _torch(x, case, "interpret", upstream)
+    n_loss, n_metrics, n_grad = _torch(x, case, "native", upstream)
+    e_loss, e_metrics, e_grad = _spec(x, case)
+    bf16 = case.get("dtype") == "bfloat16"
+    # bf16: the stored gradient is rounded once, then once more when scaled by upstream != 1.
+    grad_tol = dict(rtol=2**-6, atol=2**-7 * np.abs(e_grad).max()) if bf16 else \
+        dict(rtol=1e-4, atol=1e-5 * max(1.0, np.abs(e_grad).max()))
+    np.testing.assert_allclose(f_loss, n_loss, rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(f_loss, e_loss, rtol=1e-4, atol=1e-5)
+    for key, value in e_metrics.items():
+        np.testing.assert_allclose(f_metrics[key], n_metrics[key], rtol=RTOL, atol=ATOL,
+                                   err_msg=key)
+        np.testing.assert_allclose(f_metrics[key], value, rtol=1e-4, atol=1e-5, err_msg=key)
+    fused = f_grad.float().numpy()
+    np.testing.assert_allclose(fused, upstream * e_grad, **grad_tol)
+    np.testing.assert_allclose(fused, n_grad.float().numpy(), **grad_tol)
+    assert f_grad.dtype == n_grad.dtype
+    inactive = ~x["mask"]
+    assert np.all(fused[inactive] == 0.0), "inactive rows must get exactly 0"
+
+
+def test_all_inactive_gives_zero_loss_metrics_and_grad():
+    case = dict(kl_coef=0.1)
+    x = _inputs(5, case)
+    x["mask"][:] = False
+    x["action_ids"][:] = -1
+    value, metrics, grad = _torch(x, case, "interpret", 3.0)
+    assert value == 0.0 and all(v == 0.0 for v in metrics.values())
+    assert torch.equal(grad, torch.zeros_like(grad))
+
+
+def test_empty_input():
+    logits = torch.zeros((0, T, V), requires_grad=True)
+    rows = torch.zeros(0, T)
+    value, _ = loss.policy_loss(logits, None, torch.zeros((0, T), dtype=torch.long),
+                                torch.zeros((0, T), dtype=torch.bool), rows, rows,
+                                backend="interpret")
+    value.backward()
+    assert value.item() == 0.0 and logits.grad.shape == (0, T, V)
+
+
+def test_unchecked_bad_active_id_poisons_only_its_row():
+    x = _inputs(9, {})
+    x["action_ids"][0, 0] = V + 3
+    t = {k: torch.from_numpy(np.asarray(v)) for k, v in x.items()}
+    logits = t["policy_logits"].requires_grad_()
+    value, _ = loss.policy_loss(logits, None, t["action_ids"], t["mask"], t["old_logps"],
+                                t["advantages"], backend="interpret", check_ids=False)
+    value.backward()
+    assert np.isnan(value.item())
+    grad = logits.grad.numpy()
+    assert np.all(np.isnan(grad[0, 0]))
+    others = np.ones((B, T), bool)
+    others[0, 0] = False
+    assert np.all(np.isfinite(grad[others]))
+
+
+def test_dispatch_fuses_every_option_but_gspo():
+    triton_backend = _dispatch.resolve("interpret", torch.device("cpu"))
+    opts = lambda **kw: policy_loss_options(**{**POLICY_LOSS_DEFAULTS, **kw})  # noqa: E731
+    assert _fused_loss.fuses(triton_backend, opts(kl_coef=0.1, dual_clip=2.0, kl_estimator="k3-is"))
+    assert not _fused_loss.fuses(triton_backend, opts(ratio_level="sequence"))
+    assert not _fused_loss.fuses(_dispatch.resolve("native", torch.device("cpu")), opts())
+
+
+def test_gspo_falls_back_to_two_pass_and_matches_spec():
+    case = dict(ratio_level="sequence", loss_agg="seq-mean-token-mean", kl_coef=0.1)
+    x = _inputs(11, case)
+    f_loss, _, f_grad = _torch(x, case, "interpret", 1.0)
+    e_loss, _, e_grad = _spec(x, case)
+    np.testing.assert_allclose(f_loss, e_loss, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(f_grad.numpy(), e_grad, rtol=1e-4, atol=1e-6)
+
+
+# --- the JAX launch, with jax_triton.triton_call replaced by the interpreter -----------------
+
+
+def _interpreted_triton_call(*args, kernel, out_shape, grid, num_warps=None,
+                             input_output_aliases=None, **meta):
+    """``triton_call`` look-alike (aliased outputs start as a copy of their input)."""
+    import jax
+
+    from ratiokl._kernels import interpreted
+
+    single = not isinstance(out_shape, (list, tuple))
+    shapes = [out_shape] if single else list(out_shape)
+    aliases = {o: i for i, o in (input_output_aliases or {}).items()}
+
+    def host(*arrays):
+        ins = [torch.from_numpy(np.array(a)) for a in arrays]
+        outs = [ins[aliases[j]].clone() if j in aliases else
+                torch.from_numpy(np.zeros(s.shape, s.dtype)) for j, s in enumerate(shapes)]
+        with np.errstate(all="ignore"):
+            interpreted(kernel)[grid](*ins, *outs, **meta)
+        return [o.numpy() for o in outs]
+
+    res = jax.pure_callback(host, shapes, *args)
+    return res[0] if single else res
+
+
+def test_jax_fused_launch_matches_torch_under_jit_grad_vmap(monkeypatch):
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    from ratiokl.jax import _dispatch as jax_dispatch
+    from ratiokl.jax import _triton as jax_triton_backend
+    from ratiokl.jax import loss as jax_loss
+
+    monkeypatch.setattr(jax_triton_backend, "_triton_call", _interpreted_triton_call)
+    monkeypatch.setattr(jax_dispatch, "_resolve_name", lambda backend: backend)
+    case = dict(clip_eps_high=0.28, dual_clip=3.0, kl_coef=0.1,
+                loss_agg="seq-mean-token-mean", packed=True)
+    x = _inputs(13, case)
+    options = _options(case)
+    j = {k: jnp.asarray(v) for k, v in x.items()}
+
+    def objective(logits, ref, ids, mask, old, adv, segs):
+        value, metrics = jax_loss.policy_loss(
+            logits, ref, ids, mask, old, adv, segment_ids=segs, backend="triton",
+            check_ids=False, **options)
+        return -2.5 * value, metrics
+
+    args = (j["policy_logits"], j["ref_logits"], j["action_ids"], j["mask"],
+            j["old_logps"], j["advantages"], j["segment_ids"])
+    (value, metrics), grad = jax.jit(jax.value_and_grad(objective, has_aux=True))(*args)
+    t_loss, t_metrics, t_grad = _torch(x, case, "interpret", -2.5)
+    np.testing.assert_allclose(float(value), -2.5 * t_loss, rtol=RTOL, atol=ATOL)
+    for key, v in t_metrics.items():
+        np.testing.assert_allclose(float(metrics[key]), v, rtol=RTOL, atol=ATOL, err_msg=key)
+    np.testing.assert_allclose(np.asarray(grad), t_grad.numpy(), rtol=1e-5, atol=1e-7)
+    assert np.all(np.asarray(grad)[~x["mask"]] == 0.0)
+    # vmap over a batch of two problems folds into rows: each equals its own call.
+    stacked = [jnp.stack([a, a]) for a in args]
+    batched = jax.vmap(jax.grad(lambda *a: objective(*a)[0]))(*stacked)
+    np.testing.assert_allclose(np.asarray(batched[1]), np.asarray(grad), rtol=1e-6, atol=1e-8)
+
+
+def test_persistent_grid_gives_the_same_bits(monkeypatch):
+    case = dict(kl_coef=0.1, loss_agg="seq-mean-token-sum")
+    x = _inputs(17, case)
+    one_per_row = _torch(x, case, "interpret", -1.5)
+    plan = _fused_loss.launch_plan
+    monkeypatch.setattr(_fused_loss, "launch_plan", lambda n, v, s: (plan(n, v, s)[0], 5))
+    strided = _torch(x, case, "interpret", -1.5)
+    assert one_per_row[0] == strided[0] and one_per_row[1] == strided[1]
+    assert torch.equal(one_per_row[2], strided[2])
+
+
+def test_second_backward_of_the_consumed_gradient_raises():
+    x = _inputs(19, {})
+    t = {k: torch.from_numpy(np.asarray(v)) for k, v in x.items()}
+    logits = t["policy_logits"].requires_grad_()
+    value, _ = loss.policy_loss(logits, None, t["action_ids"], t["mask"], t["old_logps"],
+                                t["advantages"], backend="interpret")
+    (2.0 * value).backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (2.0 * value).backward()
