@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU evidence in one go, for the H200 image (torch, triton, jax with CUDA; jax-triton
 # carried as a wheel in .whl/ when the image lacks it). Writes logs and results to
-# ${OUT:-gpu-out}: the conformance table, the GPU test log and the headline benchmark.
+# ${OUT:-gpu-out}: the conformance table, the GPU test log and the headline benchmark
+# (draw its plots anywhere with benchmarks/plot.py).
 set -uo pipefail
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -12,10 +13,12 @@ else
   export PYTHONPATH=src
 fi
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
+{ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
 python3 -m ratiokl check --backend torch-native --backend torch-triton --backend jax-native \
-  --backend jax-triton --json "$out/check.json" 2>&1 | tee "$out/check.log"
+  --backend jax-triton --json "$out/check.json"; } 2>&1 | tee "$out/check.log"
 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log"
 if [ "${BENCH:-1}" = 1 ]; then
-  python3 benchmarks/run.py --preset headline --out "$out/h200.json" 2>&1 | tee "$out/bench.log"
+  timeout "${BENCH_TIMEOUT:-600}" python3 benchmarks/run.py --preset headline \
+    --out "$out/h200.json" 2>&1 | tee "$out/bench.log"
+  python3 benchmarks/report.py "$out/h200.json" --markdown > "$out/report.md" 2>&1
 fi

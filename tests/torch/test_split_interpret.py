@@ -22,18 +22,20 @@ from ratiokl import spec  # noqa: E402
 from ratiokl._kernels import LaunchConfig, interpreted, split_plan  # noqa: E402
 from ratiokl.torch import _triton  # noqa: E402
 
-pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:Conversion of an array with ndim:DeprecationWarning"
+)
 
 VOCAB = 100
-CONFIG = LaunchConfig(block_v=16, num_warps=1)  # 6 whole tiles and a tail of 4
+CONFIG = LaunchConfig(block_v=16, num_warps=1)  # 6 whole tiles and a tail of 4 (V = 100)
 
 
-def _inputs(seed: int):
+def _inputs(seed: int, vocab: int = VOCAB):
     rng = np.random.default_rng(seed)
     n = 6
-    policy = torch.tensor(rng.normal(size=(n, VOCAB)) * 3.0, dtype=torch.float32)
-    ref = torch.tensor(rng.normal(size=(n, VOCAB)) * 3.0, dtype=torch.float32)
-    ids = torch.tensor(rng.integers(0, VOCAB, n))
+    policy = torch.tensor(rng.normal(size=(n, vocab)) * 3.0, dtype=torch.float32)
+    ref = torch.tensor(rng.normal(size=(n, vocab)) * 3.0, dtype=torch.float32)
+    ids = torch.tensor(rng.integers(0, vocab, n))
     mask = torch.tensor([True, True, False, True, True, True])
     old = torch.tensor(rng.normal(size=n) - 2.0, dtype=torch.float32)
     temp = torch.tensor([1.0, 0.7, 1.0, 1.3, 1.0, 2.0], dtype=torch.float32)
@@ -44,18 +46,20 @@ def _forward(policy, ref, ids, mask, old, temp, max_splits: int, split: bool):
     with np.errstate(all="ignore"):
         return _triton._launch_forward(
             interpreted, policy, ref, ids, mask, old, None, temp, 3, CONFIG,
-            split_plan(VOCAB, CONFIG.block_v, max_splits), split,
+            split_plan(policy.shape[1], CONFIG.block_v, max_splits), split,
         )
 
 
-@pytest.mark.parametrize("max_splits", [2, 3])
-def test_split_forward_is_bitwise_the_row_kernel(max_splits):
-    policy, ref, ids, mask, old, temp = _inputs(seed=max_splits)
+# (100, 2): spans of 4 and 2 tiles + tail; (100, 3): the last span is the tail alone;
+# (96, 3): no tail, three spans of 2 whole tiles.
+@pytest.mark.parametrize("vocab, max_splits, splits", [(100, 2, 2), (100, 3, 3), (96, 3, 3)])
+def test_split_forward_is_bitwise_the_row_kernel(vocab, max_splits, splits):
+    policy, ref, ids, mask, old, temp = _inputs(seed=max_splits, vocab=vocab)
     policy[2] = float("nan")  # inactive garbage: never read
     policy[3, 90:] = -float("inf")  # masked vocabulary, partly in the tail
     policy[4, 50] = float("inf")
-    ids[5] = VOCAB + 3  # active bad id: poisoned
-    assert split_plan(VOCAB, CONFIG.block_v, max_splits).splits == max_splits
+    ids[5] = vocab + 3  # active bad id: poisoned
+    assert split_plan(vocab, CONFIG.block_v, max_splits).splits == splits
     split = _forward(policy, ref, ids, mask, old, temp, max_splits, split=True)
     whole = _forward(policy, ref, ids, mask, old, temp, max_splits, split=False)
     for name, a, b in zip(("logp", "ratio", "kl", "dkl", "lse"), split, whole):

@@ -6,7 +6,8 @@ dtype into a row-major ``[N, V]`` buffer. Grid ``(N, S)``: program ``(i, j)``
 writes the ``j``-th span of ``tiles_per_prog`` whole tiles of row ``i`` (the
 last span also the masked tail), an unmasked main loop over whole blocks.
 Each element depends only on its logit and the row's ``lse``, so ``S`` (more
-programs when rows are few, ``heuristics.backward_splits``) changes no bit. Inactive rows load nothing (their loads are predicated off) and store
+programs when rows are few, ``heuristics.backward_splits``) changes no bit.
+Inactive rows load nothing (their loads are predicated off) and store
 exact zeros; an active row with a NaN ``lse`` (NaN logits or a poisoned id)
 gets a NaN gradient. The id is compared with column indices, never used as an
 address: an id outside ``[0, V)`` puts the one-hot on no column, which is what
@@ -16,7 +17,7 @@ a vocabulary shard that does not own the action needs (``a - vocab_start``).
 import triton
 import triton.language as tl
 
-from ratiokl._kernels.numerics import LOG2E
+from ratiokl._kernels.numerics import LOG2E, to_storage
 
 
 @triton.jit
@@ -26,7 +27,7 @@ def _grad_tile(row_ptr, grad_row, offs, load_mask, store_mask, a, k, lse2, c, ac
     p = tl.exp2(x * k - lse2)
     g = c * (tl.where(offs == a, 1.0, 0.0) - p)
     g = tl.where(active, g, 0.0)
-    tl.store(grad_row, g.to(grad_row.dtype.element_ty), mask=store_mask)
+    tl.store(grad_row, to_storage(g, grad_row.dtype.element_ty), mask=store_mask)
 
 
 @triton.jit

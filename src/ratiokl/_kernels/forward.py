@@ -3,8 +3,13 @@
 One program per row of ``[N, V]`` logits. The policy and (optionally) the
 reference row are streamed once, block by block, through an online
 log-sum-exp: one running ``(max, sum)`` pair per tensor, updated with one
-block reduction per tile. Logits are scaled to base-2 units
-(``x * log2(e) / T``) so that the exponentials are ``exp2``.
+block reduction per tile. The row's tiles form fixed spans
+(``heuristics.split_plan``, a function of ``V`` and the tile only): each
+span's pair starts from ``(-inf, 0)`` and is folded into the row's pair at
+the span's end, exactly as ``split_forward`` folds its per-split partials
+when rows are few, so both paths give a row the same bits in any batch.
+Logits are scaled to base-2 units (``x * log2(e) / T``) so that the
+exponentials are ``exp2``.
 
 Inactive rows (mask 0) run zero loop iterations and a fully masked tail, so
 no logit of theirs is read; they write the neutral values
@@ -32,6 +37,8 @@ def _rows_lse2(
     HAS_REF: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """Base-2 log-sum-exp of ``p_row * k`` and ``r_row * k`` (``k = log2(e) / T``), one pass.
+
+    One running pair, no spans (the fused loss and the shard statistics).
 
     Both rows advance through the same tiles, so their loads are in flight
     together; without ``HAS_REF`` the reference result is ``-inf``.
@@ -69,17 +76,29 @@ def _selected(row_ptr, a, stride_v, t, lse2, active):
 
 
 @triton.jit
+def _tail_lse2(p_row, r_row, V, stride_pv, stride_rv, k, on, m_p, s_p, m_r, s_r,
+               HAS_REF: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Fold the masked tail tile (``V % BLOCK_V`` columns; none read unless ``on``)."""
+    offs = ((V // BLOCK_V) * BLOCK_V + tl.arange(0, BLOCK_V)).to(tl.int64)
+    tail = (offs < V) & on
+    x = tl.load(p_row + offs * stride_pv, mask=tail, other=-float("inf"))
+    m_p, s_p = lse_step(x.to(tl.float32) * k, m_p, s_p)
+    if HAS_REF:
+        y = tl.load(r_row + offs * stride_rv, mask=tail, other=-float("inf"))
+        m_r, s_r = lse_step(y.to(tl.float32) * k, m_r, s_r)
+    return m_p, s_p, m_r, s_r
+
+
+@triton.jit
 def span_lse2(
     p_row, r_row, V, stride_pv, stride_rv, k, t0, t1, tail_on,
     HAS_REF: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    """``(m_p, s_p, m_r, s_r)`` of whole tiles ``[t0, t1)`` and, where ``tail_on``, the tail.
+    """``(m_p, s_p, m_r, s_r)`` of whole tiles ``[t0, t1)`` and, if ``tail_on``, the tail.
 
-    A split's partial base-2 log-sum-exp (see ``heuristics.split_plan``):
-    every path folds the same tiles in the same order, so the bits of the
-    partials do not depend on which kernel computes them. The masked tail
-    step runs in every split (all lanes ``-inf`` where ``tail_on`` is false,
-    which leaves ``(m, s)`` bitwise unchanged).
+    A split's partial base-2 log-sum-exp (see ``heuristics.split_plan``),
+    folded tile by tile from ``(-inf, 0)`` exactly as ``logp_forward_kernel``
+    folds the same span, so the partial's bits do not depend on the kernel.
     """
     cols = tl.arange(0, BLOCK_V)
     m_p = -float("inf")
@@ -94,19 +113,17 @@ def span_lse2(
             y = tl.load(r_row + offs * stride_rv).to(tl.float32) * k
             m_r, s_r = lse_step(y, m_r, s_r)
     if V % BLOCK_V != 0:
-        offs = ((V // BLOCK_V) * BLOCK_V + cols).to(tl.int64)
-        tail = (offs < V) & tail_on
-        x = tl.load(p_row + offs * stride_pv, mask=tail, other=-float("inf"))
-        m_p, s_p = lse_step(x.to(tl.float32) * k, m_p, s_p)
-        if HAS_REF:
-            y = tl.load(r_row + offs * stride_rv, mask=tail, other=-float("inf"))
-            m_r, s_r = lse_step(y.to(tl.float32) * k, m_r, s_r)
+        if tail_on:
+            m_p, s_p, m_r, s_r = _tail_lse2(
+                p_row, r_row, V, stride_pv, stride_rv, k, tail_on, m_p, s_p, m_r, s_r,
+                HAS_REF, BLOCK_V,
+            )
     return m_p, s_p, m_r, s_r
 
 
 @triton.jit
 def split_span(split, V, active, TILES_PER_SPLIT: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Whole tiles ``[t0, t1)`` of split ``split`` and whether it owns the tail (none if inactive)."""
+    """Whole tiles ``[t0, t1)`` of split ``split``; whether it owns the tail (never if inactive)."""
     n_full = V // BLOCK_V
     t0 = split * TILES_PER_SPLIT
     t1 = tl.where(active, tl.minimum(t0 + TILES_PER_SPLIT, n_full), t0)
@@ -192,8 +209,7 @@ def logp_forward_kernel(
     # compile-time options
     HAS_REF: tl.constexpr,  # reference logits given (else ref_logps, or none)
     KL_CODE: tl.constexpr,  # 0: log-prob only; 1/2/3: ratio and KL estimator k1/k2/k3
-    SPLITS: tl.constexpr,  # spans of the row folded in order (heuristics.split_plan)
-    TILES_PER_SPLIT: tl.constexpr,  # whole tiles per span
+    TILES_PER_SPLIT: tl.constexpr,  # whole tiles per span (heuristics.split_plan)
     BLOCK_V: tl.constexpr,  # vocabulary tile (power of two)
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -202,18 +218,37 @@ def logp_forward_kernel(
     k = LOG2E / t
     p_row = policy_ptr + row * stride_pn
     r_row = ref_ptr + row * stride_rn
-    m_p = -float("inf")
-    s_p = 0.0
-    m_r = -float("inf")
-    s_r = 0.0
-    # The same spans, partials and fold as split_forward's two kernels: the same bits.
-    for split in range(0, SPLITS):
-        t0, t1, tail_on = split_span(split, V, active, TILES_PER_SPLIT, BLOCK_V)
-        mp, sp, mr, sr = span_lse2(
-            p_row, r_row, V, stride_pv, stride_rv, k, t0, t1, tail_on, HAS_REF, BLOCK_V
+    cols = tl.arange(0, BLOCK_V)
+    n_full = tl.where(active, V // BLOCK_V, 0)  # inactive rows: no iteration
+    ninf = -float("inf")
+    # (m, s): the open span, folded from (-inf, 0) tile by tile as span_lse2 does; at the
+    # end of each span it is folded into the row's (M, S) as logp_combine_kernel folds the
+    # split partials, so both paths give the same bits. One loop keeps the loads pipelined.
+    mp, sp, mr, sr = ninf, 0.0, ninf, 0.0
+    m_p, s_p, m_r, s_r = ninf, 0.0, ninf, 0.0
+    for b in range(0, n_full):
+        offs = (b * BLOCK_V + cols).to(tl.int64)
+        mp, sp = lse_step(tl.load(p_row + offs * stride_pv).to(tl.float32) * k, mp, sp)
+        if HAS_REF:
+            mr, sr = lse_step(tl.load(r_row + offs * stride_rv).to(tl.float32) * k, mr, sr)
+        end = (b % TILES_PER_SPLIT) == TILES_PER_SPLIT - 1
+        fm, fs = fold_lse2(m_p, s_p, mp, sp)
+        m_p, s_p = tl.where(end, fm, m_p), tl.where(end, fs, s_p)
+        mp, sp = tl.where(end, ninf, mp), tl.where(end, 0.0, sp)
+        if HAS_REF:
+            fm, fs = fold_lse2(m_r, s_r, mr, sr)
+            m_r, s_r = tl.where(end, fm, m_r), tl.where(end, fs, s_r)
+            mr, sr = tl.where(end, ninf, mr), tl.where(end, 0.0, sr)
+    # The last span: the tail (if any) joins it; fold it unless it is empty.
+    if V % BLOCK_V != 0:
+        mp, sp, mr, sr = _tail_lse2(
+            p_row, r_row, V, stride_pv, stride_rv, k, active, mp, sp, mr, sr, HAS_REF, BLOCK_V
         )
-        m_p, s_p = fold_lse2(m_p, s_p, mp, sp)
-        m_r, s_r = fold_lse2(m_r, s_r, mr, sr)
+    open_span = ((V % BLOCK_V) != 0) | ((n_full % TILES_PER_SPLIT) != 0)
+    fm, fs = fold_lse2(m_p, s_p, mp, sp)
+    m_p, s_p = tl.where(open_span, fm, m_p), tl.where(open_span, fs, s_p)
+    fm, fs = fold_lse2(m_r, s_r, mr, sr)
+    m_r, s_r = tl.where(open_span, fm, m_r), tl.where(open_span, fs, s_r)
     forward_epilogue(
         row, p_row, r_row, ids_ptr, mask_ptr, old_ptr, ref_logps_ptr, temp_ptr,
         logp_ptr, ratio_ptr, kl_ptr, dkl_ptr, lse_ptr,

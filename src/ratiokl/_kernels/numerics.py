@@ -70,3 +70,18 @@ def kl_and_dkl(d, KL_CODE: tl.constexpr):
         kl = tl.where(small, kl_series, e - 1.0 - d)
         dkl = -tl.where(small, d + kl_series, e - 1.0)
     return kl, dkl
+
+
+@triton.jit
+def to_storage(x, dtype: tl.constexpr):
+    """``x`` (float32) cast to the stored ``dtype``, rounded to nearest-even.
+
+    The GPU rounds float32 -> bfloat16 to nearest-even, but Triton's CPU
+    interpreter truncates; rounding the float32 bits first makes the cast
+    exact on both, so the interpreter checks the bits the GPU writes.
+    """
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
+    return x.to(dtype)

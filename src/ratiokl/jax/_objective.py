@@ -38,8 +38,9 @@ _ARRAYS = (jax.Array, np.ndarray, jax.core.Tracer)
 
 def as_rows(x: jax.Array, lead: Tuple[int, ...]) -> jax.Array:
     """A per-token array of leading shape ``[..., T]`` viewed as ``[R, T]``."""
-    width = lead[-1] if lead else 1
-    return x.reshape(-1, width)
+    if not lead:
+        return x.reshape(1, 1)
+    return x.reshape(math.prod(lead[:-1]), lead[-1])  # explicit R: T may be 0
 
 
 @dataclass(frozen=True)

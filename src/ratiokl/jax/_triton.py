@@ -91,7 +91,7 @@ def _forward_call(kl_code: int, has_ref: bool, policy, ref, ids, mask, old, ref_
     plan = split_plan(vocab, config.block_v)
     sizes = dict(
         V=vocab, stride_pn=vocab, stride_pv=1, stride_rn=vocab, stride_rv=1,
-        stride_t=0 if temp.shape[0] == 1 else 1, HAS_REF=has_ref, SPLITS=plan.splits,
+        stride_t=0 if temp.shape[0] == 1 else 1, HAS_REF=has_ref,
     )
     if not use_split_forward(n_rows, plan):
         return tuple(_triton_call(
@@ -104,13 +104,13 @@ def _forward_call(kl_code: int, has_ref: bool, policy, ref, ids, mask, old, ref_
         policy, ref, mask, temp,
         kernel=lse_partials_kernel,
         out_shape=jax.ShapeDtypeStruct((n_rows, plan.splits, 4), jnp.float32),
-        grid=(n_rows, plan.splits), num_warps=config.num_warps,
+        grid=(n_rows, plan.splits), num_warps=config.num_warps, SPLITS=plan.splits,
         TILES_PER_SPLIT=plan.tiles_per_split, BLOCK_V=config.block_v, **sizes,
     )
     return tuple(_triton_call(
         policy, ref, ids, mask, old, ref_logps, temp, parts,
         kernel=logp_combine_kernel, out_shape=[row] * 5, grid=(n_rows,), num_warps=1,
-        KL_CODE=kl_code, **sizes,
+        KL_CODE=kl_code, SPLITS=plan.splits, **sizes,
     ))
 
 

@@ -32,8 +32,9 @@ Normalizer = Union[None, float, torch.Tensor]
 
 def as_rows(x: torch.Tensor, lead: Tuple[int, ...]) -> torch.Tensor:
     """A per-token tensor of leading shape ``[..., T]`` viewed as ``[R, T]``."""
-    width = lead[-1] if lead else 1
-    return x.reshape(-1, width)
+    if not lead:
+        return x.reshape(1, 1)
+    return x.reshape(math.prod(lead[:-1]), lead[-1])  # explicit R: T may be 0
 
 
 @dataclass(frozen=True)

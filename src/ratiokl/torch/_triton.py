@@ -82,9 +82,8 @@ def _launch_forward(
     if not split:
         wrap(logp_forward_kernel)[(n_rows,)](
             policy, ref_t, *rows, *outs, *sizes,
-            HAS_REF=ref is not None, KL_CODE=kl_code, SPLITS=plan.splits,
-            TILES_PER_SPLIT=plan.tiles_per_split, BLOCK_V=config.block_v,
-            num_warps=config.num_warps,
+            HAS_REF=ref is not None, KL_CODE=kl_code, TILES_PER_SPLIT=plan.tiles_per_split,
+            BLOCK_V=config.block_v, num_warps=config.num_warps,
         )
         return outs
     parts = torch.empty((n_rows, plan.splits, 4), dtype=torch.float32, device=policy.device)
