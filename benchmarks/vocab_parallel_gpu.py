@@ -24,6 +24,7 @@ its timings mean nothing.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import platform
@@ -70,10 +71,12 @@ def _spec_errors(case, ratio, kl, grad, cols: slice) -> Dict[str, float]:
 def _versions(*modules: str) -> Dict[str, str]:
     out = {"python": platform.python_version()}
     for name in modules:
+        # Installed metadata, not an import: a bare `import jax_triton` empties
+        # TRITON_CACHE_DIR for this process and the ranks it spawns.
         try:
-            out[name] = __import__(name).__version__
-        except Exception as err:  # noqa: BLE001 - recorded, not fatal
-            out[name] = f"unavailable ({type(err).__name__})"
+            out[name] = importlib.metadata.version(name.replace("_", "-"))
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = "not installed"
     return out
 
 

@@ -125,8 +125,8 @@ def test_non_contiguous_inputs(transpose: bool) -> None:
 
 
 def test_many_chunks_match_spec(monkeypatch) -> None:
-    monkeypatch.setattr(_native, "_CHUNK_BYTES", 4 * V * 3)  # 3 rows per chunk
-    assert _native._chunk_rows(40, V) == 3
+    monkeypatch.setattr(_native, "_CHUNK_BYTES", {"cpu": 4 * V * 3, "default": 4 * V * 3})
+    assert _native._chunk_rows(40, V, torch.device("cpu")) == 3  # 3 rows per chunk
     _check_ratio_kl(*_case((40,), torch.float16), temperature=1.3)
 
 

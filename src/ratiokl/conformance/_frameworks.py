@@ -72,6 +72,19 @@ def _torch_cuda() -> Optional[str]:
     return None if torch.cuda.is_available() else "no CUDA device (torch.cuda.is_available() is False)"
 
 
+def _jax_triton() -> Optional[str]:
+    """Through ratiokl's helper: a bare ``import jax_triton`` empties ``TRITON_CACHE_DIR``
+    for the whole process, and every later Triton compile (torch's too) then fails."""
+    try:
+        from ratiokl.jax._triton import import_jax_triton
+
+        import_jax_triton()
+    except ImportError as exc:
+        first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return f"`jax_triton` is not importable ({first_line})"
+    return None
+
+
 def _jax_gpu() -> Optional[str]:
     import jax
 
@@ -87,7 +100,7 @@ _REQUIREMENTS: Dict[str, Tuple[Callable[[], Optional[str]], ...]] = {
     "torch-interpret": (lambda: _missing("torch"), lambda: _missing("triton")),
     "torch-triton": (lambda: _missing("torch"), lambda: _missing("triton"), _torch_cuda),
     "jax-native": (lambda: _missing("jax"),),
-    "jax-triton": (lambda: _missing("jax"), lambda: _missing("jax_triton"), _jax_gpu),
+    "jax-triton": (lambda: _missing("jax"), _jax_triton, _jax_gpu),
 }
 
 

@@ -19,7 +19,9 @@ Memory beyond the inputs and outputs:
     per-row temperature (``[N]`` each) -- O(N); the logits themselves are
     the caller's tensor, referenced, not copied;
   * while running: a few float32 chunk temporaries of at most
-    ``_CHUNK_BYTES`` each (bounded, independent of ``N``);
+    ``_CHUNK_BYTES`` each (32 MiB on the CPU, 512 MiB on a GPU, where each
+    launch must move enough bytes to run at bandwidth; bounded, independent
+    of ``N``);
   * the gradient: one ``[N, V]`` tensor in the logits' dtype;
   * if the caller's logits cannot be viewed as ``[N, V]`` (e.g. a transposed
     ``[T, B, V]`` tensor seen as ``[B, T, V]``), ``reshape`` in the public
@@ -37,14 +39,16 @@ from ratiokl.torch import _elementwise
 __all__ = ["ratio_kl", "selected_logprobs"]
 
 #: Upper bound on one float32 ``[rows, V]`` chunk temporary.
-_CHUNK_BYTES = 32 * 2**20
+#: Bytes of one float32 chunk temporary, by device type (``"cpu"``, else the default).
+_CHUNK_BYTES = {"cpu": 32 * 2**20, "default": 512 * 2**20}
 
 Temperature = Union[float, torch.Tensor]
 
 
-def _chunk_rows(n_rows: int, vocab: int) -> int:
+def _chunk_rows(n_rows: int, vocab: int, device: torch.device) -> int:
     """Rows per chunk so that one float32 ``[rows, V]`` temporary fits ``_CHUNK_BYTES``."""
-    return max(1, min(n_rows, _CHUNK_BYTES // (4 * vocab)))
+    budget = _CHUNK_BYTES.get(device.type, _CHUNK_BYTES["default"])
+    return max(1, min(n_rows, budget // (4 * vocab)))
 
 
 def _scaled_logits(
@@ -98,7 +102,7 @@ def _forward(
     n_rows, vocab = logits.shape
     lse = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
     z_sel = torch.empty_like(lse)
-    step = _chunk_rows(n_rows, vocab)
+    step = _chunk_rows(n_rows, vocab, logits.device)
     for start in range(0, n_rows, step):
         rows = slice(start, start + step)
         t = temperature[rows] if isinstance(temperature, torch.Tensor) else temperature
@@ -125,7 +129,7 @@ def _backward(
     n_rows, vocab = logits.shape
     grad = torch.empty((n_rows, vocab), dtype=logits.dtype, device=logits.device)
     coef = torch.where(mask, grad_logp, torch.zeros_like(grad_logp)) / temperature
-    step = _chunk_rows(n_rows, vocab)
+    step = _chunk_rows(n_rows, vocab, logits.device)
     for start in range(0, n_rows, step):
         rows = slice(start, start + step)
         t = temperature[rows] if isinstance(temperature, torch.Tensor) else temperature

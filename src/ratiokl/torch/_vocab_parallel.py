@@ -68,7 +68,7 @@ def _shard_stats(
     n_rows, vocab = logits.shape
     m = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
     s = torch.empty_like(m)
-    step = _native._chunk_rows(n_rows, vocab)
+    step = _native._chunk_rows(n_rows, vocab, logits.device)
     for first in range(0, n_rows, step):
         rows = slice(first, first + step)
         t = temperature[rows] if isinstance(temperature, torch.Tensor) else temperature
@@ -149,7 +149,7 @@ def _shard_grad(logits, lse, local_ids, owned, mask, temperature, grad_logp) -> 
     n_rows, vocab = logits.shape
     grad = torch.empty((n_rows, vocab), dtype=logits.dtype, device=logits.device)
     coef = torch.where(mask, grad_logp, torch.zeros_like(grad_logp)) / temperature
-    step = _native._chunk_rows(n_rows, vocab)
+    step = _native._chunk_rows(n_rows, vocab, logits.device)
     for first in range(0, n_rows, step):
         rows = slice(first, first + step)
         t = temperature[rows] if isinstance(temperature, torch.Tensor) else temperature
