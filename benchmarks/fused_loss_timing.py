@@ -50,8 +50,7 @@ def _step(x, backward: bool):
         x["policy"].grad = None
         value, _ = loss.policy_loss(
             x["policy"], None, x["ids"], x["mask"], x["old"], x["adv"],
-            ref_logps=x["ref_logps"], kl_coef=0.05, backend="triton", check_ids=False,
-            fused=True)
+            ref_logps=x["ref_logps"], kl_coef=0.05, backend="triton", check_ids=False)
         if backward:
             value.backward()
     return run
@@ -104,7 +103,7 @@ def _time_jax(sweep: bool) -> None:
 
     def objective(p):
         return jax_loss.policy_loss(p, None, ids, mask, old, adv, ref_logps=old, kl_coef=0.05,
-                                    backend="triton", check_ids=False, fused=True)[0]
+                                    backend="triton", check_ids=False)[0]
 
     def timed(**plan) -> None:
         step = jax.jit(jax.value_and_grad(objective))

@@ -57,7 +57,6 @@ def _torch(x, options, backend, upstream=1.0, compiled=False):
         return loss.policy_loss(
             leaf, None if by_logps else x["ref"], x["ids"], x["mask"], x["old"], x["adv"],
             ref_logps=x["ref_logps"] if by_logps else None, backend=backend, check_ids=False,
-            fused=True,
             **options)
 
     value, metrics = (torch.compile(forward, fullgraph=True) if compiled else forward)(leaf)
@@ -121,7 +120,7 @@ def test_jax_fused_matches_native(dtype):
         def objective(p):
             value, metrics = jax_loss.policy_loss(
                 p, j["ref"], j["ids"], j["mask"], j["old"], j["adv"], backend=backend,
-                check_ids=False, fused=True, **options)
+                check_ids=False, **options)
             return -1.7 * value, metrics
         return jax.jit(jax.value_and_grad(objective, has_aux=True))(j["policy"])
 

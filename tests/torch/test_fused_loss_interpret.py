@@ -107,7 +107,7 @@ def _torch(x: dict, case: dict, backend: str, upstream: float):
         ref = None
     value, metrics = loss.policy_loss(
         logits, ref, t.pop("action_ids"), t.pop("mask"), t.pop("old_logps"),
-        t.pop("advantages"), backend=backend, fused=True, **t, **options,
+        t.pop("advantages"), backend=backend, **t, **options,
     )
     (value * upstream).backward()
     return value.item(), {k: v.item() for k, v in metrics.items()}, logits.grad
@@ -169,7 +169,7 @@ def test_empty_input():
     rows = torch.zeros(0, T)
     value, _ = loss.policy_loss(logits, None, torch.zeros((0, T), dtype=torch.long),
                                 torch.zeros((0, T), dtype=torch.bool), rows, rows,
-                                backend="interpret", fused=True)
+                                backend="interpret")
     value.backward()
     assert value.item() == 0.0 and logits.grad.shape == (0, T, V)
 
@@ -180,8 +180,7 @@ def test_unchecked_bad_active_id_poisons_only_its_row():
     t = {k: torch.from_numpy(np.asarray(v)) for k, v in x.items()}
     logits = t["policy_logits"].requires_grad_()
     value, _ = loss.policy_loss(logits, None, t["action_ids"], t["mask"], t["old_logps"],
-                                t["advantages"], backend="interpret", check_ids=False,
-                                fused=True)
+                                t["advantages"], backend="interpret", check_ids=False)
     value.backward()
     assert np.isnan(value.item())
     grad = logits.grad.numpy()
@@ -253,7 +252,7 @@ def test_jax_fused_launch_matches_torch_under_jit_grad_vmap(monkeypatch):
     def objective(logits, ref, ids, mask, old, adv, segs):
         value, metrics = jax_loss.policy_loss(
             logits, ref, ids, mask, old, adv, segment_ids=segs, backend="triton",
-            check_ids=False, fused=True, **options)
+            check_ids=False, **options)
         return -2.5 * value, metrics
 
     args = (j["policy_logits"], j["ref_logits"], j["action_ids"], j["mask"],
@@ -287,7 +286,7 @@ def test_second_backward_of_the_consumed_gradient_raises():
     t = {k: torch.from_numpy(np.asarray(v)) for k, v in x.items()}
     logits = t["policy_logits"].requires_grad_()
     value, _ = loss.policy_loss(logits, None, t["action_ids"], t["mask"], t["old_logps"],
-                                t["advantages"], backend="interpret", fused=True)
+                                t["advantages"], backend="interpret")
     (2.0 * value).backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         (2.0 * value).backward()

@@ -260,7 +260,6 @@ def policy_loss(
     temperature: Temperature = 1.0,
     backend: str = "auto",
     check_ids: bool = True,
-    fused: bool = False,
     vocab_group: Optional[torch.distributed.ProcessGroup] = None,
 ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """PPO/GRPO clipped policy loss with a KL penalty, aggregated to one number.
@@ -277,15 +276,11 @@ def policy_loss(
     are then aggregated by ``loss_agg``. docs/policy_loss.md has every formula
     and the table of verl / TRL equivalents.
 
-    By default every backend runs two passes over the policy logits: the
-    log-probs forward, and the gradient in the backward. ``fused=True`` asks the
-    Triton backends for one kernel that computes the loss, the metrics and the
+    On the Triton backends one kernel computes the loss, the metrics and the
     policy-logit gradient in the forward (the backward only scales the stored
     gradient by the upstream value); every option fuses except
-    ``ratio_level="sequence"`` and ``vocab_group``, which keep the two-pass path, as do
-    the native backends. On the H200 it is not faster yet (bf16, N=8192,
-    V=151936, ref log-probs, fwd+bwd: 2.44 ms fused vs 1.84 ms two-pass in
-    PyTorch), so it is opt-in.
+    ``ratio_level="sequence"`` and ``vocab_group``, which take the two-pass path
+    (log-probs forward, gradient in the backward), as the native backends do.
 
     Args:
       policy_logits, ref_logits, action_ids, mask, old_logps, ref_logps,
@@ -307,7 +302,6 @@ def policy_loss(
         where the id of consecutive active tokens changes). None: one per row.
       importance_weights: floating ``[...]`` (e.g. truncated IS from the rollout
         engine), multiplied into the policy term, detached.
-      fused: the one-kernel path on the Triton backends (see above).
       log_ratio_bound: bound on ``|log ratio|`` (and on ``|d|`` before k3's exp)
         applied before ``exp``, zero gradient beyond it; None: no bound.
 
@@ -343,7 +337,7 @@ def policy_loss(
         advantages=advantages, segment_ids=segment_ids, importance_weights=importance_weights,
     )
     run = _backend(backend, rows, vocab_group)
-    one_pass = _fused(run, opts) if fused else None
+    one_pass = _fused(run, opts)
     if one_pass is not None:  # one kernel: loss, metrics and gradient together
         ref = None if ref_logits is None else ref_logits.reshape(rows.logits.shape)
         return one_pass.policy_loss(
