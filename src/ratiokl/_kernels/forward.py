@@ -38,33 +38,15 @@ def _rows_lse2(
 ):
     """Base-2 log-sum-exp of ``p_row * k`` and ``r_row * k`` (``k = log2(e) / T``), one pass.
 
-    One running pair, no spans (the fused loss and the shard statistics).
-
+    One running pair over the whole row, no spans (the fused loss and the shard
+    statistics): ``span_lse2`` over all ``n_full`` whole tiles plus the tail.
     Both rows advance through the same tiles, so their loads are in flight
-    together; without ``HAS_REF`` the reference result is ``-inf``.
+    together; without ``HAS_REF`` the reference result is ``-inf``. Inactive
+    rows pass ``n_full = 0`` and ``active = False``: nothing is read.
     """
-    cols = tl.arange(0, BLOCK_V)
-    m_p = -float("inf")
-    s_p = 0.0
-    m_r = -float("inf")
-    s_r = 0.0
-    # Unmasked main loop over whole blocks; inactive rows have n_full = 0.
-    for b in range(0, n_full):
-        offs = (b * BLOCK_V + cols).to(tl.int64)
-        x = tl.load(p_row + offs * stride_pv).to(tl.float32) * k
-        m_p, s_p = lse_step(x, m_p, s_p)
-        if HAS_REF:
-            y = tl.load(r_row + offs * stride_rv).to(tl.float32) * k
-            m_r, s_r = lse_step(y, m_r, s_r)
-    # Masked tail (the whole row when V < BLOCK_V); masked lanes are -inf and add 0.
-    if V % BLOCK_V != 0:
-        offs = ((V // BLOCK_V) * BLOCK_V + cols).to(tl.int64)
-        tail = (offs < V) & active
-        x = tl.load(p_row + offs * stride_pv, mask=tail, other=-float("inf"))
-        m_p, s_p = lse_step(x.to(tl.float32) * k, m_p, s_p)
-        if HAS_REF:
-            y = tl.load(r_row + offs * stride_rv, mask=tail, other=-float("inf"))
-            m_r, s_r = lse_step(y.to(tl.float32) * k, m_r, s_r)
+    m_p, s_p, m_r, s_r = span_lse2(
+        p_row, r_row, V, stride_pv, stride_rv, k, 0, n_full, active, HAS_REF, BLOCK_V
+    )
     return shift_of(m_p) + tl.log2(s_p), shift_of(m_r) + tl.log2(s_r)
 
 
