@@ -24,17 +24,10 @@ pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 
 
-def _load_worker():
-    path = Path(__file__).with_name("vocab_parallel_worker.py")
-    module_spec = importlib.util.spec_from_file_location("_ratiokl_vocab_parallel_worker", path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module
-
-
-def _load_interpret_worker():
-    path = Path(__file__).with_name("vocab_parallel_interpret_worker.py")
-    module_spec = importlib.util.spec_from_file_location("_ratiokl_vp_interpret_worker", path)
+def _load_worker(stem: str = "vocab_parallel_worker"):
+    """A worker script beside this file, loaded by path (tests are not a package)."""
+    path = Path(__file__).with_name(f"{stem}.py")
+    module_spec = importlib.util.spec_from_file_location(f"_ratiokl_{stem}", path)
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
     return module
@@ -84,4 +77,4 @@ def test_sharded_matches_unsharded(world: int) -> None:
 def test_interpret_backend_sharded_matches_unsharded() -> None:
     """The Triton kernels (interpreted) on 2 gloo ranks' shards."""
     pytest.importorskip("triton")
-    _run_ranks(2, _load_interpret_worker().run_interpret)
+    _run_ranks(2, _load_worker("vocab_parallel_interpret_worker").run_interpret)
