@@ -165,6 +165,12 @@ PRESETS: Dict[str, Preset] = {
         ops=_HEADLINE_OPS,
         timing=Timing(warmup_ms=10, rep_ms=60, cpu_reps=10),
     ),
+    # The CPU native paths against eager PyTorch at a moderate size (issue 5: within 1.5x).
+    "cpu": Preset(
+        groups=((_grid((1024,), (32768,), (1.0,), ("float32",)), _NATIVE),),
+        ops=OPS,
+        timing=Timing(warmup_ms=1, rep_ms=5, cpu_reps=7),
+    ),
     # CI on the CPU: tiny, native providers, every op.
     "cpu-smoke": Preset(
         groups=((_grid((32,), (256,), (0.5,), ("float32",)), _NATIVE),),

@@ -17,6 +17,9 @@ _KEY = ("op", "mode", "N", "V", "density", "dtype")
 _TT, _JT = "ratiokl-torch-triton", "ratiokl-jax-triton"
 _HEAD = {"N": 8192, "V": 151936, "dtype": "bfloat16"}
 _FEW = {"N": 128, "V": 151936, "dtype": "bfloat16"}
+#: The ``cpu`` preset's shape: native paths within 1.5x of eager PyTorch on the CPU.
+_CPU = {"N": 1024, "V": 32768, "dtype": "float32"}
+_NATIVE_PROVIDERS = ("ratiokl-torch-native", "ratiokl-jax-native")
 _OPS = ("selected_logprobs", "ratio_kl", "ratio_kl_ref_logps", "policy_loss",
         "policy_loss_ref_logps")
 #: PERF.md's anchor for the seed's op (RL-Kernel TritonRatioKLOp), ratio_kl fwd+bwd.
@@ -106,6 +109,13 @@ def check_targets(records: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
                     _ratio(_get(idx, _JT, op, mode, d), _get(idx, _TT, op, mode, d)),
                     "<=", 1.03))
         checks += _memory_checks(idx, op)
+    for op in (o for o in _OPS if has(o, _CPU)):
+        for prov in _NATIVE_PROVIDERS:
+            for mode in ("fwd", "fwd+bwd"):
+                checks.append(_check(
+                    f"{op} {mode} {prov} N=1024 V=32768 fp32 time / torch-eager time",
+                    _ratio(_get(idx, prov, op, mode, 1.0, _CPU),
+                           _get(idx, "torch-eager", op, mode, 1.0, _CPU)), "<=", 1.5))
     for op in (o for o in _OPS if has(o, _FEW)):
         for prov in (_TT, _JT):
             checks.append(_check(

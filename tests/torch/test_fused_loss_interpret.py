@@ -290,3 +290,58 @@ def test_second_backward_of_the_consumed_gradient_raises():
     (2.0 * value).backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         (2.0 * value).backward()
+
+
+def test_forward_without_gradient_skips_the_sweep_and_gives_the_same_bits(monkeypatch):
+    case = dict(kl_coef=0.1, ref="logps")
+    x = _inputs(23, case)
+    t = {k: torch.from_numpy(np.asarray(v)) for k, v in x.items()}
+    args = (t["policy_logits"], None, t["action_ids"], t["mask"], t["old_logps"], t["advantages"])
+    kw = dict(ref_logps=t["ref_logps"], kl_coef=0.1, backend="interpret")
+    with_grad, _ = loss.policy_loss(args[0].clone().requires_grad_(), *args[1:], **kw)
+    shapes = []
+    launch = _fused_loss._launch
+
+    def spy(*a, **k):
+        outs = launch(*a, **k)
+        shapes.append(tuple(outs[5].shape))
+        return outs
+
+    monkeypatch.setattr(_fused_loss, "_launch", spy)
+    with torch.no_grad():
+        no_grad, metrics = loss.policy_loss(args[0].clone().requires_grad_(), *args[1:], **kw)
+    frozen, _ = loss.policy_loss(args[0], *args[1:], **kw)
+    assert shapes == [(0, V), (0, V)]  # no [N, V] gradient allocated or written
+    assert no_grad.item() == with_grad.item() == frozen.item()
+    assert np.isfinite(metrics["kl_mean"].item())
+
+
+def test_jax_primal_reads_once_and_matches_value_and_grad(monkeypatch):
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    from ratiokl.jax import _dispatch as jax_dispatch
+    from ratiokl.jax import _triton as jax_triton_backend
+    from ratiokl.jax import loss as jax_loss
+
+    written = []
+
+    def spy(*args, **kwargs):
+        if "WRITE_GRAD" in kwargs:  # the fused kernel (not the backward's scale)
+            written.append(kwargs["WRITE_GRAD"])
+        return _interpreted_triton_call(*args, **kwargs)
+
+    monkeypatch.setattr(jax_triton_backend, "_triton_call", spy)
+    monkeypatch.setattr(jax_dispatch, "_resolve_name", lambda backend: backend)
+    x = _inputs(29, {})
+    j = {k: jnp.asarray(v) for k, v in x.items()}
+
+    def objective(logits):
+        return jax_loss.policy_loss(logits, None, j["action_ids"], j["mask"], j["old_logps"],
+                                    j["advantages"], backend="triton", check_ids=False)[0]
+
+    primal = jax.jit(objective)(j["policy_logits"])
+    value, grad = jax.jit(jax.value_and_grad(objective))(j["policy_logits"])
+    assert written == [False, True]
+    assert float(primal) == float(value)
+    assert np.all(np.asarray(grad)[~x["mask"]] == 0.0)

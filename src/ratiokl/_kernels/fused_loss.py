@@ -9,7 +9,9 @@
    ratio) and its derivative ``dL/dlogp`` in registers;
 3. right away, while the row is still in L2, a second sweep writing
    ``grad = w * dL/dlogp * (onehot(a) - softmax(x / T)) / T`` in the logits'
-   dtype, where ``w`` is the row's aggregation weight ``a_t / D``.
+   dtype, where ``w`` is the row's aggregation weight ``a_t / D`` -- unless
+   ``WRITE_GRAD`` is off (no gradient wanted: the row is read once and the
+   forward's memory is O(N)).
 
 Rows are strided over the programs, so the launch may use fewer programs
 than rows (a persistent grid, :func:`launch_plan`); a row is always handled
@@ -52,15 +54,18 @@ def launch_plan(n_rows: int, vocab: int, itemsize: int) -> Tuple[LaunchConfig, i
     """Tile/warps and the number of programs (rows are strided over them) of the fused kernel.
 
     Measured on the H200 (bf16, N = 8192, V = 151,936, reference log-probs,
-    ``benchmarks/fused_loss_timing.py --sweep --jax``, two runs), fwd+bwd
-    torch / JAX with the 4096 x 4-warp tile: one program per row 2.46-2.61 /
-    2.24 ms; 4224 programs 2.28 / -- ms; 2112: 2.31 / 2.25; 1056: 2.25-2.42 /
-    2.30; 528: 2.22 / 2.51-2.53; 264: 3.06 / 3.32; 132: 4.87 / 5.10. 8192 x
-    8-16 warps and 16384 x 16 warps were no better. A grid small enough for
-    the rows in flight to stay in L2 (<= ~160 rows of 304 KB) starves HBM of
-    requests, so the gradient sweep re-reads the row from HBM. A row is
-    handled whole by one program in a fixed tile order, so the grid changes
-    no bit (batch invariance).
+    kernel alone, ``V`` a compile-time constant as in both launches): 4096 x
+    4 warps, one program per row 1.81 ms, 2112 programs 1.82, 1056 1.86;
+    8192 x 8 warps on 528 programs 2.23; 16384 x 16 on 264 2.53 (with ``V`` a
+    runtime integer each was 0.13-0.48 ms slower: 2.29 ms at 2112). A grid
+    small enough for the rows in flight to stay in L2 (<= ~160 rows of 304
+    KB) starves HBM of requests, so the gradient sweep mostly re-reads the
+    row from HBM; L2 eviction hints, 32-warp programs and splitting a row
+    over programs that meet at a device-side counter (the row's statistics
+    combined, each program then writing its own span from L2 or registers)
+    reached 1.72, 1.61 and 2.05 ms in a scratch kernel: not enough to pay
+    for a spinning wait. A row is handled whole by one program in a fixed
+    tile order, so the grid changes no bit (batch invariance).
     """
     return forward_config(vocab, itemsize), max(1, min(n_rows, _PROGRAMS))
 
@@ -175,10 +180,11 @@ def policy_loss_kernel(
     ratio_ptr,  # [N] f32 r = exp(bounded logp - old)
     kl_ptr,  # [N] f32 KL value of the chosen variant (0 when KL_CODE == 0)
     clip_ptr,  # [N] int32 clip bits (CLIP_LOW | CLIP_HIGH | CLIP_CAPPED)
-    grad_ptr,  # [N, V] d(sum of loss_ptr)/d policy, logits' dtype, row-major (row stride V)
+    grad_ptr,  # [N, V] d(sum of loss_ptr)/d policy, logits' dtype, row-major (row stride V);
+    # written iff WRITE_GRAD
     # sizes and strides (elements)
     N,
-    V,
+    V: tl.constexpr,  # a constant in both launches: 2.29 -> 1.81 ms at the headline shape
     stride_pn,
     stride_pv,
     stride_rn,
@@ -193,6 +199,7 @@ def policy_loss_kernel(
     RATIO_HIGH: tl.constexpr,  # min(1 + clip_eps_high, ratio_cap)
     NEG_CAP: tl.constexpr,  # min(dual_clip, ratio_cap) for A < 0; 0: off
     BOUND: tl.constexpr,  # log_ratio_bound; 0: no bound
+    WRITE_GRAD: tl.constexpr,  # False: no gradient wanted, the row is read once (forward only)
     BLOCK_V: tl.constexpr,  # vocabulary tile (power of two)
 ):
     # Rows are strided over the programs: grid = N gives one row per program; a
@@ -242,9 +249,10 @@ def policy_loss_kernel(
         tl.store(clip_ptr + row, tl.where(active, bits, 0))
 
         # Pass 2 (row still in L2): grad = c * (onehot - softmax), c = w * dL/dlogp / T.
-        c = tl.where(active, w * dloss / t, 0.0)
-        lse2 = tl.where(active, lse2, 0.0)
-        _grad_sweep(p_row, grad_ptr + row * V, V, stride_pv, a, k, lse2, c, active, BLOCK_V)
+        if WRITE_GRAD:
+            c = tl.where(active, w * dloss / t, 0.0)
+            lse2 = tl.where(active, lse2, 0.0)
+            _grad_sweep(p_row, grad_ptr + row * V, V, stride_pv, a, k, lse2, c, active, BLOCK_V)
 
 
 @triton.jit

@@ -14,8 +14,9 @@ Which options fuse (:func:`fuses`): all but ``ratio_level="sequence"``
 (GSPO) and vocabulary-sharded logits (``vocab_axis``), which take the
 two-pass path. Float options are compile-time constants of the kernel;
 ``V`` and the strides too (jax-triton gives runtime integers no alignment
-facts, see ``ratiokl.jax._triton``). The forward writes the gradient even
-when none is taken (one ``[N, V]`` buffer in the logits' dtype).
+facts, see ``ratiokl.jax._triton``). The primal (no derivative taken) runs
+the kernel without its gradient sweep: one read of each row, O(N) memory;
+the custom_vjp forward writes the ``[N, V]`` gradient in the logits' dtype.
 """
 
 from __future__ import annotations
@@ -52,13 +53,18 @@ def fuses(backend_module: object, opts: PolicyLossOptions) -> bool:
     return backend_module is _triton and not opts.sequence_ratio
 
 
-def _fused_call(static: Static, policy, ref, ids, mask, old, ref_lp, temp, adv, iw, w):
-    """``(loss_rows, logp, ratio, kl, clip_bits, grad)`` from one launch."""
+def _fused_call(static: Static, write_grad: bool, policy, ref, ids, mask, old, ref_lp, temp,
+                adv, iw, w):
+    """``(loss_rows, logp, ratio, kl, clip_bits, grad)`` from one launch.
+
+    Without ``write_grad`` (the primal, no derivative taken) the kernel reads
+    each row once and ``grad`` is an unwritten ``[N, 1]`` placeholder.
+    """
     n_rows, vocab = policy.shape
     row = jax.ShapeDtypeStruct((n_rows,), jnp.float32)
     shapes = [row] * 4 + [
         jax.ShapeDtypeStruct((n_rows,), jnp.int32),
-        jax.ShapeDtypeStruct(policy.shape, policy.dtype),
+        jax.ShapeDtypeStruct((n_rows, vocab if write_grad else 1), policy.dtype),
     ]
     if n_rows == 0:
         return tuple(jnp.zeros(s.shape, s.dtype) for s in shapes)
@@ -72,7 +78,7 @@ def _fused_call(static: Static, policy, ref, ids, mask, old, ref_lp, temp, adv, 
         stride_t=0 if temp.shape[0] == 1 else 1,
         HAS_REF=has_ref, HAS_IW=has_iw, KL_CODE=kl_code, KL_COEF=kl_coef,
         RATIO_LOW=ratio_low, RATIO_HIGH=ratio_high, NEG_CAP=neg_cap, BOUND=bound,
-        BLOCK_V=config.block_v,
+        WRITE_GRAD=write_grad, BLOCK_V=config.block_v,
     ))
 
 
@@ -90,8 +96,8 @@ def _scale_call(grad, g, mask):
 
 
 @functools.lru_cache(maxsize=None)
-def _fused_op(static: Static):
-    return _triton._row_op(functools.partial(_fused_call, static), temp_index=6)
+def _fused_op(static: Static, write_grad: bool):
+    return _triton._row_op(functools.partial(_fused_call, static, write_grad), temp_index=6)
 
 
 _scale_op = _triton._row_op(_scale_call, temp_index=-1)
@@ -99,11 +105,11 @@ _scale_op = _triton._row_op(_scale_call, temp_index=-1)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(10,))
 def _fused(policy, ref, ids, mask, old, ref_lp, temp, adv, iw, w, static: Static):
-    return _fused_op(static)(policy, ref, ids, mask, old, ref_lp, temp, adv, iw, w)[:5]
+    return _fused_op(static, False)(policy, ref, ids, mask, old, ref_lp, temp, adv, iw, w)[:5]
 
 
 def _fused_fwd(policy, ref, ids, mask, old, ref_lp, temp, adv, iw, w, static):
-    outs = _fused_op(static)(policy, ref, ids, mask, old, ref_lp, temp, adv, iw, w)
+    outs = _fused_op(static, True)(policy, ref, ids, mask, old, ref_lp, temp, adv, iw, w)
     return outs[:5], (outs[5], mask)
 
 

@@ -19,9 +19,9 @@ Memory beyond the inputs and outputs:
     per-row temperature (``[N]`` each) -- O(N); the logits themselves are
     the caller's tensor, referenced, not copied;
   * while running: a few float32 chunk temporaries of at most
-    ``_CHUNK_BYTES`` each (32 MiB on the CPU, 512 MiB on a GPU, where each
-    launch must move enough bytes to run at bandwidth; bounded, independent
-    of ``N``);
+    ``_CHUNK_BYTES`` each (2 MiB on the CPU, where a chunk's passes then run
+    in cache, 512 MiB on a GPU, where each launch must move enough bytes to
+    run at bandwidth; bounded, independent of ``N``);
   * the gradient: one ``[N, V]`` tensor in the logits' dtype;
   * if the caller's logits cannot be viewed as ``[N, V]`` (e.g. a transposed
     ``[T, B, V]`` tensor seen as ``[B, T, V]``), ``reshape`` in the public
@@ -38,9 +38,11 @@ from ratiokl.torch import _elementwise
 
 __all__ = ["ratio_kl", "selected_logprobs"]
 
-#: Upper bound on one float32 ``[rows, V]`` chunk temporary.
-#: Bytes of one float32 chunk temporary, by device type (``"cpu"``, else the default).
-_CHUNK_BYTES = {"cpu": 32 * 2**20, "default": 512 * 2**20}
+#: Bytes of one float32 chunk temporary, by device type (``"cpu"``, else the default). On
+#: a CPU the chunk's passes should hit its caches: selected_logprobs, N=1024, V=32768 fp32,
+#: 2 cores (1 MiB L2 each, 32 MiB L3): eager 101 ms; chunks of 32 MiB 227 ms, 8 MiB 148,
+#: 4 MiB 83, 2 MiB 70, 1 MiB 89 (per-op overhead). A GPU launch must move enough bytes.
+_CHUNK_BYTES = {"cpu": 2 * 2**20, "default": 512 * 2**20}
 
 Temperature = Union[float, torch.Tensor]
 
