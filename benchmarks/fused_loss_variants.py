@@ -82,6 +82,29 @@ def exp_fused(p_ptr, c_ptr, ids_ptr, g_ptr, N, V: tl.constexpr, BLOCK: tl.conste
 
 
 @triton.jit
+def _meet(part_ptr, cnt_ptr, row64, seg, m, s, S: tl.constexpr, S2: tl.constexpr):
+    """Publish this span's ``(m, s)``, spin until the row's S programs have, return the lse2.
+
+    ``S2``: S rounded up to a power of two. The wait needs all S programs of
+    a row resident at once, which a normal launch does not promise.
+    """
+    tl.store(part_ptr + (row64 * S + seg) * 2, m)
+    tl.store(part_ptr + (row64 * S + seg) * 2 + 1, s)
+    tl.debug_barrier()
+    tl.atomic_add(cnt_ptr + row64, 1, sem="release")
+    cnt = tl.atomic_add(cnt_ptr + row64, 0, sem="acquire")
+    while cnt < S:
+        cnt = tl.atomic_add(cnt_ptr + row64, 0, sem="acquire")
+    so = tl.arange(0, S2)
+    ms = tl.load(part_ptr + (row64 * S + so) * 2, mask=so < S, other=-float("inf"),
+                 cache_modifier=".cg")
+    ss = tl.load(part_ptr + (row64 * S + so) * 2 + 1, mask=so < S, other=0.0,
+                 cache_modifier=".cg")
+    mm = tl.max(ms, axis=0)
+    return mm + tl.log2(tl.sum(ss * tl.exp2(ms - mm), axis=0))
+
+
+@triton.jit
 def coop_fused(p_ptr, c_ptr, ids_ptr, g_ptr, part_ptr, cnt_ptr, N, V: tl.constexpr,
                S: tl.constexpr, TPS: tl.constexpr, BLOCK: tl.constexpr,
                EV1: tl.constexpr, EV2: tl.constexpr, ST: tl.constexpr):
@@ -107,18 +130,7 @@ def coop_fused(p_ptr, c_ptr, ids_ptr, g_ptr, part_ptr, cnt_ptr, N, V: tl.constex
         x = tl.load(p_row + offs, mask=(offs < V) & last, other=-float("inf"),
                     eviction_policy=EV1)
         m, s = _lse_step(x.to(tl.float32) * LOG2E, m, s)
-    tl.store(part_ptr + (row64 * S + seg) * 2, m)
-    tl.store(part_ptr + (row64 * S + seg) * 2 + 1, s)
-    tl.debug_barrier()
-    tl.atomic_add(cnt_ptr + row64, 1, sem="release")
-    cnt = tl.atomic_add(cnt_ptr + row64, 0, sem="acquire")
-    while cnt < S:
-        cnt = tl.atomic_add(cnt_ptr + row64, 0, sem="acquire")
-    so = tl.arange(0, S)
-    ms = tl.load(part_ptr + (row64 * S + so) * 2, cache_modifier=".cg")
-    ss = tl.load(part_ptr + (row64 * S + so) * 2 + 1, cache_modifier=".cg")
-    mm = tl.max(ms, axis=0)
-    lse2 = mm + tl.log2(tl.sum(ss * tl.exp2(ms - mm), axis=0))
+    lse2 = _meet(part_ptr, cnt_ptr, row64, seg, m, s, S, S)
     c = tl.load(c_ptr + row)
     a = tl.load(ids_ptr + row)
     if V % BLOCK != 0:
@@ -262,20 +274,7 @@ def coop_reg(p_ptr, c_ptr, ids_ptr, g_ptr, part_ptr, cnt_ptr, N, V: tl.constexpr
     x = tl.load(p_ptr + row64 * V + offs, mask=inside, other=-float("inf")).to(tl.float32) * LOG2E
     m = tl.max(x, axis=0)
     s = tl.sum(tl.exp2(x - m), axis=0)
-    tl.store(part_ptr + (row64 * S + seg) * 2, m)
-    tl.store(part_ptr + (row64 * S + seg) * 2 + 1, s)
-    tl.debug_barrier()
-    tl.atomic_add(cnt_ptr + row64, 1, sem="release")
-    cnt = tl.atomic_add(cnt_ptr + row64, 0, sem="acquire")
-    while cnt < S:
-        cnt = tl.atomic_add(cnt_ptr + row64, 0, sem="acquire")
-    so = tl.arange(0, S2)
-    ms = tl.load(part_ptr + (row64 * S + so) * 2, mask=so < S, other=-float("inf"),
-                 cache_modifier=".cg")
-    ss = tl.load(part_ptr + (row64 * S + so) * 2 + 1, mask=so < S, other=0.0,
-                 cache_modifier=".cg")
-    mm = tl.max(ms, axis=0)
-    lse2 = mm + tl.log2(tl.sum(ss * tl.exp2(ms - mm), axis=0))
+    lse2 = _meet(part_ptr, cnt_ptr, row64, seg, m, s, S, S2)
     c = tl.load(c_ptr + row)
     a = tl.load(ids_ptr + row)
     g = c * (tl.where(offs == a, 1.0, 0.0) - tl.exp2(x - lse2))

@@ -64,8 +64,8 @@ def launch_plan(n_rows: int, vocab: int, itemsize: int) -> Tuple[LaunchConfig, i
     over programs that meet at a device-side counter (the row's statistics
     combined, each program then writing its own span from L2 or registers)
     reached 1.72, 1.61 and 2.05 ms (``benchmarks/fused_loss_variants.py``):
-    not enough to pay for a spinning wait. A row is handled whole by one program in a fixed
-    tile order, so the grid changes no bit (batch invariance).
+    not enough to pay for a spinning wait. A row is handled whole by one
+    program in a fixed tile order, so the grid changes no bit (batch invariance).
     """
     return forward_config(vocab, itemsize), max(1, min(n_rows, _PROGRAMS))
 

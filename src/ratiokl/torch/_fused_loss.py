@@ -223,13 +223,6 @@ class _EagerFused(torch.autograd.Function):
     backward = staticmethod(_make_backward(_eager_scale))
 
 
-
-def _fused_op(device: torch.device):
-    if device.type != "cuda":
-        return _interpret_fused
-    return _triton_fused if torch.compiler.is_compiling() else _EagerFused.apply
-
-
 # --- entry point from ratiokl.torch.loss -----------------------------------------------------
 
 
@@ -260,15 +253,16 @@ def policy_loss(
     has_ref = ref is not None or ref_logps is not None
     # No gradient wanted (no_grad, frozen logits): the row is read once, memory O(N).
     write_grad = torch.is_grad_enabled() and policy.requires_grad
-    loss_rows, logp, ratio, kl, bits, _ = _fused_op(policy.device)(
-        policy, None if ref is None else ref.detach(), ids, mask, _flat(inputs.old_logps),
+    op = _triton.choose_op(policy.device, _interpret_fused, _triton_fused, _EagerFused.apply)
+    old = _flat(inputs.old_logps)
+    loss_rows, logp, ratio, kl, bits, _ = op(
+        policy, None if ref is None else ref.detach(), ids, mask, old,
         _flat(ref_logps), _triton._temperature(temperature, policy.device),
         _flat(inputs.advantages), _flat(inputs.importance_weights), w, ref is not None,
         *_options(opts, has_ref, write_grad),
     )
-    old = torch.where(mask, _flat(inputs.old_logps), 0.0)
     metrics = _objective.token_metrics(
         mask, mask.sum(), (bits & CLIP_LOW.value) != 0, (bits & CLIP_HIGH.value) != 0,
-        (bits & CLIP_CAPPED.value) != 0, ratio, kl, old - logp,
+        (bits & CLIP_CAPPED.value) != 0, ratio, kl, torch.where(mask, old, 0.0) - logp,
     )
     return loss_rows.sum(), metrics

@@ -280,19 +280,19 @@ def token_metrics(
 ) -> Dict[str, torch.Tensor]:
     """Detached means over active tokens (0 when there is none); per-token inputs, any shape.
 
-    The six sums are one masked reduction of a stacked ``[6, ...]`` tensor (a
-    handful of launches, not one chain per metric: host time is what a
-    few-token step pays for). ``clip_fraction = low + high`` (exclusive: they
-    need ``A < 0`` and ``A > 0``).
+    The seven sums are one masked reduction of a stacked ``[7, ...]`` tensor
+    (a handful of launches, not one chain per metric: host time is what a
+    few-token step pays for).
     """
+    per_token = (low | high, low, high, capped, ratio, kl, approx_kl)
     with torch.no_grad():
-        parts = torch.stack([x.float() for x in (low, high, capped, ratio, kl, approx_kl)])
+        parts = torch.stack([x.float() for x in per_token])
         zero = torch.zeros((), dtype=torch.float32, device=mask.device)
-        sums = torch.where(mask, parts, zero).reshape(6, -1).sum(dim=1)
+        sums = torch.where(mask, parts, zero).reshape(len(per_token), -1).sum(dim=1)
         means = sums / n_tok.clamp(min=1).float()
-    low_m, high_m, capped_m, ratio_m, kl_m, approx_m = means.unbind()
+    clip_m, low_m, high_m, capped_m, ratio_m, kl_m, approx_m = means.unbind()
     return {
-        "clip_fraction": low_m + high_m,
+        "clip_fraction": clip_m,
         "clip_fraction_low": low_m,
         "clip_fraction_high": high_m,
         "dual_clip_fraction": capped_m,

@@ -244,10 +244,17 @@ register_autograd(
 # --- backend interface ----------------------------------------------------------------------
 
 
-def _forward_op(device: torch.device) -> Callable:
+def choose_op(device: torch.device, interpret_op: Callable, compiled_op: Callable,
+              eager_op: Callable) -> Callable:
+    """Which binding of a launch runs: the interpreter's custom op on a CPU; on CUDA the
+    ``triton_op`` while ``torch.compile`` traces, else the eager ``autograd.Function``."""
     if device.type != "cuda":
-        return _interpret_forward
-    return _triton_forward if torch.compiler.is_compiling() else _EagerForward.apply
+        return interpret_op
+    return compiled_op if torch.compiler.is_compiling() else eager_op
+
+
+def _forward_op(device: torch.device) -> Callable:
+    return choose_op(device, _interpret_forward, _triton_forward, _EagerForward.apply)
 
 
 def _temperature(temperature: Temperature, device: torch.device) -> torch.Tensor:
