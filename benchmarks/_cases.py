@@ -130,6 +130,7 @@ class Preset:
 
 _ALL = (
     "ratiokl-torch-triton",
+    "ratiokl-torch-triton-inplace",
     "ratiokl-jax-triton",
     "ratiokl-torch-native",
     "ratiokl-jax-native",
@@ -137,7 +138,8 @@ _ALL = (
     "torch-compile",
     "liger",
 )
-_FAST = ("ratiokl-torch-triton", "ratiokl-jax-triton", "torch-eager", "liger")
+_FAST = ("ratiokl-torch-triton", "ratiokl-torch-triton-inplace", "ratiokl-jax-triton",
+         "torch-eager", "liger")
 _NATIVE = ("ratiokl-torch-native", "ratiokl-jax-native", "torch-eager")
 _HEADLINE_OPS = ("selected_logprobs", "ratio_kl", "ratio_kl_ref_logps", "policy_loss_ref_logps")
 

@@ -22,6 +22,7 @@ from _harness import (
     RECORD_FIELDS,
     cpu_ms,
     cuda_ms,
+    host_ms,
     jax_gpu_ms,
     jax_peak_extra,
     torch_peak_extra,
@@ -78,12 +79,14 @@ def measure_torch(t: TorchOp, op: str, mode: str, x: Any, timing: Timing) -> Dic
     sync = (lambda _: torch.cuda.synchronize()) if on_gpu else (lambda _: None)
     first_s, est_ms = _timed_first(fn, sync)
     peak = torch_peak_extra(fn)
+    host = host_ms(fn, sync) if on_gpu else None
     if on_gpu:
-        ms, timer = cuda_ms(fn, timing.warmup_ms, timing.rep_ms, est_ms), "cuda-events"
+        ms = cuda_ms(fn, timing.warmup_ms, timing.rep_ms, est_ms, host)
+        timer = "cuda-events (host head start)"
     else:
         ms, timer = cpu_ms(fn, sync, timing.cpu_reps), "cpu-median"
     return {"ms": ms, "timer": timer, "first_call_s": first_s, "peak_extra_bytes": peak,
-            "mem_method": "torch-max-allocated" if on_gpu else None}
+            "host_ms": host, "mem_method": "torch-max-allocated" if on_gpu else None}
 
 
 def _jax_compiled(f: Callable[..., Any], op: str, mode: str, policy: Any,
@@ -122,11 +125,13 @@ def measure_jax(build: Callable[[], Callable[..., Any]], op: str, mode: str,
         return compiled(policy, rest)
 
     first_s, est_ms = _timed_first(call, jax.block_until_ready)
+    host = None
     if jax.default_backend() == "gpu":
+        host = host_ms(call, jax.block_until_ready)
         ms, timer = jax_gpu_ms(call, timing.warmup_ms, timing.rep_ms, est_ms), "jax-batched"
     else:
         ms, timer = cpu_ms(call, jax.block_until_ready, timing.cpu_reps), "cpu-median"
-    return {"ms": ms, "timer": timer, "first_call_s": compile_s + first_s,
+    return {"ms": ms, "timer": timer, "first_call_s": compile_s + first_s, "host_ms": host,
             "peak_extra_bytes": jax_peak_extra(compiled), "mem_method": "xla-memory-analysis"}
 
 
@@ -160,8 +165,11 @@ def derive_bwd(fwd: Dict[str, Any], fwd_bwd: Dict[str, Any], case: Case,
     if fwd["status"] != "ok" or fwd_bwd["status"] != "ok":
         status = "skipped" if "skipped" in (fwd["status"], fwd_bwd["status"]) else "error"
         return make_record(*args, {}, status, "needs both fwd and fwd+bwd")
+    host = (fwd_bwd["host_ms"] - fwd["host_ms"]
+            if fwd_bwd.get("host_ms") is not None and fwd.get("host_ms") is not None else None)
     measured = {
         "ms": max(fwd_bwd["ms"] - fwd["ms"], 0.0),
+        "host_ms": host,
         "timer": f"{fwd_bwd['timer']} (fwd+bwd - fwd)",
         "peak_extra_bytes": fwd_bwd["peak_extra_bytes"],
         "mem_method": fwd_bwd["mem_method"],

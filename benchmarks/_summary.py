@@ -41,7 +41,8 @@ def speedups(records: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
     idx = _index(records)
     rows = []
     for r in _ok(records):
-        row = {k: r[k] for k in _KEY + ("provider", "ms", "gbps", "pct_read_ceiling")}
+        row = {k: r.get(k) for k in _KEY + ("provider", "ms", "gbps", "pct_read_ceiling",
+                                             "host_ms")}
         for peer in PEERS:
             other = idx.get(tuple(r[k] for k in _KEY) + (peer,))
             row[f"x_{peer}"] = other["ms"] / r["ms"] if other and r["ms"] > 0 else None
@@ -96,6 +97,11 @@ def check_targets(records: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
                    _ratio(_get(idx, "liger", "policy_loss_ref_logps", "fwd+bwd", 1.0), pl),
                    ">=", 1.27),
         ]
+    if has("policy_loss_ref_logps"):
+        inplace = _get(idx, _TT + "-inplace", "policy_loss_ref_logps", "fwd+bwd", 1.0)
+        checks.append(_check(
+            f"policy_loss_ref_logps fwd+bwd {_TT}-inplace extra peak bytes (O(N))",
+            val(inplace, "peak_extra_bytes"), "<=", _PER_ROW_BYTES * _HEAD["N"] + _SLACK_BYTES))
     for op in (o for o in _OPS if has(o)):
         for prov in (_TT, _JT):
             checks.append(_check(
@@ -146,7 +152,8 @@ def tables(records: Sequence[Dict[str, Any]]) -> List[Tuple[str, List[str], List
     modes = ("fwd", "fwd+bwd", "bwd")
     cases = sorted({tuple(r[k] for k in _KEY) for r in rows},
                    key=lambda k: (k[2], k[3], -k[4], k[5], k[0], modes.index(k[1])))
-    provs = [p for p in ("ratiokl-torch-triton", "ratiokl-jax-triton", "ratiokl-torch-native",
+    provs = [p for p in ("ratiokl-torch-triton", "ratiokl-torch-triton-inplace",
+                         "ratiokl-jax-triton", "ratiokl-torch-native",
                          "ratiokl-jax-native", "torch-eager", "torch-compile", "liger")
              if any(r["provider"] == p for r in rows)]
     by = {tuple(r[k] for k in _KEY) + (r["provider"],): r for r in rows}
@@ -155,7 +162,8 @@ def tables(records: Sequence[Dict[str, Any]]) -> List[Tuple[str, List[str], List
              + [fmt(by.get(c + (p,), {}).get("ms"), ".3f") for p in provs] for c in cases]
     detail = [[f"N={r['N']} V={r['V']} d={r['density']:g} {r['dtype']}", r["op"], r["mode"],
                r["provider"], fmt(r["ms"], ".3f"), fmt(r["gbps"], ".0f"),
-               fmt(r["pct_read_ceiling"], ".1f")] + [fmt(r[f"x_{p}"], ".2f") for p in PEERS]
+               fmt(r["pct_read_ceiling"], ".1f"), fmt(r["host_ms"], ".3f")]
+              + [fmt(r[f"x_{p}"], ".2f") for p in PEERS]
               for c in cases for r in [by.get(c + (p,)) for p in provs]
               if r and r["provider"].startswith("ratiokl-")]
     targets = [[c["target"], fmt(c["value"], ".4g"), f"{c['cmp']} {c['threshold']:g}",
@@ -163,7 +171,8 @@ def tables(records: Sequence[Dict[str, Any]]) -> List[Tuple[str, List[str], List
     return [
         ("median ms by provider", ["case", "op", "mode"] + provs, pivot),
         ("ratiokl: bandwidth and speedups",
-         ["case", "op", "mode", "provider", "ms", "GB/s", "% read"] + [f"x {p}" for p in PEERS],
+         ["case", "op", "mode", "provider", "ms", "GB/s", "% read", "host ms"]
+         + [f"x {p}" for p in PEERS],
          detail),
         ("PERF.md targets", ["target", "value", "needs", "status"], targets),
     ]

@@ -5,8 +5,8 @@
 Shape of PERF.md: N = 8192 tokens, V = 151,936, bf16, reference log-probs
 given (the policy logits are the only ``[N, V]`` input). Medians of
 ``triton.testing.do_bench`` (L2 flushed). ``--sweep`` also tries other
-(tile, warps, programs) launch plans of the fused kernel; ``--jax`` times the
-JAX launch (jit of value_and_grad) too.
+(tile, warps, spans per row) launch plans of the fused kernel; ``--jax`` times
+the JAX launch (jit of value_and_grad) too.
 """
 
 from __future__ import annotations
@@ -20,18 +20,18 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import torch  # noqa: E402
 import triton.testing  # noqa: E402
 
-from ratiokl._kernels import LaunchConfig  # noqa: E402
+from ratiokl._kernels import LaunchConfig, split_plan  # noqa: E402
+from ratiokl._kernels.fused_loss import FusedPlan  # noqa: E402
 from ratiokl.torch import _fused_loss, loss  # noqa: E402
 
 N, V = 8192, 151_936
-#: (tile, warps, programs): None = one program per row; a number = persistent grid.
+#: (tile, warps, at most this many spans per row; 1: one program per row).
 SWEEP = [
-    (4096, 4, None), (4096, 4, 132 * 32), (4096, 4, 132 * 16), (4096, 4, 132 * 8),
-    (4096, 4, 132 * 4), (4096, 4, 132 * 2), (8192, 8, 132 * 4), (8192, 16, 132 * 2),
-    (16384, 16, 132),
+    (4096, 4, 13), (4096, 4, 8), (4096, 4, 19), (4096, 4, 10), (4096, 4, 1),
+    (2048, 4, 19), (2048, 2, 25), (8192, 8, 6),
 ]
 #: The subset swept through the JAX launch (each plan is one more compile).
-JAX_SWEEP = [SWEEP[i] for i in (0, 2, 3, 4)]
+JAX_SWEEP = [SWEEP[i] for i in (0, 1)]
 
 
 def _inputs(density: float = 1.0):
@@ -72,18 +72,19 @@ def _time_torch(sweep: bool) -> None:
         return
     x = _inputs()
     original = _fused_loss.launch_plan
-    for block, warps, programs in SWEEP:
-        _fused_loss.launch_plan = _plan(block, warps, programs)
+    for block, warps, splits in SWEEP:
+        _fused_loss.launch_plan = _plan(block, warps, splits)
         ms = triton.testing.do_bench(_step(x, True), warmup=30, rep=200)
         _record(provider="torch-triton-fused", mode="fwd+bwd", block_v=block, num_warps=warps,
-                programs=programs or N, ms=ms)
+                splits=_plan(block, warps, splits)(V, 2).spans.splits, ms=ms)
     _fused_loss.launch_plan = original
 
 
-def _plan(block: int, warps: int, programs):
-    """A ``launch_plan`` substitute with a fixed configuration."""
-    def plan(n_rows, vocab, itemsize):
-        return LaunchConfig(block, warps), programs or n_rows
+def _plan(block: int, warps: int, splits: int):
+    """A ``launch_plan`` substitute with a fixed configuration (a program per span)."""
+    def plan(vocab, itemsize, interpreted=False):
+        spans = split_plan(vocab, block, splits)
+        return FusedPlan(LaunchConfig(block, warps), spans, spans.splits if interpreted else 1)
     return plan
 
 
@@ -115,10 +116,10 @@ def _time_jax(sweep: bool) -> None:
     if not sweep:
         return
     original = jax_fused.launch_plan
-    for block, warps, programs in JAX_SWEEP:
-        jax_fused.launch_plan = _plan(block, warps, programs)
+    for block, warps, splits in JAX_SWEEP:
+        jax_fused.launch_plan = _plan(block, warps, splits)
         jax_fused._fused_op.cache_clear()
-        timed(block_v=block, num_warps=warps, programs=programs or N)
+        timed(block_v=block, num_warps=warps, splits=splits)
     jax_fused.launch_plan = original
     jax_fused._fused_op.cache_clear()
 

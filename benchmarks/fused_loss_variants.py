@@ -14,13 +14,18 @@ per configuration (ms, read+write GB/s, max error against a torch reference).
   wait: it needs the S programs co-resident, which a normal launch does not
   promise), combine their partial statistics, then each writes its own span;
 - ``coop_reg``: the same, holding its span in registers across the wait;
+- ``ticket``: ``coop`` with each program's (row, span) taken from a device
+  counter at its start, so no launch order is assumed (the library's scheme);
+- ``persist``: the same on a persistent grid (fewer spans in flight);
 - ``bwd``: the standalone backward (one read, one write) by tile and hints.
 
 H200, 2026-11-30: best ``fused`` 1.72 ms (16384 x 32 warps, hints, 1056
 programs; 4096 x 4 one per row 1.79), ``coop`` 1.61 ms (S = 8, hints),
-``coop_reg`` 2.05 ms, ``bwd`` 1.23-1.31 ms against a 1.16 ms device copy.
-None reaches PERF.md's 1.50 ms for the whole loss; the library keeps the
-wait-free one-program-per-row kernel.
+``ticket`` 1.566 ms (S = 13; 1.596 with S = 8), ``persist`` 1.78-3.8 ms,
+``coop_reg`` 2.05 ms, ``bwd`` 1.23-1.31 ms against a 1.16-1.17 ms device copy.
+None reaches PERF.md's 1.50 ms for the whole loss. The library's kernel
+(``ratiokl._kernels.fused_loss``) uses the ``ticket`` scheme with 8 spans; it
+holds more registers (96 against 56), and ran the whole torch step in 1.80 ms.
 """
 import json
 import sys
@@ -241,6 +246,10 @@ def main(section):
                         gbps_rw=floor2 / ms / 1e6, err=e)
                 except Exception as ex:  # noqa
                     rec(sec="coop", S=S, block=block, error=repr(ex)[:300])
+    elif section == "ticket":
+        ticket_section(p, c, ids, g, err, floor2)
+    elif section == "persist":
+        persist_section(p, c, ids, g, err, floor2)
     elif section == "coop_reg":
         coop_reg_section(p, c, ids, g, err, floor2)
     elif section == "bwd":
@@ -301,6 +310,200 @@ def coop_reg_section(p, c, ids, g, err, floor2):
                     gbps_rw=floor2 / ms / 1e6, err=e)
             except Exception as ex:  # noqa
                 rec(sec="coop_reg", S=S, block=block, error=repr(ex)[:300])
+
+
+@triton.jit
+def _meet_poll(part_ptr, cnt_ptr, row64, seg, m, s, S: tl.constexpr, S2: tl.constexpr,
+               POLL: tl.constexpr):
+    """``_meet`` with a choice of spin: 0 atomic reads, 1 volatile loads then one atomic read."""
+    tl.store(part_ptr + (row64 * S + seg) * 2, m)
+    tl.store(part_ptr + (row64 * S + seg) * 2 + 1, s)
+    tl.debug_barrier()
+    tl.atomic_add(cnt_ptr + row64, 1, sem="release")
+    if POLL == 1:
+        cnt = tl.load(cnt_ptr + row64, volatile=True)
+        while cnt < S:
+            cnt = tl.load(cnt_ptr + row64, volatile=True)
+    cnt = tl.atomic_add(cnt_ptr + row64, 0, sem="acquire")
+    while cnt < S:
+        cnt = tl.atomic_add(cnt_ptr + row64, 0, sem="acquire")
+    so = tl.arange(0, S2)
+    ms = tl.load(part_ptr + (row64 * S + so) * 2, mask=so < S, other=-float("inf"),
+                 cache_modifier=".cg")
+    ss = tl.load(part_ptr + (row64 * S + so) * 2 + 1, mask=so < S, other=0.0,
+                 cache_modifier=".cg")
+    mm = tl.max(ms, axis=0)
+    return mm + tl.log2(tl.sum(ss * tl.exp2(ms - mm), axis=0))
+
+
+@triton.jit
+def persist_fused(p_ptr, c_ptr, ids_ptr, g_ptr, part_ptr, cnt_ptr, ticket_ptr, N,
+                  V: tl.constexpr, S: tl.constexpr, S2: tl.constexpr, TPS: tl.constexpr,
+                  BLOCK: tl.constexpr, TICKET: tl.constexpr, POLL: tl.constexpr,
+                  EV1: tl.constexpr, EV2: tl.constexpr, ST: tl.constexpr):
+    """``coop_fused`` on a persistent grid: work items (row, span) taken in order.
+
+    ``TICKET``: items come from a device counter (a program only ever waits for
+    items already taken or still to be taken, so it cannot deadlock while S
+    programs can be resident); else program p takes items p, p + P, ... (needs
+    the whole grid resident).
+    """
+    n_items = N * S
+    cols = tl.arange(0, BLOCK)
+    n_full: tl.constexpr = V // BLOCK
+    if TICKET:
+        w = tl.atomic_add(ticket_ptr, 1)
+    else:
+        w = tl.program_id(0)
+    while w < n_items:
+        row = w // S
+        seg = w % S
+        row64 = row.to(tl.int64)
+        p_row = p_ptr + row64 * V
+        g_row = g_ptr + row64 * V
+        t0 = seg * TPS
+        t1 = tl.minimum(t0 + TPS, n_full)
+        m = -float("inf")
+        s = 0.0
+        for b in range(t0, t1):
+            x = tl.load(p_row + b * BLOCK + cols, eviction_policy=EV1).to(tl.float32) * LOG2E
+            m, s = _lse_step(x, m, s)
+        last = seg == S - 1
+        if V % BLOCK != 0:
+            offs = n_full * BLOCK + cols
+            x = tl.load(p_row + offs, mask=(offs < V) & last, other=-float("inf"),
+                        eviction_policy=EV1)
+            m, s = _lse_step(x.to(tl.float32) * LOG2E, m, s)
+        lse2 = _meet_poll(part_ptr, cnt_ptr, row64, seg, m, s, S, S2, POLL)
+        c = tl.load(c_ptr + row)
+        a = tl.load(ids_ptr + row)
+        if V % BLOCK != 0:
+            offs = n_full * BLOCK + cols
+            tm = (offs < V) & last
+            x = tl.load(p_row + offs, mask=tm, other=0.0, eviction_policy=EV2)
+            g = c * (tl.where(offs == a, 1.0, 0.0) - tl.exp2(x.to(tl.float32) * LOG2E - lse2))
+            tl.store(g_row + offs, g.to(tl.bfloat16), mask=tm, eviction_policy=ST)
+        for i in range(t0, t1):
+            b = t1 - 1 - (i - t0)
+            offs = b * BLOCK + cols
+            xg = tl.load(p_row + offs, eviction_policy=EV2).to(tl.float32)
+            g = c * (tl.where(offs == a, 1.0, 0.0) - tl.exp2(xg * LOG2E - lse2))
+            tl.store(g_row + offs, g.to(tl.bfloat16), eviction_policy=ST)
+        if TICKET:
+            w = tl.atomic_add(ticket_ptr, 1)
+        else:
+            w += tl.num_programs(0)
+
+
+def persist_section(p, c, ids, g, err, floor2):
+    part = torch.empty(N * 32 * 2, device="cuda")
+    cnt = torch.zeros(N + 1, dtype=torch.int32, device="cuda")
+    hints = {"none": ("", "", ""), "ev+cs": ("evict_last", "evict_first", "evict_first")}
+    configs = []
+    for tps in (10, 5, 3):  # 4096-tiles: S = 4, 8, 13
+        for progs in (264, 528, 1056):
+            configs.append((4096, 4, tps, progs, 1, 1, "ev+cs"))
+    configs += [(4096, 4, 5, 528, 1, 0, "ev+cs"), (4096, 4, 5, 528, 1, 1, "none"),
+                (4096, 4, 5, 396, 1, 1, "ev+cs"), (4096, 4, 5, 792, 1, 1, "ev+cs"),
+                (2048, 4, 5, 528, 1, 1, "ev+cs"), (2048, 4, 5, 1056, 1, 1, "ev+cs"),
+                (2048, 4, 10, 1056, 1, 1, "ev+cs"), (8192, 8, 4, 264, 1, 1, "ev+cs"),
+                (8192, 8, 4, 528, 1, 1, "ev+cs"), (8192, 8, 2, 528, 1, 1, "ev+cs")]
+    # Last: a static grid hangs unless it is resident as a whole.
+    configs += [(4096, 4, tps, progs, 0, 1, "ev+cs") for tps in (10, 5) for progs in (264, 528)]
+    for block, warps, tps, progs, ticket, poll, hint in configs:
+        n_full = V // block
+        S = -(-n_full // tps)
+        S2 = 1 << (S - 1).bit_length()
+        ev1, ev2, st = hints[hint]
+
+        def run():
+            cnt.zero_()
+            return persist_fused[(progs,)](p, c, ids, g, part, cnt, cnt[N:], N, V=V, S=S,
+                                           S2=S2, TPS=tps, BLOCK=block, TICKET=ticket,
+                                           POLL=poll, EV1=ev1, EV2=ev2, ST=st, num_warps=warps)
+        try:
+            g.zero_(); kern = run(); torch.cuda.synchronize(); e = err()
+            ms = bench(run)
+            rec(sec="persist", block=block, warps=warps, S=S, progs=progs, ticket=ticket,
+                poll=poll, hints=hint, ms=ms, gbps_rw=floor2 / ms / 1e6, err=e,
+                regs=getattr(kern, "n_regs", None))
+        except Exception as ex:  # noqa
+            rec(sec="persist", block=block, S=S, progs=progs, error=repr(ex)[:300])
+
+
+@triton.jit
+def ticket_fused(p_ptr, c_ptr, ids_ptr, g_ptr, part_ptr, cnt_ptr, ticket_ptr, N,
+                 V: tl.constexpr, S: tl.constexpr, S2: tl.constexpr, TPS: tl.constexpr,
+                 BLOCK: tl.constexpr, EV1: tl.constexpr, EV2: tl.constexpr, ST: tl.constexpr):
+    """``coop_fused`` (one item per program, grid N * S) with the item taken from a device
+    counter at the start: a program only waits for items already taken or still to be
+    taken, so no launch order is assumed (it needs S programs resident, nothing more)."""
+    w = tl.atomic_add(ticket_ptr, 1)
+    row = w // S
+    seg = w % S
+    row64 = row.to(tl.int64)
+    p_row = p_ptr + row64 * V
+    g_row = g_ptr + row64 * V
+    cols = tl.arange(0, BLOCK)
+    n_full: tl.constexpr = V // BLOCK
+    t0 = seg * TPS
+    t1 = tl.minimum(t0 + TPS, n_full)
+    m = -float("inf")
+    s = 0.0
+    for b in range(t0, t1):
+        x = tl.load(p_row + b * BLOCK + cols, eviction_policy=EV1).to(tl.float32) * LOG2E
+        m, s = _lse_step(x, m, s)
+    last = seg == S - 1
+    if V % BLOCK != 0:
+        offs = n_full * BLOCK + cols
+        x = tl.load(p_row + offs, mask=(offs < V) & last, other=-float("inf"),
+                    eviction_policy=EV1)
+        m, s = _lse_step(x.to(tl.float32) * LOG2E, m, s)
+    lse2 = _meet_poll(part_ptr, cnt_ptr, row64, seg, m, s, S, S2, 0)
+    c = tl.load(c_ptr + row)
+    a = tl.load(ids_ptr + row)
+    if V % BLOCK != 0:
+        offs = n_full * BLOCK + cols
+        tm = (offs < V) & last
+        x = tl.load(p_row + offs, mask=tm, other=0.0, eviction_policy=EV2)
+        g = c * (tl.where(offs == a, 1.0, 0.0) - tl.exp2(x.to(tl.float32) * LOG2E - lse2))
+        tl.store(g_row + offs, g.to(tl.bfloat16), mask=tm, eviction_policy=ST)
+    for i in range(t0, t1):
+        b = t1 - 1 - (i - t0)
+        offs = b * BLOCK + cols
+        xg = tl.load(p_row + offs, eviction_policy=EV2).to(tl.float32)
+        g = c * (tl.where(offs == a, 1.0, 0.0) - tl.exp2(xg * LOG2E - lse2))
+        tl.store(g_row + offs, g.to(tl.bfloat16), eviction_policy=ST)
+
+
+def ticket_section(p, c, ids, g, err, floor2):
+    part = torch.empty(N * 32 * 2, device="cuda")
+    cnt = torch.zeros(N + 1, dtype=torch.int32, device="cuda")
+    hints = {"none": ("", "", ""), "ev+cs": ("evict_last", "evict_first", "evict_first"),
+             "cs": ("", "", "evict_first")}
+    configs = [(4096, 4, 5, "ev+cs"), (4096, 4, 5, "none"), (4096, 4, 5, "cs"),
+               (4096, 4, 10, "ev+cs"), (4096, 4, 3, "ev+cs"), (4096, 4, 2, "ev+cs"),
+               (4096, 8, 5, "ev+cs"), (2048, 4, 5, "ev+cs"), (2048, 4, 10, "ev+cs"),
+               (2048, 2, 5, "ev+cs"), (8192, 8, 2, "ev+cs"), (8192, 8, 3, "ev+cs"),
+               (4096, 4, 1, "ev+cs")]
+    for block, warps, tps, hint in configs:
+        n_full = V // block
+        S = -(-n_full // tps)
+        S2 = 1 << (S - 1).bit_length()
+        ev1, ev2, st = hints[hint]
+
+        def run():
+            cnt.zero_()
+            return ticket_fused[(N * S,)](p, c, ids, g, part, cnt, cnt[N:], N, V=V, S=S, S2=S2,
+                                          TPS=tps, BLOCK=block, EV1=ev1, EV2=ev2, ST=st,
+                                          num_warps=warps)
+        try:
+            g.zero_(); kern = run(); torch.cuda.synchronize(); e = err()
+            ms = bench(run)
+            rec(sec="ticket", block=block, warps=warps, S=S, hints=hint, ms=ms,
+                gbps_rw=floor2 / ms / 1e6, err=e, regs=getattr(kern, "n_regs", None))
+        except Exception as ex:  # noqa
+            rec(sec="ticket", block=block, S=S, error=repr(ex)[:300])
 
 
 if __name__ == "__main__":

@@ -99,7 +99,7 @@ def _sweep(results, policy, ref, ids, mask, old, do_bench):
                 raw, policy, ref, ids, mask, old, None, temp, 3, cfg))
             _record(results, f"sweep fwd BLOCK_V={block} warps={warps}", ms, 2 * n * row_bytes)
             ms = do_bench(lambda: _triton._launch_backward(
-                raw, policy, ids, mask, temp, lse, coef, cfg))
+                raw, policy, ids, mask, temp, lse, coef, config=cfg))
             _record(results, f"sweep bwd BLOCK_V={block} warps={warps}", ms, 2 * n * row_bytes)
 
 

@@ -59,11 +59,13 @@ def _needs_jax_gpu() -> Optional[str]:
     return None if jax.default_backend() == "gpu" else "needs a JAX GPU backend"
 
 
-def ratiokl_op(loss: Any, op: str, a: Mapping[str, Any], backend: str) -> Any:
+def ratiokl_op(loss: Any, op: str, a: Mapping[str, Any], backend: str,
+               inplace_grad: bool = False) -> Any:
     """Call ``loss.<op>`` (torch or JAX module: same API) on the named inputs ``a``.
 
     ``check_ids=False``: the inputs' ids are valid by construction, and the
     host check is one synchronisation that a compiled/graph caller skips too.
+    ``inplace_grad``: the policy loss's opt-in in-place gradient.
     """
     kw: Dict[str, Any] = {"backend": backend, "check_ids": False}
     p, ids, mask, old = a["policy"], a["ids"], a["mask"], a["old_logps"]
@@ -74,7 +76,7 @@ def ratiokl_op(loss: Any, op: str, a: Mapping[str, Any], backend: str) -> Any:
         return loss.ratio_kl(p, ref, ids, mask, old, ref_logps=ref_lp, **kw), ()
     return loss.policy_loss(
         p, ref, ids, mask, old, a["advantages"], ref_logps=ref_lp,
-        clip_eps=CLIP_EPS, kl_coef=KL_COEF, **kw,
+        clip_eps=CLIP_EPS, kl_coef=KL_COEF, inplace_grad=inplace_grad, **kw,
     )
 
 
@@ -86,6 +88,21 @@ def _ratiokl_torch(backend: str) -> Callable[[str, Any], TorchOp]:
         return TorchOp(lambda: ratiokl_op(loss, op, a, backend), x.policy)
 
     return build
+
+
+def _ratiokl_torch_inplace(op: str, x: Any) -> TorchOp:
+    """The fused policy loss writing its gradient into the logits (its own copy of them:
+    every run overwrites them with a gradient, which no other provider should read)."""
+    from ratiokl.torch import loss
+
+    a = {**vars(x), "policy": x.policy.detach().clone().requires_grad_()}
+    return TorchOp(lambda: ratiokl_op(loss, op, a, "triton", inplace_grad=True), a["policy"])
+
+
+def _policy_loss_only(op: str, mode: str) -> Optional[str]:
+    if op.startswith("policy_loss"):
+        return None
+    return "the in-place gradient is a policy-loss option"
 
 
 def _ratiokl_jax(backend: str) -> Callable[[str], Callable[..., Any]]:
@@ -161,6 +178,9 @@ PROVIDERS: Dict[str, Provider] = {
     for p in (
         Provider("ratiokl-torch-triton", "torch", _ratiokl_torch("triton"),
                  lambda: _needs_cuda() or _missing_module("ratiokl.torch.loss")),
+        Provider("ratiokl-torch-triton-inplace", "torch", _ratiokl_torch_inplace,
+                 lambda: _needs_cuda() or _missing_module("ratiokl.torch.loss"),
+                 _policy_loss_only),
         Provider("ratiokl-jax-triton", "jax", _ratiokl_jax("triton"),
                  lambda: _needs_jax_gpu() or _missing_module("ratiokl.jax.loss")),
         Provider("ratiokl-torch-native", "torch", _ratiokl_torch("native"),

@@ -135,3 +135,83 @@ def test_jax_fused_matches_native(dtype):
     rtol = 2**-6 if dtype == "bfloat16" else 1e-4
     np.testing.assert_allclose(f_grad, n_grad, rtol=rtol, atol=rtol * np.abs(n_grad).max())
     assert np.all(f_grad[~np.asarray(x["mask"].cpu())] == 0)
+
+
+def test_torch_inplace_grad_matches_and_allocates_no_gradient():
+    x = _inputs(torch.bfloat16, seed=5)
+    options = dict(kl_coef=0.1)
+    want_val, _, want_grad = _torch(x, options, "triton", upstream=-1.7)
+    leaf = x["policy"].detach().clone().requires_grad_(True)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    value, _ = loss.policy_loss(leaf, x["ref"], x["ids"], x["mask"], x["old"], x["adv"],
+                                backend="triton", check_ids=False, inplace_grad=True, **options)
+    (grad,) = torch.autograd.grad(value * -1.7, leaf)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before
+    assert torch.equal(value.detach(), want_val)
+    assert torch.equal(grad, want_grad)
+    assert grad.data_ptr() == leaf.data_ptr()  # the gradient is the logits' buffer
+    assert extra < x["policy"].numel() * 2 // 4  # O(N): far below one [N, V] gradient
+
+
+def test_jax_inplace_grad_with_donated_logits_matches_and_aliases():
+    pytest.importorskip("jax")
+    import jax
+    import jax.numpy as jnp
+
+    from ratiokl.jax import loss as jax_loss
+    from ratiokl.jax._triton import import_jax_triton
+
+    try:
+        import_jax_triton()
+    except ImportError as err:
+        pytest.skip(f"jax_triton unavailable: {err}")
+    x = _inputs(torch.float32, seed=7)
+    j = {k: jnp.asarray(v.cpu().numpy()) for k, v in x.items()}
+
+    def grad_fn(inplace):
+        def objective(p):
+            return -1.7 * jax_loss.policy_loss(
+                p, j["ref"], j["ids"], j["mask"], j["old"], j["adv"], backend="triton",
+                check_ids=False, kl_coef=0.1, inplace_grad=inplace)[0]
+        return jax.jit(jax.grad(objective), donate_argnums=0)
+
+    want = grad_fn(False)(jnp.array(j["policy"]))
+    compiled = grad_fn(True).lower(j["policy"]).compile()
+    got = compiled(jnp.array(j["policy"]))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    stats = compiled.memory_analysis()
+    if stats is not None:  # the gradient reuses the donated logits: no [N, V] temporary
+        assert stats.temp_size_in_bytes < j["policy"].size * 4 // 4
+
+
+@pytest.mark.parametrize("write_grad", [True, False], ids=["grad", "no_grad"])
+def test_torch_fused_spans_meeting_gives_the_bits_of_one_program_per_row(monkeypatch, write_grad):
+    """A program per span meeting at the row's counter == one program taking every span."""
+    from ratiokl.torch import _fused_loss
+
+    x = _inputs(torch.bfloat16, seed=9)
+    x["mask"][1] = False  # a whole inactive sequence among active ones
+
+    def run():
+        leaf = x["policy"].detach().clone().requires_grad_(write_grad)
+        value, metrics = loss.policy_loss(
+            leaf, x["ref"], x["ids"], x["mask"], x["old"], x["adv"], backend="triton",
+            check_ids=False, kl_coef=0.1)
+        grad = torch.autograd.grad(value * -1.7, leaf)[0] if write_grad else None
+        return value.detach(), metrics, grad
+
+    spans = run()
+    plan = _fused_loss.launch_plan
+    monkeypatch.setattr(_fused_loss, "launch_plan",
+                        lambda v, s, interpreted=False: plan(v, s, True))
+    whole = run()
+    assert plan(V, 2).spans_per_program == 1 and plan(V, 2).spans.splits > 1
+    assert torch.equal(spans[0], whole[0])
+    for key in spans[1]:
+        assert torch.equal(spans[1][key], whole[1][key]), key
+    if write_grad:
+        assert torch.equal(spans[2], whole[2])
+        assert torch.all(spans[2][~x["mask"]] == 0)

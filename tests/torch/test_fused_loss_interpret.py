@@ -211,8 +211,9 @@ def test_gspo_falls_back_to_two_pass_and_matches_spec():
 
 
 def _interpreted_triton_call(*args, kernel, out_shape, grid, num_warps=None,
-                             input_output_aliases=None, **meta):
-    """``triton_call`` look-alike (aliased outputs start as a copy of their input)."""
+                             input_output_aliases=None, zeroed_outputs=(), **meta):
+    """``triton_call`` look-alike (aliased outputs start as a copy of their input, the
+    others as zeros, which ``zeroed_outputs`` asks for)."""
     import jax
 
     from ratiokl._kernels import interpreted
@@ -270,15 +271,12 @@ def test_jax_fused_launch_matches_torch_under_jit_grad_vmap(monkeypatch):
     np.testing.assert_allclose(np.asarray(batched[1]), np.asarray(grad), rtol=1e-6, atol=1e-8)
 
 
-def test_persistent_grid_gives_the_same_bits(monkeypatch):
-    case = dict(kl_coef=0.1, loss_agg="seq-mean-token-sum")
+def test_a_rows_results_do_not_depend_on_the_batch():
+    case = dict(kl_coef=0.1, loss_agg="token-sum")  # w = 1: each row's gradient is its own
     x = _inputs(17, case)
-    one_per_row = _torch(x, case, "interpret", -1.5)
-    plan = _fused_loss.launch_plan
-    monkeypatch.setattr(_fused_loss, "launch_plan", lambda n, v, s: (plan(n, v, s)[0], 5))
-    strided = _torch(x, case, "interpret", -1.5)
-    assert one_per_row[0] == strided[0] and one_per_row[1] == strided[1]
-    assert torch.equal(one_per_row[2], strided[2])
+    full = _torch(x, case, "interpret", -1.5)
+    part = _torch({k: v[:2] for k, v in x.items()}, case, "interpret", -1.5)
+    assert torch.equal(full[2][:2], part[2])
 
 
 def test_second_backward_of_the_consumed_gradient_raises():
@@ -345,3 +343,94 @@ def test_jax_primal_reads_once_and_matches_value_and_grad(monkeypatch):
     assert written == [False, True]
     assert float(primal) == float(value)
     assert np.all(np.asarray(grad)[~x["mask"]] == 0.0)
+
+
+# --- opt-in in-place gradient -----------------------------------------------------------------
+
+
+def _inplace_call(x: dict, case: dict, logits: torch.Tensor, **kw):
+    t = {k: torch.from_numpy(np.asarray(v)) for k, v in x.items() if k != "policy_logits"}
+    return loss.policy_loss(
+        logits, None, t["action_ids"], t["mask"], t["old_logps"], t["advantages"],
+        ref_logps=t.get("ref_logps"), backend="interpret", **_options(case), **kw)
+
+
+def test_inplace_grad_writes_the_gradient_into_the_logits_buffer():
+    case = dict(kl_coef=0.1, ref="logps", dual_clip=3.0)
+    x = _inputs(31, case)
+    want_loss, want_metrics, want_grad = _torch(x, case, "interpret", -1.5)
+    base = torch.from_numpy(x["policy_logits"]).requires_grad_()
+    logits = base * 1.0  # a non-leaf, as the output of an lm head would be
+    value, metrics = _inplace_call(x, case, logits, inplace_grad=True)
+    assert value.item() == want_loss
+    assert {k: v.item() for k, v in metrics.items()} == want_metrics
+    (-1.5 * value).backward()
+    # The logits' own buffer now holds d loss / d logits (upstream -1.5 included) ...
+    assert torch.equal(logits.detach(), want_grad)
+    # ... which is what reached the leaf, bit for bit, inactive rows exactly 0.
+    assert torch.equal(base.grad, want_grad)
+    assert torch.all(base.grad[torch.from_numpy(~x["mask"])] == 0.0)
+
+
+def test_inplace_grad_fails_loudly_where_the_logits_are_needed_again():
+    case = dict(ref="logps", kl_coef=0.1)
+    x = _inputs(37, case)
+    pre = torch.from_numpy(x["policy_logits"]).requires_grad_()
+    logits = torch.tanh(pre)  # tanh's backward needs its output: the logits
+    value, _ = _inplace_call(x, case, logits, inplace_grad=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        value.backward()
+    value, _ = _inplace_call(x, case, torch.from_numpy(x["policy_logits"]).requires_grad_(),
+                             inplace_grad=True)
+    value.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="inplace_grad=True.*once"):
+        value.backward()
+    with pytest.raises(ValueError, match="contiguous `policy_logits`"):
+        strided = torch.from_numpy(x["policy_logits"]).transpose(0, 1).requires_grad_()
+        _inplace_call({**x, "action_ids": x["action_ids"].T, "mask": x["mask"].T,
+                       "old_logps": x["old_logps"].T, "advantages": x["advantages"].T,
+                       "ref_logps": x["ref_logps"].T}, case, strided, inplace_grad=True)
+
+
+def test_inplace_grad_without_a_gradient_leaves_the_logits_alone():
+    case = dict(ref="logps", kl_coef=0.1)
+    x = _inputs(41, case)
+    logits = torch.from_numpy(x["policy_logits"].copy())
+    with torch.no_grad():
+        value, _ = _inplace_call(x, case, logits.clone().requires_grad_(), inplace_grad=True)
+    frozen, _ = _inplace_call(x, case, logits, inplace_grad=True)
+    np.testing.assert_array_equal(logits.numpy(), x["policy_logits"])  # NaN rows included
+    assert value.item() == frozen.item()
+
+
+def test_jax_inplace_grad_aliases_the_logits_and_matches(monkeypatch):
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    from ratiokl.jax import _dispatch as jax_dispatch
+    from ratiokl.jax import _triton as jax_triton_backend
+    from ratiokl.jax import loss as jax_loss
+
+    aliases = []
+
+    def spy(*args, **kwargs):
+        if "WRITE_GRAD" in kwargs:  # the fused kernel (not the backward's scale)
+            aliases.append(kwargs.get("input_output_aliases"))
+        return _interpreted_triton_call(*args, **kwargs)
+
+    monkeypatch.setattr(jax_triton_backend, "_triton_call", spy)
+    monkeypatch.setattr(jax_dispatch, "_resolve_name", lambda backend: backend)
+    x = _inputs(43, {})
+    j = {k: jnp.asarray(v) for k, v in x.items()}
+
+    def objective(logits, inplace):
+        return -1.5 * jax_loss.policy_loss(
+            logits, None, j["action_ids"], j["mask"], j["old_logps"], j["advantages"],
+            backend="triton", check_ids=False, inplace_grad=inplace)[0]
+
+    want = jax.jit(jax.value_and_grad(lambda p: objective(p, False)))(j["policy_logits"])
+    got = jax.jit(jax.value_and_grad(lambda p: objective(p, True)), donate_argnums=0)(
+        jnp.array(j["policy_logits"]))
+    assert aliases == [None, {0: 5}]
+    assert float(got[0]) == float(want[0])
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))

@@ -81,7 +81,8 @@ def test_split_forward_and_backward_match_spec():
 
     coef = torch.linspace(-1.0, 1.0, len(ids), dtype=torch.float32)
     with np.errstate(all="ignore"):  # small row count: one program per tile of a row
-        grad = _triton._launch_backward(interpreted, policy, ids, mask, temp, lse, coef, CONFIG)
+        grad = _triton._launch_backward(
+            interpreted, policy, ids, mask, temp, lse, coef, config=CONFIG)
     e_grad = spec.selected_logprobs_grad(
         f64(policy), ids.numpy(), mask.numpy(), f64(coef), temperature=f64(temp))
     gtol = spec.grad_tolerance("float32", scale, float(np.abs(e_grad).max()))

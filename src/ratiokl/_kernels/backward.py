@@ -1,8 +1,10 @@
 """Backward kernel: the policy-logit gradient of a per-row log-prob.
 
 ``grad[v] = c * (onehot(a)[v] - exp(x[v] / T - lse)) / T`` for the per-row
-upstream coefficient ``c`` (``dL/dlogp``), written directly in the logits'
-dtype into a row-major ``[N, V]`` buffer. Grid ``(N, S)``: program ``(i, j)``
+upstream coefficient ``c = dL/dlogp = g_logp + g_ratio * ratio + g_kl * dkl``
+(the upstream gradients of the forward's outputs; an absent term is 0),
+formed in the kernel and written directly in the logits' dtype into a
+row-major ``[N, V]`` buffer. Grid ``(N, S)``: program ``(i, j)``
 writes the ``j``-th span of ``tiles_per_prog`` whole tiles of row ``i`` (the
 last span also the masked tail), an unmasked main loop over whole blocks.
 Each element depends only on its logit and the row's ``lse``, so ``S`` (more
@@ -21,13 +23,51 @@ from ratiokl._kernels.numerics import LOG2E, to_storage
 
 
 @triton.jit
-def _grad_tile(row_ptr, grad_row, offs, load_mask, store_mask, a, k, lse2, c, active):
-    """Gradient of one tile: ``c * (onehot - softmax)``, exact 0 on inactive rows."""
-    x = tl.load(row_ptr, mask=load_mask, other=0.0).to(tl.float32)
+def tile_action(a, col0, BLOCK_V: tl.constexpr):
+    """The action's int32 column within the tile starting at ``col0`` (-1: not in it).
+
+    The one-hot compares it with the tile's int32 ``arange``: no int64 column
+    vector stays alive in registers (it halved the fused loss's occupancy).
+    """
+    return tl.minimum(tl.maximum(a - col0, -1), BLOCK_V).to(tl.int32)
+
+
+@triton.jit
+def _grad_tile(row_ptr, grad_row, cols, a_tile, load_mask, store_mask, k, lse2, c, active,
+               EVICT: tl.constexpr):
+    """Gradient of one tile: ``c * (onehot - softmax)``, exact 0 on inactive rows.
+
+    ``cols``: the tile's ``arange``; ``a_tile``: :func:`tile_action`. ``EVICT``:
+    L2 eviction hint of the load and the store (``""``: none).
+    """
+    x = tl.load(row_ptr, mask=load_mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
     p = tl.exp2(x * k - lse2)
-    g = c * (tl.where(offs == a, 1.0, 0.0) - p)
+    g = c * (tl.where(cols == a_tile, 1.0, 0.0) - p)
     g = tl.where(active, g, 0.0)
-    tl.store(grad_row, to_storage(g, grad_row.dtype.element_ty), mask=store_mask)
+    tl.store(grad_row, to_storage(g, grad_row.dtype.element_ty), mask=store_mask,
+             eviction_policy=EVICT)
+
+
+@triton.jit
+def upstream_coefficient(
+    row, active, g_logp_ptr, g_ratio_ptr, ratio_ptr, g_kl_ptr, dkl_ptr,
+    stride_gl, stride_gr, stride_gk,
+    HAS_G_LOGP: tl.constexpr, HAS_G_RATIO: tl.constexpr, HAS_G_KL: tl.constexpr,
+):
+    """``c = g_logp + g_ratio * ratio + g_kl * dkl`` of one row (absent terms 0), 0 if inactive.
+
+    Inactive rows load nothing and select 0: a NaN upstream value there stays out.
+    """
+    c = 0.0
+    if HAS_G_LOGP:
+        c = c + tl.load(g_logp_ptr + row * stride_gl, mask=active, other=0.0).to(tl.float32)
+    if HAS_G_RATIO:
+        g = tl.load(g_ratio_ptr + row * stride_gr, mask=active, other=0.0).to(tl.float32)
+        c = c + g * tl.load(ratio_ptr + row, mask=active, other=0.0)
+    if HAS_G_KL:
+        g = tl.load(g_kl_ptr + row * stride_gk, mask=active, other=0.0).to(tl.float32)
+        c = c + g * tl.load(dkl_ptr + row, mask=active, other=0.0)
+    return tl.where(active, c, 0.0)
 
 
 @triton.jit
@@ -35,10 +75,14 @@ def logp_backward_kernel(
     # inputs
     logits_ptr,  # [N, V] policy logits (fp32/fp16/bf16), strides (stride_ln, stride_lv)
     ids_ptr,  # [N] int32/int64 action ids (local to the columns here; outside [0, V): none)
-    mask_ptr,  # [N] bool (torch) or int8 (jax), nonzero = active row
+    mask_ptr,  # [N] bool, nonzero = active row
     temp_ptr,  # [N] f32 temperature at temp_ptr + i * stride_t (stride_t = 0: one scalar)
     lse_ptr,  # [N] f32 logsumexp(logits / T) from the forward
-    coef_ptr,  # [N] f32 upstream coefficient c = dL/dlogp
+    g_logp_ptr,  # [N] upstream gradient of logp at g_logp_ptr + i * stride_gl; iff HAS_G_LOGP
+    g_ratio_ptr,  # [N] upstream gradient of ratio (stride_gr); read iff HAS_G_RATIO
+    ratio_ptr,  # [N] f32 ratio from the forward (contiguous); read iff HAS_G_RATIO
+    g_kl_ptr,  # [N] upstream gradient of kl (stride_gk); read iff HAS_G_KL
+    dkl_ptr,  # [N] f32 d kl / d logp from the forward (contiguous); read iff HAS_G_KL
     # outputs
     grad_ptr,  # [N, V] gradient in the logits' dtype, row-major (row stride V)
     # sizes and strides (elements)
@@ -46,8 +90,14 @@ def logp_backward_kernel(
     stride_ln,
     stride_lv,
     stride_t,
+    stride_gl,
+    stride_gr,
+    stride_gk,
     tiles_per_prog,  # whole tiles per program along grid axis 1 (>= cdiv(V, BLOCK_V): one)
     # compile-time options
+    HAS_G_LOGP: tl.constexpr,  # which upstream gradients are given (absent: 0)
+    HAS_G_RATIO: tl.constexpr,
+    HAS_G_KL: tl.constexpr,
     BLOCK_V: tl.constexpr,  # vocabulary tile (power of two)
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -57,7 +107,10 @@ def logp_backward_kernel(
     a = tl.load(ids_ptr + row).to(tl.int64)
     t = tl.where(active, tl.load(temp_ptr + row * stride_t), 1.0)
     lse2 = tl.where(active, tl.load(lse_ptr + row) * LOG2E, 0.0)
-    c = tl.where(active, tl.load(coef_ptr + row) / t, 0.0)
+    c = upstream_coefficient(
+        row, active, g_logp_ptr, g_ratio_ptr, ratio_ptr, g_kl_ptr, dkl_ptr,
+        stride_gl, stride_gr, stride_gk, HAS_G_LOGP, HAS_G_RATIO, HAS_G_KL,
+    ) / t
     k = LOG2E / t
     row_ptr = logits_ptr + row * stride_ln
     grad_row = grad_ptr + row * V
@@ -70,12 +123,13 @@ def logp_backward_kernel(
         offs = (b * BLOCK_V + cols).to(tl.int64)
         # Loads predicated on the row being active (uniform per row: still wide).
         _grad_tile(
-            row_ptr + offs * stride_lv, grad_row + offs, offs, on, None, a, k, lse2, c, active
+            row_ptr + offs * stride_lv, grad_row + offs, cols, tile_action(a, b * BLOCK_V, BLOCK_V),
+            on, None, k, lse2, c, active, "",
         )
     if V % BLOCK_V != 0:
         offs = (n_full * BLOCK_V + cols).to(tl.int64)
         tail = (offs < V) & (n_full >= t0) & (n_full < t0 + tiles_per_prog)
         _grad_tile(
-            row_ptr + offs * stride_lv, grad_row + offs, offs, tail & active, tail,
-            a, k, lse2, c, active,
+            row_ptr + offs * stride_lv, grad_row + offs, cols,
+            tile_action(a, n_full * BLOCK_V, BLOCK_V), tail & active, tail, k, lse2, c, active, "",
         )

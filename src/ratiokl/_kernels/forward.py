@@ -38,14 +38,14 @@ def _rows_lse2(
 ):
     """Base-2 log-sum-exp of ``p_row * k`` and ``r_row * k`` (``k = log2(e) / T``), one pass.
 
-    One running pair over the whole row, no spans (the fused loss and the shard
-    statistics): ``span_lse2`` over all ``n_full`` whole tiles plus the tail.
+    One running pair over the whole row, no spans (the shard statistics):
+    ``span_lse2`` over all ``n_full`` whole tiles plus the tail.
     Both rows advance through the same tiles, so their loads are in flight
     together; without ``HAS_REF`` the reference result is ``-inf``. Inactive
     rows pass ``n_full = 0`` and ``active = False``: nothing is read.
     """
     m_p, s_p, m_r, s_r = span_lse2(
-        p_row, r_row, V, stride_pv, stride_rv, k, 0, n_full, active, HAS_REF, BLOCK_V
+        p_row, r_row, V, stride_pv, stride_rv, k, 0, n_full, active, HAS_REF, BLOCK_V, ""
     )
     return shift_of(m_p) + tl.log2(s_p), shift_of(m_r) + tl.log2(s_r)
 
@@ -59,14 +59,15 @@ def _selected(row_ptr, a, stride_v, t, lse2, active):
 
 @triton.jit
 def _tail_lse2(p_row, r_row, V, stride_pv, stride_rv, k, on, m_p, s_p, m_r, s_r,
-               HAS_REF: tl.constexpr, BLOCK_V: tl.constexpr):
+               HAS_REF: tl.constexpr, BLOCK_V: tl.constexpr, EVICT: tl.constexpr):
     """Fold the masked tail tile (``V % BLOCK_V`` columns; none read unless ``on``)."""
     offs = ((V // BLOCK_V) * BLOCK_V + tl.arange(0, BLOCK_V)).to(tl.int64)
     tail = (offs < V) & on
-    x = tl.load(p_row + offs * stride_pv, mask=tail, other=-float("inf"))
+    x = tl.load(p_row + offs * stride_pv, mask=tail, other=-float("inf"), eviction_policy=EVICT)
     m_p, s_p = lse_step(x.to(tl.float32) * k, m_p, s_p)
     if HAS_REF:
-        y = tl.load(r_row + offs * stride_rv, mask=tail, other=-float("inf"))
+        y = tl.load(r_row + offs * stride_rv, mask=tail, other=-float("inf"),
+                    eviction_policy=EVICT)
         m_r, s_r = lse_step(y.to(tl.float32) * k, m_r, s_r)
     return m_p, s_p, m_r, s_r
 
@@ -74,13 +75,15 @@ def _tail_lse2(p_row, r_row, V, stride_pv, stride_rv, k, on, m_p, s_p, m_r, s_r,
 @triton.jit
 def span_lse2(
     p_row, r_row, V, stride_pv, stride_rv, k, t0, t1, tail_on,
-    HAS_REF: tl.constexpr, BLOCK_V: tl.constexpr,
+    HAS_REF: tl.constexpr, BLOCK_V: tl.constexpr, EVICT: tl.constexpr,
 ):
     """``(m_p, s_p, m_r, s_r)`` of whole tiles ``[t0, t1)`` and, if ``tail_on``, the tail.
 
     A split's partial base-2 log-sum-exp (see ``heuristics.split_plan``),
     folded tile by tile from ``(-inf, 0)`` exactly as ``logp_forward_kernel``
     folds the same span, so the partial's bits do not depend on the kernel.
+    ``EVICT``: the loads' L2 eviction hint (``""``: none; the fused loss keeps
+    the rows it is about to re-read with ``"evict_last"``).
     """
     cols = tl.arange(0, BLOCK_V)
     m_p = -float("inf")
@@ -89,16 +92,16 @@ def span_lse2(
     s_r = 0.0
     for b in range(t0, t1):
         offs = (b * BLOCK_V + cols).to(tl.int64)
-        x = tl.load(p_row + offs * stride_pv).to(tl.float32) * k
+        x = tl.load(p_row + offs * stride_pv, eviction_policy=EVICT).to(tl.float32) * k
         m_p, s_p = lse_step(x, m_p, s_p)
         if HAS_REF:
-            y = tl.load(r_row + offs * stride_rv).to(tl.float32) * k
+            y = tl.load(r_row + offs * stride_rv, eviction_policy=EVICT).to(tl.float32) * k
             m_r, s_r = lse_step(y, m_r, s_r)
     if V % BLOCK_V != 0:
         if tail_on:
             m_p, s_p, m_r, s_r = _tail_lse2(
                 p_row, r_row, V, stride_pv, stride_rv, k, tail_on, m_p, s_p, m_r, s_r,
-                HAS_REF, BLOCK_V,
+                HAS_REF, BLOCK_V, EVICT,
             )
     return m_p, s_p, m_r, s_r
 
@@ -171,7 +174,7 @@ def logp_forward_kernel(
     policy_ptr,  # [N, V] policy logits (fp32/fp16/bf16), strides (stride_pn, stride_pv)
     ref_ptr,  # [N, V] reference logits, strides (stride_rn, stride_rv); read iff HAS_REF
     ids_ptr,  # [N] int32/int64 action ids
-    mask_ptr,  # [N] bool (torch) or int8 (jax), nonzero = active row
+    mask_ptr,  # [N] bool, nonzero = active row
     old_ptr,  # [N] f32 behaviour-policy log-probs; read iff KL_CODE > 0
     ref_logps_ptr,  # [N] f32 reference log-probs; read iff KL_CODE > 0 and not HAS_REF
     temp_ptr,  # [N] f32 temperature at temp_ptr + i * stride_t (stride_t = 0: one scalar)
@@ -224,7 +227,7 @@ def logp_forward_kernel(
     # The last span: the tail (if any) joins it; fold it unless it is empty.
     if V % BLOCK_V != 0:
         mp, sp, mr, sr = _tail_lse2(
-            p_row, r_row, V, stride_pv, stride_rv, k, active, mp, sp, mr, sr, HAS_REF, BLOCK_V
+            p_row, r_row, V, stride_pv, stride_rv, k, active, mp, sp, mr, sr, HAS_REF, BLOCK_V, ""
         )
     open_span = ((V % BLOCK_V) != 0) | ((n_full % TILES_PER_SPLIT) != 0)
     fm, fs = fold_lse2(m_p, s_p, mp, sp)

@@ -1,27 +1,34 @@
 """Fused policy-loss kernels: loss, metrics pieces and the policy-logit gradient in one program.
 
-``policy_loss_kernel`` -- one program per row of ``[N, V]`` logits:
+``policy_loss_kernel`` -- a row of ``[N, V]`` logits is cut into ``SPLITS``
+spans of whole tiles (:func:`launch_plan`); on a GPU each span has its own
+program, which
 
-1. one pass over the row for the log-sum-exp (the policy's, and the
-   reference's in the same pass when reference logits are given), shared
-   with the forward kernel (``forward._rows_lse2``);
-2. the per-token objective of ``ratiokl.spec.policy_loss`` (token-level
-   ratio) and its derivative ``dL/dlogp`` in registers;
-3. right away, while the row is still in L2, a second sweep writing
-   ``grad = w * dL/dlogp * (onehot(a) - softmax(x / T)) / T`` in the logits'
-   dtype, where ``w`` is the row's aggregation weight ``a_t / D`` -- unless
-   ``WRITE_GRAD`` is off (no gradient wanted: the row is read once and the
-   forward's memory is O(N)).
+1. reads its span once for the partial log-sum-exp (the policy's, and the
+   reference's in the same pass when reference logits are given) -- the
+   forward kernel's ``span_lse2`` -- and publishes it;
+2. meets the row's other programs at a device-side counter and combines
+   the ``SPLITS`` partials (``_meet``), all programs the same way;
+3. computes the per-token objective of ``ratiokl.spec.policy_loss``
+   (token-level ratio) and its derivative ``dL/dlogp`` in registers;
+4. right away, while its span is still in L2, writes
+   ``grad = w * dL/dlogp * (onehot(a) - softmax(x / T)) / T`` on the span in
+   the logits' dtype, where ``w`` is the row's aggregation weight ``a_t / D``
+   -- unless ``WRITE_GRAD`` is off (no gradient wanted: the row is read once
+   and the forward's memory is O(N)).
 
-Rows are strided over the programs, so the launch may use fewer programs
-than rows (a persistent grid, :func:`launch_plan`); a row is always handled
-whole by one program in the same tile order, so no grid changes any bit of
-its results (batch invariance). Where the row is still in L2 for the second
-sweep, a training step reads the policy row from HBM about once and writes
-the gradient once (on the H200 at V = 151,936 it mostly is not: see
-:func:`launch_plan`). The backward is ``scale_rows_kernel``, a per-row scale of
-the stored gradient by the upstream value that skips rows whose upstream
-value is exactly 1 (the usual ``loss.backward()``) and inactive rows.
+Spans are small so that the spans in flight fit in L2 and the second read
+comes from L2 rather than HBM (on the H200 a step takes 1.80 ms against
+1.16 for one read and one write of the logits: :func:`launch_plan`). The wait is safe without a cooperative launch: work is taken
+in order from a device counter, so a program only waits for spans that
+running programs have taken or will take (the pattern of single-pass
+decoupled look-back scans); it needs a row's programs resident together,
+8 small programs. Triton's interpreter runs programs one at a time, so
+there a program takes all of a row's spans (``SPANS = SPLITS``, no wait);
+the bits are the same either way. The backward is ``scale_rows_kernel``, a
+per-row scale of the stored gradient by the upstream value that skips rows
+whose upstream value is exactly 1 (the usual ``loss.backward()``) and
+inactive rows.
 
 Inactive rows read nothing, write the neutral per-row values
 (``loss = logp = kl = 0``, ``ratio = 1``, no clip bits) and an exact-zero
@@ -30,15 +37,15 @@ id and is poisoned (NaN loss, metrics pieces and gradient), like the
 forward kernel.
 """
 
-from typing import Tuple
+from typing import NamedTuple
 
 import triton
 import triton.language as tl
 
-from ratiokl._kernels.backward import _grad_tile
-from ratiokl._kernels.forward import _rows_lse2, _selected
-from ratiokl._kernels.heuristics import LaunchConfig, forward_config
-from ratiokl._kernels.numerics import LOG2E, kl_and_dkl, to_storage
+from ratiokl._kernels.backward import _grad_tile, tile_action
+from ratiokl._kernels.forward import span_lse2, split_span
+from ratiokl._kernels.heuristics import LaunchConfig, SplitPlan, forward_config, split_plan
+from ratiokl._kernels.numerics import LN2, LOG2E, kl_and_dkl, shift_of, to_storage
 
 #: Bits of the per-row clip code (``clip_ptr``): which branch of the surrogate was taken.
 CLIP_LOW = tl.constexpr(1)  # A < 0 and r < 1 - clip_eps
@@ -46,28 +53,44 @@ CLIP_HIGH = tl.constexpr(2)  # A > 0 and r > ratio_high
 CLIP_CAPPED = tl.constexpr(4)  # A < 0 and r > neg_cap (dual clip / ratio_cap)
 
 
-#: Programs of the persistent grid: 16 per SM of the H200 (132 SMs).
-_PROGRAMS = 2112
+#: Spans of a row in the fused kernel (fewer when the row has fewer tiles).
+_SPLITS = 8
 
 
-def launch_plan(n_rows: int, vocab: int, itemsize: int) -> Tuple[LaunchConfig, int]:
-    """Tile/warps and the number of programs (rows are strided over them) of the fused kernel.
+class FusedPlan(NamedTuple):
+    """Launch of the fused kernel: tile and warps, the row's spans, spans per program."""
 
-    Measured on the H200 (bf16, N = 8192, V = 151,936, reference log-probs,
-    kernel alone, ``V`` a compile-time constant as in both launches): 4096 x
-    4 warps, one program per row 1.81 ms, 2112 programs 1.82, 1056 1.86;
-    8192 x 8 warps on 528 programs 2.23; 16384 x 16 on 264 2.53 (with ``V`` a
-    runtime integer each was 0.13-0.48 ms slower: 2.29 ms at 2112). A grid
-    small enough for the rows in flight to stay in L2 (<= ~160 rows of 304
-    KB) starves HBM of requests, so the gradient sweep mostly re-reads the
-    row from HBM; L2 eviction hints, 32-warp programs and splitting a row
-    over programs that meet at a device-side counter (the row's statistics
-    combined, each program then writing its own span from L2 or registers)
-    reached 1.72, 1.61 and 2.05 ms (``benchmarks/fused_loss_variants.py``):
-    not enough to pay for a spinning wait. A row is handled whole by one
-    program in a fixed tile order, so the grid changes no bit (batch invariance).
+    config: LaunchConfig
+    spans: SplitPlan
+    spans_per_program: int
+
+    def programs(self, n_rows: int) -> int:
+        """Programs of the launch: one per (row, group of ``spans_per_program`` spans)."""
+        return n_rows * (self.spans.splits // self.spans_per_program)
+
+
+def launch_plan(vocab: int, itemsize: int, interpreted: bool = False) -> FusedPlan:
+    """How the fused kernel cuts a row: ``_SPLITS`` spans, one program each (on a GPU).
+
+    A row's programs each read their span (the log-sum-exp partials), meet at
+    a device-side counter to combine the row's statistics, then write their
+    span's gradient while it is still in L2. Measured on the H200 (bf16,
+    N = 8192, V = 151,936, reference log-probs, torch ``policy_loss`` forward
+    + backward, ``benchmarks/fused_loss_timing.py --sweep``): 4096 x 4 warps,
+    8 spans 1.80 ms, 10 spans 1.83, 13 spans 1.90, 19 spans 2.12, one program
+    per row 2.13 (the gradient sweep then re-reads most of the row from HBM;
+    the previous one-program-per-row kernel: 1.91). A simplified twin of the
+    kernel with fewer registers (56 against 96, so more programs resident)
+    reached 1.566 ms with 13 spans and 1.596 with 8, and 1.78-3.8 ms on a
+    persistent grid (``benchmarks/fused_loss_variants.py``). ``interpreted``:
+    Triton's interpreter runs programs one after the other, so a row's spans
+    are one program's (no waiting).
+    The spans depend only on ``V`` and the element size and every program
+    combines them the same way: no launch changes a bit (batch invariance).
     """
-    return forward_config(vocab, itemsize), max(1, min(n_rows, _PROGRAMS))
+    config = forward_config(vocab, itemsize)
+    spans = split_plan(vocab, config.block_v, _SPLITS)
+    return FusedPlan(config, spans, spans.splits if interpreted else 1)
 
 
 @triton.jit
@@ -139,26 +162,75 @@ def _token_objective(
 
 
 @triton.jit
-def _grad_sweep(p_row, grad_row, V, stride_pv, a, k, lse2, c, active, BLOCK_V: tl.constexpr):
-    """``grad_row = c * (onehot(a) - exp2(p_row * k - lse2))``, exact 0 on an inactive row.
+def _grad_sweep(p_row, grad_row, V, stride_pv, a, k, lse2, c, active, t0, t1, tail_on,
+                BLOCK_V: tl.constexpr, EVICT: tl.constexpr):
+    """``grad = c * (onehot(a) - exp2(p * k - lse2))`` on whole tiles ``[t0, t1)`` (+ tail).
 
-    Tiles are visited last to first: the tiles the log-sum-exp pass read most
-    recently are the likeliest to be still in L2. Each element is independent,
-    so the order changes no bit of the result.
+    Exact 0 on an inactive row (nothing read). Tiles are visited last to
+    first: the tiles the log-sum-exp pass read most recently are the likeliest
+    to be still in L2. Each element is independent, so no order or split
+    changes a bit of the result.
     """
     cols = tl.arange(0, BLOCK_V)
-    n_full = V // BLOCK_V
     if V % BLOCK_V != 0:
-        offs = (n_full * BLOCK_V + cols).to(tl.int64)
-        tail = offs < V
-        _grad_tile(
-            p_row + offs * stride_pv, grad_row + offs, offs, tail & active, tail,
-            a, k, lse2, c, active,
-        )
+        if tail_on:
+            offs = ((V // BLOCK_V) * BLOCK_V + cols).to(tl.int64)
+            tail = offs < V
+            _grad_tile(
+                p_row + offs * stride_pv, grad_row + offs, cols,
+                tile_action(a, (V // BLOCK_V) * BLOCK_V, BLOCK_V), tail & active, tail,
+                k, lse2, c, active, EVICT,
+            )
     on = tl.full([BLOCK_V], 1, tl.int1) & active
-    for i in range(0, n_full):
-        offs = ((n_full - 1 - i) * BLOCK_V + cols).to(tl.int64)
-        _grad_tile(p_row + offs * stride_pv, grad_row + offs, offs, on, None, a, k, lse2, c, active)
+    for i in range(t0, t1):
+        col0 = (t1 - 1 - (i - t0)) * BLOCK_V
+        offs = (col0 + cols).to(tl.int64)
+        _grad_tile(p_row + offs * stride_pv, grad_row + offs, cols,
+                   tile_action(a, col0, BLOCK_V), on, None, k, lse2, c, active, EVICT)
+
+
+@triton.jit
+def _combine(part, ok, k: tl.constexpr):
+    """``log2(sum_s s_k * 2^m_k)`` of the partials ``(m_k, s_k)`` at ``part + 4 s + (k, k+1)``.
+
+    One vector load per field (``.cg``: the other programs' partials come from
+    L2, never a stale L1 line) and one max and one sum over the spans, in a
+    fixed order for a given launch configuration.
+    """
+    ms = tl.load(part + k, mask=ok, other=-float("inf"), cache_modifier=".cg")
+    ss = tl.load(part + k + 1, mask=ok, other=0.0, cache_modifier=".cg")
+    shift = shift_of(tl.max(ms, axis=0))
+    return shift + tl.log2(tl.sum(ss * tl.exp2(ms - shift), axis=0))
+
+
+@triton.jit
+def _meet(part_ptr, count_ptr, row, active, wait, HAS_REF: tl.constexpr,
+          SPLITS: tl.constexpr, SPANS: tl.constexpr):
+    """Publish this program's ``SPANS`` partials, wait for the row's ``SPLITS``, combine them.
+
+    The partials ``part[row, s] = (m_p, s_p, m_r, s_r)`` were stored just
+    before; the row's counter counts the spans published (release), and the
+    program waits until all ``SPLITS`` are (acquire). Every program of a row
+    combines the same values the same way, so all get the same bits, whichever
+    program computed which span. Inactive rows publish nothing and wait for
+    nothing; a program that does not ``wait`` (it needs no statistics) only
+    publishes, and its combination is not used.
+    """
+    if active:
+        if SPANS < SPLITS:  # else this program published every span itself
+            tl.debug_barrier()  # every thread's partial stores precede the release
+            tl.atomic_add(count_ptr + row, SPANS, sem="release")
+            if wait:
+                seen = tl.atomic_add(count_ptr + row, 0, sem="acquire")
+                while seen < SPLITS:
+                    seen = tl.atomic_add(count_ptr + row, 0, sem="acquire")
+    spans = tl.arange(0, triton.next_power_of_2(SPLITS))
+    part = part_ptr + (row * SPLITS + spans) * 4
+    ok = (spans < SPLITS) & active
+    ref_lse2 = -float("inf")
+    if HAS_REF:
+        ref_lse2 = _combine(part, ok, 2)
+    return _combine(part, ok, 0), ref_lse2
 
 
 @triton.jit
@@ -167,7 +239,7 @@ def policy_loss_kernel(
     policy_ptr,  # [N, V] policy logits (fp32/fp16/bf16), strides (stride_pn, stride_pv)
     ref_ptr,  # [N, V] reference logits, strides (stride_rn, stride_rv); read iff HAS_REF
     ids_ptr,  # [N] int32/int64 action ids
-    mask_ptr,  # [N] bool (torch) or int8 (jax), nonzero = active row
+    mask_ptr,  # [N] bool, nonzero = active row
     old_ptr,  # [N] f32 behaviour-policy log-probs
     ref_logps_ptr,  # [N] f32 reference log-probs; read iff KL_CODE > 0 and not HAS_REF
     temp_ptr,  # [N] f32 temperature at temp_ptr + i * stride_t (stride_t = 0: one scalar)
@@ -181,7 +253,9 @@ def policy_loss_kernel(
     kl_ptr,  # [N] f32 KL value of the chosen variant (0 when KL_CODE == 0)
     clip_ptr,  # [N] int32 clip bits (CLIP_LOW | CLIP_HIGH | CLIP_CAPPED)
     grad_ptr,  # [N, V] d(sum of loss_ptr)/d policy, logits' dtype, row-major (row stride V);
-    # written iff WRITE_GRAD
+    # written iff WRITE_GRAD (may be policy_ptr itself: each tile is read before it is written)
+    part_ptr,  # [N, SPLITS, 4] f32 scratch: each span's (m_p, s_p, m_r, s_r)
+    count_ptr,  # [N + 1] int32, zero at launch: spans published per row; [N]: work taken
     # sizes and strides (elements)
     N,
     V: tl.constexpr,  # a constant in both launches: 2.29 -> 1.81 ms at the headline shape
@@ -200,59 +274,88 @@ def policy_loss_kernel(
     NEG_CAP: tl.constexpr,  # min(dual_clip, ratio_cap) for A < 0; 0: off
     BOUND: tl.constexpr,  # log_ratio_bound; 0: no bound
     WRITE_GRAD: tl.constexpr,  # False: no gradient wanted, the row is read once (forward only)
+    SPLITS: tl.constexpr,  # spans of a row (launch_plan)
+    TILES_PER_SPLIT: tl.constexpr,  # whole tiles per span
+    SPANS: tl.constexpr,  # spans per program: 1 (GPU), or SPLITS (one program per row)
     BLOCK_V: tl.constexpr,  # vocabulary tile (power of two)
 ):
-    # Rows are strided over the programs: grid = N gives one row per program; a
-    # smaller (persistent) grid bounds the rows in flight, i.e. the L2 working set.
-    first = tl.program_id(0)
-    step = tl.num_programs(0)
-    for j in range(0, (N - first + step - 1) // step):
-        row = (first + j * step).to(tl.int64)
-        active = tl.load(mask_ptr + row) != 0
-        a = tl.load(ids_ptr + row).to(tl.int64)
-        bad = active & ((a < 0) | (a >= V))
-        a = tl.minimum(tl.maximum(a, 0), V - 1)  # clamp before any read
-        t = tl.where(active, tl.load(temp_ptr + row * stride_t), 1.0)
-        k = LOG2E / t
-        n_full = tl.where(active, V // BLOCK_V, 0)
-        p_row = policy_ptr + row * stride_pn
-        r_row = ref_ptr + row * stride_rn
-
-        # Pass 1: log-sum-exp of the policy (and reference) row.
-        lse2, ref_lse2 = _rows_lse2(
-            p_row, r_row, V, stride_pv, stride_rv, k, n_full, active, HAS_REF, BLOCK_V
+    # Work is taken in order from a device counter, not by program id: a program
+    # waits only for spans already taken or still to be taken, never for a
+    # program the GPU has not started, so it needs SPLITS / SPANS programs resident.
+    item = tl.atomic_add(count_ptr + N, 1).to(tl.int64)
+    row = item // (SPLITS // SPANS)
+    first = (item % (SPLITS // SPANS)) * SPANS
+    active = tl.load(mask_ptr + row) != 0
+    a = tl.load(ids_ptr + row).to(tl.int64)
+    bad = active & ((a < 0) | (a >= V))
+    a = tl.minimum(tl.maximum(a, 0), V - 1)  # clamp before any read
+    t = tl.where(active, tl.load(temp_ptr + row * stride_t), 1.0)
+    k = LOG2E / t
+    p_row = policy_ptr + row * stride_pn
+    r_row = ref_ptr + row * stride_rn
+    # The action's logits, read before this program publishes: in the in-place mode the
+    # span holding them is overwritten by its program once every program has published.
+    x_a = tl.load(p_row + a * stride_pv, mask=active, other=0.0).to(tl.float32)
+    y_a = 0.0
+    if HAS_REF:
+        y_a = tl.load(r_row + a * stride_rv, mask=active, other=0.0).to(tl.float32)
+    # The row's other inputs, requested now so that their latency hides behind pass 1
+    # (any row's are valid addresses; an inactive row's values are never selected).
+    logp_ref = 0.0
+    if KL_CODE > 0:
+        if not HAS_REF:
+            logp_ref = tl.load(ref_logps_ptr + row)
+    old = tl.load(old_ptr + row)
+    adv = tl.load(adv_ptr + row)
+    iw = 1.0
+    if HAS_IW:
+        iw = tl.load(iw_ptr + row)
+    w = tl.load(w_ptr + row)
+    # Pass 1: this program's spans of the row's log-sum-exp(s), kept in L2 if re-read soon.
+    EVICT_1: tl.constexpr = "evict_last" if WRITE_GRAD else ""
+    for j in range(0, SPANS):
+        t0, t1, tail_on = split_span(first + j, V, active, TILES_PER_SPLIT, BLOCK_V)
+        m_p, s_p, m_r, s_r = span_lse2(
+            p_row, r_row, V, stride_pv, stride_rv, k, t0, t1, tail_on, HAS_REF, BLOCK_V, EVICT_1
         )
-        nan = float("nan")
-        lse2 = tl.where(bad, nan, lse2)
-        logp = _selected(p_row, a, stride_pv, t, lse2, active)
+        part = part_ptr + (row * SPLITS + first + j) * 4
+        tl.store(part, m_p)
+        tl.store(part + 1, s_p)
+        tl.store(part + 2, m_r)
+        tl.store(part + 3, s_r)
+    # Without a gradient only the row's first program (which stores the row's values) waits.
+    lse2, ref_lse2 = _meet(part_ptr, count_ptr, row, active, WRITE_GRAD or (first == 0),
+                           HAS_REF, SPLITS, SPANS)
+    nan = float("nan")
+    lse2 = tl.where(bad, nan, lse2)
+    logp = x_a / t - lse2 * LN2
 
-        # Epilogue: the token's objective and dL/dlogp, all in registers.
-        logp_ref = 0.0
-        if KL_CODE > 0:
-            if HAS_REF:
-                logp_ref = tl.where(bad, nan, _selected(r_row, a, stride_rv, t, ref_lse2, active))
-            else:
-                logp_ref = tl.load(ref_logps_ptr + row, mask=active, other=0.0)
-        old = tl.load(old_ptr + row, mask=active, other=0.0)
-        adv = tl.load(adv_ptr + row, mask=active, other=0.0)
-        iw = 1.0
-        if HAS_IW:
-            iw = tl.load(iw_ptr + row, mask=active, other=0.0)
-        w = tl.load(w_ptr + row, mask=active, other=0.0)
-        loss, dloss, r, kl, bits = _token_objective(
-            logp, old, adv, iw, logp_ref, KL_CODE, KL_COEF, RATIO_LOW, RATIO_HIGH, NEG_CAP, BOUND
-        )
+    # Epilogue: the token's objective and dL/dlogp, in registers (every program of the
+    # row computes the same values; the first stores them).
+    if KL_CODE > 0:
+        if HAS_REF:
+            logp_ref = tl.where(bad, nan, y_a / t - ref_lse2 * LN2)
+    loss, dloss, r, kl, bits = _token_objective(
+        logp, old, adv, iw, logp_ref, KL_CODE, KL_COEF, RATIO_LOW, RATIO_HIGH, NEG_CAP, BOUND
+    )
+    if first == 0:
         tl.store(loss_ptr + row, tl.where(active, w * loss, 0.0))
         tl.store(logp_ptr + row, tl.where(active, logp, 0.0))
         tl.store(ratio_ptr + row, tl.where(active, r, 1.0))
         tl.store(kl_ptr + row, tl.where(active, kl, 0.0))
         tl.store(clip_ptr + row, tl.where(active, bits, 0))
 
-        # Pass 2 (row still in L2): grad = c * (onehot - softmax), c = w * dL/dlogp / T.
-        if WRITE_GRAD:
-            c = tl.where(active, w * dloss / t, 0.0)
-            lse2 = tl.where(active, lse2, 0.0)
-            _grad_sweep(p_row, grad_ptr + row * V, V, stride_pv, a, k, lse2, c, active, BLOCK_V)
+    # Pass 2 (this program's spans, still in L2): grad = c * (onehot - softmax),
+    # c = w * dL/dlogp / T; streamed out with eviction-first hints.
+    if WRITE_GRAD:
+        c = tl.where(active, w * dloss / t, 0.0)
+        lse2 = tl.where(active, lse2, 0.0)
+        # This program's tiles (an inactive row's too: they get exact zeros, nothing read).
+        t0 = first * TILES_PER_SPLIT
+        t1 = tl.minimum(t0 + SPANS * TILES_PER_SPLIT, V // BLOCK_V)
+        tail_on = ((V // BLOCK_V) >= t0) & ((V // BLOCK_V) < t0 + SPANS * TILES_PER_SPLIT)
+        _grad_sweep(p_row, grad_ptr + row * V, V, stride_pv, a, k, lse2, c, active, t0, t1,
+                    tail_on, BLOCK_V, "evict_first")
 
 
 @triton.jit
@@ -260,7 +363,7 @@ def scale_rows_kernel(
     # inputs
     grad_in_ptr,  # [N, V] stored gradient (row-major), any float dtype
     g_ptr,  # [N] f32 upstream value per row at g_ptr + i * stride_g (stride_g = 0: one scalar)
-    mask_ptr,  # [N] bool (torch) or int8 (jax), nonzero = active row
+    mask_ptr,  # [N] bool, nonzero = active row
     # outputs
     grad_out_ptr,  # [N, V] the same buffer as grad_in_ptr (in place / aliased)
     # sizes and strides (elements)

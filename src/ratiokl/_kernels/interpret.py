@@ -11,6 +11,8 @@ Python function to a copy of its module globals in which
   module, where the combine functions they pass to ``tl.reduce`` keep the
   identity that the interpreter's fast NumPy reductions look for,
 
+* ``INTERPRETED`` (``numerics``), where present, is True,
+
 and wraps it in Triton's ``InterpretedFunction``. The twin launches like the
 kernel (``twin[grid](...)``) and runs the same source through the interpreter.
 """
@@ -61,6 +63,8 @@ def interpreted(kernel: triton.JITFunction) -> InterpretedFunction:
     fn = kernel.fn
     twin_globals = dict(fn.__globals__)
     twin_globals[_REAL_TL] = tl
+    if "INTERPRETED" in twin_globals:  # numerics.to_storage: round bf16 in float32 bits
+        twin_globals["INTERPRETED"] = tl.constexpr(True)
     twin_fn = types.FunctionType(
         fn.__code__, twin_globals, fn.__name__, fn.__defaults__, fn.__closure__
     )

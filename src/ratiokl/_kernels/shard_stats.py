@@ -40,7 +40,7 @@ def shard_stats_kernel(
     policy_ptr,  # [N, V] this shard's policy logits (fp32/fp16/bf16), strides stride_pn/_pv
     ref_ptr,  # [N, V] this shard's reference logits, strides stride_rn/_rv; read iff HAS_REF
     ids_ptr,  # [N] int32/int64 global action ids; read iff SELECT
-    mask_ptr,  # [N] bool (torch) or int8 (jax), nonzero = active row
+    mask_ptr,  # [N] bool, nonzero = active row
     temp_ptr,  # [N] f32 temperature at temp_ptr + i * stride_t (stride_t = 0: one scalar)
     start_ptr,  # [1] int32/int64 global column of this shard's first column; read iff SELECT
     # outputs

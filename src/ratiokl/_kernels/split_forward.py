@@ -27,7 +27,7 @@ def lse_partials_kernel(
     # inputs
     policy_ptr,  # [N, V] policy logits (fp32/fp16/bf16), strides (stride_pn, stride_pv)
     ref_ptr,  # [N, V] reference logits, strides (stride_rn, stride_rv); read iff HAS_REF
-    mask_ptr,  # [N] bool (torch) or int8 (jax), nonzero = active row
+    mask_ptr,  # [N] bool, nonzero = active row
     temp_ptr,  # [N] f32 temperature at temp_ptr + i * stride_t (stride_t = 0: one scalar)
     # outputs
     part_ptr,  # [N, SPLITS, 4] f32 (m_policy, s_policy, m_ref, s_ref) per split, base 2
@@ -51,7 +51,7 @@ def lse_partials_kernel(
     t0, t1, tail_on = split_span(split, V, active, TILES_PER_SPLIT, BLOCK_V)
     m_p, s_p, m_r, s_r = span_lse2(
         policy_ptr + row * stride_pn, ref_ptr + row * stride_rn, V, stride_pv, stride_rv,
-        LOG2E / t, t0, t1, tail_on, HAS_REF, BLOCK_V,
+        LOG2E / t, t0, t1, tail_on, HAS_REF, BLOCK_V, "",
     )
     out = part_ptr + (row * SPLITS + split) * 4
     tl.store(out, m_p)
@@ -66,7 +66,7 @@ def logp_combine_kernel(
     policy_ptr,  # [N, V] policy logits (only the action's logit is read)
     ref_ptr,  # [N, V] reference logits (only the action's logit is read; iff HAS_REF)
     ids_ptr,  # [N] int32/int64 action ids
-    mask_ptr,  # [N] bool (torch) or int8 (jax), nonzero = active row
+    mask_ptr,  # [N] bool, nonzero = active row
     old_ptr,  # [N] f32 behaviour-policy log-probs; read iff KL_CODE > 0
     ref_logps_ptr,  # [N] f32 reference log-probs; read iff KL_CODE > 0 and not HAS_REF
     temp_ptr,  # [N] f32 temperature (stride_t = 0: one scalar)

@@ -53,12 +53,15 @@ def fuses(backend_module: object, opts: PolicyLossOptions) -> bool:
     return backend_module is _triton and not opts.sequence_ratio
 
 
-def _fused_call(static: Static, write_grad: bool, policy, ref, ids, mask, old, ref_lp, temp,
-                adv, iw, w):
+def _fused_call(static: Static, write_grad: bool, inplace: bool, policy, ref, ids, mask, old,
+                ref_lp, temp, adv, iw, w):
     """``(loss_rows, logp, ratio, kl, clip_bits, grad)`` from one launch.
 
     Without ``write_grad`` (the primal, no derivative taken) the kernel reads
     each row once and ``grad`` is an unwritten ``[N, 1]`` placeholder.
+    ``inplace``: ``grad`` aliases ``policy``'s buffer (``input_output_aliases``;
+    the kernel reads each tile before overwriting it). XLA honours it without a
+    copy only where ``policy`` is not needed afterwards, e.g. donated to ``jit``.
     """
     n_rows, vocab = policy.shape
     row = jax.ShapeDtypeStruct((n_rows,), jnp.float32)
@@ -69,17 +72,23 @@ def _fused_call(static: Static, write_grad: bool, policy, ref, ids, mask, old, r
     if n_rows == 0:
         return tuple(jnp.zeros(s.shape, s.dtype) for s in shapes)
     has_ref, has_iw, kl_code, kl_coef, ratio_low, ratio_high, neg_cap, bound = static
-    config, programs = launch_plan(n_rows, vocab, policy.dtype.itemsize)
-    return tuple(_triton._triton_call(
+    plan = launch_plan(vocab, policy.dtype.itemsize, interpreted=jax.default_backend() != "gpu")
+    scratch = [jax.ShapeDtypeStruct((n_rows, plan.spans.splits, 4), jnp.float32),
+               jax.ShapeDtypeStruct((n_rows + 1,), jnp.int32)]  # partials; counters (zeroed)
+    aliases = {"input_output_aliases": {0: 5}} if inplace and write_grad else {}
+    outs = _triton._triton_call(
         policy, ref, ids, mask, old, ref_lp, temp, adv, iw, w,
-        kernel=policy_loss_kernel, out_shape=shapes, grid=(programs,),
-        num_warps=config.num_warps,
+        kernel=policy_loss_kernel, out_shape=shapes + scratch, zeroed_outputs=(7,),
+        grid=(plan.programs(n_rows),), num_warps=plan.config.num_warps,
         N=n_rows, V=vocab, stride_pn=vocab, stride_pv=1, stride_rn=vocab, stride_rv=1,
         stride_t=0 if temp.shape[0] == 1 else 1,
         HAS_REF=has_ref, HAS_IW=has_iw, KL_CODE=kl_code, KL_COEF=kl_coef,
         RATIO_LOW=ratio_low, RATIO_HIGH=ratio_high, NEG_CAP=neg_cap, BOUND=bound,
-        WRITE_GRAD=write_grad, BLOCK_V=config.block_v,
-    ))
+        WRITE_GRAD=write_grad, SPLITS=plan.spans.splits,
+        TILES_PER_SPLIT=plan.spans.tiles_per_split, SPANS=plan.spans_per_program,
+        BLOCK_V=plan.config.block_v, **aliases,
+    )
+    return tuple(outs[:6])
 
 
 def _scale_call(grad, g, mask):
@@ -96,25 +105,28 @@ def _scale_call(grad, g, mask):
 
 
 @functools.lru_cache(maxsize=None)
-def _fused_op(static: Static, write_grad: bool):
-    return _triton._row_op(functools.partial(_fused_call, static, write_grad), temp_index=6)
+def _fused_op(static: Static, write_grad: bool, inplace: bool = False):
+    call = functools.partial(_fused_call, static, write_grad, inplace)
+    return _triton._row_op(call, temp_index=6)
 
 
 _scale_op = _triton._row_op(_scale_call, temp_index=-1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(10,))
-def _fused(policy, ref, ids, mask, old, ref_lp, temp, adv, iw, w, static: Static):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(10, 11))
+def _fused(policy, ref, ids, mask, old, ref_lp, temp, adv, iw, w, static: Static,
+           inplace: bool):
     return _fused_op(static, False)(policy, ref, ids, mask, old, ref_lp, temp, adv, iw, w)[:5]
 
 
-def _fused_fwd(policy, ref, ids, mask, old, ref_lp, temp, adv, iw, w, static):
-    outs = _fused_op(static, True)(policy, ref, ids, mask, old, ref_lp, temp, adv, iw, w)
+def _fused_fwd(policy, ref, ids, mask, old, ref_lp, temp, adv, iw, w, static, inplace):
+    outs = _fused_op(static, True, inplace)(policy, ref, ids, mask, old, ref_lp, temp, adv,
+                                            iw, w)
     return outs[:5], (outs[5], mask)
 
 
-def _fused_bwd(static, residuals, cotangents):
-    del static
+def _fused_bwd(static, inplace, residuals, cotangents):
+    del static, inplace
     grad, mask = residuals
     g_loss = cotangents[0].astype(jnp.float32)
     return (_scale_op(grad, g_loss, mask),) + (None,) * 9
@@ -131,6 +143,7 @@ def policy_loss(
     policy: jax.Array, ref: Optional[jax.Array], ids: jax.Array, mask: jax.Array,
     ref_logps: Optional[jax.Array], temperature: _triton.Temperature,
     inputs: _objective.TokenInputs, opts: PolicyLossOptions, lead: Tuple[int, ...],
+    inplace_grad: bool = False,
 ) -> Tuple[jax.Array, Dict[str, jax.Array]]:
     """Fused ``(loss, metrics)`` on flattened rows (requires :func:`fuses`).
 
@@ -140,13 +153,14 @@ def policy_loss(
       ids, mask: ``[N]`` integer / bool. temperature: a float or float32 ``[N]``.
       inputs, opts, lead: as for ``_objective.policy_objective`` (``[R, T]`` layout
         of the leading shape ``lead``).
+      inplace_grad: the gradient's buffer aliases ``policy``'s (see :func:`_fused_call`).
 
     Returns:
       The float32 0-d loss (its gradient reaches ``policy`` only, in its dtype)
       and the metrics of ``_objective.token_metrics`` (stop-gradient).
     """
     w = _objective.aggregation_weights(_objective.as_rows(mask, lead), inputs, opts).reshape(-1)
-    ids, mask8, temp = _triton._rows(ids, mask, temperature)
+    ids, mask_k, temp = _triton._rows(ids, mask, temperature)
     old, adv = _flat(inputs.old_logps), _flat(inputs.advantages)
     iw = _flat(inputs.importance_weights)
     has_ref = ref is not None or ref_logps is not None
@@ -157,8 +171,8 @@ def policy_loss(
     ref_in = policy if ref is None else lax.stop_gradient(ref)  # placeholder, never read
     ref_lp = w if ref_logps is None else _flat(ref_logps)
     loss_rows, logp, ratio, kl, bits = _fused(
-        policy, ref_in, ids, mask8, old, ref_lp, temp, adv, w if iw is None else iw,
-        lax.stop_gradient(w), static,
+        policy, ref_in, ids, mask_k, old, ref_lp, temp, adv, w if iw is None else iw,
+        lax.stop_gradient(w), static, inplace_grad,
     )
     metrics = _objective.token_metrics(
         mask, jnp.sum(mask, dtype=jnp.int32), (bits & CLIP_LOW.value) != 0,

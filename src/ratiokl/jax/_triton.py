@@ -7,8 +7,8 @@ very kernel functions that ``ratiokl.torch._triton`` launches:
 * one ``jax.custom_vjp`` whose forward runs ``logp_forward_kernel`` (per
   row: ``logp``, ``ratio``, ``kl``, ``dkl/dlogp``, ``lse``; few rows:
   ``lse_partials_kernel`` + ``logp_combine_kernel``, the same bits) and whose
-  backward forms ``c = g_logp + g_ratio * ratio + g_kl * dkl`` (``[N]`` jnp
-  ops, 0 on inactive rows) and runs ``logp_backward_kernel``, cast to the
+  backward runs ``logp_backward_kernel``, which forms ``c = g_logp + g_ratio *
+  ratio + g_kl * dkl`` per row itself (0 on inactive rows), cast to the
   logits' dtype;
 * each kernel call is a ``jax.custom_batching.custom_vmap`` that folds batch
   dimensions into rows (the op is row-independent; ``triton_call`` has no
@@ -17,7 +17,7 @@ very kernel functions that ``ratiokl.torch._triton`` launches:
 Launch details: block sizes come from ``ratiokl._kernels`` heuristics (no
 autotuning, so CUDA-graph capture works); ``V`` and the strides are passed
 as compile-time constants, which keeps the loads vectorised (jax-triton
-gives runtime integers no alignment facts); the mask travels as int8; a
+gives runtime integers no alignment facts); the mask travels as bool; a
 scalar temperature is a ``[1]`` array read with stride 0. ``jax_triton`` is
 imported on first launch, restoring ``TRITON_CACHE_DIR`` (jax-triton 0.3.1
 empties it on import, which breaks every later Triton compile in the
@@ -114,8 +114,14 @@ def _forward_call(kl_code: int, has_ref: bool, policy, ref, ids, mask, old, ref_
     ))
 
 
-def _backward_call(policy, ids, mask, temp, lse, coef):
-    """Gradient ``[N, V]`` in the logits' dtype; grid ``(N, S)``, ``S = backward_splits``."""
+def _backward_call(terms: Tuple[bool, bool, bool], policy, ids, mask, temp, lse, g_logp,
+                   g_ratio, ratio, g_kl, dkl):
+    """Gradient ``[N, V]`` in the logits' dtype; grid ``(N, S)``, ``S = backward_splits``.
+
+    The kernel forms ``c = g_logp + g_ratio * ratio + g_kl * dkl`` per row;
+    ``terms`` says which of the three are present (an absent one's arrays are
+    placeholders, never read).
+    """
     n_rows, vocab = policy.shape
     if n_rows == 0:
         return jnp.zeros(policy.shape, policy.dtype)
@@ -123,11 +129,12 @@ def _backward_call(policy, ids, mask, temp, lse, coef):
     tiles = -(-vocab // config.block_v)
     per_prog = -(-tiles // backward_splits(n_rows, vocab, policy.dtype.itemsize))
     return _triton_call(
-        policy, ids, mask, temp, lse, coef,
+        policy, ids, mask, temp, lse, g_logp, g_ratio, ratio, g_kl, dkl,
         kernel=logp_backward_kernel, out_shape=jax.ShapeDtypeStruct(policy.shape, policy.dtype),
         grid=(n_rows, -(-tiles // per_prog)), num_warps=config.num_warps,
         V=vocab, stride_ln=vocab, stride_lv=1, stride_t=0 if temp.shape[0] == 1 else 1,
-        tiles_per_prog=per_prog, BLOCK_V=config.block_v,
+        stride_gl=1, stride_gr=1, stride_gk=1, tiles_per_prog=per_prog,
+        HAS_G_LOGP=terms[0], HAS_G_RATIO=terms[1], HAS_G_KL=terms[2], BLOCK_V=config.block_v,
     )
 
 
@@ -171,7 +178,10 @@ def _forward_op(kl_code: int, has_ref: bool) -> Callable:
     return _row_op(functools.partial(_forward_call, kl_code, has_ref), temp_index=6)
 
 
-_backward_op = _row_op(_backward_call, temp_index=3)
+@functools.lru_cache(maxsize=None)
+def backward_op(terms: Tuple[bool, bool, bool]) -> Callable:
+    """The backward kernel call for these upstream terms (see :func:`_backward_call`)."""
+    return _row_op(functools.partial(_backward_call, terms), temp_index=3)
 
 
 # --- differentiation -----------------------------------------------------------------------
@@ -195,10 +205,11 @@ def _op_fwd(policy, ref, ids, mask, old, ref_logps, temp, kl_code, has_ref):
 def _op_bwd(kl_code, has_ref, residuals, cotangents):
     del kl_code, has_ref  # the forward's ratio and dkl carry what the estimator needs
     policy, ids, mask, temp, lse, ratio, dkl = residuals
-    g_logp, g_ratio, g_kl = cotangents
-    # Select, never multiply: a NaN cotangent on an inactive row stays out.
-    coef = jnp.where(mask != 0, g_logp + g_ratio * ratio + g_kl * dkl, 0.0)
-    grad = _backward_op(policy, ids, mask, temp, lse, coef.astype(jnp.float32))
+    g_logp, g_ratio, g_kl = (g.astype(jnp.float32) for g in cotangents)
+    # The kernel forms c = g_logp + g_ratio * ratio + g_kl * dkl, selecting 0 on inactive
+    # rows (never multiplying: a NaN cotangent there stays out).
+    grad = backward_op((True, True, True))(policy, ids, mask, temp, lse, g_logp, g_ratio,
+                                           ratio, g_kl, dkl)
     # custom_vjp does not force the cotangent's dtype: keep the logits' dtype.
     return grad.astype(policy.dtype), None, None, None, None, None, None
 
@@ -210,14 +221,18 @@ _op.defvjp(_op_fwd, _op_bwd)
 
 
 def _rows(ids: jax.Array, mask: jax.Array, temperature: Temperature):
-    """Kernel-ready ids (int32/int64), int8 mask and float32 temperature (``[1]`` or ``[N]``)."""
+    """Kernel-ready ids (int32/int64), bool mask and float32 temperature (``[1]`` or ``[N]``).
+
+    The kernels read the bool mask as it is (one byte per row, as torch's), so
+    no conversion runs on the device.
+    """
     if ids.dtype not in (jnp.int32, jnp.int64):
         ids = ids.astype(jnp.int32)
     if isinstance(temperature, (int, float)):
         temp = jnp.full((1,), temperature, dtype=jnp.float32)
     else:
         temp = jnp.asarray(temperature, dtype=jnp.float32)
-    return ids, mask.astype(jnp.int8), temp
+    return ids, mask.astype(jnp.bool_), temp
 
 
 def selected_logprobs(
@@ -230,9 +245,9 @@ def selected_logprobs(
     is accepted for the interface; the kernel poisons bad ids regardless.
     """
     del check_ids
-    ids, mask8, temp = _rows(ids, mask, temperature)
-    zeros = jnp.zeros(ids.shape, jnp.float32)  # placeholders, never read (KL_CODE = 0)
-    logp, _, _ = _op(logits, logits, ids, mask8, zeros, zeros, temp, 0, False)
+    ids, mask_k, temp = _rows(ids, mask, temperature)
+    # Placeholders, never read (KL_CODE = 0): an existing array, so nothing is computed.
+    logp, _, _ = _op(logits, logits, ids, mask_k, temp, temp, temp, 0, False)
     return logp
 
 
@@ -246,13 +261,13 @@ def ratio_kl(
     Differentiable w.r.t. ``policy`` only. ``check_ids`` as in :func:`selected_logprobs`.
     """
     del check_ids
-    ids, mask8, temp = _rows(ids, mask, temperature)
+    ids, mask_k, temp = _rows(ids, mask, temperature)
     old = jax.lax.stop_gradient(old_logps.astype(jnp.float32))
     if ref is None:
         ref_in, has_ref = policy, False  # placeholder, never read (HAS_REF = False)
         ref_lp = jax.lax.stop_gradient(ref_logps.astype(jnp.float32))
     else:
         ref_in, has_ref = jax.lax.stop_gradient(ref), True
-        ref_lp = jnp.zeros(ids.shape, jnp.float32)  # placeholder, never read
-    _, ratio, kl = _op(policy, ref_in, ids, mask8, old, ref_lp, temp, kl_code, has_ref)
+        ref_lp = old  # placeholder, never read (HAS_REF: the kernel computes it)
+    _, ratio, kl = _op(policy, ref_in, ids, mask_k, old, ref_lp, temp, kl_code, has_ref)
     return ratio, kl

@@ -76,23 +76,24 @@ def _stats_op(has_ref: bool):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _attach(policy, z_a, lse, local_ids, mask8, temp, axis: str):
+def _attach(policy, z_a, lse, local_ids, mask_k, temp, axis: str):
     """``logp = z_a - lse`` (0 on inactive rows), differentiable w.r.t. this block ``policy``."""
     del policy, local_ids, temp, axis
-    return jnp.where(mask8 != 0, z_a - lse, 0.0)
+    return jnp.where(mask_k != 0, z_a - lse, 0.0)
 
 
-def _attach_fwd(policy, z_a, lse, local_ids, mask8, temp, axis):
-    return _attach(policy, z_a, lse, local_ids, mask8, temp, axis), (
-        policy, local_ids, mask8, temp, lse
+def _attach_fwd(policy, z_a, lse, local_ids, mask_k, temp, axis):
+    return _attach(policy, z_a, lse, local_ids, mask_k, temp, axis), (
+        policy, local_ids, mask_k, temp, lse
     )
 
 
 def _attach_bwd(axis, residuals, g):
-    policy, local_ids, mask8, temp, lse = residuals
-    # Select, never multiply: a NaN cotangent on an inactive row stays out.
-    coef = jnp.where(mask8 != 0, g, 0.0).astype(jnp.float32)
-    grad = _triton._backward_op(policy, local_ids, mask8, temp, lse, coef)
+    policy, local_ids, mask_k, temp, lse = residuals
+    # The kernel selects 0 on inactive rows (a NaN cotangent there stays out).
+    coef = g.astype(jnp.float32)
+    grad = _triton.backward_op((True, False, False))(
+        policy, local_ids, mask_k, temp, lse, coef, lse, lse, lse, lse)
     return _varying(grad.astype(policy.dtype), axis), None, None, None, None, None
 
 
@@ -120,12 +121,12 @@ def logps(
             "backend='native'"
         )
     local_vocab = shards[0].shape[-1]
-    ids_k, mask8, temp = _triton._rows(ids, mask, temperature)
+    ids_k, mask_k, temp = _triton._rows(ids, mask, temperature)
     start = lax.axis_index(axis) * local_vocab
     has_ref = len(shards) > 1
     blocks = [lax.stop_gradient(x) for x in shards]
     stats = _stats_op(has_ref)(
-        blocks[0], blocks[-1], ids_k, mask8, temp, jnp.full((1,), start, ids_k.dtype)
+        blocks[0], blocks[-1], ids_k, mask_k, temp, jnp.full((1,), start, ids_k.dtype)
     )
     lse_k, ref_lse_k, z_a, ref_z_a = (_varying(o, axis) for o in stats)
     m = jnp.stack([lse_k, ref_lse_k][: len(shards)])
@@ -138,7 +139,7 @@ def logps(
     local = ids_k - start
     owned = mask & (local >= 0) & (local < local_vocab)
     local_ids = jnp.where(owned, local, -1).astype(ids_k.dtype)
-    out = [_attach(shards[0], z_sel[0], lse[0], local_ids, mask8, temp, axis)]
+    out = [_attach(shards[0], z_sel[0], lse[0], local_ids, mask_k, temp, axis)]
     if has_ref:
         out.append(jnp.where(mask, z_sel[1] - lse[1], 0.0))
     return out

@@ -228,6 +228,7 @@ def policy_loss(
     backend: str = "auto",
     check_ids: bool = True,
     vocab_axis: Optional[str] = None,
+    inplace_grad: bool = False,
 ) -> Tuple[jax.Array, Dict[str, jax.Array]]:
     """PPO/GRPO clipped policy loss with a KL penalty, aggregated to one number.
 
@@ -272,6 +273,12 @@ def policy_loss(
         engine), multiplied into the policy term, detached.
       log_ratio_bound: bound on ``|log ratio|`` (and on ``|d|`` before k3's exp)
         applied before ``exp``, zero gradient beyond it; None: no bound.
+      inplace_grad: opt-in, fused (Triton) path only, elsewhere no effect: the
+        gradient's buffer aliases ``policy_logits``' (``input_output_aliases``),
+        so a step needs no ``[N, V]`` gradient allocation -- where XLA can
+        reuse the logits' buffer: donate them (``jax.jit(...,
+        donate_argnums=...)``) or produce them inside the same ``jit`` and use
+        them nowhere else; otherwise XLA copies them first (same values).
 
     Returns:
       ``(loss, metrics)``: a float32 0-d array, and float32 0-d arrays (stop-gradient)
@@ -306,7 +313,7 @@ def policy_loss(
         ref = None if ref_logits is None else ref_logits.reshape(rows.logits.shape)
         return one_pass.policy_loss(
             rows.logits, ref, rows.ids, rows.mask, _flat_rows(ref_logps), rows.temperature,
-            inputs, opts, lead,
+            inputs, opts, lead, inplace_grad=inplace_grad,
         )
     logp = run.selected_logprobs(
         rows.logits, rows.ids, rows.mask, rows.temperature, rows.ids_verified

@@ -24,7 +24,10 @@ it for the backward, which scales it in place and returns it; the backward
 therefore runs once per forward (a second ``backward`` with
 ``retain_graph=True`` fails autograd's in-place check rather than returning
 a wrong gradient). Otherwise the kernel skips the gradient sweep: one read
-of the row, O(N) memory.
+of the row, O(N) memory. With ``inplace_grad=True`` (eager mode) the
+gradient is written into the policy logits' own buffer instead: the logits
+are consumed (they hold ``d loss / d logits`` afterwards) and the step's
+extra memory is O(N).
 """
 
 from __future__ import annotations
@@ -75,31 +78,40 @@ def _options(opts: PolicyLossOptions, has_ref: bool, write_grad: bool) -> Tuple:
 
 def _launch(kernel, policy, ref, ids, mask, old, ref_logps, temp, adv, iw, w,
             has_ref: bool, write_grad: bool, kl_code: int, kl_coef: float, ratio_low: float,
-            ratio_high: float, neg_cap: float, bound: float) -> FusedOutputs:
+            ratio_high: float, neg_cap: float, bound: float,
+            grad_out: Optional[torch.Tensor] = None) -> FusedOutputs:
     """``(loss_rows, logp, ratio, kl, clip_bits, grad)``; see ``policy_loss_kernel``.
 
     Without ``write_grad`` the gradient output is an empty ``[0, V]`` tensor.
+    ``grad_out``: a row-major ``[N, V]`` buffer to write the gradient into
+    (the in-place mode passes ``policy`` itself: each tile is read before it
+    is overwritten, by the same program).
     """
     n_rows, vocab = policy.shape
     f32 = dict(dtype=torch.float32, device=policy.device)
+    if grad_out is None:
+        grad_out = torch.empty((n_rows if write_grad else 0, vocab), dtype=policy.dtype,
+                               device=policy.device)
     outs = tuple(torch.empty(n_rows, **f32) for _ in range(4)) + (
-        torch.empty(n_rows, dtype=torch.int32, device=policy.device),
-        torch.empty((n_rows if write_grad else 0, vocab), dtype=policy.dtype,
-                    device=policy.device),
+        torch.empty(n_rows, dtype=torch.int32, device=policy.device), grad_out,
     )
     if n_rows == 0:
         return outs
     ref_t = ref if has_ref else policy  # never read without HAS_REF
-    config, programs = launch_plan(n_rows, vocab, policy.element_size())
-    kernel[(programs,)](
+    plan = launch_plan(vocab, policy.element_size(), interpreted=policy.device.type != "cuda")
+    parts = torch.empty((n_rows, plan.spans.splits, 4), **f32)
+    counts = torch.zeros(n_rows + 1, dtype=torch.int32, device=policy.device)
+    kernel[(plan.programs(n_rows),)](
         policy, ref_t, ids, mask, old, w if ref_logps is None else ref_logps, temp, adv,
         w if iw is None else iw, w,
-        *outs,
+        *outs, parts, counts,
         n_rows, vocab, policy.stride(0), policy.stride(1), ref_t.stride(0), ref_t.stride(1),
         0 if temp.numel() == 1 else temp.stride(0),
         HAS_REF=has_ref, HAS_IW=iw is not None, KL_CODE=kl_code, KL_COEF=kl_coef,
         RATIO_LOW=ratio_low, RATIO_HIGH=ratio_high, NEG_CAP=neg_cap, BOUND=bound,
-        WRITE_GRAD=write_grad, BLOCK_V=config.block_v, num_warps=config.num_warps,
+        WRITE_GRAD=write_grad, SPLITS=plan.spans.splits,
+        TILES_PER_SPLIT=plan.spans.tiles_per_split, SPANS=plan.spans_per_program,
+        BLOCK_V=plan.config.block_v, num_warps=plan.config.num_warps,
     )
     return outs
 
@@ -223,6 +235,45 @@ class _EagerFused(torch.autograd.Function):
     backward = staticmethod(_make_backward(_eager_scale))
 
 
+class _InplaceFused(torch.autograd.Function):
+    """The fused loss writing its gradient into the policy logits' own buffer (opt-in).
+
+    Eager only (CUDA: the Triton kernels; CPU: their interpreter twins). The
+    forward overwrites ``policy`` with ``d loss / d policy`` and bumps its
+    version, so any other autograd node that saved the logits fails loudly
+    in its backward instead of reading gradients; the backward scales that
+    buffer by the upstream value and returns it: no ``[N, V]`` allocation.
+    """
+
+    @staticmethod
+    def forward(ctx, policy, *inputs):
+        cuda = policy.device.type == "cuda"
+        kernel = (_triton._raw if cuda else interpreted)(policy_loss_kernel)
+        with np.errstate(all="ignore"):
+            output = _launch(kernel, policy, *inputs, grad_out=policy)
+        torch.autograd.graph.increment_version(policy)
+        ctx.grad = policy.detach()  # not saved_tensors: it holds the gradient now
+        ctx.mask = inputs[2]
+        ctx.scale = _eager_scale if cuda else _interpret_scale
+        ctx.mark_non_differentiable(*output[1:5])
+        ctx.set_materialize_grads(False)
+        return output[:5]
+
+    @staticmethod
+    def backward(ctx, g_loss, *_unused):
+        if g_loss is None:
+            return (None,) * 18
+        if ctx.grad is None:
+            raise RuntimeError(
+                "policy_loss(inplace_grad=True) gives its gradient once: the logits' buffer "
+                "was already handed back; use inplace_grad=False to backward more than once"
+            )
+        with np.errstate(all="ignore"):
+            ctx.scale(ctx.grad, g_loss.to(torch.float32), ctx.mask)
+        grad, ctx.grad = ctx.grad, None  # once: the buffer is the caller's now
+        return (grad,) + (None,) * 17
+
+
 # --- entry point from ratiokl.torch.loss -----------------------------------------------------
 
 
@@ -234,6 +285,7 @@ def policy_loss(
     policy: torch.Tensor, ref: Optional[torch.Tensor], ids: torch.Tensor, mask: torch.Tensor,
     ref_logps: Optional[torch.Tensor], temperature: _triton.Temperature,
     inputs: _objective.TokenInputs, opts: PolicyLossOptions, lead: Tuple[int, ...],
+    inplace_grad: bool = False,
 ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """Fused ``(loss, metrics)`` on flattened rows (requires :func:`fuses`).
 
@@ -243,6 +295,9 @@ def policy_loss(
       ids, mask: ``[N]`` integer / bool. temperature: a float or float32 ``[N]``.
       inputs, opts, lead: as for ``_objective.policy_objective`` (``[R, T]`` layout
         of the leading shape ``lead``).
+      inplace_grad: write the gradient into ``policy``'s buffer (see
+        :class:`_InplaceFused`); only when a gradient is wanted, outside
+        ``torch.compile`` (which plans its own buffers: there it is ignored).
 
     Returns:
       The float32 0-d loss (its gradient reaches ``policy`` only, in its dtype)
@@ -254,13 +309,15 @@ def policy_loss(
     # No gradient wanted (no_grad, frozen logits): the row is read once, memory O(N).
     write_grad = torch.is_grad_enabled() and policy.requires_grad
     op = _triton.choose_op(policy.device, _interpret_fused, _triton_fused, _EagerFused.apply)
+    if inplace_grad and write_grad and not torch.compiler.is_compiling():
+        op = _InplaceFused.apply  # ratiokl.torch.loss checked that policy is contiguous
     old = _flat(inputs.old_logps)
-    loss_rows, logp, ratio, kl, bits, _ = op(
+    loss_rows, logp, ratio, kl, bits = op(
         policy, None if ref is None else ref.detach(), ids, mask, old,
-        _flat(ref_logps), _triton._temperature(temperature, policy.device),
+        _flat(ref_logps), _triton.kernel_temperature(temperature, policy.device),
         _flat(inputs.advantages), _flat(inputs.importance_weights), w, ref is not None,
         *_options(opts, has_ref, write_grad),
-    )
+    )[:5]
     metrics = _objective.token_metrics(
         mask, mask.sum(), (bits & CLIP_LOW.value) != 0, (bits & CLIP_HIGH.value) != 0,
         (bits & CLIP_CAPPED.value) != 0, ratio, kl, torch.where(mask, old, 0.0) - logp,

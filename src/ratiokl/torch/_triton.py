@@ -17,10 +17,11 @@ on flattened inputs (logits ``[N, V]`` with any strides, per-row tensors
 
 Forward: one kernel writes per row ``logp``, ``ratio``, ``kl``, ``dkl/dlogp``
 and ``lse`` (few rows: a program per (row, vocabulary split) and a per-row
-combine, bitwise the same; ``ratiokl._kernels.split_forward``). Backward: the per-row coefficient
-``c = g_logp + g_ratio * ratio + g_kl * dkl`` (``[N]`` framework ops, 0 on
-inactive rows), then one kernel writes ``c * (onehot - softmax) / T`` in the
-logits' dtype. Nothing synchronises with the host; the kernels clamp every
+combine, bitwise the same; ``ratiokl._kernels.split_forward``). Backward: one
+kernel forms the per-row coefficient ``c = g_logp + g_ratio * ratio + g_kl *
+dkl`` (0 on inactive rows; an unused output's gradient is skipped, never
+zero-filled) and writes ``c * (onehot - softmax) / T`` in the logits' dtype.
+Nothing synchronises with the host; the kernels clamp every
 id and poison active rows with an out-of-range id (NaN outputs and gradient)
 whether or not the caller checked them, so ``check_ids`` needs nothing here.
 
@@ -31,6 +32,7 @@ caller's logits, referenced, not copied); the gradient is one row-major
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional, Tuple, Union
 
 import numpy as np
@@ -104,13 +106,17 @@ def _launch_forward(
 
 def _launch_backward(
     wrap: Callable, logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor,
-    temp: torch.Tensor, lse: torch.Tensor, coef: torch.Tensor,
+    temp: torch.Tensor, lse: torch.Tensor, g_logp: Optional[torch.Tensor],
+    g_ratio: Optional[torch.Tensor] = None, ratio: Optional[torch.Tensor] = None,
+    g_kl: Optional[torch.Tensor] = None, dkl: Optional[torch.Tensor] = None,
     config: Optional[LaunchConfig] = None,
 ) -> torch.Tensor:
     """Gradient ``[N, V]`` in the logits' dtype (row-major), exact 0 on inactive rows.
 
-    Grid ``(N, S)`` with ``S = backward_splits(...)`` spans per row (no bit
-    depends on ``S``). ``config`` overrides the heuristic tile (for tuning sweeps).
+    The kernel forms ``c = g_logp + g_ratio * ratio + g_kl * dkl`` per row
+    (a ``None`` upstream gradient is a zero term; any strides). Grid ``(N, S)``
+    with ``S = backward_splits(...)`` spans per row (no bit depends on ``S``).
+    ``config`` overrides the heuristic tile (for tuning sweeps).
     """
     n_rows, vocab = logits.shape
     grad = torch.empty((n_rows, vocab), dtype=logits.dtype, device=logits.device)
@@ -119,11 +125,18 @@ def _launch_backward(
     config = config or backward_config(vocab, logits.element_size())
     tiles = -(-vocab // config.block_v)
     per_prog = -(-tiles // backward_splits(n_rows, vocab, logits.element_size()))
+    terms = [(g_logp, lse), (g_ratio, ratio), (g_kl, dkl)]
+    given = tuple(g is not None for g, _ in terms)
+    # An absent term's pointers are placeholders (never read); its stride is 0.
+    pointers = [g_logp if given[0] else lse, g_ratio if given[1] else lse,
+                ratio if given[1] else lse, g_kl if given[2] else lse, dkl if given[2] else lse]
+    strides = [g.stride(0) if g is not None else 0 for g, _ in terms]
     wrap(logp_backward_kernel)[(n_rows, -(-tiles // per_prog))](
-        logits, ids, mask, temp, lse, coef,
+        logits, ids, mask, temp, lse, *pointers,
         grad,
         vocab, logits.stride(0), logits.stride(1), 0 if temp.numel() == 1 else temp.stride(0),
-        per_prog, BLOCK_V=config.block_v, num_warps=config.num_warps,
+        *strides, per_prog, HAS_G_LOGP=given[0], HAS_G_RATIO=given[1], HAS_G_KL=given[2],
+        BLOCK_V=config.block_v, num_warps=config.num_warps,
     )
     return grad
 
@@ -145,9 +158,12 @@ def _triton_forward(
 @triton_op("ratiokl::triton_backward", mutates_args=())
 def _triton_backward(
     logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, temp: torch.Tensor,
-    lse: torch.Tensor, coef: torch.Tensor,
+    lse: torch.Tensor, g_logp: Optional[torch.Tensor], g_ratio: Optional[torch.Tensor],
+    ratio: torch.Tensor, g_kl: Optional[torch.Tensor], dkl: torch.Tensor,
 ) -> torch.Tensor:
-    return _launch_backward(wrap_triton, logits, ids, mask, temp, lse, coef)
+    return _launch_backward(
+        wrap_triton, logits, ids, mask, temp, lse, g_logp, g_ratio, ratio, g_kl, dkl
+    )
 
 
 # --- "interpret": CPU, Triton's interpreter, opaque to torch.compile ---------------------
@@ -173,16 +189,17 @@ def _(policy, ref, ids, mask, old, ref_logps, temp, kl_code):
 @custom_op("ratiokl::interpret_backward", mutates_args=(), device_types="cpu")
 def _interpret_backward(
     logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, temp: torch.Tensor,
-    lse: torch.Tensor, coef: torch.Tensor,
+    lse: torch.Tensor, g_logp: Optional[torch.Tensor], g_ratio: Optional[torch.Tensor],
+    ratio: torch.Tensor, g_kl: Optional[torch.Tensor], dkl: torch.Tensor,
 ) -> torch.Tensor:
     with np.errstate(all="ignore"):
         return _launch_backward(
-            interpreted, logits, ids, mask, temp, lse, coef
+            interpreted, logits, ids, mask, temp, lse, g_logp, g_ratio, ratio, g_kl, dkl
         )
 
 
 @_interpret_backward.register_fake
-def _(logits, ids, mask, temp, lse, coef):
+def _(logits, ids, mask, temp, lse, g_logp, g_ratio, ratio, g_kl, dkl):
     return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
 
 
@@ -194,23 +211,16 @@ def _setup_context(ctx, inputs, output) -> None:
     _, ratio, _, dkl, lse = output
     ctx.save_for_backward(policy, ids, mask, temp, lse, ratio, dkl)
     ctx.mark_non_differentiable(dkl, lse)
-
-
-def _coefficient(mask, ratio, dkl, g_logp, g_ratio, g_kl) -> torch.Tensor:
-    """``dL/dlogp = g_logp + g_ratio * ratio + g_kl * dkl`` per row, 0 on inactive rows."""
-    coef = torch.zeros_like(ratio)
-    for grad, factor in ((g_logp, None), (g_ratio, ratio), (g_kl, dkl)):
-        if grad is not None:
-            coef = coef + (grad if factor is None else grad * factor)
-    # Select, never multiply: a NaN upstream value on an inactive row stays out.
-    return torch.where(mask, coef, torch.zeros_like(coef))
+    # Unused outputs get no zero-filled gradient: the kernel skips a None term.
+    ctx.set_materialize_grads(False)
 
 
 def _make_backward(backward_op: Callable) -> Callable:
+    """The backward: one kernel forms ``c = g_logp + g_ratio * ratio + g_kl * dkl`` per
+    row (0 on inactive rows; a NaN upstream value there stays out) and writes the gradient."""
     def backward(ctx, g_logp, g_ratio, g_kl, _g_dkl, _g_lse):
         policy, ids, mask, temp, lse, ratio, dkl = ctx.saved_tensors
-        coef = _coefficient(mask, ratio, dkl, g_logp, g_ratio, g_kl)
-        grad = backward_op(policy, ids, mask, temp, lse, coef)
+        grad = backward_op(policy, ids, mask, temp, lse, g_logp, g_ratio, ratio, g_kl, dkl)
         return grad, None, None, None, None, None, None, None
 
     return backward
@@ -257,11 +267,23 @@ def _forward_op(device: torch.device) -> Callable:
     return choose_op(device, _interpret_forward, _triton_forward, _EagerForward.apply)
 
 
-def _temperature(temperature: Temperature, device: torch.device) -> torch.Tensor:
+@functools.lru_cache(maxsize=64)
+def _scalar_temperature(value: float, device: torch.device) -> torch.Tensor:
+    """A float32 ``[1]`` tensor holding ``value``, made once per (value, device).
+
+    Read-only for the kernels; reusing it saves a fill launch per call (a few
+    microseconds of device time and host time that show at small N).
+    """
+    return torch.full((1,), value, dtype=torch.float32, device=device)
+
+
+def kernel_temperature(temperature: Temperature, device: torch.device) -> torch.Tensor:
     """Temperature as float32 data the kernels read: ``[1]`` (stride 0 in-kernel) or ``[N]``."""
     if isinstance(temperature, torch.Tensor):
         return temperature.detach().to(torch.float32)
-    return torch.full((1,), float(temperature), dtype=torch.float32, device=device)
+    if torch.compiler.is_compiling():  # a traced graph makes its own constant
+        return torch.full((1,), float(temperature), dtype=torch.float32, device=device)
+    return _scalar_temperature(float(temperature), torch.device(device))
 
 
 def selected_logprobs(
@@ -273,7 +295,7 @@ def selected_logprobs(
     Differentiable w.r.t. ``logits`` (gradient in its dtype). ``check_ids``
     is accepted for the interface; the kernel poisons bad ids regardless.
     """
-    temp = _temperature(temperature, logits.device)
+    temp = kernel_temperature(temperature, logits.device)
     logp, _, _, _, _ = _forward_op(logits.device)(logits, None, ids, mask, None, None, temp, 0)
     return logp
 
@@ -288,7 +310,7 @@ def ratio_kl(
     Differentiable w.r.t. ``policy`` only; ``ref``, ``ref_logps`` and
     ``old_logps`` are read detached. ``check_ids`` as in :func:`selected_logprobs`.
     """
-    temp = _temperature(temperature, policy.device)
+    temp = kernel_temperature(temperature, policy.device)
     ref = None if ref is None else ref.detach()
     ref_logps = None if ref_logps is None else ref_logps.detach().to(torch.float32)
     old = old_logps.detach().to(torch.float32)

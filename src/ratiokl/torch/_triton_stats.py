@@ -23,9 +23,9 @@ import torch
 from torch.library import custom_op, triton_op, wrap_triton
 
 from ratiokl._kernels import forward_config, interpreted, shard_stats_kernel
-from ratiokl.torch._triton import _interpret_backward, _triton_backward
+from ratiokl.torch._triton import _interpret_backward, _triton_backward, kernel_temperature
 
-__all__ = ["shard_grad", "shard_lse"]
+__all__ = ["kernel_temperature", "shard_grad", "shard_lse"]
 
 
 def _launch_stats(
@@ -72,11 +72,6 @@ def _(policy, ref, mask, temp):
     return tuple(policy.new_empty(policy.shape[0], dtype=torch.float32) for _ in range(2))
 
 
-def kernel_temperature(temperature, device: torch.device) -> torch.Tensor:
-    """Temperature as the kernels read it: float32 ``[1]`` (stride 0) or ``[N]``."""
-    if isinstance(temperature, torch.Tensor):
-        return temperature.detach().to(torch.float32)
-    return torch.full((1,), float(temperature), dtype=torch.float32, device=device)
 
 
 def shard_lse(
@@ -104,4 +99,4 @@ def shard_grad(
     float32 ``[N]``. In the logits' dtype, exact 0 on inactive rows.
     """
     op = _triton_backward if logits.device.type == "cuda" else _interpret_backward
-    return op(logits, local_ids, mask, temp, lse, coef)
+    return op(logits, local_ids, mask, temp, lse, coef, None, lse, None, lse)

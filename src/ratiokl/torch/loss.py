@@ -261,6 +261,7 @@ def policy_loss(
     backend: str = "auto",
     check_ids: bool = True,
     vocab_group: Optional[torch.distributed.ProcessGroup] = None,
+    inplace_grad: bool = False,
 ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """PPO/GRPO clipped policy loss with a KL penalty, aggregated to one number.
 
@@ -304,6 +305,12 @@ def policy_loss(
         engine), multiplied into the policy term, detached.
       log_ratio_bound: bound on ``|log ratio|`` (and on ``|d|`` before k3's exp)
         applied before ``exp``, zero gradient beyond it; None: no bound.
+      inplace_grad: opt-in, fused path in eager mode only (elsewhere no effect):
+        the forward writes ``d loss / d policy_logits`` into ``policy_logits``'
+        own (contiguous) buffer, so a step needs no ``[N, V]`` gradient
+        allocation. The logits are consumed: afterwards they hold the gradient
+        (scaled by the upstream value at ``backward``), another autograd node
+        that saved them fails loudly, and the loss backpropagates once.
 
     Returns:
       ``(loss, metrics)``: a float32 0-d tensor, and detached float32 0-d tensors
@@ -325,6 +332,11 @@ def policy_loss(
         ratio_level=ratio_level, log_ratio_bound=log_ratio_bound,
     )
     _checks.check_logits("policy_logits", policy_logits)
+    if inplace_grad and not policy_logits.is_contiguous():
+        raise ValueError(
+            "`inplace_grad=True` needs contiguous `policy_logits` (the gradient is written "
+            "into their buffer); pass `policy_logits.contiguous()` or `inplace_grad=False`"
+        )
     if ref_logits is not None or ref_logps is not None or opts.kl_coef != 0.0:
         _check_reference(policy_logits, ref_logits, ref_logps)
     lead = tuple(policy_logits.shape[:-1])
@@ -342,7 +354,7 @@ def policy_loss(
         ref = None if ref_logits is None else ref_logits.reshape(rows.logits.shape)
         return one_pass.policy_loss(
             rows.logits, ref, rows.ids, rows.mask, _flat_rows(ref_logps), rows.temperature,
-            inputs, opts, lead,
+            inputs, opts, lead, inplace_grad=inplace_grad,
         )
     logp = run.selected_logprobs(rows.logits, rows.ids, rows.mask, rows.temperature, check_ids)
     logp_ref = _flat_rows(ref_logps)
