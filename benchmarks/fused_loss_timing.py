@@ -76,13 +76,13 @@ def _time_torch(sweep: bool) -> None:
         _fused_loss.launch_plan = _plan(block, warps, splits)
         ms = triton.testing.do_bench(_step(x, True), warmup=30, rep=200)
         _record(provider="torch-triton-fused", mode="fwd+bwd", block_v=block, num_warps=warps,
-                splits=_plan(block, warps, splits)(V, 2).spans.splits, ms=ms)
+                splits=_plan(block, warps, splits)(V, 2, N, True).spans.splits, ms=ms)
     _fused_loss.launch_plan = original
 
 
 def _plan(block: int, warps: int, splits: int):
     """A ``launch_plan`` substitute with a fixed configuration (a program per span)."""
-    def plan(vocab, itemsize, interpreted=False):
+    def plan(vocab, itemsize, n_rows, write_grad, interpreted=False):
         spans = split_plan(vocab, block, splits)
         return FusedPlan(LaunchConfig(block, warps), spans, spans.splits if interpreted else 1)
     return plan

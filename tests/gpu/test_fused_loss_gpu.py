@@ -206,9 +206,11 @@ def test_torch_fused_spans_meeting_gives_the_bits_of_one_program_per_row(monkeyp
     spans = run()
     plan = _fused_loss.launch_plan
     monkeypatch.setattr(_fused_loss, "launch_plan",
-                        lambda v, s, interpreted=False: plan(v, s, True))
+                        lambda v, s, n, g, interpreted=False: plan(v, s, n, g, True))
     whole = run()
-    assert plan(V, 2).spans_per_program == 1 and plan(V, 2).spans.splits > 1
+    n = x["policy"].shape[0] * x["policy"].shape[1]
+    assert plan(V, 2, n, write_grad).spans_per_program == 1  # few rows: a program per span
+    assert plan(V, 2, n, write_grad).spans.splits > 1
     assert torch.equal(spans[0], whole[0])
     for key in spans[1]:
         assert torch.equal(spans[1][key], whole[1][key]), key

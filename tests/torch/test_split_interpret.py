@@ -88,3 +88,17 @@ def test_split_forward_and_backward_match_spec():
     gtol = spec.grad_tolerance("float32", scale, float(np.abs(e_grad).max()))
     np.testing.assert_allclose(grad.numpy(), e_grad, rtol=gtol.rtol, atol=gtol.atol)
     assert torch.all(grad[2] == 0.0)
+
+
+def test_fused_loss_plan_splits_rows_only_where_it_pays():
+    from ratiokl._kernels.fused_loss import launch_plan
+
+    v = 151_936
+    with_grad = launch_plan(v, 2, 8192, True)
+    assert with_grad.spans.splits > 1 and with_grad.spans_per_program == 1  # re-read from L2
+    assert with_grad.programs(8192) == 8192 * with_grad.spans.splits
+    no_grad = launch_plan(v, 2, 8192, False)  # nothing to re-read, rows fill the GPU
+    assert no_grad.spans == with_grad.spans and no_grad.programs(8192) == 8192
+    assert launch_plan(v, 2, 128, False).spans_per_program == 1  # few rows: split them
+    interp = launch_plan(v, 2, 128, True, interpreted=True)  # one program at a time
+    assert interp.programs(128) == 128

@@ -44,7 +44,13 @@ import triton.language as tl
 
 from ratiokl._kernels.backward import _grad_tile, tile_action
 from ratiokl._kernels.forward import span_lse2, split_span
-from ratiokl._kernels.heuristics import LaunchConfig, SplitPlan, forward_config, split_plan
+from ratiokl._kernels.heuristics import (
+    LaunchConfig,
+    SplitPlan,
+    forward_config,
+    split_plan,
+    use_split_forward,
+)
 from ratiokl._kernels.numerics import LN2, LOG2E, kl_and_dkl, shift_of, to_storage
 
 #: Bits of the per-row clip code (``clip_ptr``): which branch of the surrogate was taken.
@@ -69,7 +75,8 @@ class FusedPlan(NamedTuple):
         return n_rows * (self.spans.splits // self.spans_per_program)
 
 
-def launch_plan(vocab: int, itemsize: int, interpreted: bool = False) -> FusedPlan:
+def launch_plan(vocab: int, itemsize: int, n_rows: int, write_grad: bool,
+                interpreted: bool = False) -> FusedPlan:
     """How the fused kernel cuts a row: ``_SPLITS`` spans, one program each (on a GPU).
 
     A row's programs each read their span (the log-sum-exp partials), meet at
@@ -82,15 +89,19 @@ def launch_plan(vocab: int, itemsize: int, interpreted: bool = False) -> FusedPl
     the previous one-program-per-row kernel: 1.91). A simplified twin of the
     kernel with fewer registers (56 against 96, so more programs resident)
     reached 1.566 ms with 13 spans and 1.596 with 8, and 1.78-3.8 ms on a
-    persistent grid (``benchmarks/fused_loss_variants.py``). ``interpreted``:
-    Triton's interpreter runs programs one after the other, so a row's spans
-    are one program's (no waiting).
+    persistent grid (``benchmarks/fused_loss_variants.py``). Without a
+    gradient there is nothing to re-read: enough rows fill the GPU with one
+    program per row (``heuristics.use_split_forward``; JAX primal 0.66 ms,
+    0.71 with a program per span). ``interpreted``: Triton's interpreter runs
+    programs one after the other, so a row's spans are one program's (no
+    waiting).
     The spans depend only on ``V`` and the element size and every program
     combines them the same way: no launch changes a bit (batch invariance).
     """
     config = forward_config(vocab, itemsize)
     spans = split_plan(vocab, config.block_v, _SPLITS)
-    return FusedPlan(config, spans, spans.splits if interpreted else 1)
+    whole_rows = interpreted or not (write_grad or use_split_forward(n_rows, spans))
+    return FusedPlan(config, spans, spans.splits if whole_rows else 1)
 
 
 @triton.jit

@@ -98,7 +98,8 @@ def _launch(kernel, policy, ref, ids, mask, old, ref_logps, temp, adv, iw, w,
     if n_rows == 0:
         return outs
     ref_t = ref if has_ref else policy  # never read without HAS_REF
-    plan = launch_plan(vocab, policy.element_size(), interpreted=policy.device.type != "cuda")
+    plan = launch_plan(vocab, policy.element_size(), n_rows, write_grad,
+                       interpreted=policy.device.type != "cuda")
     parts = torch.empty((n_rows, plan.spans.splits, 4), **f32)
     counts = torch.zeros(n_rows + 1, dtype=torch.int32, device=policy.device)
     kernel[(plan.programs(n_rows),)](
