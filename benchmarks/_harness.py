@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import csv
 import datetime as _dt
+import hashlib
 import importlib.metadata
 import json
 import math
@@ -212,18 +213,39 @@ def _version(dist: str) -> Optional[str]:
         return None
 
 
-def _ratiokl_source() -> Dict[str, Optional[str]]:
-    """ratiokl's version (installed, or the imported package's) and the checkout's commit."""
+def source_digest(root: Path) -> str:
+    """sha256 over the measured code: every ``src/ratiokl`` and ``benchmarks`` ``.py`` file
+    (path and bytes, in sorted order). Recompute it on a checkout to match a result file."""
+    digest = hashlib.sha256()
+    files = sorted([*root.glob("src/ratiokl/**/*.py"), *root.glob("benchmarks/*.py")])
+    for path in files:
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0")
+        digest.update(path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def _git(root: Path, *args: str) -> Optional[str]:
+    try:
+        proc = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True,
+                              timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return proc.stdout.strip() if proc.returncode == 0 else None
+
+
+def _ratiokl_source() -> Dict[str, Any]:
+    """ratiokl's version, the checkout's commit, whether the tree differs from it (a copied
+    tree may carry an older ``.git``), and :func:`source_digest` of what actually ran."""
     import ratiokl
 
     root = Path(__file__).resolve().parents[1]
-    try:
-        proc = subprocess.run(["git", "rev-parse", "--verify", "-q", "HEAD"], cwd=root,
-                              capture_output=True, text=True, timeout=10)
-        commit = proc.stdout.strip() if proc.returncode == 0 else None
-    except (OSError, subprocess.SubprocessError):
-        commit = None
-    return {"version": getattr(ratiokl, "__version__", None), "git_commit": commit}
+    status = _git(root, "status", "--porcelain", "--untracked-files=no")
+    return {
+        "version": getattr(ratiokl, "__version__", None),
+        "git_commit": _git(root, "rev-parse", "--verify", "-q", "HEAD"),
+        "git_dirty": None if status is None else bool(status),
+        "source_sha256": source_digest(root),
+    }
 
 
 def metadata() -> Dict[str, Any]:
