@@ -10,7 +10,8 @@ program, which
 2. meets the row's other programs at a device-side counter and combines
    the ``SPLITS`` partials (``_meet``), all programs the same way;
 3. computes the per-token objective of ``ratiokl.spec.policy_loss``
-   (token-level ratio) and its derivative ``dL/dlogp`` in registers;
+   (token-level ratio, ``objective.token_objective``) and its derivative
+   ``dL/dlogp`` in registers;
 4. right away, while its span is still in L2, writes
    ``grad = w * dL/dlogp * (onehot(a) - softmax(x / T)) / T`` on the span in
    the logits' dtype, where ``w`` is the row's aggregation weight ``a_t / D``
@@ -51,13 +52,8 @@ from ratiokl._kernels.heuristics import (
     split_plan,
     use_split_forward,
 )
-from ratiokl._kernels.numerics import LN2, LOG2E, kl_and_dkl, shift_of, to_storage
-
-#: Bits of the per-row clip code (``clip_ptr``): which branch of the surrogate was taken.
-CLIP_LOW = tl.constexpr(1)  # A < 0 and r < 1 - clip_eps
-CLIP_HIGH = tl.constexpr(2)  # A > 0 and r > ratio_high
-CLIP_CAPPED = tl.constexpr(4)  # A < 0 and r > neg_cap (dual clip / ratio_cap)
-
+from ratiokl._kernels.numerics import LN2, LOG2E, shift_of, to_storage
+from ratiokl._kernels.objective import token_objective
 
 #: Spans of a row in the fused kernel (fewer when the row has fewer tiles).
 _SPLITS = 8
@@ -102,74 +98,6 @@ def launch_plan(vocab: int, itemsize: int, n_rows: int, write_grad: bool,
     spans = split_plan(vocab, config.block_v, _SPLITS)
     whole_rows = interpreted or not (write_grad or use_split_forward(n_rows, spans))
     return FusedPlan(config, spans, spans.splits if whole_rows else 1)
-
-
-@triton.jit
-def _bounded(x, BOUND: tl.constexpr):
-    """``clip(x, -BOUND, BOUND)`` (``BOUND = 0``: no bound)."""
-    if BOUND > 0:
-        x = tl.minimum(tl.maximum(x, -BOUND), BOUND)
-    return x
-
-
-@triton.jit
-def _inside(x, y, BOUND: tl.constexpr):
-    """``y`` where ``|x| <= BOUND``, else 0: the gradient a bound implies (``BOUND = 0``: ``y``)."""
-    if BOUND > 0:
-        y = tl.where(tl.abs(x) <= BOUND, y, 0.0)
-    return y
-
-
-@triton.jit
-def _policy_kl(d, r, dr, KL_CODE: tl.constexpr, BOUND: tl.constexpr):
-    """KL variant on ``d = logp_ref - logp`` (``ratiokl.spec.POLICY_KL_ESTIMATORS``) and d/dlogp."""
-    k3, dk3 = kl_and_dkl(_bounded(d, BOUND), 3)  # expm1(d_b) - d_b and -expm1(d_b)
-    dk3 = _inside(d, dk3, BOUND)
-    if KL_CODE == 1:  # k1
-        kl, dkl = -d, 1.0
-    elif KL_CODE == 2:  # k2
-        kl, dkl = 0.5 * d * d, -d
-    elif KL_CODE == 3:  # k3
-        kl, dkl = k3, dk3
-    elif KL_CODE == 4:  # k1+: value of k1, gradient of k2
-        kl, dkl = -d, -d
-    elif KL_CODE == 5:  # k3+: value of k3, gradient of k2
-        kl, dkl = k3, -d
-    else:  # k3-is: r * k3, product rule through both
-        kl, dkl = r * k3, dr * k3 + r * dk3
-    return kl, dkl
-
-
-@triton.jit
-def _token_objective(
-    logp, old, adv, iw, logp_ref,
-    KL_CODE: tl.constexpr, KL_COEF: tl.constexpr, RATIO_LOW: tl.constexpr,
-    RATIO_HIGH: tl.constexpr, NEG_CAP: tl.constexpr, BOUND: tl.constexpr,
-):
-    """``(loss_t, dloss_t/dlogp, r, kl, clip bits)`` of one active token (spec formulas)."""
-    lr = logp - old
-    r = tl.exp(_bounded(lr, BOUND))
-    dr = _inside(lr, r, BOUND)  # no gradient beyond the bound
-    high = (adv > 0) & (r > RATIO_HIGH)
-    low = (adv < 0) & (r < RATIO_LOW)
-    if NEG_CAP > 0:
-        capped = (adv < 0) & (r > NEG_CAP)
-    else:
-        capped = adv < -float("inf")  # never (NaN included)
-    q = tl.where(high, RATIO_HIGH, tl.where(low, RATIO_LOW, tl.where(capped, NEG_CAP, r)))
-    clipped = high | low | capped
-    loss = -adv * q * iw
-    # A clipped branch carries no gradient (selected, so an infinite dr stays out).
-    dloss = tl.where(clipped, 0.0, -adv * dr * iw)
-    kl = 0.0
-    if KL_CODE > 0:
-        kl, dkl = _policy_kl(logp_ref - logp, r, dr, KL_CODE, BOUND)
-        if KL_COEF != 0:  # kl_coef = 0: the KL is only logged (0 * inf would be NaN)
-            loss = loss + KL_COEF * kl
-            dloss = dloss + KL_COEF * dkl
-    bits = tl.where(low, CLIP_LOW, 0) + tl.where(high, CLIP_HIGH, 0)
-    bits = bits + tl.where(capped, CLIP_CAPPED, 0)
-    return loss, dloss, r, kl, bits
 
 
 @triton.jit
@@ -346,7 +274,7 @@ def policy_loss_kernel(
     if KL_CODE > 0:
         if HAS_REF:
             logp_ref = tl.where(bad, nan, y_a / t - ref_lse2 * LN2)
-    loss, dloss, r, kl, bits = _token_objective(
+    loss, dloss, r, kl, bits = token_objective(
         logp, old, adv, iw, logp_ref, KL_CODE, KL_COEF, RATIO_LOW, RATIO_HIGH, NEG_CAP, BOUND
     )
     if first == 0:

@@ -28,14 +28,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ratiokl._kernels.fused_loss import (
-    CLIP_CAPPED,
-    CLIP_HIGH,
-    CLIP_LOW,
-    launch_plan,
-    policy_loss_kernel,
-    scale_rows_kernel,
-)
+from ratiokl._kernels.fused_loss import launch_plan, policy_loss_kernel, scale_rows_kernel
+from ratiokl._kernels.objective import CLIP_CAPPED, CLIP_HIGH, CLIP_LOW
 from ratiokl.jax import _objective, _triton
 from ratiokl.spec import PolicyLossOptions
 

@@ -39,14 +39,8 @@ import torch
 from torch.library import custom_op, register_autograd, triton_op, wrap_triton
 
 from ratiokl._kernels import interpreted
-from ratiokl._kernels.fused_loss import (
-    CLIP_CAPPED,
-    CLIP_HIGH,
-    CLIP_LOW,
-    launch_plan,
-    policy_loss_kernel,
-    scale_rows_kernel,
-)
+from ratiokl._kernels.fused_loss import launch_plan, policy_loss_kernel, scale_rows_kernel
+from ratiokl._kernels.objective import CLIP_CAPPED, CLIP_HIGH, CLIP_LOW
 from ratiokl.spec import PolicyLossOptions
 from ratiokl.torch import _objective, _triton
 

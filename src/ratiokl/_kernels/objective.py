@@ -1,0 +1,92 @@
+"""The per-token PPO/GRPO objective of ``ratiokl.spec.policy_loss`` and its derivative, in-kernel.
+
+:func:`token_objective` gives, for one active token with log-prob ``logp``,
+``(loss_t, dloss_t/dlogp, r, kl, clip bits)``:
+
+* ``r = exp(clip(logp - old, -B, B))`` (``B = log_ratio_bound``; no gradient beyond it);
+* the surrogate ``-A * q * iw`` with ``q`` the ratio clipped to ``[RATIO_LOW,
+  RATIO_HIGH]`` by the sign of the advantage ``A`` (and capped at ``NEG_CAP`` for
+  ``A < 0``: dual clip / ratio cap); a clipped branch carries no gradient;
+* plus ``KL_COEF * kl(logp_ref - logp)`` for the chosen estimator
+  (``ratiokl.spec.POLICY_KL_ESTIMATORS``).
+
+Used by the fused loss kernel (``fused_loss.policy_loss_kernel``).
+"""
+
+import triton
+import triton.language as tl
+
+from ratiokl._kernels.numerics import kl_and_dkl
+
+#: Bits of the per-row clip code (``clip_ptr``): which branch of the surrogate was taken.
+CLIP_LOW = tl.constexpr(1)  # A < 0 and r < 1 - clip_eps
+CLIP_HIGH = tl.constexpr(2)  # A > 0 and r > ratio_high
+CLIP_CAPPED = tl.constexpr(4)  # A < 0 and r > neg_cap (dual clip / ratio_cap)
+
+
+@triton.jit
+def _bounded(x, BOUND: tl.constexpr):
+    """``clip(x, -BOUND, BOUND)`` (``BOUND = 0``: no bound)."""
+    if BOUND > 0:
+        x = tl.minimum(tl.maximum(x, -BOUND), BOUND)
+    return x
+
+
+@triton.jit
+def _inside(x, y, BOUND: tl.constexpr):
+    """``y`` where ``|x| <= BOUND``, else 0: the gradient a bound implies (``BOUND = 0``: ``y``)."""
+    if BOUND > 0:
+        y = tl.where(tl.abs(x) <= BOUND, y, 0.0)
+    return y
+
+
+@triton.jit
+def _policy_kl(d, r, dr, KL_CODE: tl.constexpr, BOUND: tl.constexpr):
+    """KL variant on ``d = logp_ref - logp`` (``ratiokl.spec.POLICY_KL_ESTIMATORS``) and d/dlogp."""
+    k3, dk3 = kl_and_dkl(_bounded(d, BOUND), 3)  # expm1(d_b) - d_b and -expm1(d_b)
+    dk3 = _inside(d, dk3, BOUND)
+    if KL_CODE == 1:  # k1
+        kl, dkl = -d, 1.0
+    elif KL_CODE == 2:  # k2
+        kl, dkl = 0.5 * d * d, -d
+    elif KL_CODE == 3:  # k3
+        kl, dkl = k3, dk3
+    elif KL_CODE == 4:  # k1+: value of k1, gradient of k2
+        kl, dkl = -d, -d
+    elif KL_CODE == 5:  # k3+: value of k3, gradient of k2
+        kl, dkl = k3, -d
+    else:  # k3-is: r * k3, product rule through both
+        kl, dkl = r * k3, dr * k3 + r * dk3
+    return kl, dkl
+
+
+@triton.jit
+def token_objective(
+    logp, old, adv, iw, logp_ref,
+    KL_CODE: tl.constexpr, KL_COEF: tl.constexpr, RATIO_LOW: tl.constexpr,
+    RATIO_HIGH: tl.constexpr, NEG_CAP: tl.constexpr, BOUND: tl.constexpr,
+):
+    """``(loss_t, dloss_t/dlogp, r, kl, clip bits)`` of one active token (spec formulas)."""
+    lr = logp - old
+    r = tl.exp(_bounded(lr, BOUND))
+    dr = _inside(lr, r, BOUND)  # no gradient beyond the bound
+    high = (adv > 0) & (r > RATIO_HIGH)
+    low = (adv < 0) & (r < RATIO_LOW)
+    if NEG_CAP > 0:
+        capped = (adv < 0) & (r > NEG_CAP)
+    else:
+        capped = adv < -float("inf")  # never (NaN included)
+    q = tl.where(high, RATIO_HIGH, tl.where(low, RATIO_LOW, tl.where(capped, NEG_CAP, r)))
+    clipped = high | low | capped
+    loss = -adv * q * iw
+    # A clipped branch carries no gradient (selected, so an infinite dr stays out).
+    dloss = tl.where(clipped, 0.0, -adv * dr * iw)
+    kl = 0.0
+    if KL_CODE > 0:
+        kl, dkl = _policy_kl(logp_ref - logp, r, dr, KL_CODE, BOUND)
+        if KL_COEF != 0:  # kl_coef = 0: the KL is only logged (0 * inf would be NaN)
+            loss = loss + KL_COEF * kl
+            dloss = dloss + KL_COEF * dkl
+    bits = tl.where(low, CLIP_LOW, 0) + tl.where(high, CLIP_HIGH, 0)
+    bits = bits + tl.where(capped, CLIP_CAPPED, 0)
+    return loss, dloss, r, kl, bits
