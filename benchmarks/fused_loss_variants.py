@@ -87,16 +87,22 @@ def exp_fused(p_ptr, c_ptr, ids_ptr, g_ptr, N, V: tl.constexpr, BLOCK: tl.conste
 
 
 @triton.jit
-def _meet(part_ptr, cnt_ptr, row64, seg, m, s, S: tl.constexpr, S2: tl.constexpr):
+def _meet(part_ptr, cnt_ptr, row64, seg, m, s, S: tl.constexpr, S2: tl.constexpr,
+          POLL: tl.constexpr):
     """Publish this span's ``(m, s)``, spin until the row's S programs have, return the lse2.
 
-    ``S2``: S rounded up to a power of two. The wait needs all S programs of
-    a row resident at once, which a normal launch does not promise.
+    ``S2``: S rounded up to a power of two. ``POLL``: 0 spins on atomic (acquire)
+    reads, 1 on volatile loads then one atomic read. The wait needs the S
+    programs of a row resident together.
     """
     tl.store(part_ptr + (row64 * S + seg) * 2, m)
     tl.store(part_ptr + (row64 * S + seg) * 2 + 1, s)
     tl.debug_barrier()
     tl.atomic_add(cnt_ptr + row64, 1, sem="release")
+    if POLL == 1:
+        cnt = tl.load(cnt_ptr + row64, volatile=True)
+        while cnt < S:
+            cnt = tl.load(cnt_ptr + row64, volatile=True)
     cnt = tl.atomic_add(cnt_ptr + row64, 0, sem="acquire")
     while cnt < S:
         cnt = tl.atomic_add(cnt_ptr + row64, 0, sem="acquire")
@@ -110,34 +116,29 @@ def _meet(part_ptr, cnt_ptr, row64, seg, m, s, S: tl.constexpr, S2: tl.constexpr
 
 
 @triton.jit
-def coop_fused(p_ptr, c_ptr, ids_ptr, g_ptr, part_ptr, cnt_ptr, N, V: tl.constexpr,
-               S: tl.constexpr, TPS: tl.constexpr, BLOCK: tl.constexpr,
-               EV1: tl.constexpr, EV2: tl.constexpr, ST: tl.constexpr):
-    """S programs per row: partial lse per segment, a counter barrier, then own-segment grad."""
-    pid = tl.program_id(0)
-    row = pid // S
-    seg = pid % S
-    row64 = row.to(tl.int64)
-    p_row = p_ptr + row64 * V
-    g_row = g_ptr + row64 * V
+def _span_lse(p_row, t0, t1, last, V: tl.constexpr, BLOCK: tl.constexpr, EV1: tl.constexpr):
+    """Base-2 ``(max, sum)`` of whole tiles ``[t0, t1)``, plus the masked tail if ``last``."""
     cols = tl.arange(0, BLOCK)
     n_full: tl.constexpr = V // BLOCK
-    t0 = seg * TPS
-    t1 = tl.minimum(t0 + TPS, n_full)
     m = -float("inf")
     s = 0.0
     for b in range(t0, t1):
         x = tl.load(p_row + b * BLOCK + cols, eviction_policy=EV1).to(tl.float32) * LOG2E
         m, s = _lse_step(x, m, s)
-    last = seg == S - 1
     if V % BLOCK != 0:
         offs = n_full * BLOCK + cols
         x = tl.load(p_row + offs, mask=(offs < V) & last, other=-float("inf"),
                     eviction_policy=EV1)
         m, s = _lse_step(x.to(tl.float32) * LOG2E, m, s)
-    lse2 = _meet(part_ptr, cnt_ptr, row64, seg, m, s, S, S)
-    c = tl.load(c_ptr + row)
-    a = tl.load(ids_ptr + row)
+    return m, s
+
+
+@triton.jit
+def _span_grad(p_row, g_row, t0, t1, last, c, a, lse2, V: tl.constexpr, BLOCK: tl.constexpr,
+               EV2: tl.constexpr, ST: tl.constexpr):
+    """``c * (onehot(a) - softmax)`` on tiles ``[t0, t1)`` (last to first), tail if ``last``."""
+    cols = tl.arange(0, BLOCK)
+    n_full: tl.constexpr = V // BLOCK
     if V % BLOCK != 0:
         offs = n_full * BLOCK + cols
         tm = (offs < V) & last
@@ -150,6 +151,36 @@ def coop_fused(p_ptr, c_ptr, ids_ptr, g_ptr, part_ptr, cnt_ptr, N, V: tl.constex
         xg = tl.load(p_row + offs, eviction_policy=EV2).to(tl.float32)
         g = c * (tl.where(offs == a, 1.0, 0.0) - tl.exp2(xg * LOG2E - lse2))
         tl.store(g_row + offs, g.to(tl.bfloat16), eviction_policy=ST)
+
+
+@triton.jit
+def _span_work(p_ptr, c_ptr, ids_ptr, g_ptr, part_ptr, cnt_ptr, row, seg, V: tl.constexpr,
+               S: tl.constexpr, S2: tl.constexpr, TPS: tl.constexpr, BLOCK: tl.constexpr,
+               POLL: tl.constexpr, EV1: tl.constexpr, EV2: tl.constexpr, ST: tl.constexpr):
+    """Span ``seg`` of ``row``: its partial lse, the row's meeting, then its gradient."""
+    row64 = row.to(tl.int64)
+    p_row = p_ptr + row64 * V
+    g_row = g_ptr + row64 * V
+    t0 = seg * TPS
+    t1 = tl.minimum(t0 + TPS, V // BLOCK)
+    last = seg == S - 1
+    m, s = _span_lse(p_row, t0, t1, last, V, BLOCK, EV1)
+    lse2 = _meet(part_ptr, cnt_ptr, row64, seg, m, s, S, S2, POLL)
+    c = tl.load(c_ptr + row)
+    a = tl.load(ids_ptr + row)
+    _span_grad(p_row, g_row, t0, t1, last, c, a, lse2, V, BLOCK, EV2, ST)
+
+
+@triton.jit
+def coop_fused(p_ptr, c_ptr, ids_ptr, g_ptr, part_ptr, cnt_ptr, N, V: tl.constexpr,
+               S: tl.constexpr, TPS: tl.constexpr, BLOCK: tl.constexpr,
+               EV1: tl.constexpr, EV2: tl.constexpr, ST: tl.constexpr):
+    """S programs per row: partial lse per segment, a counter barrier, then own-segment grad."""
+    pid = tl.program_id(0)
+    row = pid // S
+    seg = pid % S
+    _span_work(p_ptr, c_ptr, ids_ptr, g_ptr, part_ptr, cnt_ptr, row, seg, V, S, S, TPS, BLOCK,
+               0, EV1, EV2, ST)
 
 
 @triton.jit
@@ -283,7 +314,7 @@ def coop_reg(p_ptr, c_ptr, ids_ptr, g_ptr, part_ptr, cnt_ptr, N, V: tl.constexpr
     x = tl.load(p_ptr + row64 * V + offs, mask=inside, other=-float("inf")).to(tl.float32) * LOG2E
     m = tl.max(x, axis=0)
     s = tl.sum(tl.exp2(x - m), axis=0)
-    lse2 = _meet(part_ptr, cnt_ptr, row64, seg, m, s, S, S2)
+    lse2 = _meet(part_ptr, cnt_ptr, row64, seg, m, s, S, S2, 0)
     c = tl.load(c_ptr + row)
     a = tl.load(ids_ptr + row)
     g = c * (tl.where(offs == a, 1.0, 0.0) - tl.exp2(x - lse2))
@@ -313,30 +344,6 @@ def coop_reg_section(p, c, ids, g, err, floor2):
 
 
 @triton.jit
-def _meet_poll(part_ptr, cnt_ptr, row64, seg, m, s, S: tl.constexpr, S2: tl.constexpr,
-               POLL: tl.constexpr):
-    """``_meet`` with a choice of spin: 0 atomic reads, 1 volatile loads then one atomic read."""
-    tl.store(part_ptr + (row64 * S + seg) * 2, m)
-    tl.store(part_ptr + (row64 * S + seg) * 2 + 1, s)
-    tl.debug_barrier()
-    tl.atomic_add(cnt_ptr + row64, 1, sem="release")
-    if POLL == 1:
-        cnt = tl.load(cnt_ptr + row64, volatile=True)
-        while cnt < S:
-            cnt = tl.load(cnt_ptr + row64, volatile=True)
-    cnt = tl.atomic_add(cnt_ptr + row64, 0, sem="acquire")
-    while cnt < S:
-        cnt = tl.atomic_add(cnt_ptr + row64, 0, sem="acquire")
-    so = tl.arange(0, S2)
-    ms = tl.load(part_ptr + (row64 * S + so) * 2, mask=so < S, other=-float("inf"),
-                 cache_modifier=".cg")
-    ss = tl.load(part_ptr + (row64 * S + so) * 2 + 1, mask=so < S, other=0.0,
-                 cache_modifier=".cg")
-    mm = tl.max(ms, axis=0)
-    return mm + tl.log2(tl.sum(ss * tl.exp2(ms - mm), axis=0))
-
-
-@triton.jit
 def persist_fused(p_ptr, c_ptr, ids_ptr, g_ptr, part_ptr, cnt_ptr, ticket_ptr, N,
                   V: tl.constexpr, S: tl.constexpr, S2: tl.constexpr, TPS: tl.constexpr,
                   BLOCK: tl.constexpr, TICKET: tl.constexpr, POLL: tl.constexpr,
@@ -349,8 +356,6 @@ def persist_fused(p_ptr, c_ptr, ids_ptr, g_ptr, part_ptr, cnt_ptr, ticket_ptr, N
     the whole grid resident).
     """
     n_items = N * S
-    cols = tl.arange(0, BLOCK)
-    n_full: tl.constexpr = V // BLOCK
     if TICKET:
         w = tl.atomic_add(ticket_ptr, 1)
     else:
@@ -358,37 +363,8 @@ def persist_fused(p_ptr, c_ptr, ids_ptr, g_ptr, part_ptr, cnt_ptr, ticket_ptr, N
     while w < n_items:
         row = w // S
         seg = w % S
-        row64 = row.to(tl.int64)
-        p_row = p_ptr + row64 * V
-        g_row = g_ptr + row64 * V
-        t0 = seg * TPS
-        t1 = tl.minimum(t0 + TPS, n_full)
-        m = -float("inf")
-        s = 0.0
-        for b in range(t0, t1):
-            x = tl.load(p_row + b * BLOCK + cols, eviction_policy=EV1).to(tl.float32) * LOG2E
-            m, s = _lse_step(x, m, s)
-        last = seg == S - 1
-        if V % BLOCK != 0:
-            offs = n_full * BLOCK + cols
-            x = tl.load(p_row + offs, mask=(offs < V) & last, other=-float("inf"),
-                        eviction_policy=EV1)
-            m, s = _lse_step(x.to(tl.float32) * LOG2E, m, s)
-        lse2 = _meet_poll(part_ptr, cnt_ptr, row64, seg, m, s, S, S2, POLL)
-        c = tl.load(c_ptr + row)
-        a = tl.load(ids_ptr + row)
-        if V % BLOCK != 0:
-            offs = n_full * BLOCK + cols
-            tm = (offs < V) & last
-            x = tl.load(p_row + offs, mask=tm, other=0.0, eviction_policy=EV2)
-            g = c * (tl.where(offs == a, 1.0, 0.0) - tl.exp2(x.to(tl.float32) * LOG2E - lse2))
-            tl.store(g_row + offs, g.to(tl.bfloat16), mask=tm, eviction_policy=ST)
-        for i in range(t0, t1):
-            b = t1 - 1 - (i - t0)
-            offs = b * BLOCK + cols
-            xg = tl.load(p_row + offs, eviction_policy=EV2).to(tl.float32)
-            g = c * (tl.where(offs == a, 1.0, 0.0) - tl.exp2(xg * LOG2E - lse2))
-            tl.store(g_row + offs, g.to(tl.bfloat16), eviction_policy=ST)
+        _span_work(p_ptr, c_ptr, ids_ptr, g_ptr, part_ptr, cnt_ptr, row, seg, V, S, S2, TPS,
+                   BLOCK, POLL, EV1, EV2, ST)
         if TICKET:
             w = tl.atomic_add(ticket_ptr, 1)
         else:
@@ -441,39 +417,8 @@ def ticket_fused(p_ptr, c_ptr, ids_ptr, g_ptr, part_ptr, cnt_ptr, ticket_ptr, N,
     w = tl.atomic_add(ticket_ptr, 1)
     row = w // S
     seg = w % S
-    row64 = row.to(tl.int64)
-    p_row = p_ptr + row64 * V
-    g_row = g_ptr + row64 * V
-    cols = tl.arange(0, BLOCK)
-    n_full: tl.constexpr = V // BLOCK
-    t0 = seg * TPS
-    t1 = tl.minimum(t0 + TPS, n_full)
-    m = -float("inf")
-    s = 0.0
-    for b in range(t0, t1):
-        x = tl.load(p_row + b * BLOCK + cols, eviction_policy=EV1).to(tl.float32) * LOG2E
-        m, s = _lse_step(x, m, s)
-    last = seg == S - 1
-    if V % BLOCK != 0:
-        offs = n_full * BLOCK + cols
-        x = tl.load(p_row + offs, mask=(offs < V) & last, other=-float("inf"),
-                    eviction_policy=EV1)
-        m, s = _lse_step(x.to(tl.float32) * LOG2E, m, s)
-    lse2 = _meet_poll(part_ptr, cnt_ptr, row64, seg, m, s, S, S2, 0)
-    c = tl.load(c_ptr + row)
-    a = tl.load(ids_ptr + row)
-    if V % BLOCK != 0:
-        offs = n_full * BLOCK + cols
-        tm = (offs < V) & last
-        x = tl.load(p_row + offs, mask=tm, other=0.0, eviction_policy=EV2)
-        g = c * (tl.where(offs == a, 1.0, 0.0) - tl.exp2(x.to(tl.float32) * LOG2E - lse2))
-        tl.store(g_row + offs, g.to(tl.bfloat16), mask=tm, eviction_policy=ST)
-    for i in range(t0, t1):
-        b = t1 - 1 - (i - t0)
-        offs = b * BLOCK + cols
-        xg = tl.load(p_row + offs, eviction_policy=EV2).to(tl.float32)
-        g = c * (tl.where(offs == a, 1.0, 0.0) - tl.exp2(xg * LOG2E - lse2))
-        tl.store(g_row + offs, g.to(tl.bfloat16), eviction_policy=ST)
+    _span_work(p_ptr, c_ptr, ids_ptr, g_ptr, part_ptr, cnt_ptr, row, seg, V, S, S2, TPS, BLOCK,
+               0, EV1, EV2, ST)
 
 
 def ticket_section(p, c, ids, g, err, floor2):

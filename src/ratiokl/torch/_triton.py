@@ -125,17 +125,18 @@ def _launch_backward(
     config = config or backward_config(vocab, logits.element_size())
     tiles = -(-vocab // config.block_v)
     per_prog = -(-tiles // backward_splits(n_rows, vocab, logits.element_size()))
-    terms = [(g_logp, lse), (g_ratio, ratio), (g_kl, dkl)]
-    given = tuple(g is not None for g, _ in terms)
-    # An absent term's pointers are placeholders (never read); its stride is 0.
+    upstream = (g_logp, g_ratio, g_kl)
+    given = [g is not None for g in upstream]
+    # An absent term's arrays are placeholders (never read: its HAS_G_* is off), stride 0.
     pointers = [g_logp if given[0] else lse, g_ratio if given[1] else lse,
                 ratio if given[1] else lse, g_kl if given[2] else lse, dkl if given[2] else lse]
-    strides = [g.stride(0) if g is not None else 0 for g, _ in terms]
+    strides = [g.stride(0) if g is not None else 0 for g in upstream]
     wrap(logp_backward_kernel)[(n_rows, -(-tiles // per_prog))](
         logits, ids, mask, temp, lse, *pointers,
         grad,
         vocab, logits.stride(0), logits.stride(1), 0 if temp.numel() == 1 else temp.stride(0),
-        *strides, per_prog, HAS_G_LOGP=given[0], HAS_G_RATIO=given[1], HAS_G_KL=given[2],
+        *strides, per_prog,
+        HAS_G_LOGP=given[0], HAS_G_RATIO=given[1], HAS_G_KL=given[2],
         BLOCK_V=config.block_v, num_warps=config.num_warps,
     )
     return grad
