@@ -1,7 +1,9 @@
 """One measurement: a provider's op in one mode on one case -> a record.
 
-Modes: ``fwd`` is the forward as a trainer runs it (autograd on, so the
-tensors kept for the backward are allocated and counted); ``fwd+bwd`` is
+Modes: ``fwd`` is the forward's values alone, no gradient requested
+(PyTorch under ``torch.no_grad``, JAX the jitted primal function: the same
+work in both frameworks; the fused policy loss does its gradient work in
+the autograd forward, so its training cost is ``fwd+bwd``); ``fwd+bwd`` is
 the forward followed by the gradient with respect to the policy logits
 (``torch.autograd.grad`` / ``jax.vjp``) for fixed random upstream gradients
 (1 for a scalar loss); ``bwd`` is derived as ``fwd+bwd - fwd`` (the same
@@ -51,7 +53,7 @@ def _jax_cotangents(op: str, rest: Dict[str, Any]) -> Any:
 
 def _torch_mode(t: TorchOp, op: str, mode: str, x: Any) -> Callable[[], Any]:
     if mode == FWD:
-        return t.forward
+        return torch.no_grad()(t.forward)
     cot = _torch_cotangents(op, x)
 
     def fwd_bwd() -> Any:

@@ -10,6 +10,9 @@ Kernels (one program per row of ``[N, V]`` logits):
     shard_stats_kernel    -- a vocabulary shard's partial log-sum-exp and selected logit
     lse_partials_kernel   -- few rows: partial log-sum-exps per (row, vocabulary split)
     logp_combine_kernel   -- few rows: folds the partials into the forward's outputs
+
+The fused policy loss (``fused_loss``, with ``objective``) and its row-vector kernels
+(``loss_rows``) are imported from their modules by the launchers.
 """
 
 from ratiokl._kernels.backward import logp_backward_kernel

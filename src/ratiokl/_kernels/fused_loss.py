@@ -19,12 +19,13 @@ program, which
    and the forward's memory is O(N)).
 
 Spans are small so that the spans in flight fit in L2 and the second read
-comes from L2 rather than HBM (on the H200 a step takes 1.80 ms against
-1.16 for one read and one write of the logits: :func:`launch_plan`). The wait is safe without a cooperative launch: work is taken
-in order from a device counter, so a program only waits for spans that
-running programs have taken or will take (the pattern of single-pass
-decoupled look-back scans); it needs a row's programs resident together,
-8 small programs. Triton's interpreter runs programs one at a time, so
+comes from L2 rather than HBM (on the H200 the kernel takes 1.60 ms against
+1.16 for one read and one write of the logits: :func:`launch_plan`). The
+wait is safe without a cooperative launch: work is taken in order from a
+device counter, so a program only waits for spans that running programs
+have taken or will take (the pattern of single-pass decoupled look-back
+scans); it needs a row's programs resident together, ``SPLITS`` small
+programs. Triton's interpreter runs programs one at a time, so
 there a program takes all of a row's spans (``SPANS = SPLITS``, no wait);
 the bits are the same either way. The backward is ``scale_rows_kernel``, a
 per-row scale of the stored gradient by the upstream value that skips rows
@@ -43,7 +44,7 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
-from ratiokl._kernels.backward import _grad_tile, tile_action
+from ratiokl._kernels.backward import grad_span
 from ratiokl._kernels.forward import span_lse2, split_span
 from ratiokl._kernels.heuristics import (
     LaunchConfig,
@@ -56,7 +57,7 @@ from ratiokl._kernels.numerics import LN2, LOG2E, shift_of, to_storage
 from ratiokl._kernels.objective import token_objective
 
 #: Spans of a row in the fused kernel (fewer when the row has fewer tiles).
-_SPLITS = 8
+_SPLITS = 10
 
 
 class FusedPlan(NamedTuple):
@@ -78,12 +79,15 @@ def launch_plan(vocab: int, itemsize: int, n_rows: int, write_grad: bool,
     A row's programs each read their span (the log-sum-exp partials), meet at
     a device-side counter to combine the row's statistics, then write their
     span's gradient while it is still in L2. Measured on the H200 (bf16,
-    N = 8192, V = 151,936, reference log-probs, torch ``policy_loss`` forward
-    + backward, ``benchmarks/fused_loss_timing.py --sweep``): 4096 x 4 warps,
-    8 spans 1.80 ms, 10 spans 1.83, 13 spans 1.90, 19 spans 2.12, one program
-    per row 2.13 (the gradient sweep then re-reads most of the row from HBM;
-    the previous one-program-per-row kernel: 1.91). A simplified twin of the
-    kernel with fewer registers (56 against 96, so more programs resident)
+    N = 8192, V = 151,936, reference log-probs, ``policy_loss`` forward +
+    backward, 4096 x 4 warps, 56 registers; device time with the host ahead,
+    ``benchmarks/_harness``): torch 10 spans 1.64 ms, 8 spans 1.69, 13 spans
+    1.68, 6 spans 1.76; the JAX launch 1.65, 1.58, 1.63 and 1.64 (one run
+    each). ``fused_loss_timing.py --sweep`` (``do_bench``, torch): 19 spans
+    1.93, one program per row 2.04 (the gradient sweep then re-reads most of
+    the row from HBM). At 96 registers (a masked gradient loop, the objective
+    inlined) torch took 1.80 with 8 spans and 1.83 with 10. A simplified twin of
+    the kernel (one coefficient per row, no metrics, no other launches)
     reached 1.566 ms with 13 spans and 1.596 with 8, and 1.78-3.8 ms on a
     persistent grid (``benchmarks/fused_loss_variants.py``). Without a
     gradient there is nothing to re-read: enough rows fill the GPU with one
@@ -98,34 +102,6 @@ def launch_plan(vocab: int, itemsize: int, n_rows: int, write_grad: bool,
     spans = split_plan(vocab, config.block_v, _SPLITS)
     whole_rows = interpreted or not (write_grad or use_split_forward(n_rows, spans))
     return FusedPlan(config, spans, spans.splits if whole_rows else 1)
-
-
-@triton.jit
-def _grad_sweep(p_row, grad_row, V, stride_pv, a, k, lse2, c, active, t0, t1, tail_on,
-                BLOCK_V: tl.constexpr, EVICT: tl.constexpr):
-    """``grad = c * (onehot(a) - exp2(p * k - lse2))`` on whole tiles ``[t0, t1)`` (+ tail).
-
-    Exact 0 on an inactive row (nothing read). Tiles are visited last to
-    first: the tiles the log-sum-exp pass read most recently are the likeliest
-    to be still in L2. Each element is independent, so no order or split
-    changes a bit of the result.
-    """
-    cols = tl.arange(0, BLOCK_V)
-    if V % BLOCK_V != 0:
-        if tail_on:
-            offs = ((V // BLOCK_V) * BLOCK_V + cols).to(tl.int64)
-            tail = offs < V
-            _grad_tile(
-                p_row + offs * stride_pv, grad_row + offs, cols,
-                tile_action(a, (V // BLOCK_V) * BLOCK_V, BLOCK_V), tail & active, tail,
-                k, lse2, c, active, EVICT,
-            )
-    on = tl.full([BLOCK_V], 1, tl.int1) & active
-    for i in range(t0, t1):
-        col0 = (t1 - 1 - (i - t0)) * BLOCK_V
-        offs = (col0 + cols).to(tl.int64)
-        _grad_tile(p_row + offs * stride_pv, grad_row + offs, cols,
-                   tile_action(a, col0, BLOCK_V), on, None, k, lse2, c, active, EVICT)
 
 
 @triton.jit
@@ -293,8 +269,9 @@ def policy_loss_kernel(
         t0 = first * TILES_PER_SPLIT
         t1 = tl.minimum(t0 + SPANS * TILES_PER_SPLIT, V // BLOCK_V)
         tail_on = ((V // BLOCK_V) >= t0) & ((V // BLOCK_V) < t0 + SPANS * TILES_PER_SPLIT)
-        _grad_sweep(p_row, grad_ptr + row * V, V, stride_pv, a, k, lse2, c, active, t0, t1,
-                    tail_on, BLOCK_V, "evict_first")
+        # Last tile first: the tiles pass 1 read most recently are the likeliest in L2.
+        grad_span(p_row, grad_ptr + row * V, V, stride_pv, a, k, lse2, c, active, t0, t1,
+                  tail_on, True, BLOCK_V, "evict_first")
 
 
 @triton.jit

@@ -60,7 +60,7 @@ def _policy_kl(d, r, dr, KL_CODE: tl.constexpr, BOUND: tl.constexpr):
     return kl, dkl
 
 
-@triton.jit
+@triton.jit(noinline=True)  # a call, not inlined: 72 -> 56 registers for the fused kernel
 def token_objective(
     logp, old, adv, iw, logp_ref,
     KL_CODE: tl.constexpr, KL_COEF: tl.constexpr, RATIO_LOW: tl.constexpr,

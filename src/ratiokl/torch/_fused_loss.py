@@ -13,8 +13,9 @@ Which options fuse (:func:`fuses`): every option of ``policy_loss`` except
 before the objective) and vocabulary-sharded logits (``vocab_group``);
 those run the two-pass path (``selected_logprobs`` + ``_objective``). The
 aggregation weights ``w = a_t / D`` depend only on the mask, segment ids
-and ``loss_normalizer``, so they are ``[N]`` framework ops before the launch
-(``_objective.aggregation_weights``); the float options (clip bounds,
+and ``loss_normalizer``, so they are computed before the launch (one
+launch for the token-level aggregations, ``_loss_rows``), and the metrics
+after it in one more; the float options (clip bounds,
 ``kl_coef``, ``log_ratio_bound``) are compile-time constants of the kernel
 (one compile per distinct value, as they are fixed for a run).
 
@@ -40,9 +41,8 @@ from torch.library import custom_op, register_autograd, triton_op, wrap_triton
 
 from ratiokl._kernels import interpreted
 from ratiokl._kernels.fused_loss import launch_plan, policy_loss_kernel, scale_rows_kernel
-from ratiokl._kernels.objective import CLIP_CAPPED, CLIP_HIGH, CLIP_LOW
 from ratiokl.spec import PolicyLossOptions
-from ratiokl.torch import _objective, _triton
+from ratiokl.torch import _loss_rows, _objective, _triton
 
 __all__ = ["fuses", "policy_loss"]
 
@@ -299,7 +299,7 @@ def policy_loss(
       and the detached metrics of ``_objective.token_metrics``.
     """
     mask_rows = _objective.as_rows(mask, lead)
-    w = _objective.aggregation_weights(mask_rows, inputs, opts).reshape(-1)
+    w = _loss_rows.aggregation_weights(mask_rows, inputs, opts).reshape(-1)
     has_ref = ref is not None or ref_logps is not None
     # No gradient wanted (no_grad, frozen logits): the row is read once, memory O(N).
     write_grad = torch.is_grad_enabled() and policy.requires_grad
@@ -313,8 +313,4 @@ def policy_loss(
         _flat(inputs.advantages), _flat(inputs.importance_weights), w, ref is not None,
         *_options(opts, has_ref, write_grad),
     )[:5]
-    metrics = _objective.token_metrics(
-        mask, mask.sum(), (bits & CLIP_LOW.value) != 0, (bits & CLIP_HIGH.value) != 0,
-        (bits & CLIP_CAPPED.value) != 0, ratio, kl, torch.where(mask, old, 0.0) - logp,
-    )
-    return loss_rows.sum(), metrics
+    return loss_rows.sum(), _loss_rows.token_metrics(mask, logp, ratio, kl, bits, old)

@@ -1,0 +1,134 @@
+"""The fused policy loss's row vectors in one launch each: aggregation weights and metrics.
+
+``_kernels.loss_rows`` as PyTorch ops, bound like the other launches
+(``_triton.choose_op``): a ``triton_op`` while ``torch.compile`` traces, the
+kernel itself in eager CUDA, the interpreter twin on CPU tensors. Neither
+has a gradient: the weights depend only on the mask and the metrics are
+detached.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import numpy as np
+import torch
+from torch.library import custom_op, triton_op, wrap_triton
+
+from ratiokl._kernels import interpreted
+from ratiokl._kernels.loss_rows import (
+    ROWS_BLOCK,
+    ROWS_WARPS,
+    policy_metrics_kernel,
+    token_weights_kernel,
+)
+from ratiokl.spec import PolicyLossOptions
+from ratiokl.torch import _objective, _triton
+
+__all__ = ["METRIC_NAMES", "aggregation_weights", "token_metrics"]
+
+#: The order of ``policy_metrics_kernel``'s outputs.
+METRIC_NAMES = (
+    "clip_fraction", "clip_fraction_low", "clip_fraction_high", "dual_clip_fraction",
+    "ratio_mean", "kl_mean", "approx_kl",
+)
+
+
+def _weights(kernel, mask: torch.Tensor, denom: float, count: bool) -> torch.Tensor:
+    w = torch.empty(mask.shape, dtype=torch.float32, device=mask.device)
+    if mask.numel():
+        kernel[(1,)](mask, w, mask.numel(), denom, COUNT=count, BLOCK=ROWS_BLOCK,
+                     num_warps=ROWS_WARPS)
+    return w
+
+
+def _metrics(kernel, mask, logp, ratio, kl, bits, old) -> torch.Tensor:
+    out = torch.zeros(len(METRIC_NAMES), dtype=torch.float32, device=mask.device)
+    if mask.numel():
+        kernel[(1,)](mask, logp, ratio, kl, bits, old, out, mask.numel(), BLOCK=ROWS_BLOCK,
+                     num_warps=ROWS_WARPS)
+    return out
+
+
+@triton_op("ratiokl::token_weights", mutates_args=())
+def _triton_weights(mask: torch.Tensor, denom: float, count: bool) -> torch.Tensor:
+    return _weights(wrap_triton(token_weights_kernel), mask, denom, count)
+
+
+@triton_op("ratiokl::policy_metrics", mutates_args=())
+def _triton_metrics(mask: torch.Tensor, logp: torch.Tensor, ratio: torch.Tensor,
+                    kl: torch.Tensor, bits: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    return _metrics(wrap_triton(policy_metrics_kernel), mask, logp, ratio, kl, bits, old)
+
+
+@custom_op("ratiokl::interpret_token_weights", mutates_args=(), device_types="cpu")
+def _interpret_weights(mask: torch.Tensor, denom: float, count: bool) -> torch.Tensor:
+    return _weights(interpreted(token_weights_kernel), mask, denom, count)
+
+
+@_interpret_weights.register_fake
+def _(mask, denom, count):
+    return mask.new_empty(mask.shape, dtype=torch.float32)
+
+
+@custom_op("ratiokl::interpret_policy_metrics", mutates_args=(), device_types="cpu")
+def _interpret_metrics(mask: torch.Tensor, logp: torch.Tensor, ratio: torch.Tensor,
+                       kl: torch.Tensor, bits: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    with np.errstate(all="ignore"):  # NaN on inactive rows is data, selected out
+        return _metrics(interpreted(policy_metrics_kernel), mask, logp, ratio, kl, bits, old)
+
+
+@_interpret_metrics.register_fake
+def _(mask, logp, ratio, kl, bits, old):
+    return mask.new_empty(len(METRIC_NAMES), dtype=torch.float32)
+
+
+def _eager_weights(mask: torch.Tensor, denom: float, count: bool) -> torch.Tensor:
+    return _weights(_triton._raw(token_weights_kernel), mask, denom, count)
+
+
+def _eager_metrics(*rows: torch.Tensor) -> torch.Tensor:
+    return _metrics(_triton._raw(policy_metrics_kernel), *rows)
+
+
+def _token_denominator(opts: PolicyLossOptions, normalizer, width: int) -> Optional[float]:
+    """``D`` of ``w = mask / D`` as a number (None: the active count, or not of that form).
+
+    ``seq-mean-token-mean`` weighs tokens by their sequence's length, a tensor
+    normaliser is device data, and sequence counts need segments: those are
+    left to ``_objective``.
+    """
+    if opts.agg_code == 2:
+        return None
+    if isinstance(normalizer, float):
+        return normalizer
+    if normalizer is not None or opts.agg_code in (0, 3):
+        return None
+    return 1.0 if opts.agg_code == 1 else float(width)
+
+
+def aggregation_weights(mask_rows: torch.Tensor, inputs: _objective.TokenInputs,
+                        opts: PolicyLossOptions) -> torch.Tensor:
+    """``_objective.aggregation_weights`` (float32 ``[R, T]``), one launch where it can be.
+
+    Where every active token weighs the same (``token-mean``, ``token-sum``,
+    ``seq-mean-token-sum-norm``; ``seq-mean-token-sum`` with a numeric
+    ``loss_normalizer``): ``token_weights_kernel``. The others (sequence
+    counts or lengths, a tensor normaliser) take ``_objective``'s ops.
+    """
+    denom = _token_denominator(opts, inputs.loss_normalizer, mask_rows.shape[-1])
+    count = denom is None and opts.agg_code == 0 and inputs.loss_normalizer is None
+    if denom is None and not count:
+        return _objective.aggregation_weights(mask_rows, inputs, opts)
+    op = _triton.choose_op(mask_rows.device, _interpret_weights, _triton_weights, _eager_weights)
+    return op(mask_rows, 1.0 if denom is None else denom, count)
+
+
+def token_metrics(mask, logp, ratio, kl, bits, old) -> Dict[str, torch.Tensor]:
+    """The metrics of ``_objective.token_metrics`` from the fused kernel's ``[N]`` rows.
+
+    ``mask`` bool; ``logp``, ``ratio``, ``kl``, ``old`` float32; ``bits`` int32
+    clip bits. Detached float32 0-d tensors (views of one ``[7]`` tensor).
+    """
+    op = _triton.choose_op(mask.device, _interpret_metrics, _triton_metrics, _eager_metrics)
+    return dict(zip(METRIC_NAMES, op(mask, logp, ratio, kl, bits, old).unbind()))

@@ -1,0 +1,75 @@
+"""The fused policy loss's row-vector launches (``ratiokl.torch._loss_rows``) on the interpreter.
+
+Weights and metrics from ``_kernels.loss_rows`` against the PyTorch ops of
+``ratiokl.torch._objective`` they replace: every aggregation, with and
+without a normaliser (number or tensor), masks with no, some and all rows
+active, more rows than one block, and NaN / inf in inactive rows' values.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from ratiokl._kernels.loss_rows import ROWS_BLOCK  # noqa: E402
+from ratiokl._kernels.objective import CLIP_CAPPED, CLIP_HIGH, CLIP_LOW  # noqa: E402
+from ratiokl.spec import LOSS_AGGS, policy_loss_options  # noqa: E402
+from ratiokl.spec.policy_loss import POLICY_LOSS_DEFAULTS  # noqa: E402
+from ratiokl.torch import _loss_rows, _objective  # noqa: E402
+
+#: [R, T] layouts: a few rows; more tokens than one block of the kernels' loops.
+SHAPES = [(3, 5), (2, ROWS_BLOCK // 2 + 7)]
+DENSITIES = [0.0, 0.6, 1.0]
+
+
+def _mask(shape, density: float, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(shape, generator=g) < density
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("density", DENSITIES)
+@pytest.mark.parametrize("agg", sorted(LOSS_AGGS))
+@pytest.mark.parametrize("normalizer", [None, 7.5, "tensor"])
+def test_weights_match_objective_ops(shape, density, agg, normalizer):
+    mask = _mask(shape, density, seed=len(agg))
+    segs = torch.randint(0, 3, shape, generator=torch.Generator().manual_seed(1))
+    norm = torch.tensor(7.5) if normalizer == "tensor" else normalizer
+    inputs = _objective.token_inputs(shape, torch.zeros(shape), torch.zeros(shape), segs,
+                                     None, norm)
+    opts = policy_loss_options(**{**POLICY_LOSS_DEFAULTS, "loss_agg": agg})
+    got = _loss_rows.aggregation_weights(mask, inputs, opts)
+    want = _objective.aggregation_weights(mask, inputs, opts)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0.0)
+    assert torch.all(got[~mask] == 0)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("density", DENSITIES)
+def test_metrics_match_objective_ops(shape, density):
+    n = shape[0] * shape[1]
+    g = torch.Generator().manual_seed(2)
+    mask = _mask((n,), density, seed=3)
+    logp = torch.where(mask, -torch.rand(n, generator=g) * 5, 0.0)
+    ratio = torch.where(mask, torch.rand(n, generator=g) * 2, 1.0)
+    kl = torch.where(mask, torch.rand(n, generator=g), 0.0)
+    bits = torch.randint(0, 8, (n,), generator=g, dtype=torch.int32)
+    old = -torch.rand(n, generator=g) * 5
+    # Garbage where rows are inactive: it must stay out of every mean.
+    old = torch.where(mask, old, torch.tensor(float("nan")))
+    ratio = torch.where(mask, ratio, torch.tensor(float("inf")))
+    bits = torch.where(mask, bits, torch.tensor(7, dtype=torch.int32))
+    got = _loss_rows.token_metrics(mask, logp, ratio, kl, bits, old)
+    want = _objective.token_metrics(
+        mask, mask.sum(), (bits & CLIP_LOW.value) != 0, (bits & CLIP_HIGH.value) != 0,
+        (bits & CLIP_CAPPED.value) != 0, ratio, kl, torch.where(mask, old, 0.0) - logp,
+    )
+    assert set(got) == set(want)
+    for name in want:
+        assert got[name].shape == () and torch.isfinite(got[name]), name
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
+    if density == 0.0:
+        assert all(float(v) == 0.0 for v in got.values())
