@@ -10,9 +10,9 @@ Measured on the H200 (bf16, N=8192, V=151,936, ``benchmarks/gpu_smoke.py
 and 64 bytes per thread per tensor and tile (4096 x 4 warps: 1.17 ms, about 94 %
 of the read ceiling in PERF.md; 8 warps: 1.36 ms); the backward (one read, one
 write) is within 2 % across 8-16 warps and 16-64 bytes per thread, best at
-16 warps and 32 bytes (8192 x 16 warps: 1.24 ms; 16384 x 16 warps 1.29 in this kernel,
-although a simplified twin ran it at 1.231 against 1.243, ``benchmarks/fused_loss_variants.py
-bwd``; a device copy of the same bytes 1.17 ms).
+16 warps and 32 bytes (8192 x 16 warps: 1.24 ms; 16384 x 16 warps 1.23 since the kernel
+holds 32 registers instead of 62, within run-to-run noise, so unchanged; a device copy of
+the same bytes 1.16 ms).
 """
 
 from typing import NamedTuple
