@@ -212,6 +212,22 @@ def bench(fn):
     return triton.testing.do_bench(fn, warmup=25, rep=150)
 
 
+def trial(run, g, err, floor2, **fields):
+    """One configuration: a checked first run (max error against the reference gradient),
+    then its timing, as one record; one that fails to compile or launch records the error.
+    ``run`` may return the launched kernel (its register count is recorded)."""
+    try:
+        g.zero_()
+        kernel = run()
+        torch.cuda.synchronize()
+        e = err()
+        ms = bench(run)
+        rec(**fields, ms=ms, gbps_rw=floor2 / ms / 1e6, err=e,
+            regs=getattr(kernel, "n_regs", None))
+    except Exception as ex:  # noqa: BLE001 - some configurations do not compile
+        rec(**fields, error=repr(ex)[:300])
+
+
 def main(section):
     torch.manual_seed(0)
     p = torch.randn(N, V, device="cuda").to(torch.bfloat16)
@@ -247,14 +263,8 @@ def main(section):
             def run():
                 exp_fused[(progs,)](p, c, ids, g, N, V=V, BLOCK=block, EV1=ev1, EV2=ev2, ST=st,
                                     REV=True, num_warps=warps)
-            try:
-                g.zero_(); run(); e = err()
-                ms = bench(run)
-                rec(sec="fused", block=block, warps=warps, hints=hints, progs=progs, ms=ms,
-                    gbps_rw=floor2 / ms / 1e6, err=e)
-            except Exception as ex:  # noqa
-                rec(sec="fused", block=block, warps=warps, hints=hints, progs=progs,
-                    error=repr(ex)[:300])
+            trial(run, g, err, floor2, sec="fused", block=block, warps=warps, hints=hints,
+                  progs=progs)
     elif section == "coop":
         part = torch.empty(N * 16 * 2, device="cuda")
         for S, block, warps in ((2, 4096, 4), (4, 4096, 4), (8, 4096, 4), (4, 8192, 8),
@@ -270,13 +280,8 @@ def main(section):
                     cnt.zero_()
                     coop_fused[(N * S,)](p, c, ids, g, part, cnt, N, V=V, S=S, TPS=tps,
                                          BLOCK=block, EV1=ev1, EV2=ev2, ST=st, num_warps=warps)
-                try:
-                    g.zero_(); run(); torch.cuda.synchronize(); e = err()
-                    ms = bench(run)
-                    rec(sec="coop", S=S, block=block, warps=warps, hints=hints, ms=ms,
-                        gbps_rw=floor2 / ms / 1e6, err=e)
-                except Exception as ex:  # noqa
-                    rec(sec="coop", S=S, block=block, error=repr(ex)[:300])
+                trial(run, g, err, floor2, sec="coop", S=S, block=block, warps=warps,
+                      hints=hints)
     elif section == "ticket":
         ticket_section(p, c, ids, g, err, floor2)
     elif section == "persist":
@@ -334,13 +339,7 @@ def coop_reg_section(p, c, ids, g, err, floor2):
                 cnt.zero_()
                 coop_reg[(N * S,)](p, c, ids, g, part, cnt, N, V=V, S=S, S2=S2, BLOCK=block,
                                    ST=st, num_warps=warps)
-            try:
-                g.zero_(); run(); torch.cuda.synchronize(); e = err()
-                ms = bench(run)
-                rec(sec="coop_reg", S=S, block=block, warps=warps, st=st, ms=ms,
-                    gbps_rw=floor2 / ms / 1e6, err=e)
-            except Exception as ex:  # noqa
-                rec(sec="coop_reg", S=S, block=block, error=repr(ex)[:300])
+            trial(run, g, err, floor2, sec="coop_reg", S=S, block=block, warps=warps, st=st)
 
 
 @triton.jit
@@ -397,14 +396,8 @@ def persist_section(p, c, ids, g, err, floor2):
             return persist_fused[(progs,)](p, c, ids, g, part, cnt, cnt[N:], N, V=V, S=S,
                                            S2=S2, TPS=tps, BLOCK=block, TICKET=ticket,
                                            POLL=poll, EV1=ev1, EV2=ev2, ST=st, num_warps=warps)
-        try:
-            g.zero_(); kern = run(); torch.cuda.synchronize(); e = err()
-            ms = bench(run)
-            rec(sec="persist", block=block, warps=warps, S=S, progs=progs, ticket=ticket,
-                poll=poll, hints=hint, ms=ms, gbps_rw=floor2 / ms / 1e6, err=e,
-                regs=getattr(kern, "n_regs", None))
-        except Exception as ex:  # noqa
-            rec(sec="persist", block=block, S=S, progs=progs, error=repr(ex)[:300])
+        trial(run, g, err, floor2, sec="persist", block=block, warps=warps, S=S, progs=progs,
+              ticket=ticket, poll=poll, hints=hint)
 
 
 @triton.jit
@@ -442,13 +435,7 @@ def ticket_section(p, c, ids, g, err, floor2):
             return ticket_fused[(N * S,)](p, c, ids, g, part, cnt, cnt[N:], N, V=V, S=S, S2=S2,
                                           TPS=tps, BLOCK=block, EV1=ev1, EV2=ev2, ST=st,
                                           num_warps=warps)
-        try:
-            g.zero_(); kern = run(); torch.cuda.synchronize(); e = err()
-            ms = bench(run)
-            rec(sec="ticket", block=block, warps=warps, S=S, hints=hint, ms=ms,
-                gbps_rw=floor2 / ms / 1e6, err=e, regs=getattr(kern, "n_regs", None))
-        except Exception as ex:  # noqa
-            rec(sec="ticket", block=block, S=S, error=repr(ex)[:300])
+        trial(run, g, err, floor2, sec="ticket", block=block, warps=warps, S=S, hints=hint)
 
 
 if __name__ == "__main__":
