@@ -33,17 +33,23 @@ def tile_action(a, col0, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
+def _tile_grad(x, cols, a_tile, k, lse2, c):
+    """``c * (onehot - softmax)`` of one float32 tile ``x``: ``c * ([cols == a] - exp2(x k - lse2))``.
+
+    ``cols``: the tile's ``arange``; ``a_tile``: :func:`tile_action`.
+    """
+    return c * (tl.where(cols == a_tile, 1.0, 0.0) - tl.exp2(x * k - lse2))
+
+
+@triton.jit
 def _grad_tile(row_ptr, grad_row, cols, a_tile, load_mask, store_mask, k, lse2, c, active,
                EVICT: tl.constexpr):
-    """Gradient of one tile: ``c * (onehot - softmax)``, exact 0 on inactive rows.
+    """Gradient of one masked tile (:func:`_tile_grad`), exact 0 on inactive rows.
 
-    ``cols``: the tile's ``arange``; ``a_tile``: :func:`tile_action`. ``EVICT``:
-    L2 eviction hint of the load and the store (``""``: none).
+    ``EVICT``: L2 eviction hint of the load and the store (``""``: none).
     """
     x = tl.load(row_ptr, mask=load_mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
-    p = tl.exp2(x * k - lse2)
-    g = c * (tl.where(cols == a_tile, 1.0, 0.0) - p)
-    g = tl.where(active, g, 0.0)
+    g = tl.where(active, _tile_grad(x, cols, a_tile, k, lse2, c), 0.0)
     tl.store(grad_row, to_storage(g, grad_row.dtype.element_ty), mask=store_mask,
              eviction_policy=EVICT)
 
@@ -80,8 +86,7 @@ def grad_span(row_ptr, grad_row, V, stride_v, a, k, lse2, c, active, t0, t1, tai
                 col0 = i * BLOCK_V
             offs = (col0 + cols).to(tl.int64)
             x = tl.load(row_ptr + offs * stride_v, eviction_policy=EVICT).to(tl.float32)
-            g = c * (tl.where(cols == tile_action(a, col0, BLOCK_V), 1.0, 0.0)
-                     - tl.exp2(x * k - lse2))
+            g = _tile_grad(x, cols, tile_action(a, col0, BLOCK_V), k, lse2, c)
             tl.store(grad_row + offs, to_storage(g, grad_row.dtype.element_ty),
                      eviction_policy=EVICT)
     else:
