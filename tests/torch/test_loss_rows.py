@@ -62,7 +62,11 @@ def test_metrics_match_objective_ops(shape, density):
     old = torch.where(mask, old, torch.tensor(float("nan")))
     ratio = torch.where(mask, ratio, torch.tensor(float("inf")))
     bits = torch.where(mask, bits, torch.tensor(7, dtype=torch.int32))
-    got = _loss_rows.token_metrics(mask, logp, ratio, kl, bits, old)
+    loss_rows = torch.where(mask, torch.randn(n, generator=g), 0.0).requires_grad_(True)
+    total, got = _loss_rows.loss_and_metrics(loss_rows, mask, logp, ratio, kl, bits, old)
+    torch.testing.assert_close(total, loss_rows.sum(), rtol=1e-5, atol=1e-6)
+    (total * 2.5).backward()  # the sum's gradient: the upstream value on every row
+    assert torch.equal(loss_rows.grad, torch.full((n,), 2.5))
     want = _objective.token_metrics(
         mask, mask.sum(), (bits & CLIP_LOW.value) != 0, (bits & CLIP_HIGH.value) != 0,
         (bits & CLIP_CAPPED.value) != 0, ratio, kl, torch.where(mask, old, 0.0) - logp,

@@ -67,9 +67,14 @@ class FusedPlan(NamedTuple):
     spans: SplitPlan
     spans_per_program: int
 
+    @property
+    def row_programs(self) -> int:
+        """Programs per row (1: a program per row, no device counter)."""
+        return self.spans.splits // self.spans_per_program
+
     def programs(self, n_rows: int) -> int:
         """Programs of the launch: one per (row, group of ``spans_per_program`` spans)."""
-        return n_rows * (self.spans.splits // self.spans_per_program)
+        return n_rows * self.row_programs
 
 
 def launch_plan(vocab: int, itemsize: int, n_rows: int, write_grad: bool,
@@ -92,9 +97,11 @@ def launch_plan(vocab: int, itemsize: int, n_rows: int, write_grad: bool,
     persistent grid (``benchmarks/fused_loss_variants.py``). Without a
     gradient there is nothing to re-read: enough rows fill the GPU with one
     program per row (``heuristics.use_split_forward``; JAX primal 0.66 ms,
-    0.71 with a program per span). ``interpreted``: Triton's interpreter runs
-    programs one after the other, so a row's spans are one program's (no
-    waiting).
+    0.71 with a program per span; torch, a row's spans shared by 2, 3 or 5
+    programs: 0.628, 0.636 and 0.659 ms against 0.625 with one, and density
+    0.5 suffers more: 0.355, 0.364, 0.380 against 0.345). ``interpreted``:
+    Triton's interpreter runs programs one after the other, so a row's spans
+    are one program's (no waiting).
     The spans depend only on ``V`` and the element size and every program
     combines them the same way: no launch changes a bit (batch invariance).
     """
@@ -171,6 +178,7 @@ def policy_loss_kernel(
     # written iff WRITE_GRAD (may be policy_ptr itself: each tile is read before it is written)
     part_ptr,  # [N, SPLITS, 4] f32 scratch: each span's (m_p, s_p, m_r, s_r)
     count_ptr,  # [N + 1] int32, zero at launch: spans published per row; [N]: work taken
+    # (never touched with one program per row: any int32 buffer)
     # sizes and strides (elements)
     N,
     V: tl.constexpr,  # a constant in both launches: 2.29 -> 1.81 ms at the headline shape
@@ -196,10 +204,15 @@ def policy_loss_kernel(
 ):
     # Work is taken in order from a device counter, not by program id: a program
     # waits only for spans already taken or still to be taken, never for a
-    # program the GPU has not started, so it needs SPLITS / SPANS programs resident.
-    item = tl.atomic_add(count_ptr + N, 1).to(tl.int64)
-    row = item // (SPLITS // SPANS)
-    first = (item % (SPLITS // SPANS)) * SPANS
+    # program the GPU has not started, so it needs a row's programs resident.
+    # A program per row waits for nothing and takes its row by program id.
+    ROW_PROGRAMS: tl.constexpr = SPLITS // SPANS
+    if ROW_PROGRAMS == 1:
+        item = tl.program_id(0).to(tl.int64)
+    else:
+        item = tl.atomic_add(count_ptr + N, 1).to(tl.int64)
+    row = item // ROW_PROGRAMS
+    first = (item % ROW_PROGRAMS) * SPANS
     active = tl.load(mask_ptr + row) != 0
     a = tl.load(ids_ptr + row).to(tl.int64)
     bad = active & ((a < 0) | (a >= V))

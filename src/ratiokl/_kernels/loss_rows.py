@@ -9,7 +9,8 @@ kernel here is one program that streams the ``[N]`` vectors in blocks:
 * ``token_weights_kernel`` -- ``w_t = mask_t / D`` for the token-level
   aggregations (``D`` = the active count clamped at 1, or a given number);
 * ``policy_metrics_kernel`` -- the seven means over active rows of
-  ``ratiokl.spec.policy_loss``'s metrics.
+  ``ratiokl.spec.policy_loss``'s metrics, and the loss (the sum of the
+  kernel's weighted per-row losses: no separate sum launch).
 
 Sums run in a fixed order (per lane, then one tree reduction), so a launch
 gives the same bits every time. Divisions are rounded to nearest
@@ -61,12 +62,15 @@ def policy_metrics_kernel(
     kl_ptr,  # [N] f32 KL value
     clip_ptr,  # [N] int32 clip bits (objective.CLIP_*)
     old_ptr,  # [N] f32 behaviour log-probs (anything on inactive rows)
-    out_ptr,  # [7] f32 output: the means below
+    loss_ptr,  # [N] f32 weighted per-row losses w_t * loss_t (0 on inactive rows)
+    out_ptr,  # [8] f32 output: the means below, then the loss
     N,
     BLOCK: tl.constexpr,
 ):
     """Means over active rows, 0 when none is: ``out = (clip_fraction, clip_fraction_low,
-    clip_fraction_high, dual_clip_fraction, ratio_mean, kl_mean, approx_kl)``.
+    clip_fraction_high, dual_clip_fraction, ratio_mean, kl_mean, approx_kl, loss)``.
+
+    ``loss`` is the sum of ``loss_ptr`` over active rows.
 
     ``clip_fraction`` counts rows clipped low or high; ``approx_kl`` is the
     mean of ``old - logp``. Inactive rows are selected out (never multiplied),
@@ -81,6 +85,7 @@ def policy_metrics_kernel(
     ratio = tl.zeros([BLOCK], tl.float32)
     kl = tl.zeros([BLOCK], tl.float32)
     approx = tl.zeros([BLOCK], tl.float32)
+    total = tl.zeros([BLOCK], tl.float32)
     for start in range(0, N, BLOCK):
         offs = start + cols
         inside = offs < N
@@ -98,6 +103,7 @@ def policy_metrics_kernel(
         gap = tl.load(old_ptr + offs, mask=inside, other=0.0) - tl.load(
             logp_ptr + offs, mask=inside, other=0.0)
         approx += tl.where(active, gap, 0.0)
+        total += tl.where(active, tl.load(loss_ptr + offs, mask=inside, other=0.0), 0.0)
     n = tl.maximum(tl.sum(count, axis=0), 1).to(tl.float32)
     tl.store(out_ptr, tl.div_rn(tl.sum(n_clip, axis=0).to(tl.float32), n))
     tl.store(out_ptr + 1, tl.div_rn(tl.sum(n_low, axis=0).to(tl.float32), n))
@@ -106,3 +112,4 @@ def policy_metrics_kernel(
     tl.store(out_ptr + 4, tl.div_rn(tl.sum(ratio, axis=0), n))
     tl.store(out_ptr + 5, tl.div_rn(tl.sum(kl, axis=0), n))
     tl.store(out_ptr + 6, tl.div_rn(tl.sum(approx, axis=0), n))
+    tl.store(out_ptr + 7, tl.sum(total, axis=0))

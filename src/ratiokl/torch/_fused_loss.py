@@ -15,7 +15,7 @@ those run the two-pass path (``selected_logprobs`` + ``_objective``). The
 aggregation weights ``w = a_t / D`` depend only on the mask, segment ids
 and ``loss_normalizer``, so they are computed before the launch (one
 launch for the token-level aggregations, ``_loss_rows``), and the metrics
-after it in one more; the float options (clip bounds,
+and the loss's sum after it in one more; the float options (clip bounds,
 ``kl_coef``, ``log_ratio_bound``) are compile-time constants of the kernel
 (one compile per distinct value, as they are fixed for a run).
 
@@ -95,7 +95,9 @@ def _launch(kernel, policy, ref, ids, mask, old, ref_logps, temp, adv, iw, w,
     plan = launch_plan(vocab, policy.element_size(), n_rows, write_grad,
                        interpreted=policy.device.type != "cuda")
     parts = torch.empty((n_rows, plan.spans.splits, 4), **f32)
-    counts = torch.zeros(n_rows + 1, dtype=torch.int32, device=policy.device)
+    # The row counters and the work counter (a program per row uses neither: no memset).
+    counts = torch.zeros(n_rows + 1, dtype=torch.int32, device=policy.device) \
+        if plan.row_programs > 1 else torch.empty(1, dtype=torch.int32, device=policy.device)
     kernel[(plan.programs(n_rows),)](
         policy, ref_t, ids, mask, old, w if ref_logps is None else ref_logps, temp, adv,
         w if iw is None else iw, w,
@@ -313,4 +315,4 @@ def policy_loss(
         _flat(inputs.advantages), _flat(inputs.importance_weights), w, ref is not None,
         *_options(opts, has_ref, write_grad),
     )[:5]
-    return loss_rows.sum(), _loss_rows.token_metrics(mask, logp, ratio, kl, bits, old)
+    return _loss_rows.loss_and_metrics(loss_rows, mask, logp, ratio, kl, bits, old)

@@ -9,7 +9,7 @@ detached.
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 import torch
@@ -25,13 +25,14 @@ from ratiokl._kernels.loss_rows import (
 from ratiokl.spec import PolicyLossOptions
 from ratiokl.torch import _objective, _triton
 
-__all__ = ["METRIC_NAMES", "aggregation_weights", "token_metrics"]
+__all__ = ["METRIC_NAMES", "aggregation_weights", "loss_and_metrics"]
 
-#: The order of ``policy_metrics_kernel``'s outputs.
+#: The order of ``policy_metrics_kernel``'s outputs (the loss comes after them).
 METRIC_NAMES = (
     "clip_fraction", "clip_fraction_low", "clip_fraction_high", "dual_clip_fraction",
     "ratio_mean", "kl_mean", "approx_kl",
 )
+_OUTPUTS = len(METRIC_NAMES) + 1
 
 
 def _weights(kernel, mask: torch.Tensor, denom: float, count: bool) -> torch.Tensor:
@@ -42,11 +43,13 @@ def _weights(kernel, mask: torch.Tensor, denom: float, count: bool) -> torch.Ten
     return w
 
 
-def _metrics(kernel, mask, logp, ratio, kl, bits, old) -> torch.Tensor:
-    out = torch.zeros(len(METRIC_NAMES), dtype=torch.float32, device=mask.device)
-    if mask.numel():
-        kernel[(1,)](mask, logp, ratio, kl, bits, old, out, mask.numel(), BLOCK=ROWS_BLOCK,
-                     num_warps=ROWS_WARPS)
+def _metrics(kernel, mask, logp, ratio, kl, bits, old, loss_rows) -> torch.Tensor:
+    """The seven metrics and the loss; the kernel writes all eight (no memset); 0 without rows."""
+    if not mask.numel():
+        return torch.zeros(_OUTPUTS, dtype=torch.float32, device=mask.device)
+    out = torch.empty(_OUTPUTS, dtype=torch.float32, device=mask.device)
+    kernel[(1,)](mask, logp, ratio, kl, bits, old, loss_rows, out, mask.numel(),
+                 BLOCK=ROWS_BLOCK, num_warps=ROWS_WARPS)
     return out
 
 
@@ -57,8 +60,10 @@ def _triton_weights(mask: torch.Tensor, denom: float, count: bool) -> torch.Tens
 
 @triton_op("ratiokl::policy_metrics", mutates_args=())
 def _triton_metrics(mask: torch.Tensor, logp: torch.Tensor, ratio: torch.Tensor,
-                    kl: torch.Tensor, bits: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
-    return _metrics(wrap_triton(policy_metrics_kernel), mask, logp, ratio, kl, bits, old)
+                    kl: torch.Tensor, bits: torch.Tensor, old: torch.Tensor,
+                    loss_rows: torch.Tensor) -> torch.Tensor:
+    return _metrics(wrap_triton(policy_metrics_kernel), mask, logp, ratio, kl, bits, old,
+                    loss_rows)
 
 
 @custom_op("ratiokl::interpret_token_weights", mutates_args=(), device_types="cpu")
@@ -73,14 +78,16 @@ def _(mask, denom, count):
 
 @custom_op("ratiokl::interpret_policy_metrics", mutates_args=(), device_types="cpu")
 def _interpret_metrics(mask: torch.Tensor, logp: torch.Tensor, ratio: torch.Tensor,
-                       kl: torch.Tensor, bits: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+                       kl: torch.Tensor, bits: torch.Tensor, old: torch.Tensor,
+                       loss_rows: torch.Tensor) -> torch.Tensor:
     with np.errstate(all="ignore"):  # NaN on inactive rows is data, selected out
-        return _metrics(interpreted(policy_metrics_kernel), mask, logp, ratio, kl, bits, old)
+        return _metrics(interpreted(policy_metrics_kernel), mask, logp, ratio, kl, bits, old,
+                        loss_rows)
 
 
 @_interpret_metrics.register_fake
-def _(mask, logp, ratio, kl, bits, old):
-    return mask.new_empty(len(METRIC_NAMES), dtype=torch.float32)
+def _(mask, logp, ratio, kl, bits, old, loss_rows):
+    return mask.new_empty(_OUTPUTS, dtype=torch.float32)
 
 
 def _eager_weights(mask: torch.Tensor, denom: float, count: bool) -> torch.Tensor:
@@ -124,11 +131,32 @@ def aggregation_weights(mask_rows: torch.Tensor, inputs: _objective.TokenInputs,
     return op(mask_rows, 1.0 if denom is None else denom, count)
 
 
-def token_metrics(mask, logp, ratio, kl, bits, old) -> Dict[str, torch.Tensor]:
-    """The metrics of ``_objective.token_metrics`` from the fused kernel's ``[N]`` rows.
+class _RowsTotal(torch.autograd.Function):
+    """``sum(loss_rows)`` given already summed (``total``): the sum's gradient, no launch.
 
-    ``mask`` bool; ``logp``, ``ratio``, ``kl``, ``old`` float32; ``bits`` int32
-    clip bits. Detached float32 0-d tensors (views of one ``[7]`` tensor).
+    The backward hands every row the upstream value (a stride-0 expand).
+    """
+
+    @staticmethod
+    def forward(ctx, loss_rows: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+        ctx.rows = loss_rows.shape
+        return total.view_as(total)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return g.expand(ctx.rows), None
+
+
+def loss_and_metrics(loss_rows, mask, logp, ratio, kl, bits,
+                     old) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """The loss ``sum(loss_rows)`` and the metrics of ``_objective.token_metrics``, one launch.
+
+    ``loss_rows``: the fused kernel's float32 ``[N]`` weighted losses (0 on
+    inactive rows), differentiable; ``mask`` bool; ``logp``, ``ratio``, ``kl``,
+    ``old`` float32; ``bits`` int32 clip bits. Returns the float32 0-d loss
+    (its gradient flows to ``loss_rows``) and detached float32 0-d metrics
+    (views of one ``[8]`` tensor).
     """
     op = _triton.choose_op(mask.device, _interpret_metrics, _triton_metrics, _eager_metrics)
-    return dict(zip(METRIC_NAMES, op(mask, logp, ratio, kl, bits, old).unbind()))
+    out = op(mask, logp, ratio, kl, bits, old, loss_rows.detach())
+    return _RowsTotal.apply(loss_rows, out[-1]), dict(zip(METRIC_NAMES, out[:-1].unbind()))
