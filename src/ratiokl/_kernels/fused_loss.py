@@ -94,7 +94,12 @@ def launch_plan(vocab: int, itemsize: int, n_rows: int, write_grad: bool,
     inlined) torch took 1.80 with 8 spans and 1.83 with 10. A simplified twin of
     the kernel (one coefficient per row, no metrics, no other launches)
     reached 1.566 ms with 13 spans and 1.596 with 8, and 1.78-3.8 ms on a
-    persistent grid (``benchmarks/fused_loss_variants.py``). Without a
+    persistent grid (``benchmarks/fused_loss_variants.py``). Holding each
+    span in registers from its read to its gradient (one block load per span,
+    no L2 re-read) was slower: 2.08 ms at best (8192 columns x 4 warps, 154
+    registers, three programs an SM), 2.05 capped at 80 registers, 2.2-3.8
+    with other spans and warps, against 1.63 as here (one run): too few
+    programs fit to keep HBM busy while each waits at the meeting. Without a
     gradient there is nothing to re-read: enough rows fill the GPU with one
     program per row (``heuristics.use_split_forward``; JAX primal 0.66 ms,
     0.71 with a program per span; torch, a row's spans shared by 2, 3 or 5
