@@ -128,8 +128,22 @@ def _spec(x: dict, case: dict):
     return value, metrics, grad
 
 
+def _small_tiles(vocab, itemsize, n_rows, write_grad, interpreted=False):
+    """8-column tiles, two spans a row (V = 37: tiles 0-2, then 3 and the tail), one program."""
+    from ratiokl._kernels import LaunchConfig, split_plan
+    from ratiokl._kernels.fused_loss import FusedPlan
+
+    spans = split_plan(vocab, 8, 2)
+    return FusedPlan(LaunchConfig(8, 1), spans, spans.splits)
+
+
+@pytest.mark.parametrize("tiles", ["one_tile", "spans_of_8_wide_tiles"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_fused_matches_spec_and_native(name):
+def test_fused_matches_spec_and_native(name, tiles, monkeypatch):
+    """A row in one tile (the default here), or in spans of several tiles and a tail."""
+    if tiles != "one_tile":
+        monkeypatch.setattr(_fused_loss, "launch_plan", _small_tiles)
+        assert _small_tiles(V, 4, B * T, True).spans == (2, 3)
     case = CASES[name]
     x = _inputs(sum(map(ord, name)), case)
     upstream = 1.0 if name.startswith("ppo") else -2.5  # 1: the backward's device-side skip
