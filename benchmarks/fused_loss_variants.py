@@ -37,6 +37,16 @@ import triton.testing
 
 LOG2E = tl.constexpr(1.4426950408889634)
 N, V = 8192, 151936
+#: L2 hints by name: (pass-1 loads, pass-2 loads, gradient stores); "" is none.
+HINTS = {"none": ("", "", ""), "ev": ("evict_last", "evict_first", ""),
+         "ev+cs": ("evict_last", "evict_first", "evict_first"),
+         "st": ("", "", "evict_first"), "cs": ("", "", "evict_first")}
+
+
+def spans_of(tiles: int, tps: int):
+    """``(S, S2)``: spans of ``tps`` tiles in a row of ``tiles``, and S's next power of two."""
+    s = -(-tiles // tps)
+    return s, 1 << (s - 1).bit_length()
 
 
 @triton.jit
@@ -257,9 +267,7 @@ def main(section):
                         continue
                     configs.append((block, warps, hints, progs))
         for block, warps, hints, progs in configs:
-            ev1, ev2, st = {"none": ("", "", ""), "ev": ("evict_last", "evict_first", ""),
-                            "ev+cs": ("evict_last", "evict_first", "evict_first"),
-                            "st": ("", "", "evict_first")}[hints]
+            ev1, ev2, st = HINTS[hints]
             def run():
                 exp_fused[(progs,)](p, c, ids, g, N, V=V, BLOCK=block, EV1=ev1, EV2=ev2, ST=st,
                                     REV=True, num_warps=warps)
@@ -272,8 +280,7 @@ def main(section):
             n_full = V // block
             tps = -(-n_full // S)
             for hints in ("none", "ev+cs"):
-                ev1, ev2, st = (("", "", "") if hints == "none" else
-                                ("evict_last", "evict_first", "evict_first"))
+                ev1, ev2, st = HINTS[hints]
                 cnt = torch.zeros(N, dtype=torch.int32, device="cuda")
 
                 def run():
@@ -330,8 +337,7 @@ def coop_reg_section(p, c, ids, g, err, floor2):
     part = torch.empty(N * 64 * 2, device="cuda")
     for block, warps in ((8192, 8), (8192, 4), (16384, 16), (16384, 8), (4096, 4), (4096, 2),
                          (8192, 16), (2048, 2)):
-        S = -(-V // block)
-        S2 = 1 << (S - 1).bit_length()
+        S, S2 = spans_of(-(-V // block), 1)
         for st in ("", "evict_first"):
             cnt = torch.zeros(N, dtype=torch.int32, device="cuda")
 
@@ -373,7 +379,6 @@ def persist_fused(p_ptr, c_ptr, ids_ptr, g_ptr, part_ptr, cnt_ptr, ticket_ptr, N
 def persist_section(p, c, ids, g, err, floor2):
     part = torch.empty(N * 32 * 2, device="cuda")
     cnt = torch.zeros(N + 1, dtype=torch.int32, device="cuda")
-    hints = {"none": ("", "", ""), "ev+cs": ("evict_last", "evict_first", "evict_first")}
     configs = []
     for tps in (10, 5, 3):  # 4096-tiles: S = 4, 8, 13
         for progs in (264, 528, 1056):
@@ -386,10 +391,8 @@ def persist_section(p, c, ids, g, err, floor2):
     # Last: a static grid hangs unless it is resident as a whole.
     configs += [(4096, 4, tps, progs, 0, 1, "ev+cs") for tps in (10, 5) for progs in (264, 528)]
     for block, warps, tps, progs, ticket, poll, hint in configs:
-        n_full = V // block
-        S = -(-n_full // tps)
-        S2 = 1 << (S - 1).bit_length()
-        ev1, ev2, st = hints[hint]
+        S, S2 = spans_of(V // block, tps)
+        ev1, ev2, st = HINTS[hint]
 
         def run():
             cnt.zero_()
@@ -417,18 +420,14 @@ def ticket_fused(p_ptr, c_ptr, ids_ptr, g_ptr, part_ptr, cnt_ptr, ticket_ptr, N,
 def ticket_section(p, c, ids, g, err, floor2):
     part = torch.empty(N * 32 * 2, device="cuda")
     cnt = torch.zeros(N + 1, dtype=torch.int32, device="cuda")
-    hints = {"none": ("", "", ""), "ev+cs": ("evict_last", "evict_first", "evict_first"),
-             "cs": ("", "", "evict_first")}
     configs = [(4096, 4, 5, "ev+cs"), (4096, 4, 5, "none"), (4096, 4, 5, "cs"),
                (4096, 4, 10, "ev+cs"), (4096, 4, 3, "ev+cs"), (4096, 4, 2, "ev+cs"),
                (4096, 8, 5, "ev+cs"), (2048, 4, 5, "ev+cs"), (2048, 4, 10, "ev+cs"),
                (2048, 2, 5, "ev+cs"), (8192, 8, 2, "ev+cs"), (8192, 8, 3, "ev+cs"),
                (4096, 4, 1, "ev+cs")]
     for block, warps, tps, hint in configs:
-        n_full = V // block
-        S = -(-n_full // tps)
-        S2 = 1 << (S - 1).bit_length()
-        ev1, ev2, st = hints[hint]
+        S, S2 = spans_of(V // block, tps)
+        ev1, ev2, st = HINTS[hint]
 
         def run():
             cnt.zero_()

@@ -100,6 +100,7 @@ def test_fused_loss_plan_splits_rows_only_where_it_pays():
     no_grad = launch_plan(v, 2, 8192, False)  # nothing to re-read, rows fill the GPU
     assert no_grad.spans == with_grad.spans and no_grad.programs(8192) == 8192
     assert no_grad.row_programs == 1 and with_grad.row_programs == with_grad.spans.splits
+    assert no_grad.counters(8192) == 0 and with_grad.counters(8192) == 8193  # + work counter
     assert launch_plan(v, 2, 128, False).spans_per_program == 1  # few rows: split them
     interp = launch_plan(v, 2, 128, True, interpreted=True)  # one program at a time
     assert interp.programs(128) == 128

@@ -76,6 +76,11 @@ class FusedPlan(NamedTuple):
         """Programs of the launch: one per (row, group of ``spans_per_program`` spans)."""
         return n_rows * self.row_programs
 
+    def counters(self, n_rows: int) -> int:
+        """int32 counters the launch needs zeroed (``count_ptr``): ``n_rows + 1``, or none
+        (0) with a program per row, which takes its row by program id and waits for none."""
+        return n_rows + 1 if self.row_programs > 1 else 0
+
 
 def launch_plan(vocab: int, itemsize: int, n_rows: int, write_grad: bool,
                 interpreted: bool = False) -> FusedPlan:

@@ -68,15 +68,14 @@ def _fused_call(static: Static, write_grad: bool, inplace: bool, policy, ref, id
     has_ref, has_iw, kl_code, kl_coef, ratio_low, ratio_high, neg_cap, bound = static
     plan = launch_plan(vocab, policy.dtype.itemsize, n_rows, write_grad,
                        interpreted=jax.default_backend() != "gpu")
-    # Partials; counters (zeroed; a program per row uses none).
-    counted = plan.row_programs > 1
+    n_counters = plan.counters(n_rows)  # 0: none used, none zeroed (any buffer will do)
     scratch = [jax.ShapeDtypeStruct((n_rows, plan.spans.splits, 4), jnp.float32),
-               jax.ShapeDtypeStruct((n_rows + 1 if counted else 1,), jnp.int32)]
+               jax.ShapeDtypeStruct((n_counters or 1,), jnp.int32)]  # partials; counters
     aliases = {"input_output_aliases": {0: 5}} if inplace and write_grad else {}
     outs = _triton._triton_call(
         policy, ref, ids, mask, old, ref_lp, temp, adv, iw, w,
         kernel=policy_loss_kernel, out_shape=shapes + scratch,
-        zeroed_outputs=(7,) if counted else (),
+        zeroed_outputs=(7,) if n_counters else (),
         grid=(plan.programs(n_rows),), num_warps=plan.config.num_warps,
         N=n_rows, V=vocab, stride_pn=vocab, stride_pv=1, stride_rn=vocab, stride_rv=1,
         stride_t=0 if temp.shape[0] == 1 else 1,

@@ -95,9 +95,9 @@ def _launch(kernel, policy, ref, ids, mask, old, ref_logps, temp, adv, iw, w,
     plan = launch_plan(vocab, policy.element_size(), n_rows, write_grad,
                        interpreted=policy.device.type != "cuda")
     parts = torch.empty((n_rows, plan.spans.splits, 4), **f32)
-    # The row counters and the work counter (a program per row uses neither: no memset).
-    counts = torch.zeros(n_rows + 1, dtype=torch.int32, device=policy.device) \
-        if plan.row_programs > 1 else torch.empty(1, dtype=torch.int32, device=policy.device)
+    n_counters = plan.counters(n_rows)  # 0: none used, no memset (any buffer will do)
+    counts = torch.zeros(n_counters, dtype=torch.int32, device=policy.device) if n_counters \
+        else torch.empty(1, dtype=torch.int32, device=policy.device)
     kernel[(plan.programs(n_rows),)](
         policy, ref_t, ids, mask, old, w if ref_logps is None else ref_logps, temp, adv,
         w if iw is None else iw, w,
