@@ -20,6 +20,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from jax_interpret import interpreted_triton_call  # noqa: E402
 from ratiokl import spec  # noqa: E402
 from ratiokl.spec import policy_loss_options  # noqa: E402
 from ratiokl.spec.policy_loss import POLICY_LOSS_DEFAULTS  # noqa: E402
@@ -224,30 +225,6 @@ def test_gspo_falls_back_to_two_pass_and_matches_spec():
 # --- the JAX launch, with jax_triton.triton_call replaced by the interpreter -----------------
 
 
-def _interpreted_triton_call(*args, kernel, out_shape, grid, num_warps=None,
-                             input_output_aliases=None, zeroed_outputs=(), **meta):
-    """``triton_call`` look-alike (aliased outputs start as a copy of their input, the
-    others as zeros, which ``zeroed_outputs`` asks for)."""
-    import jax
-
-    from ratiokl._kernels import interpreted
-
-    single = not isinstance(out_shape, (list, tuple))
-    shapes = [out_shape] if single else list(out_shape)
-    aliases = {o: i for i, o in (input_output_aliases or {}).items()}
-
-    def host(*arrays):
-        ins = [torch.from_numpy(np.array(a)) for a in arrays]
-        outs = [ins[aliases[j]].clone() if j in aliases else
-                torch.from_numpy(np.zeros(s.shape, s.dtype)) for j, s in enumerate(shapes)]
-        with np.errstate(all="ignore"):
-            interpreted(kernel)[grid](*ins, *outs, **meta)
-        return [o.numpy() for o in outs]
-
-    res = jax.pure_callback(host, shapes, *args)
-    return res[0] if single else res
-
-
 def test_jax_fused_launch_matches_torch_under_jit_grad_vmap(monkeypatch):
     jax = pytest.importorskip("jax")
     import jax.numpy as jnp
@@ -256,7 +233,7 @@ def test_jax_fused_launch_matches_torch_under_jit_grad_vmap(monkeypatch):
     from ratiokl.jax import _triton as jax_triton_backend
     from ratiokl.jax import loss as jax_loss
 
-    monkeypatch.setattr(jax_triton_backend, "_triton_call", _interpreted_triton_call)
+    monkeypatch.setattr(jax_triton_backend, "_triton_call", interpreted_triton_call)
     monkeypatch.setattr(jax_dispatch, "_resolve_name", lambda backend: backend)
     case = dict(clip_eps_high=0.28, dual_clip=3.0, kl_coef=0.1,
                 loss_agg="seq-mean-token-mean", packed=True)
@@ -341,7 +318,7 @@ def test_jax_primal_reads_once_and_matches_value_and_grad(monkeypatch):
     def spy(*args, **kwargs):
         if "WRITE_GRAD" in kwargs:  # the fused kernel (not the backward's scale)
             written.append(kwargs["WRITE_GRAD"])
-        return _interpreted_triton_call(*args, **kwargs)
+        return interpreted_triton_call(*args, **kwargs)
 
     monkeypatch.setattr(jax_triton_backend, "_triton_call", spy)
     monkeypatch.setattr(jax_dispatch, "_resolve_name", lambda backend: backend)
@@ -430,7 +407,7 @@ def test_jax_inplace_grad_aliases_the_logits_and_matches(monkeypatch):
     def spy(*args, **kwargs):
         if "WRITE_GRAD" in kwargs:  # the fused kernel (not the backward's scale)
             aliases.append(kwargs.get("input_output_aliases"))
-        return _interpreted_triton_call(*args, **kwargs)
+        return interpreted_triton_call(*args, **kwargs)
 
     monkeypatch.setattr(jax_triton_backend, "_triton_call", spy)
     monkeypatch.setattr(jax_dispatch, "_resolve_name", lambda backend: backend)

@@ -21,6 +21,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from jax_interpret import interpreted_triton_call  # noqa: E402
 from ratiokl import spec  # noqa: E402
 from ratiokl._kernels import forward_config  # noqa: E402
 from ratiokl.torch import _triton  # noqa: E402
@@ -230,42 +231,12 @@ def test_through_public_loss_and_torch_compile():
 # --- the JAX wrapper, with jax_triton.triton_call replaced by the interpreter ----------------
 
 
-def _interpreted_triton_call(*args, kernel, out_shape, grid, num_warps=None, **meta):
-    """``triton_call`` look-alike: the kernel's interpreter twin behind ``jax.pure_callback``."""
-    import jax
-    import jax.numpy as jnp
-
-    from ratiokl._kernels import interpreted
-
-    single = not isinstance(out_shape, (list, tuple))
-    shapes = [out_shape] if single else list(out_shape)
-
-    def to_torch(a):
-        a = np.asarray(a)
-        if a.dtype == jnp.bfloat16:
-            return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)
-        return torch.from_numpy(a.copy())
-
-    def to_numpy(t, dtype):
-        return t.view(torch.int16).numpy().view(dtype) if dtype == jnp.bfloat16 else t.numpy()
-
-    def host(*arrays):
-        outs = [torch.from_numpy(np.empty(s.shape, np.float32)).to(
-            DTYPES[np.dtype(s.dtype).name]) for s in shapes]
-        with np.errstate(all="ignore"):
-            interpreted(kernel)[grid](*[to_torch(a) for a in arrays], *outs, **meta)
-        return [to_numpy(o, s.dtype) for o, s in zip(outs, shapes)]
-
-    res = jax.pure_callback(host, shapes, *args)
-    return res[0] if single else res
-
-
 @pytest.fixture
 def jax_triton_backend(monkeypatch):
     pytest.importorskip("jax")
     from ratiokl.jax import _triton as jax_triton_backend
 
-    monkeypatch.setattr(jax_triton_backend, "_triton_call", _interpreted_triton_call)
+    monkeypatch.setattr(jax_triton_backend, "_triton_call", interpreted_triton_call)
     return jax_triton_backend
 
 

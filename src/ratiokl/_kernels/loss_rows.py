@@ -14,18 +14,53 @@ kernel here is one program that streams the ``[N]`` vectors in blocks:
 
 Sums run in a fixed order (per lane, then one tree reduction), so a launch
 gives the same bits every time. Divisions are rounded to nearest
-(``div_rn``), as the frameworks' own division is.
+(``div_rn``), as the frameworks' own division is. PyTorch
+(``ratiokl.torch._loss_rows``) and JAX (``ratiokl.jax._loss_rows``) launch
+the same two kernels and decide where they apply with
+:func:`token_denominator`.
 """
+
+from typing import Optional, Tuple
 
 import triton
 import triton.language as tl
 
 from ratiokl._kernels.objective import CLIP_CAPPED, CLIP_HIGH, CLIP_LOW
+from ratiokl.spec import PolicyLossOptions
+
+#: The order of ``policy_metrics_kernel``'s first seven outputs (the loss comes after them).
+METRIC_NAMES: Tuple[str, ...] = (
+    "clip_fraction", "clip_fraction_low", "clip_fraction_high", "dual_clip_fraction",
+    "ratio_mean", "kl_mean", "approx_kl",
+)
 
 #: Rows per block of the one-program loops, and the program's warps (N = 8192: two
 #: blocks; the metrics took 14 us of device time with 1024 rows x 4 warps).
 ROWS_BLOCK = 4096
 ROWS_WARPS = 8
+
+
+def token_denominator(opts: PolicyLossOptions, normalizer: object,
+                      width: int) -> Tuple[Optional[float], bool]:
+    """How ``token_weights_kernel`` computes ``w = mask / D`` here: ``(D, count)``.
+
+    ``D`` is a number (``count`` False), or ``D`` is the active count
+    (``(None, True)``: ``token-mean`` without a normaliser), or the kernel does
+    not apply (``(None, False)``): ``seq-mean-token-mean`` weighs tokens by their
+    sequence's length, sequence counts need segments, and a normaliser given
+    as an array is device data; those take the framework's ops.
+    ``normalizer``: ``loss_normalizer`` (None, a Python number or an array);
+    ``width``: tokens per sequence ``T``.
+    """
+    if opts.agg_code == 2:
+        return None, False
+    if isinstance(normalizer, (int, float)) and not isinstance(normalizer, bool):
+        return float(normalizer), False
+    if normalizer is not None or opts.agg_code == 3:
+        return None, False
+    if opts.agg_code == 0:
+        return None, True
+    return (1.0 if opts.agg_code == 1 else float(width)), False
 
 
 @triton.jit

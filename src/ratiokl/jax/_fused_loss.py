@@ -8,7 +8,9 @@ its backward is ``scale_rows_kernel``: the residual scaled by each row's
 cotangent through ``input_output_aliases`` (XLA reuses the residual's
 buffer when nothing else holds it), skipped on the device for rows whose
 cotangent is exactly 1 and for inactive rows. Both calls fold ``vmap``
-batch dimensions into rows (``ratiokl.jax._triton._row_op``).
+batch dimensions into rows (``ratiokl.jax._triton._row_op``). The
+aggregation weights before the kernel, and the metrics and the loss's sum
+after it, are one launch each (``ratiokl.jax._loss_rows``), as in PyTorch.
 
 Which options fuse (:func:`fuses`): all but ``ratio_level="sequence"``
 (GSPO) and vocabulary-sharded logits (``vocab_axis``), which take the
@@ -29,8 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ratiokl._kernels.fused_loss import launch_plan, policy_loss_kernel, scale_rows_kernel
-from ratiokl._kernels.objective import CLIP_CAPPED, CLIP_HIGH, CLIP_LOW
-from ratiokl.jax import _objective, _triton
+from ratiokl.jax import _loss_rows, _objective, _triton
 from ratiokl.spec import PolicyLossOptions
 
 __all__ = ["fuses", "policy_loss"]
@@ -156,7 +157,7 @@ def policy_loss(
       The float32 0-d loss (its gradient reaches ``policy`` only, in its dtype)
       and the metrics of ``_objective.token_metrics`` (stop-gradient).
     """
-    w = _objective.aggregation_weights(_objective.as_rows(mask, lead), inputs, opts).reshape(-1)
+    w = _loss_rows.aggregation_weights(_objective.as_rows(mask, lead), inputs, opts).reshape(-1)
     ids, mask_k, temp = _triton._rows(ids, mask, temperature)
     old, adv = _flat(inputs.old_logps), _flat(inputs.advantages)
     iw = _flat(inputs.importance_weights)
@@ -171,9 +172,4 @@ def policy_loss(
         policy, ref_in, ids, mask_k, old, ref_lp, temp, adv, w if iw is None else iw,
         lax.stop_gradient(w), static, inplace_grad,
     )
-    metrics = _objective.token_metrics(
-        mask, jnp.sum(mask, dtype=jnp.int32), (bits & CLIP_LOW.value) != 0,
-        (bits & CLIP_HIGH.value) != 0, (bits & CLIP_CAPPED.value) != 0, ratio, kl,
-        jnp.where(mask, old, 0.0) - logp,
-    )
-    return jnp.sum(loss_rows), metrics
+    return _loss_rows.loss_and_metrics(loss_rows, mask_k, logp, ratio, kl, bits, old)

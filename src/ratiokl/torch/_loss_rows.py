@@ -9,7 +9,7 @@ detached.
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Dict, Tuple
 
 import numpy as np
 import torch
@@ -17,21 +17,18 @@ from torch.library import custom_op, triton_op, wrap_triton
 
 from ratiokl._kernels import interpreted
 from ratiokl._kernels.loss_rows import (
+    METRIC_NAMES,
     ROWS_BLOCK,
     ROWS_WARPS,
     policy_metrics_kernel,
+    token_denominator,
     token_weights_kernel,
 )
 from ratiokl.spec import PolicyLossOptions
 from ratiokl.torch import _objective, _triton
 
-__all__ = ["METRIC_NAMES", "aggregation_weights", "loss_and_metrics"]
+__all__ = ["aggregation_weights", "loss_and_metrics"]
 
-#: The order of ``policy_metrics_kernel``'s outputs (the loss comes after them).
-METRIC_NAMES = (
-    "clip_fraction", "clip_fraction_low", "clip_fraction_high", "dual_clip_fraction",
-    "ratio_mean", "kl_mean", "approx_kl",
-)
 _OUTPUTS = len(METRIC_NAMES) + 1
 
 
@@ -98,22 +95,6 @@ def _eager_metrics(*rows: torch.Tensor) -> torch.Tensor:
     return _metrics(_triton._raw(policy_metrics_kernel), *rows)
 
 
-def _token_denominator(opts: PolicyLossOptions, normalizer, width: int) -> Optional[float]:
-    """``D`` of ``w = mask / D`` as a number (None: the active count, or not of that form).
-
-    ``seq-mean-token-mean`` weighs tokens by their sequence's length, a tensor
-    normaliser is device data, and sequence counts need segments: those are
-    left to ``_objective``.
-    """
-    if opts.agg_code == 2:
-        return None
-    if isinstance(normalizer, float):
-        return normalizer
-    if normalizer is not None or opts.agg_code in (0, 3):
-        return None
-    return 1.0 if opts.agg_code == 1 else float(width)
-
-
 def aggregation_weights(mask_rows: torch.Tensor, inputs: _objective.TokenInputs,
                         opts: PolicyLossOptions) -> torch.Tensor:
     """``_objective.aggregation_weights`` (float32 ``[R, T]``), one launch where it can be.
@@ -123,8 +104,7 @@ def aggregation_weights(mask_rows: torch.Tensor, inputs: _objective.TokenInputs,
     ``loss_normalizer``): ``token_weights_kernel``. The others (sequence
     counts or lengths, a tensor normaliser) take ``_objective``'s ops.
     """
-    denom = _token_denominator(opts, inputs.loss_normalizer, mask_rows.shape[-1])
-    count = denom is None and opts.agg_code == 0 and inputs.loss_normalizer is None
+    denom, count = token_denominator(opts, inputs.loss_normalizer, mask_rows.shape[-1])
     if denom is None and not count:
         return _objective.aggregation_weights(mask_rows, inputs, opts)
     op = _triton.choose_op(mask_rows.device, _interpret_weights, _triton_weights, _eager_weights)
