@@ -3,7 +3,11 @@
 - copy: ``dst.copy_(src)`` of a 2 GiB buffer; read + write bytes counted;
 - read: the Triton row reduction of ``_read_kernel`` over an ``[8192, 151936]``
   bf16 tensor (the headline shape), best of a small grid of block sizes and
-  warp counts.
+  warp counts;
+- few-rows read (GPU only): the best pure read (``chunk_sum_kernel``, a small
+  grid of programs, blocks and warps) of exactly the bytes of the few-rows
+  forwards (N = 128, V = 151,936, bf16: one tensor, or two with reference
+  logits), with the same timer: what any kernel could reach there.
 
 On the CPU the same quantities are measured with torch ops (``copy_`` and
 ``sum``) so the smoke run exercises this code; they are not a GPU ceiling.
@@ -11,7 +15,7 @@ On the CPU the same quantities are measured with torch ops (``copy_`` and
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, List
 
 import torch
 
@@ -26,6 +30,10 @@ _READ_SHAPE_GPU = (8192, 151936)
 _READ_SHAPE_CPU = (256, 32768)
 #: (BLOCK, num_warps) grid for the read kernel.
 _READ_CONFIGS = tuple((b, w) for b in (2048, 4096, 8192) for w in (8, 16))
+#: The few-rows forwards' [N, V] bf16 tensors, and (programs, BLOCK, num_warps) to try.
+_FEW_ROWS = (128, 151936)
+_FEW_CONFIGS = tuple((p, b, w) for p in (1056, 2112, 4224) for b in (2048, 8192)
+                     for w in (8, 16))
 
 
 def _gbps(nbytes: int, ms: float) -> float:
@@ -56,8 +64,41 @@ def _read_gpu(x: torch.Tensor, timing: Timing) -> Dict[str, Any]:
     return best
 
 
+def _few_rows_read(timing: Timing, read_gbps: float) -> List[Dict[str, Any]]:
+    """Best pure read of the few-rows forwards' bytes (one and two tensors), as % of read."""
+    from _read_kernel import chunk_sum_kernel
+
+    out = torch.empty(max(p for p, _, _ in _FEW_CONFIGS), dtype=torch.float32, device="cuda")
+    found = []
+    for tensors in (1, 2):
+        x = torch.ones(tensors * _FEW_ROWS[0] * _FEW_ROWS[1], dtype=torch.bfloat16,
+                       device="cuda")
+        best: Dict[str, Any] = {}
+        for programs, block, warps in _FEW_CONFIGS:
+            chunk = -(-x.numel() // programs // block) * block
+
+            def run(chunk: int = chunk, block: int = block, warps: int = warps) -> None:
+                chunk_sum_kernel[(-(-x.numel() // chunk),)](x, out, TOTAL=x.numel(),
+                                                            CHUNK=chunk, BLOCK=block,
+                                                            num_warps=warps)
+
+            run()
+            gbps = _gbps(x.numel() * x.element_size(), _timer(timing, True)(run))
+            if gbps > best.get("gbps", 0.0):
+                best = {"rows": _FEW_ROWS[0], "V": _FEW_ROWS[1], "tensors": tensors,
+                        "bytes": x.numel() * x.element_size(), "gbps": gbps,
+                        "pct_read_ceiling": 100.0 * gbps / read_gbps,
+                        "method": f"triton chunk sum, {programs} programs BLOCK={block} "
+                                  f"num_warps={warps}"}
+        found.append(best)
+        del x
+    return found
+
+
 def measure_ceilings(on_gpu: bool, timing: Timing) -> Dict[str, Any]:
-    """``{"copy_gbps", "read_gbps", "copy_method", "read_method"}`` for this device."""
+    """``{"copy_gbps", "read_gbps", "copy_method", "read_method"}`` for this device, and on
+    a GPU ``"few_rows_read"``: a list of ``{"tensors", "bytes", "gbps", "pct_read_ceiling",
+    ...}``, the best pure read of the few-rows forwards' bytes."""
     device = torch.device("cuda" if on_gpu else "cpu")
     time_it = _timer(timing, on_gpu)
     nbytes = _COPY_BYTES_GPU if on_gpu else _COPY_BYTES_CPU
@@ -70,6 +111,9 @@ def measure_ceilings(on_gpu: bool, timing: Timing) -> Dict[str, Any]:
     if on_gpu:
         x = torch.ones(_READ_SHAPE_GPU, dtype=torch.bfloat16, device=device)
         result.update(_read_gpu(x, timing))
+        del x
+        result["few_rows_read"] = _few_rows_read(timing, result["read_gbps"])
+        x = None
     else:
         x = torch.ones(_READ_SHAPE_CPU, dtype=torch.float32)
         ms = time_it(lambda: x.sum())

@@ -1,9 +1,11 @@
-"""A pure-read Triton row reduction: the read-bandwidth ceiling the operators are held to.
+"""Pure-read Triton reductions: the read-bandwidth yardsticks the operators are held to.
 
-One program per row sums the row in fp32 and stores one float: the whole
-tensor is read once and almost nothing is written. The main loop is
-unmasked (``V`` is a compile-time constant, so the compiler knows the
-alignment and vectorises the loads); a masked tail handles ``V % BLOCK``.
+``row_sum_kernel``: one program per row sums the row in fp32 and stores one
+float: the whole tensor is read once and almost nothing is written. The
+main loop is unmasked (``V`` is a compile-time constant, so the compiler
+knows the alignment and vectorises the loads); a masked tail handles
+``V % BLOCK``. ``chunk_sum_kernel``: the same read cut into equal
+contiguous chunks, one program each, so that a few rows still fill the GPU.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["row_sum_kernel"]
+__all__ = ["chunk_sum_kernel", "row_sum_kernel"]
 
 
 @triton.jit
@@ -32,3 +34,20 @@ def row_sum_kernel(
         tail = (V - V % BLOCK) + cols
         acc += tl.load(base + tail, mask=tail < V, other=0.0).to(tl.float32)
     tl.store(out_ptr + row, tl.sum(acc, axis=0))
+
+
+@triton.jit
+def chunk_sum_kernel(
+    x_ptr,  # [TOTAL] any float dtype, contiguous
+    out_ptr,  # [programs] float32: each chunk's sum
+    TOTAL: tl.constexpr,  # elements
+    CHUNK: tl.constexpr,  # elements per program (a multiple of BLOCK)
+    BLOCK: tl.constexpr,  # elements per loop step
+):
+    pid = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, CHUNK, BLOCK):
+        offs = pid * CHUNK + start + cols
+        acc += tl.load(x_ptr + offs, mask=offs < TOTAL, other=0.0).to(tl.float32)
+    tl.store(out_ptr + pid, tl.sum(acc, axis=0))

@@ -26,7 +26,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"{gpu}, {meta['date_utc']}; {versions}")
     print(f"ceilings: copy {ceil['copy_gbps']:.0f} GB/s, read {ceil['read_gbps']:.0f} GB/s "
           f"({ceil['read_method']})\n")
-    for title, headers, rows in tables(data["records"]):
+    for title, headers, rows in tables(data["records"], ceil):
         print(render(title, headers, rows, args.markdown) + "\n")
     return 0
 

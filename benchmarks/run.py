@@ -175,8 +175,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for case in cases:
             run.case(case, names, ops)
     writer.set("summary", {"speedups": speedups(writer.records),
-                           "targets": check_targets(writer.records)})
-    for title, headers, rows in tables(writer.records):
+                           "targets": check_targets(writer.records, ceilings)})
+    for title, headers, rows in tables(writer.records, ceilings):
         print(render(title, headers, rows, markdown=False) + "\n")
     _log(f"wrote {out} and {out.with_suffix('.csv')}")
     return 0
