@@ -33,6 +33,8 @@ METRIC_NAMES: Tuple[str, ...] = (
     "clip_fraction", "clip_fraction_low", "clip_fraction_high", "dual_clip_fraction",
     "ratio_mean", "kl_mean", "approx_kl",
 )
+#: Values ``policy_metrics_kernel`` writes: the metrics in that order, then the loss.
+METRICS_OUT = len(METRIC_NAMES) + 1
 
 #: Rows per block of the one-program loops, and the program's warps (N = 8192: two
 #: blocks; the metrics took 14 us of device time with 1024 rows x 4 warps).

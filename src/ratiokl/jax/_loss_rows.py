@@ -20,21 +20,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ratiokl._kernels.loss_rows import (
-    METRIC_NAMES,
-    ROWS_BLOCK,
-    ROWS_WARPS,
-    policy_metrics_kernel,
-    token_denominator,
-    token_weights_kernel,
-)
+from ratiokl._kernels import loss_rows as kernels
 from ratiokl._kernels.objective import CLIP_CAPPED, CLIP_HIGH, CLIP_LOW
 from ratiokl.jax import _objective, _triton
 from ratiokl.spec import PolicyLossOptions
 
 __all__ = ["aggregation_weights", "loss_and_metrics"]
-
-_OUTPUTS = len(METRIC_NAMES) + 1
 
 
 def _vmapped(native, axis_size: int, in_batched: Sequence[bool], *args):
@@ -52,14 +43,15 @@ def _native_weights(denom: float, count: bool, mask: jax.Array) -> jax.Array:
 
 
 def _weights_call(denom: float, count: bool, mask: jax.Array) -> jax.Array:
-    """``token_weights_kernel``; ``denom`` a compile-time constant, as jax-triton passes every
-    keyword (unused when ``count``)."""
+    """``token_weights_kernel``; ``denom`` a compile-time constant, as jax-triton passes
+    every keyword (unused when ``count``)."""
     if not mask.size:
         return jnp.zeros(mask.shape, jnp.float32)
     w = _triton._triton_call(
-        mask.reshape(-1), kernel=token_weights_kernel,
+        mask.reshape(-1), kernel=kernels.token_weights_kernel,
         out_shape=jax.ShapeDtypeStruct((mask.size,), jnp.float32), grid=(1,),
-        num_warps=ROWS_WARPS, N=mask.size, denom=denom, COUNT=count, BLOCK=ROWS_BLOCK,
+        num_warps=kernels.ROWS_WARPS, N=mask.size, denom=denom, COUNT=count,
+        BLOCK=kernels.ROWS_BLOCK,
     )
     return w.reshape(mask.shape)
 
@@ -81,7 +73,8 @@ def aggregation_weights(mask_rows: jax.Array, inputs: _objective.TokenInputs,
     counts or lengths, an array normaliser) take ``_objective``'s ops. 0 on
     inactive tokens.
     """
-    denom, count = token_denominator(opts, inputs.loss_normalizer, mask_rows.shape[-1])
+    denom, count = kernels.token_denominator(opts, inputs.loss_normalizer,
+                                             mask_rows.shape[-1])
     if denom is None and not count:
         return _objective.aggregation_weights(mask_rows, inputs, opts)
     return _weights_op(1.0 if denom is None else denom, count)(mask_rows.astype(jnp.bool_))
@@ -95,16 +88,16 @@ def _native_metrics(mask, logp, ratio, kl, bits, old, loss_rows) -> jax.Array:
         jnp.where(mask, old, 0.0) - logp,
     )
     total = jnp.sum(jnp.where(mask, loss_rows, 0.0))
-    return jnp.stack([metrics[name] for name in METRIC_NAMES] + [total])
+    return jnp.stack([metrics[name] for name in kernels.METRIC_NAMES] + [total])
 
 
 def _metrics_call(mask, logp, ratio, kl, bits, old, loss_rows) -> jax.Array:
     if not mask.shape[0]:
-        return jnp.zeros((_OUTPUTS,), jnp.float32)
+        return jnp.zeros((kernels.METRICS_OUT,), jnp.float32)
     return _triton._triton_call(
-        mask, logp, ratio, kl, bits, old, loss_rows, kernel=policy_metrics_kernel,
-        out_shape=jax.ShapeDtypeStruct((_OUTPUTS,), jnp.float32), grid=(1,),
-        num_warps=ROWS_WARPS, N=mask.shape[0], BLOCK=ROWS_BLOCK,
+        mask, logp, ratio, kl, bits, old, loss_rows, kernel=kernels.policy_metrics_kernel,
+        out_shape=jax.ShapeDtypeStruct((kernels.METRICS_OUT,), jnp.float32), grid=(1,),
+        num_warps=kernels.ROWS_WARPS, N=mask.shape[0], BLOCK=kernels.ROWS_BLOCK,
     )
 
 
@@ -148,4 +141,4 @@ def loss_and_metrics(loss_rows, mask, logp, ratio, kl, bits,
     rows = (mask, logp, ratio, kl, bits, old, loss_rows)
     out = _metrics_op(*(lax.stop_gradient(x) for x in rows))  # no derivative rule: none asked
     loss = _rows_total(loss_rows.shape[0], loss_rows, out[-1])
-    return loss, {name: out[i] for i, name in enumerate(METRIC_NAMES)}
+    return loss, {name: out[i] for i, name in enumerate(kernels.METRIC_NAMES)}

@@ -18,6 +18,7 @@ from torch.library import custom_op, triton_op, wrap_triton
 from ratiokl._kernels import interpreted
 from ratiokl._kernels.loss_rows import (
     METRIC_NAMES,
+    METRICS_OUT,
     ROWS_BLOCK,
     ROWS_WARPS,
     policy_metrics_kernel,
@@ -28,8 +29,6 @@ from ratiokl.spec import PolicyLossOptions
 from ratiokl.torch import _objective, _triton
 
 __all__ = ["aggregation_weights", "loss_and_metrics"]
-
-_OUTPUTS = len(METRIC_NAMES) + 1
 
 
 def _weights(kernel, mask: torch.Tensor, denom: float, count: bool) -> torch.Tensor:
@@ -43,8 +42,8 @@ def _weights(kernel, mask: torch.Tensor, denom: float, count: bool) -> torch.Ten
 def _metrics(kernel, mask, logp, ratio, kl, bits, old, loss_rows) -> torch.Tensor:
     """The seven metrics and the loss; the kernel writes all eight (no memset); 0 without rows."""
     if not mask.numel():
-        return torch.zeros(_OUTPUTS, dtype=torch.float32, device=mask.device)
-    out = torch.empty(_OUTPUTS, dtype=torch.float32, device=mask.device)
+        return torch.zeros(METRICS_OUT, dtype=torch.float32, device=mask.device)
+    out = torch.empty(METRICS_OUT, dtype=torch.float32, device=mask.device)
     kernel[(1,)](mask, logp, ratio, kl, bits, old, loss_rows, out, mask.numel(),
                  BLOCK=ROWS_BLOCK, num_warps=ROWS_WARPS)
     return out
@@ -84,7 +83,7 @@ def _interpret_metrics(mask: torch.Tensor, logp: torch.Tensor, ratio: torch.Tens
 
 @_interpret_metrics.register_fake
 def _(mask, logp, ratio, kl, bits, old, loss_rows):
-    return mask.new_empty(_OUTPUTS, dtype=torch.float32)
+    return mask.new_empty(METRICS_OUT, dtype=torch.float32)
 
 
 def _eager_weights(mask: torch.Tensor, denom: float, count: bool) -> torch.Tensor:
