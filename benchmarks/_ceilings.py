@@ -15,7 +15,8 @@ On the CPU the same quantities are measured with torch ops (``copy_`` and
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List
+import functools
+from typing import Any, Callable, Dict, Iterable, List, Tuple
 
 import torch
 
@@ -46,22 +47,31 @@ def _timer(timing: Timing, on_gpu: bool) -> Callable[[Callable[[], Any]], float]
     return lambda fn: cpu_ms(fn, lambda _: None, max(timing.cpu_reps, 3))
 
 
+def _fastest(nbytes: int, runs: Iterable[Tuple[str, Callable[[], None]]],
+             timing: Timing) -> Tuple[float, str]:
+    """GB/s and label of the fastest ``(label, run)`` reading ``nbytes`` (each run once to
+    compile, then timed)."""
+    best = (0.0, "")
+    for label, run in runs:
+        run()
+        best = max(best, (_gbps(nbytes, _timer(timing, True)(run)), label))
+    return best
+
+
 def _read_gpu(x: torch.Tensor, timing: Timing) -> Dict[str, Any]:
     from _read_kernel import row_sum_kernel
 
     out = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
-    best: Dict[str, Any] = {}
-    for block, warps in _READ_CONFIGS:
-        def run(block: int = block, warps: int = warps) -> None:
-            row_sum_kernel[(x.shape[0],)](x, out, x.stride(0), V=x.shape[1], BLOCK=block,
-                                          num_warps=warps)
 
-        run()
-        gbps = _gbps(x.numel() * x.element_size(), _timer(timing, True)(run))
-        if gbps > best.get("read_gbps", 0.0):
-            best = {"read_gbps": gbps, "read_method": f"triton row sum BLOCK={block} "
-                    f"num_warps={warps} on {list(x.shape)} {x.dtype}"}
-    return best
+    def runs():
+        for block, warps in _READ_CONFIGS:
+            yield f"BLOCK={block} num_warps={warps}", functools.partial(
+                row_sum_kernel[(x.shape[0],)], x, out, x.stride(0), V=x.shape[1], BLOCK=block,
+                num_warps=warps)
+
+    gbps, label = _fastest(x.numel() * x.element_size(), runs(), timing)
+    return {"read_gbps": gbps,
+            "read_method": f"triton row sum {label} on {list(x.shape)} {x.dtype}"}
 
 
 def _few_rows_read(timing: Timing, read_gbps: float) -> List[Dict[str, Any]]:
@@ -73,24 +83,19 @@ def _few_rows_read(timing: Timing, read_gbps: float) -> List[Dict[str, Any]]:
     for tensors in (1, 2):
         x = torch.ones(tensors * _FEW_ROWS[0] * _FEW_ROWS[1], dtype=torch.bfloat16,
                        device="cuda")
-        best: Dict[str, Any] = {}
-        for programs, block, warps in _FEW_CONFIGS:
-            chunk = -(-x.numel() // programs // block) * block
 
-            def run(chunk: int = chunk, block: int = block, warps: int = warps) -> None:
-                chunk_sum_kernel[(-(-x.numel() // chunk),)](x, out, TOTAL=x.numel(),
-                                                            CHUNK=chunk, BLOCK=block,
-                                                            num_warps=warps)
+        def runs(x: torch.Tensor = x):
+            for programs, block, warps in _FEW_CONFIGS:
+                chunk = -(-x.numel() // programs // block) * block
+                yield f"{programs} programs BLOCK={block} num_warps={warps}", functools.partial(
+                    chunk_sum_kernel[(-(-x.numel() // chunk),)], x, out, TOTAL=x.numel(),
+                    CHUNK=chunk, BLOCK=block, num_warps=warps)
 
-            run()
-            gbps = _gbps(x.numel() * x.element_size(), _timer(timing, True)(run))
-            if gbps > best.get("gbps", 0.0):
-                best = {"rows": _FEW_ROWS[0], "V": _FEW_ROWS[1], "tensors": tensors,
-                        "bytes": x.numel() * x.element_size(), "gbps": gbps,
-                        "pct_read_ceiling": 100.0 * gbps / read_gbps,
-                        "method": f"triton chunk sum, {programs} programs BLOCK={block} "
-                                  f"num_warps={warps}"}
-        found.append(best)
+        nbytes = x.numel() * x.element_size()
+        gbps, label = _fastest(nbytes, runs(), timing)
+        found.append({"rows": _FEW_ROWS[0], "V": _FEW_ROWS[1], "tensors": tensors,
+                      "bytes": nbytes, "gbps": gbps, "pct_read_ceiling": 100.0 * gbps / read_gbps,
+                      "method": f"triton chunk sum, {label}"})
         del x
     return found
 
@@ -109,17 +114,13 @@ def measure_ceilings(on_gpu: bool, timing: Timing) -> Dict[str, Any]:
     result: Dict[str, Any] = {"copy_gbps": copy,
                               "copy_method": f"torch copy_ of {nbytes} bytes (read + write)"}
     if on_gpu:
-        x = torch.ones(_READ_SHAPE_GPU, dtype=torch.bfloat16, device=device)
-        result.update(_read_gpu(x, timing))
-        del x
+        result.update(_read_gpu(torch.ones(_READ_SHAPE_GPU, dtype=torch.bfloat16,
+                                           device=device), timing))
         result["few_rows_read"] = _few_rows_read(timing, result["read_gbps"])
-        x = None
+        torch.cuda.empty_cache()
     else:
         x = torch.ones(_READ_SHAPE_CPU, dtype=torch.float32)
         ms = time_it(lambda: x.sum())
         result.update(read_gbps=_gbps(x.numel() * x.element_size(), ms),
                       read_method=f"torch sum on {list(x.shape)} float32 (CPU stand-in)")
-    del x
-    if on_gpu:
-        torch.cuda.empty_cache()
     return result
