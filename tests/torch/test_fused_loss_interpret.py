@@ -129,7 +129,7 @@ def _spec(x: dict, case: dict):
     return value, metrics, grad
 
 
-def _small_tiles(vocab, itemsize, n_rows, write_grad, interpreted=False):
+def _small_tiles(vocab, itemsize, n_rows, write_grad):
     """8-column tiles, two spans a row (V = 37: tiles 0-2, then 3 and the tail), one program."""
     from ratiokl._kernels import LaunchConfig, split_plan
     from ratiokl._kernels.fused_loss import FusedPlan
@@ -138,13 +138,21 @@ def _small_tiles(vocab, itemsize, n_rows, write_grad, interpreted=False):
     return FusedPlan(LaunchConfig(8, 1), spans, spans.splits)
 
 
-@pytest.mark.parametrize("tiles", ["one_tile", "spans_of_8_wide_tiles"])
+def _small_tiles_meeting(vocab, itemsize, n_rows, write_grad):
+    """As :func:`_small_tiles`, a program per span: the two meet at the row's counter."""
+    return _small_tiles(vocab, itemsize, n_rows, write_grad)._replace(spans_per_program=1)
+
+
+@pytest.mark.parametrize("tiles", ["one_tile", "spans_of_8_wide_tiles",
+                                   "spans_of_8_wide_tiles_meeting"])
 @pytest.mark.parametrize("name", list(CASES))
 def test_fused_matches_spec_and_native(name, tiles, monkeypatch):
-    """A row in one tile (the default here), or in spans of several tiles and a tail."""
+    """A row in one tile (the default here), or in spans of several tiles and a tail,
+    taken by one program or by a program per span meeting at the row's counter."""
     if tiles != "one_tile":
-        monkeypatch.setattr(_fused_loss, "launch_plan", _small_tiles)
-        assert _small_tiles(V, 4, B * T, True).spans == (2, 3)
+        small = _small_tiles_meeting if tiles.endswith("meeting") else _small_tiles
+        monkeypatch.setattr(_fused_loss, "launch_plan", small)
+        assert small(V, 4, B * T, True).spans == (2, 3)
     case = CASES[name]
     x = _inputs(sum(map(ord, name)), case)
     upstream = 1.0 if name.startswith("ppo") else -2.5  # 1: the backward's device-side skip

@@ -102,5 +102,4 @@ def test_fused_loss_plan_splits_rows_only_where_it_pays():
     assert no_grad.row_programs == 1 and with_grad.row_programs == with_grad.spans.splits
     assert no_grad.counters(8192) == 0 and with_grad.counters(8192) == 8193  # + work counter
     assert launch_plan(v, 2, 128, False).spans_per_program == 1  # few rows: split them
-    interp = launch_plan(v, 2, 128, True, interpreted=True)  # one program at a time
-    assert interp.programs(128) == 128
+    assert launch_plan(40_000, 4, 3, True).row_programs > 1  # the interpreter meets too

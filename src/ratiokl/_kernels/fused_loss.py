@@ -25,9 +25,12 @@ wait is safe without a cooperative launch: work is taken in order from a
 device counter, so a program only waits for spans that running programs
 have taken or will take (the pattern of single-pass decoupled look-back
 scans); it needs a row's programs resident together, ``SPLITS`` small
-programs. Triton's interpreter runs programs one at a time, so
-there a program takes all of a row's spans (``SPANS = SPLITS``, no wait);
-the bits are the same either way. The backward is ``scale_rows_kernel``, a
+programs. A program that owns a whole row (``SPANS = SPLITS``: no gradient
+and enough rows) keeps its partials in registers and meets no one. Triton's
+interpreter runs the GPU's plan too: programs run one after the other
+there, so ``_stand_in_meeting`` orders a shared row's programs and
+publishes the partials the others would have before the meeting. The
+backward is ``scale_rows_kernel``, a
 per-row scale of the stored gradient by the upstream value that skips rows
 whose upstream value is exactly 1 (the usual ``loss.backward()``) and
 inactive rows.
@@ -53,7 +56,7 @@ from ratiokl._kernels.heuristics import (
     split_plan,
     use_split_forward,
 )
-from ratiokl._kernels.numerics import LN2, LOG2E, shift_of, to_storage
+from ratiokl._kernels.numerics import INTERPRETED, LN2, LOG2E, shift_of, to_storage
 from ratiokl._kernels.objective import token_objective
 
 #: Spans of a row in the fused kernel (fewer when the row has fewer tiles).
@@ -82,8 +85,7 @@ class FusedPlan(NamedTuple):
         return n_rows + 1 if self.row_programs > 1 else 0
 
 
-def launch_plan(vocab: int, itemsize: int, n_rows: int, write_grad: bool,
-                interpreted: bool = False) -> FusedPlan:
+def launch_plan(vocab: int, itemsize: int, n_rows: int, write_grad: bool) -> FusedPlan:
     """How the fused kernel cuts a row: ``_SPLITS`` spans, one program each (on a GPU).
 
     A row's programs each read their span (the log-sum-exp partials), meet at
@@ -109,28 +111,24 @@ def launch_plan(vocab: int, itemsize: int, n_rows: int, write_grad: bool,
     program per row (``heuristics.use_split_forward``; JAX primal 0.66 ms,
     0.71 with a program per span; torch, a row's spans shared by 2, 3 or 5
     programs: 0.628, 0.636 and 0.659 ms against 0.625 with one, and density
-    0.5 suffers more: 0.355, 0.364, 0.380 against 0.345). ``interpreted``:
-    Triton's interpreter runs programs one after the other, so a row's spans
-    are one program's (no waiting).
+    0.5 suffers more: 0.355, 0.364, 0.380 against 0.345). The plan is the
+    same on a GPU and in Triton's interpreter.
     The spans depend only on ``V`` and the element size and every program
     combines them the same way: no launch changes a bit (batch invariance).
     """
     config = forward_config(vocab, itemsize)
     spans = split_plan(vocab, config.block_v, _SPLITS)
-    whole_rows = interpreted or not (write_grad or use_split_forward(n_rows, spans))
+    whole_rows = not (write_grad or use_split_forward(n_rows, spans))
     return FusedPlan(config, spans, spans.splits if whole_rows else 1)
 
 
 @triton.jit
-def _combine(part, ok, k: tl.constexpr):
-    """``log2(sum_s s_k * 2^m_k)`` of the partials ``(m_k, s_k)`` at ``part + 4 s + (k, k+1)``.
+def _combine(ms, ss):
+    """``log2(sum_k s_k * 2^m_k)`` of a row's span partials ``(m_k, s_k)`` (vectors over spans).
 
-    One vector load per field (``.cg``: the other programs' partials come from
-    L2, never a stale L1 line) and one max and one sum over the spans, in a
-    fixed order for a given launch configuration.
+    One max and one sum over the spans, in a fixed order for a given launch
+    configuration; unused lanes hold ``(-inf, 0)``.
     """
-    ms = tl.load(part + k, mask=ok, other=-float("inf"), cache_modifier=".cg")
-    ss = tl.load(part + k + 1, mask=ok, other=0.0, cache_modifier=".cg")
     shift = shift_of(tl.max(ms, axis=0))
     return shift + tl.log2(tl.sum(ss * tl.exp2(ms - shift), axis=0))
 
@@ -140,29 +138,79 @@ def _meet(part_ptr, count_ptr, row, active, wait, HAS_REF: tl.constexpr,
           SPLITS: tl.constexpr, SPANS: tl.constexpr):
     """Publish this program's ``SPANS`` partials, wait for the row's ``SPLITS``, combine them.
 
-    The partials ``part[row, s] = (m_p, s_p, m_r, s_r)`` were stored just
-    before; the row's counter counts the spans published (release), and the
-    program waits until all ``SPLITS`` are (acquire). Every program of a row
-    combines the same values the same way, so all get the same bits, whichever
-    program computed which span. Inactive rows publish nothing and wait for
-    nothing; a program that does not ``wait`` (it needs no statistics) only
-    publishes, and its combination is not used.
+    For rows shared by several programs (``SPANS < SPLITS``). The partials
+    ``part[row, s] = (m_p, s_p, m_r, s_r)`` were stored just before; a barrier
+    orders every thread's stores before the release of the row's counter,
+    which counts the spans published, and the program waits until all
+    ``SPLITS`` are (acquire). The partials are read back with ``.cg`` (from
+    L2, never a stale L1 line). Every program of a row combines the same
+    values the same way, so all get the same bits, whichever program computed
+    which span. Inactive rows publish nothing and wait for nothing; a program
+    that does not ``wait`` (it needs no statistics) only publishes, and its
+    combination is not used.
     """
     if active:
-        if SPANS < SPLITS:  # else this program published every span itself
-            tl.debug_barrier()  # every thread's partial stores precede the release
-            tl.atomic_add(count_ptr + row, SPANS, sem="release")
-            if wait:
+        tl.debug_barrier()  # every thread's partial stores precede the release
+        tl.atomic_add(count_ptr + row, SPANS, sem="release")
+        if wait:
+            seen = tl.atomic_add(count_ptr + row, 0, sem="acquire")
+            if INTERPRETED:  # nothing else runs meanwhile: see _stand_in_meeting
+                tl.device_assert(seen >= SPLITS, "interpreter: the row's spans are missing")
+            while seen < SPLITS:
                 seen = tl.atomic_add(count_ptr + row, 0, sem="acquire")
-                while seen < SPLITS:
-                    seen = tl.atomic_add(count_ptr + row, 0, sem="acquire")
     spans = tl.arange(0, triton.next_power_of_2(SPLITS))
     part = part_ptr + (row * SPLITS + spans) * 4
     ok = (spans < SPLITS) & active
     ref_lse2 = -float("inf")
     if HAS_REF:
-        ref_lse2 = _combine(part, ok, 2)
-    return _combine(part, ok, 0), ref_lse2
+        ref_lse2 = _combine(tl.load(part + 2, mask=ok, other=-float("inf"), cache_modifier=".cg"),
+                            tl.load(part + 3, mask=ok, other=0.0, cache_modifier=".cg"))
+    lse2 = _combine(tl.load(part, mask=ok, other=-float("inf"), cache_modifier=".cg"),
+                    tl.load(part + 1, mask=ok, other=0.0, cache_modifier=".cg"))
+    return lse2, ref_lse2
+
+
+@triton.jit
+def _publish(part_ptr, row, span, m_p, s_p, m_r, s_r, SPLITS: tl.constexpr):
+    """Store span ``span``'s partial ``(m_p, s_p, m_r, s_r)`` at ``part[row, span]``."""
+    part = part_ptr + (row * SPLITS + span) * 4
+    tl.store(part, m_p)
+    tl.store(part + 1, s_p)
+    tl.store(part + 2, m_r)
+    tl.store(part + 3, s_r)
+
+
+@triton.jit
+def _stand_in_meeting(p_row, r_row, part_ptr, count_ptr, row, own, a, active, k, V,
+                      stride_pv, stride_rv, HAS_REF: tl.constexpr, SPLITS: tl.constexpr,
+                      TILES_PER_SPLIT: tl.constexpr, SPANS: tl.constexpr,
+                      BLOCK_V: tl.constexpr):
+    """Interpreter only: run a shared row's programs in an order the meeting allows.
+
+    Triton's interpreter runs programs one after the other, so a program that
+    waited at the meeting for its row's other programs would wait forever.
+    Here the row's programs take their spans starting after the span that
+    holds the action (whose logit every program reads before the meeting, and
+    which, in the in-place mode, its own program overwrites), and the row's
+    first program to run also computes and publishes the partials of the
+    row's other spans, as those programs would have before the meeting on a
+    GPU. Every later program recomputes its own partial (the same bits) and
+    finds the row complete: the kernel's own code -- work counter, publish,
+    release, acquire, the combine read from memory, one span's gradient --
+    runs as on the GPU. Returns this program's first span.
+    """
+    ROW_PROGRAMS: tl.constexpr = SPLITS // SPANS
+    action_program = (a // BLOCK_V) // TILES_PER_SPLIT // SPANS
+    first = ((own + action_program + 1) % ROW_PROGRAMS) * SPANS
+    if active & (own == 0):
+        for s in range(0, SPLITS):
+            if (s < first) | (s >= first + SPANS):
+                t0, t1, tail_on = split_span(s, V, active, TILES_PER_SPLIT, BLOCK_V)
+                m_p, s_p, m_r, s_r = span_lse2(p_row, r_row, V, stride_pv, stride_rv, k, t0,
+                                               t1, tail_on, HAS_REF, BLOCK_V, "")
+                _publish(part_ptr, row, s, m_p, s_p, m_r, s_r, SPLITS)
+        tl.atomic_add(count_ptr + row, SPLITS - SPANS)
+    return first
 
 
 @triton.jit
@@ -231,6 +279,12 @@ def policy_loss_kernel(
     k = LOG2E / t
     p_row = policy_ptr + row * stride_pn
     r_row = ref_ptr + row * stride_rn
+    if INTERPRETED:
+        if ROW_PROGRAMS > 1:
+            first = _stand_in_meeting(p_row, r_row, part_ptr, count_ptr, row,
+                                      item % ROW_PROGRAMS, a, active, k, V, stride_pv,
+                                      stride_rv, HAS_REF, SPLITS, TILES_PER_SPLIT, SPANS,
+                                      BLOCK_V)
     # The action's logits, read before this program publishes: in the in-place mode the
     # span holding them is overwritten by its program once every program has published.
     x_a = tl.load(p_row + a * stride_pv, mask=active, other=0.0).to(tl.float32)
@@ -250,20 +304,36 @@ def policy_loss_kernel(
         iw = tl.load(iw_ptr + row)
     w = tl.load(w_ptr + row)
     # Pass 1: this program's spans of the row's log-sum-exp(s), kept in L2 if re-read soon.
+    # A program that owns its row keeps the partials in registers (lanes of one vector per
+    # field); a shared row publishes them for the meeting. Either way the same vectors reach
+    # the same _combine: the same bits.
     EVICT_1: tl.constexpr = "evict_last" if WRITE_GRAD else ""
+    spans = tl.arange(0, triton.next_power_of_2(SPLITS))
+    ms_p = tl.full(spans.shape, -float("inf"), tl.float32)
+    ss_p = tl.zeros(spans.shape, tl.float32)
+    ms_r = tl.full(spans.shape, -float("inf"), tl.float32)
+    ss_r = tl.zeros(spans.shape, tl.float32)
     for j in range(0, SPANS):
         t0, t1, tail_on = split_span(first + j, V, active, TILES_PER_SPLIT, BLOCK_V)
         m_p, s_p, m_r, s_r = span_lse2(
             p_row, r_row, V, stride_pv, stride_rv, k, t0, t1, tail_on, HAS_REF, BLOCK_V, EVICT_1
         )
-        part = part_ptr + (row * SPLITS + first + j) * 4
-        tl.store(part, m_p)
-        tl.store(part + 1, s_p)
-        tl.store(part + 2, m_r)
-        tl.store(part + 3, s_r)
-    # Without a gradient only the row's first program (which stores the row's values) waits.
-    lse2, ref_lse2 = _meet(part_ptr, count_ptr, row, active, WRITE_GRAD or (first == 0),
-                           HAS_REF, SPLITS, SPANS)
+        if ROW_PROGRAMS == 1:
+            here = spans == j
+            ms_p, ss_p = tl.where(here, m_p, ms_p), tl.where(here, s_p, ss_p)
+            ms_r, ss_r = tl.where(here, m_r, ms_r), tl.where(here, s_r, ss_r)
+        else:
+            _publish(part_ptr, row, first + j, m_p, s_p, m_r, s_r, SPLITS)
+    if ROW_PROGRAMS == 1:
+        lse2 = _combine(ms_p, ss_p)
+        ref_lse2 = -float("inf")
+        if HAS_REF:
+            ref_lse2 = _combine(ms_r, ss_r)
+    else:
+        # Without a gradient only the row's first program (which stores the row's values)
+        # waits.
+        lse2, ref_lse2 = _meet(part_ptr, count_ptr, row, active, WRITE_GRAD or (first == 0),
+                               HAS_REF, SPLITS, SPANS)
     nan = float("nan")
     lse2 = tl.where(bad, nan, lse2)
     logp = x_a / t - lse2 * LN2

@@ -67,8 +67,7 @@ def _fused_call(static: Static, write_grad: bool, inplace: bool, policy, ref, id
     if n_rows == 0:
         return tuple(jnp.zeros(s.shape, s.dtype) for s in shapes)
     has_ref, has_iw, kl_code, kl_coef, ratio_low, ratio_high, neg_cap, bound = static
-    plan = launch_plan(vocab, policy.dtype.itemsize, n_rows, write_grad,
-                       interpreted=jax.default_backend() != "gpu")
+    plan = launch_plan(vocab, policy.dtype.itemsize, n_rows, write_grad)
     n_counters = plan.counters(n_rows)  # 0: none used, none zeroed (any buffer will do)
     scratch = [jax.ShapeDtypeStruct((n_rows, plan.spans.splits, 4), jnp.float32),
                jax.ShapeDtypeStruct((n_counters or 1,), jnp.int32)]  # partials; counters

@@ -92,8 +92,7 @@ def _launch(kernel, policy, ref, ids, mask, old, ref_logps, temp, adv, iw, w,
     if n_rows == 0:
         return outs
     ref_t = ref if has_ref else policy  # never read without HAS_REF
-    plan = launch_plan(vocab, policy.element_size(), n_rows, write_grad,
-                       interpreted=policy.device.type != "cuda")
+    plan = launch_plan(vocab, policy.element_size(), n_rows, write_grad)
     parts = torch.empty((n_rows, plan.spans.splits, 4), **f32)
     n_counters = plan.counters(n_rows)  # 0: none used, no memset (any buffer will do)
     counts = torch.zeros(n_counters, dtype=torch.int32, device=policy.device) if n_counters \

@@ -1,0 +1,260 @@
+"""Every launch plan the GPU picks, swept over the shapes at the heuristics' boundaries.
+
+Each public op on the Triton backend against the native path of the same
+framework on the same inputs: values and gradients finite exactly where the
+native ones are, and within the fixture tolerances elsewhere. The shapes come
+from the heuristics themselves (``ratiokl._kernels.plans``): every vocabulary
+size on both sides of a tile width, warp count or split change, and every row
+count on both sides of a row threshold, in fp32, fp16 and bf16, so a changed
+heuristic moves the sweep with it. Odd row counts carry adversarial inactive
+rows (NaN / +-inf logits, ids < 0 and >= V, NaN old log-probs) and an active
+row with -inf (masked) logits; even ones are clean.
+
+PyTorch runs every (vocabulary, rows) pair; every shape is a compile in JAX
+(jax-triton makes sizes compile-time constants), so JAX runs each plan the
+sweep reaches at its smallest shape and the named sizes of the sweep.
+
+Run on the H200: ``pytest -m gpu -n 4 tests/gpu/test_launch_plan_sweep.py`` (12 workers ran
+out of GPU memory at the largest shapes).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with torch
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from ratiokl import spec  # noqa: E402
+from ratiokl._kernels.plans import plans, sweep_rows, sweep_vocabularies  # noqa: E402
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+#: Largest [N, V] swept (elements): the policy, reference, two gradients and the native
+#: path's float32 temporaries of 4 parallel workers fit the H200 at this size.
+MAX_ELEMENTS = 300_000_000
+#: The sizes the issue names (kept in the JAX subset whatever the heuristics say).
+NAMED_VOCABS = (1, 2, 31, 32, 33, 1000, 4095, 4096, 4097, 8191, 8192, 50_257, 151_936, 262_144)
+AGGREGATIONS = tuple(spec.LOSS_AGGS)
+
+
+def _rows(dtype: str, vocab: int):
+    """Every sweep row count for the named vocabularies; elsewhere the fewest rows of each
+    distinct set of plans (the rows change no bit of a row, only which plans run)."""
+    rows = [n for n in sweep_rows(ITEMSIZE[dtype]) if n * vocab <= MAX_ELEMENTS or n == 1]
+    if vocab in NAMED_VOCABS:
+        return rows
+    first = {}
+    for n in rows:
+        first.setdefault(plans(n, vocab, ITEMSIZE[dtype]), n)
+    return sorted(first.values())
+
+
+def _jax_shapes():
+    """(dtype, V, N): each plan at its first (smallest) shape, plus the named sizes at N = 7."""
+    seen, shapes = set(), []
+    for dtype in DTYPES:
+        for vocab in sweep_vocabularies(ITEMSIZE[dtype]):
+            for n in _rows(dtype, vocab):
+                new = plans(n, vocab, ITEMSIZE[dtype]) - seen
+                if new or (vocab in NAMED_VOCABS and n == 7):
+                    seen |= new
+                    shapes.append((dtype, vocab, n))
+    return shapes
+
+
+# --- inputs ------------------------------------------------------------------------------
+
+
+def _inputs(n: int, vocab: int, dtype: str, garbage: bool):
+    g = torch.Generator(device="cuda").manual_seed(vocab * 131 + n)
+    cuda = dict(device="cuda", generator=g)
+    policy = torch.randn(n, vocab, **cuda) * 2
+    ref = policy + 0.3 * torch.randn(n, vocab, **cuda)
+    ids = torch.randint(0, vocab, (n,), **cuda)
+    mask = torch.rand(n, **cuda) < 0.8
+    mask[0] = True
+    if garbage and n >= 4:
+        mask[1:4] = False
+        policy[1], ref[2], policy[3] = float("nan"), float("inf"), -float("inf")
+        ids[1], ids[2] = -7, vocab + 5
+        if n > 4 and vocab > 2:
+            mask[4] = True
+            policy[4, ::2] = -float("inf")  # vocabulary masking on an active row
+            ids[4] = 1
+    policy, ref = policy.to(DTYPES[dtype]), ref.to(DTYPES[dtype])
+    logp = torch.log_softmax(policy.float(), -1).gather(1, ids.clamp(0, vocab - 1)[:, None])[:, 0]
+    old = torch.where(torch.isfinite(logp), logp, -5.0) + 0.2 * torch.randn(n, **cuda)
+    if garbage and n >= 4:
+        old[1] = float("nan")
+    ref_logps = old + 0.1 * torch.randn(n, **cuda)
+    return dict(policy=policy, ref=ref, ids=ids, mask=mask, old=old, ref_logps=ref_logps,
+                adv=torch.randn(n, **cuda), g1=torch.randn(n, **cuda),
+                g2=torch.randn(n, **cuda))
+
+
+def _scale(x) -> float:
+    p = x["policy"].float()[x["mask"]]
+    return float(p[torch.isfinite(p)].abs().max()) if p.numel() else 1.0
+
+
+# --- the ops, one runner per framework ----------------------------------------------------
+# Each runner returns {name: float32 CUDA tensor}: the op's outputs and its policy-logit gradient.
+
+
+def _torch_ops(x, backend: str, op: str, agg: str = "token-mean"):
+    from ratiokl.torch import loss
+
+    leaf = x["policy"].detach().clone().requires_grad_(op != "policy_fwd")
+    lead = (1, leaf.shape[0])  # one row of sequences for the sequence aggregations
+    common = dict(backend=backend, check_ids=False)
+    if op == "selected_logprobs":
+        logp = loss.selected_logprobs(leaf, x["ids"], x["mask"], **common)
+        outs, obj = {"logp": logp}, (logp * x["g1"]).sum()
+    elif op in ("ratio_kl", "ratio_kl_ref_logps"):
+        by_logps = op == "ratio_kl_ref_logps"
+        ratio, kl = loss.ratio_kl(leaf, None if by_logps else x["ref"], x["ids"], x["mask"],
+                                  x["old"], ref_logps=x["ref_logps"] if by_logps else None,
+                                  **common)
+        outs, obj = {"ratio": ratio, "kl": kl}, (ratio * x["g1"] + kl * x["g2"]).sum()
+    else:
+        kw = dict(kl_coef=0.1, loss_agg=agg, **common)
+        if op == "policy_gspo":
+            kw["ratio_level"] = "sequence"
+        if op == "policy_inplace":
+            kw["inplace_grad"] = backend == "triton"
+        by_logps = op in ("policy_fwd", "policy_ref_logps")
+        value, metrics = loss.policy_loss(
+            leaf.view(*lead, -1), None if by_logps else x["ref"].view(*lead, -1),
+            x["ids"].view(lead), x["mask"].view(lead), x["old"].view(lead), x["adv"].view(lead),
+            ref_logps=x["ref_logps"].view(lead) if by_logps else None, **kw)
+        outs, obj = {"loss": value, **metrics}, value * -1.7
+    if leaf.requires_grad:
+        grad = torch.autograd.grad(obj, leaf)[0]
+        outs["grad"] = grad
+        assert grad.dtype == x["policy"].dtype
+    return {k: v.detach().float() for k, v in outs.items()}
+
+
+def _jax_ops(x, backend: str, op: str, agg: str = "token-mean"):
+    import jax
+    import jax.numpy as jnp
+
+    from ratiokl.jax import loss
+
+    j = {k: jax.dlpack.from_dlpack(v.contiguous()) for k, v in x.items()}  # no copy
+    lead = (1, j["policy"].shape[0])
+    common = dict(backend=backend, check_ids=False)
+
+    def run(policy):
+        if op == "selected_logprobs":
+            logp = loss.selected_logprobs(policy, j["ids"], j["mask"], **common)
+            return jnp.sum(logp * j["g1"]), {"logp": logp}
+        if op in ("ratio_kl", "ratio_kl_ref_logps"):
+            by_logps = op == "ratio_kl_ref_logps"
+            ratio, kl = loss.ratio_kl(policy, None if by_logps else j["ref"], j["ids"], j["mask"],
+                                      j["old"], ref_logps=j["ref_logps"] if by_logps else None,
+                                      **common)
+            return jnp.sum(ratio * j["g1"] + kl * j["g2"]), {"ratio": ratio, "kl": kl}
+        kw = dict(kl_coef=0.1, loss_agg=agg, **common)
+        if op == "policy_gspo":
+            kw["ratio_level"] = "sequence"
+        if op == "policy_inplace":
+            kw["inplace_grad"] = backend == "triton"
+        by_logps = op in ("policy_fwd", "policy_ref_logps")
+        r = lambda a: a.reshape(lead)  # noqa: E731
+        value, metrics = loss.policy_loss(
+            policy.reshape(*lead, -1), None if by_logps else j["ref"].reshape(*lead, -1),
+            r(j["ids"]), r(j["mask"]), r(j["old"]), r(j["adv"]),
+            ref_logps=r(j["ref_logps"]) if by_logps else None, **kw)
+        return value * -1.7, {"loss": value, **metrics}
+
+    if op == "policy_fwd":
+        outs = jax.jit(lambda p: run(p)[1])(j["policy"])
+    else:
+        grad, outs = jax.jit(jax.grad(run, has_aux=True))(j["policy"])
+        assert grad.dtype == j["policy"].dtype
+        outs = {**outs, "grad": grad}
+    return {k: torch.from_dlpack(jnp.asarray(v, jnp.float32)) for k, v in outs.items()}
+
+
+# --- the comparison -------------------------------------------------------------------------
+
+
+def _compare(fast, slow, dtype: str, scale: float, n: int, what: str) -> None:
+    """Finite exactly where the native path is; within the fixture tolerances elsewhere.
+
+    On the GPU (float32 tensors): the sweep's largest gradients are gigabytes.
+    """
+    assert fast.keys() == slow.keys(), what
+    fwd = spec.forward_tolerance(scale)
+    for name, expected in slow.items():
+        got, label = fast[name], f"{what}: {name}"
+        assert torch.equal(torch.isfinite(got), torch.isfinite(expected)), \
+            f"{label}: finite positions differ"
+        assert torch.equal(torch.isnan(got), torch.isnan(expected)), f"{label}: NaN positions"
+        summed = expected.ndim == 0  # a sum over rows: float32 reordering grows with N
+        ok = torch.isfinite(expected)
+        got, expected = got[ok], expected[ok]
+        if name == "grad":
+            top = float(expected.abs().max()) if expected.numel() else 1.0
+            tol = spec.grad_tolerance(dtype, scale, top)
+        elif summed:
+            tol = spec.Tolerance(rtol=fwd.rtol * max(1.0, math.log2(n)) + 1e-6, atol=fwd.atol)
+        else:
+            tol = fwd
+        excess = (got - expected).abs() - (tol.atol + tol.rtol * expected.abs())
+        worst = float(excess.max()) if excess.numel() else -1.0
+        assert worst <= 0.0, f"{label}: beyond tolerance by {worst:.3g} ({tol})"
+
+
+OPS = ("selected_logprobs", "ratio_kl", "ratio_kl_ref_logps", "policy", "policy_fwd")
+#: Once per (dtype, V), at the row count nearest 128: every aggregation, GSPO, in place.
+OPTION_OPS = tuple(("policy_ref_logps", agg) for agg in AGGREGATIONS) + (
+    ("policy_gspo", "seq-mean-token-mean"), ("policy_inplace", "token-mean"))
+
+
+def _sweep_one(runner, dtype: str, vocab: int, n: int, with_options: bool) -> int:
+    garbage = n % 2 == 1
+    x = _inputs(n, vocab, dtype, garbage)
+    scale = _scale(x)
+    cases = [(op, "token-mean") for op in OPS] + (list(OPTION_OPS) if with_options else [])
+    for op, agg in cases:
+        what = f"{runner.__name__} {op} {agg} {dtype} V={vocab} N={n} garbage={garbage}"
+        fast, slow = runner(x, "triton", op, agg), runner(x, "native", op, agg)
+        _compare(fast, slow, dtype, scale, n, what)
+        if "grad" in fast:
+            assert bool((fast["grad"][~x["mask"]] == 0).all()), f"{what}: inactive rows' gradient"
+    return len(cases)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("vocab", sorted(set(sweep_vocabularies(2)) | set(sweep_vocabularies(4))))
+def test_torch_sweep(dtype: str, vocab: int) -> None:
+    if vocab not in sweep_vocabularies(ITEMSIZE[dtype]):
+        pytest.skip(f"V = {vocab} is no boundary for {ITEMSIZE[dtype]}-byte logits")
+    rows = _rows(dtype, vocab)
+    option_rows = min(rows, key=lambda n: abs(n - 128))
+    count = sum(_sweep_one(_torch_ops, dtype, vocab, n, n == option_rows) for n in rows)
+    print(f"[sweep] torch {dtype} V={vocab}: {len(rows)} row counts, {count} op calls")
+
+
+@pytest.mark.parametrize("dtype, vocab, n", _jax_shapes())
+def test_jax_sweep(dtype: str, vocab: int, n: int) -> None:
+    pytest.importorskip("jax")
+    from ratiokl.jax._triton import import_jax_triton
+
+    try:
+        import_jax_triton()
+    except ImportError as err:
+        pytest.skip(f"jax_triton unavailable: {err}")
+    count = _sweep_one(_jax_ops, dtype, vocab, n, with_options=vocab in NAMED_VOCABS)
+    print(f"[sweep] jax {dtype} V={vocab} N={n}: {count} op calls")
