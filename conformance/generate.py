@@ -216,6 +216,14 @@ def _temperature_rows(op):
     return build
 
 
+def _bad_active_temperature(rng, dt):
+    x = _ratio_kl(rng, dt, (3, 4), 48)
+    x["mask"][1, 2] = True
+    x["temperature"] = np.where(x["mask"], 1.0, -1.0).astype(np.float32)  # bad padding is fine
+    x["temperature"][1, 2] = 0.0
+    return x, {}
+
+
 def _ref_logps(rng, dt):
     x = _ratio_kl(rng, dt, (4, 3), 48, active=0.6)
     ref = spec.selected_logprobs(round_to_dtype(x.pop("ref_logits"), dt), x["action_ids"], x["mask"])
@@ -258,6 +266,7 @@ GROUPS: Dict[str, Tuple[str, Tuple[str, ...], Builder, str]] = {
     "temperature_scalar": ("ratio_kl", ALL, _temperature_scalar, "temperature 0.7"),
     "temperature_per_row": ("ratio_kl", ALL, _temperature_rows("ratio_kl"), "per-row temperature, 0 on inactive rows"),
     "selected_logprobs_temperature_per_row": ("selected_logprobs", ALL, _temperature_rows("selected_logprobs"), "per-row temperature"),
+    "active_temperature_out_of_range": ("ratio_kl", ALL, _bad_active_temperature, "temperature 0 on an active row raises ValueError"),
     "ref_logps_given": ("ratio_kl", ALL, _ref_logps, "ref_logps instead of ref_logits, NaN on inactive rows"),
     "kl_k1": ("ratio_kl", ALL, _kl("k1"), "k1 estimator"),
     "kl_k2": ("ratio_kl", ALL, _kl("k2"), "k2 estimator"),

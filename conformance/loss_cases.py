@@ -27,11 +27,12 @@ MARGIN = 1e-3
 Inputs = Dict[str, Any]
 
 
-def _inputs(rng, dtype, *, lead=(B, T), active=0.75, per_token_adv=False, temperature=1.0):
+def _inputs(rng, dtype, *, lead=(B, T), vocab=V, active=0.75, per_token_adv=False,
+            temperature=1.0):
     """Policy/reference logits, ids, mask, behaviour log-probs, advantages, weights, segments."""
-    logits = rng.normal(0.0, 2.0, (*lead, V))
+    logits = rng.normal(0.0, 2.0, (*lead, vocab))
     mask = rng.random(lead) < active
-    ids = rng.integers(0, V, lead)
+    ids = rng.integers(0, vocab, lead)
     logp = spec.selected_logprobs(round_to_dtype(logits, dtype), ids, mask, temperature=temperature)
     adv = rng.normal(0.0, 1.0, lead if per_token_adv else lead[:-1])
     return {
@@ -48,11 +49,12 @@ def _inputs(rng, dtype, *, lead=(B, T), active=0.75, per_token_adv=False, temper
 
 def _poison_inactive(x: Inputs) -> Inputs:
     inactive = ~x["mask"]
+    vocab = x["policy_logits"].shape[-1]
     for key in ("policy_logits", "ref_logits"):
         if key in x:
             x[key][inactive] = np.nan
     x["action_ids"] = np.where(inactive, np.where(np.arange(inactive.size).reshape(
-        inactive.shape) % 2 == 0, -1, V + 5), x["action_ids"])
+        inactive.shape) % 2 == 0, -1, vocab + 5), x["action_ids"])
     for key in ("old_logps", "importance_weights"):
         x[key] = np.where(inactive, np.nan, x[key])
     return x
@@ -140,6 +142,12 @@ GROUPS: Dict[str, Tuple[Tuple[str, ...], Dict[str, Any], Tuple[str, ...], Dict[s
                             "no active token: loss 0, zero gradient"),
     "policy_empty_rows": (("float32",), {"loss_agg": "seq-mean-token-sum"}, (),
                           {"lead": (0, T)}, "no rows at all"),
+    # One tile a row on a GPU (V <= the forward tile): the launch plan of the NaN-gradient bug.
+    "policy_vocab_1000": (("float32", "bfloat16"), {"kl_coef": 0.1}, (),
+                          {"lead": (2, 3), "vocab": 1000}, "V = 1000: one ragged tile a row"),
+    "policy_vocab_4096": (("bfloat16",), {"kl_coef": 0.1, "loss_agg": "seq-mean-token-mean"},
+                          ("ref_logps",), {"lead": (2, 3), "vocab": 4096},
+                          "V = 4096: exactly one whole bf16 tile a row"),
 }
 
 

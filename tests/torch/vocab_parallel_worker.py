@@ -257,7 +257,8 @@ def check_conformance(world: int, group, names=None, backend: str = "auto") -> i
         try:
             outcome = _conformance_call(case, start, stop, group, backend)
         except ValueError as err:
-            assert case.expect_error == "ValueError" and "action_ids" in str(err), (name, err)
+            assert case.expect_error == "ValueError" and case.rejected_argument in str(err), \
+                (name, err)
         else:
             assert case.expect_error is None, f"{name}: expected {case.expect_error}"
             check = conformance.judge(case, outcome)

@@ -88,6 +88,13 @@ class Case:
     def cotangents(self) -> Dict[str, np.ndarray]:
         return {o: self.arrays[f"cotangent_{o}"] for o in self.spec.cotangents}
 
+    @property
+    def rejected_argument(self) -> Optional[str]:
+        """The argument the expected error must name (the group's name says which)."""
+        if self.expect_error is None:
+            return None
+        return "temperature" if "temperature" in self.group else "action_ids"
+
     def manifest_entry(self) -> Dict[str, Any]:
         """The JSON-serialisable description of this case (without file and hash)."""
         return {

@@ -64,8 +64,9 @@ def run_case(case: Case, target: str, *, strided: bool = False) -> CaseResult:
         outcome = call_target(case, target, strided=strided)
     except Exception as exc:  # noqa: BLE001 - every library error is a reported result
         if expected_error is not None and isinstance(exc, expected_error):
-            if "action_ids" not in str(exc):
-                check.fail(f"{type(exc).__name__} does not name `action_ids`: {exc}")
+            if case.rejected_argument not in str(exc):
+                check.fail(f"{type(exc).__name__} does not name `{case.rejected_argument}`: "
+                           f"{exc}")
         else:
             check.fail(f"raised {type(exc).__name__}: {exc}")
     else:

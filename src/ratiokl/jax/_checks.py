@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
 
-from ratiokl.spec import check_action_ids
+from ratiokl.spec import check_action_ids, check_temperatures
 
 __all__ = [
     "LOGIT_DTYPES",
@@ -29,6 +29,7 @@ __all__ = [
     "check_ref",
     "check_row_values",
     "check_temperature",
+    "poison_bad_temperature",
 ]
 
 #: Logit dtypes every backend accepts; math is float32 whatever the input.
@@ -127,14 +128,19 @@ def check_ref(
 
 
 def check_temperature(temperature: Any, lead: Tuple[int, ...]) -> Temperature:
-    """A positive finite Python float, or a floating array of the leading shape.
+    """A positive finite Python float, or a floating array of the leading shape (or 0-d).
 
-    An array is not inspected on the host: a non-positive entry on an active
-    row shows up as inf/NaN in that row.
+    An array is not inspected here: its entries are checked on active rows by
+    :func:`check_active_ids` (concrete inputs with ``check_ids``; a
+    ``checkify`` check when traced) and, checked or not,
+    :func:`poison_bad_temperature` makes a bad entry NaN so that its row is
+    NaN on every backend.
     """
     if isinstance(temperature, (jax.Array, np.ndarray, jax.core.Tracer)):
         if not jnp.issubdtype(temperature.dtype, jnp.floating):
             raise TypeError(f"`temperature` array must be floating; got {temperature.dtype}")
+        if temperature.ndim == 0:
+            return jnp.broadcast_to(temperature, lead)
         _check_lead_shape("temperature", temperature, lead)
         return jnp.asarray(temperature)
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
@@ -159,44 +165,69 @@ def _is_concrete(*arrays: jax.Array) -> bool:
     return not any(isinstance(a, jax.core.Tracer) for a in arrays)
 
 
-def check_active_ids(ids: jax.Array, mask: jax.Array, vocab_size: int, host_check: bool) -> bool:
-    """Reject active ids outside ``[0, V)``; ``ids`` and ``mask`` have the leading shape.
+def poison_bad_temperature(temperature: jax.Array) -> jax.Array:
+    """``temperature`` with every entry outside ``(0, inf)`` replaced by NaN.
 
-    Concrete inputs with ``host_check``: one host synchronisation on a
-    boolean, then ``ValueError`` naming the first bad position (the message
-    of :func:`ratiokl.spec.check_action_ids`). Traced inputs (``jit``,
-    ``vmap``): a ``checkify.debug_check`` that raises only when the caller
+    A zero, negative, infinite or NaN temperature has no valid softmax; as NaN
+    it poisons its row (outputs and gradient) on every backend, while inactive
+    rows replace their temperature with 1 before any arithmetic.
+    """
+    return jnp.where(_valid_temperature(temperature), temperature, jnp.nan)
+
+
+def _valid_temperature(temperature: jax.Array) -> jax.Array:
+    return (temperature > 0) & (temperature < jnp.inf)
+
+
+def check_active_ids(ids: jax.Array, mask: jax.Array, vocab_size: int, host_check: bool,
+                     temperature: Optional[Temperature] = None) -> bool:
+    """Reject active ids outside ``[0, V)`` (and active temperatures outside ``(0, inf)``).
+
+    ``ids``, ``mask`` and an array ``temperature`` have the leading shape.
+    Concrete inputs with ``host_check``: one host synchronisation on two
+    booleans, then ``ValueError`` naming the first bad position (the messages
+    of :func:`ratiokl.spec.check_action_ids` and
+    :func:`ratiokl.spec.check_temperatures`). Traced inputs (``jit``,
+    ``vmap``): ``checkify.debug_check``s that raise only when the caller
     wraps the function in ``jax.experimental.checkify.checkify``; otherwise
     the backends poison the row with NaN. ``host_check=False`` skips the host
-    synchronisation; the traced check and the NaN poison stay.
+    synchronisation; the traced checks and the NaN poison stay.
 
     Returns True when the host check ran and passed (every active id is in
     range), False when nothing was verified.
     """
-    if _is_concrete(ids, mask):
+    temp = None if isinstance(temperature, float) else temperature
+    arrays = (ids, mask) if temp is None else (ids, mask, temp)
+    if _is_concrete(*arrays):
         if not host_check:
             return False
         # Concrete arrays closed over by a jit-traced caller are still checked eagerly.
         with jax.ensure_compile_time_eval():
-            any_bad = bool(jnp.any(mask & ((ids < 0) | (ids >= vocab_size))))
-        if any_bad:
+            flags = [jnp.any(mask & ((ids < 0) | (ids >= vocab_size)))]
+            if temp is not None:
+                flags.append(jnp.any(mask & ~_valid_temperature(temp)))
+            any_bad = np.asarray(jnp.stack(flags))
+        if any_bad[0]:
             check_action_ids(np.asarray(ids), np.asarray(mask), vocab_size)
+        if any_bad[-1] and temp is not None:
+            check_temperatures(np.asarray(temp), np.asarray(mask))
         return True
-    _traced_id_check(ids, mask, vocab_size)
+    _traced_check(mask & ((ids < 0) | (ids >= vocab_size)), ids,
+                  f"action_ids[{{}}] = {{}} is outside [0, {vocab_size}) on an active row; "
+                  "fix the sampled ids or mark the row inactive in `mask`")
+    if temp is not None:
+        _traced_check(mask & ~_valid_temperature(temp), temp,
+                      "temperature[{}] = {} on an active row; a temperature must be positive "
+                      "and finite (e.g. the sampler's 1.0)")
     return False
 
 
-def _traced_id_check(ids: jax.Array, mask: jax.Array, vocab_size: int) -> None:
-    """A ``checkify.debug_check`` naming the first bad active position (no-op unless checkified)."""
-    bad = mask & ((ids < 0) | (ids >= vocab_size))
+def _traced_check(bad: jax.Array, values: jax.Array, message: str) -> None:
+    """A ``checkify.debug_check`` naming the first ``bad`` position and its value (no-op
+    unless checkified). ``message`` has one ``{}`` for the index list, one for the value."""
     flat = jnp.argmax(bad.reshape(-1)) if bad.size else jnp.int32(0)
     pos = jnp.unravel_index(flat, bad.shape) if bad.ndim else ()
-    value = ids.reshape(-1)[flat] if bad.size else jnp.int32(0)
+    value = values.reshape(-1)[flat] if bad.size else jnp.zeros((), values.dtype)
     index = ", ".join("{}" for _ in pos)
-    checkify.debug_check(
-        ~jnp.any(bad),
-        f"action_ids[{index}] = {{}} is outside [0, {vocab_size}) on an active row; "
-        "fix the sampled ids or mark the row inactive in `mask`",
-        *pos,
-        value,
-    )
+    head, tail = message.split("{}", 1)
+    checkify.debug_check(~jnp.any(bad), head + index + tail, *pos, value)

@@ -61,13 +61,15 @@ def _prepare(
     temperature = _checks.check_temperature(temperature, lead)
     check_ids = _checks.check_bool_option("check_ids", check_ids)
     vocab = _vocab_parallel.global_vocab(logits.shape[-1], vocab_axis)
-    verified = _checks.check_active_ids(ids, mask, vocab, check_ids)
+    verified = _checks.check_active_ids(ids, mask, vocab, check_ids, temperature)
+    if not isinstance(temperature, float):
+        temperature = _checks.poison_bad_temperature(_flat_rows(temperature))
     return _Rows(
         lead=lead,
         logits=logits.reshape(-1, logits.shape[-1]),
         ids=ids.reshape(-1),
         mask=mask.reshape(-1),
-        temperature=temperature if isinstance(temperature, float) else _flat_rows(temperature),
+        temperature=temperature,
         ids_verified=verified,
     )
 
@@ -107,12 +109,14 @@ def selected_logprobs(
       logits: ``[..., V]`` float32, float16 or bfloat16.
       action_ids: ``[...]`` integer sampled token ids, in ``[0, V)`` on active rows.
       mask: ``[...]`` bool (or integer 0/1), True for active tokens; None: all active.
-      temperature: a positive Python float, or a floating ``[...]`` array (per row).
+      temperature: a positive Python float, or a floating ``[...]`` (or 0-d) array,
+        per row; an entry that is not positive and finite on an active row is
+        rejected like a bad id (``check_ids``) and otherwise makes its row NaN.
       backend: ``"auto"``, ``"native"`` or ``"triton"`` (static).
-      check_ids: with concrete inputs, check active ids on the host (one sync)
-        and raise ``ValueError`` naming the first bad position. Traced inputs
-        (``jit``, ``vmap``) are never synchronised: a row with a bad active id
-        gives NaN (and NaN gradient), and a call wrapped in
+      check_ids: with concrete inputs, check active ids (and a per-row
+        temperature) on the host (one sync) and raise ``ValueError`` naming the
+        first bad position. Traced inputs (``jit``, ``vmap``) are never
+        synchronised: a row with a bad active id or temperature gives NaN (and NaN gradient), and a call wrapped in
         ``jax.experimental.checkify.checkify`` raises. False skips the host
         check for concrete inputs too (the NaN rows stay).
       vocab_axis: inside ``jax.shard_map``, the mesh axis (static string) that
@@ -190,8 +194,9 @@ def ratio_kl(
       http://joschu.net/blog/kl-approx.html -- the k1/k2/k3 estimators.
     """
     policy_logits = _checks.check_logits("policy_logits", policy_logits)
-    ref_logits, ref_logps = _checks.check_ref(ref_logits, ref_logps, tuple(policy_logits.shape))
     lead = tuple(policy_logits.shape[:-1])
+    _checks.check_ids(action_ids, lead)  # first: a flattened [N, V] names the ids
+    ref_logits, ref_logps = _checks.check_ref(ref_logits, ref_logps, tuple(policy_logits.shape))
     old_logps = _checks.check_row_values("old_logps", old_logps, lead)
     kl_code = kl_estimator_code(kl_estimator)
     rows = _prepare(policy_logits, action_ids, mask, temperature, check_ids, vocab_axis)
@@ -300,9 +305,10 @@ def policy_loss(
         ratio_level=ratio_level, log_ratio_bound=log_ratio_bound,
     )
     policy_logits = _checks.check_logits("policy_logits", policy_logits)
+    lead = tuple(policy_logits.shape[:-1])
+    _checks.check_ids(action_ids, lead)  # first: a flattened [N, V] names the ids
     if ref_logits is not None or ref_logps is not None or opts.kl_coef != 0.0:
         ref_logits, ref_logps = _checks.check_ref(ref_logits, ref_logps, policy_logits.shape)
-    lead = tuple(policy_logits.shape[:-1])
     inputs = _objective.token_inputs(
         lead, old_logps, advantages, segment_ids, importance_weights, loss_normalizer
     )

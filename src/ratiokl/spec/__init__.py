@@ -24,6 +24,7 @@ from ratiokl.spec.policy_loss import (
 )
 from ratiokl.spec.reference import (
     check_action_ids,
+    check_temperatures,
     kl_dlogp,
     kl_value,
     ratio_kl,
@@ -50,6 +51,7 @@ __all__ = [
     "KL_ESTIMATORS",
     "Tolerance",
     "check_action_ids",
+    "check_temperatures",
     "forward_tolerance",
     "grad_tolerance",
     "kl_dlogp",

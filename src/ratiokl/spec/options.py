@@ -132,12 +132,18 @@ def policy_loss_options(
     _above("ratio_cap", cap, 1.0, "INTELLECT-2's delta, e.g. 4.0; None turns it off")
     bound = _number("log_ratio_bound", log_ratio_bound, allow_none=True)
     _above("log_ratio_bound", bound, 0.0, "a bound on |log ratio| before exp; None: no bound")
+    kl_coef = _number("kl_coef", kl_coef)
+    if kl_coef < 0.0:
+        raise ValueError(
+            f"`kl_coef` must be >= 0 (a negative weight rewards moving away from the "
+            f"reference); got {kl_coef}. Pass 0.0 to turn the KL term off"
+        )
     caps = [c for c in (dual, cap) if c is not None]
     return PolicyLossOptions(
         ratio_low=1.0 - eps_low,
         ratio_high=min(1.0 + eps_high, cap) if cap is not None else 1.0 + eps_high,
         neg_cap=min(caps) if caps else None,
-        kl_coef=_number("kl_coef", kl_coef),
+        kl_coef=kl_coef,
         kl_code=option_code("kl_estimator", kl_estimator, POLICY_KL_ESTIMATORS),
         agg_code=option_code("loss_agg", loss_agg, LOSS_AGGS),
         sequence_ratio=option_code("ratio_level", ratio_level, RATIO_LEVELS) == 1,

@@ -5,7 +5,7 @@ written for clarity, not speed, and hold the math in one place.
 
 Definitions, per row ``i`` of the leading shape ``[...]`` (vocabulary last)::
 
-    z        = logits[i] / T_i                       (T: temperature, > 0)
+    z        = logits[i] / T_i                       (T: temperature, 0 < T < inf)
     lse      = logsumexp(z)
     logp     = z[a_i] - lse                          (a_i: the sampled action id)
     ratio    = exp(logp - old_logp)
@@ -29,8 +29,11 @@ out-of-range ids, NaN ``old_logp``) never reaches another value:
 
 Active rows keep their errors visible: a NaN logit gives NaN outputs and a
 NaN gradient for that row only; ``-inf`` logits at tokens other than the
-action are valid vocabulary masking; an action id outside ``[0, V)`` raises
-:class:`ValueError` naming the first bad position.
+action are valid vocabulary masking; an action id outside ``[0, V)`` or a
+temperature that is not positive and finite raises :class:`ValueError`
+naming the first bad position (:func:`check_action_ids`,
+:func:`check_temperatures`); unchecked (under ``jit``, ``check_ids=False``)
+such a row is NaN, outputs and gradient.
 
 References:
     J. Schulman, "Approximating KL Divergence" (2020) -- the k1/k2/k3
@@ -50,6 +53,7 @@ ArrayLike = Union[np.ndarray, float]
 
 __all__ = [
     "check_action_ids",
+    "check_temperatures",
     "kl_dlogp",
     "kl_value",
     "ratio_kl",
@@ -71,10 +75,30 @@ def check_action_ids(action_ids: np.ndarray, mask: np.ndarray, vocab_size: int) 
         )
 
 
+def check_temperatures(temperature: ArrayLike, mask: np.ndarray) -> None:
+    """Raise ``ValueError`` naming the first active position whose temperature is not in (0, inf)."""
+    mask = np.asarray(mask, dtype=bool)
+    t = np.broadcast_to(np.asarray(temperature, dtype=np.float64), mask.shape)
+    with np.errstate(invalid="ignore"):
+        bad = mask & ~((t > 0.0) & (t < np.inf))
+    if bad.any():
+        pos = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(
+            f"temperature{list(pos)} = {float(t[pos])} on an active row; a temperature must "
+            "be positive and finite (e.g. the sampler's 1.0)"
+        )
+
+
 def _row_temperature(temperature: ArrayLike, lead_shape: Tuple[int, ...]) -> np.ndarray:
-    """Temperature as a float64 array of the leading shape (scalar broadcast)."""
+    """Temperature as a float64 array of the leading shape (scalar broadcast).
+
+    An entry that is not positive and finite becomes NaN: its row (if active)
+    is poisoned, never a silently wrong distribution (``T <= 0`` flips or
+    degenerates the softmax).
+    """
     t = np.broadcast_to(np.asarray(temperature, dtype=np.float64), lead_shape)
-    return t
+    with np.errstate(invalid="ignore"):
+        return np.where((t > 0.0) & (t < np.inf), t, np.nan)
 
 
 def _isolate(logits, action_ids, mask, temperature):

@@ -22,6 +22,7 @@ __all__ = [
     "check_row_values",
     "check_same_device",
     "check_temperature",
+    "poison_bad_temperature",
 ]
 
 #: Logit dtypes every backend accepts; math is float32 whatever the input.
@@ -98,8 +99,10 @@ def check_row_values(name: str, values: object, lead: Tuple[int, ...]) -> torch.
 def check_temperature(temperature: object, lead: Tuple[int, ...]) -> Temperature:
     """A positive finite Python float, or a floating tensor of the leading shape (or 0-d).
 
-    A tensor is not inspected on the host (that would synchronise): a
-    non-positive entry on an active row shows up as inf/NaN in that row.
+    A tensor is not inspected here (that would synchronise): its entries are
+    checked on active rows by :func:`check_active_ids` (the ``check_ids``
+    host check) and, checked or not, :func:`poison_bad_temperature` makes a
+    bad entry NaN so that its row is NaN on every backend.
     """
     if isinstance(temperature, torch.Tensor):
         if not temperature.dtype.is_floating_point:
@@ -135,18 +138,50 @@ def check_same_device(**tensors: Optional[torch.Tensor]) -> torch.device:
     return first.device
 
 
-def check_active_ids(ids: torch.Tensor, mask: torch.Tensor, vocab_size: int) -> None:
-    """Raise ``ValueError`` naming the first active position whose id is outside ``[0, V)``.
+def poison_bad_temperature(temperature: torch.Tensor) -> torch.Tensor:
+    """``temperature`` with every entry outside ``(0, inf)`` replaced by NaN (no sync).
 
-    One host synchronisation (on a boolean of the leading shape); callers that
-    cannot afford it pass ``check_ids=False`` and get NaN rows instead.
+    A zero, negative, infinite or NaN temperature has no valid softmax; as NaN
+    it poisons its row (outputs and gradient) on every backend, while inactive
+    rows replace their temperature with 1 before any arithmetic.
     """
-    bad = mask & ((ids < 0) | (ids >= vocab_size))
-    if not bool(bad.any()):
+    valid = (temperature > 0) & (temperature < math.inf)
+    return torch.where(valid, temperature, torch.full_like(temperature, math.nan))
+
+
+def check_active_ids(ids: torch.Tensor, mask: torch.Tensor, vocab_size: Optional[int],
+                     temperature: Optional[Temperature] = None) -> None:
+    """Raise ``ValueError`` naming the first active position with an id outside ``[0, V)``.
+
+    Also for a tensor ``temperature`` (the leading shape): the first active
+    position whose temperature is not positive and finite. ``vocab_size``
+    None checks the temperature only. One host synchronisation (on two
+    booleans); callers that cannot afford it pass ``check_ids=False`` and get
+    NaN rows instead.
+    """
+    bad = {}
+    if vocab_size is not None:
+        bad["action_ids"] = mask & ((ids < 0) | (ids >= vocab_size))
+    if isinstance(temperature, torch.Tensor):
+        bad["temperature"] = mask & ~((temperature > 0) & (temperature < math.inf))
+    if not bad:
         return
+    found = dict(zip(bad, torch.stack([b.any() for b in bad.values()]).tolist()))
+    if found.get("action_ids"):
+        pos = _first(bad["action_ids"])
+        raise ValueError(
+            f"action_ids{list(pos)} = {int(ids[pos])} is outside [0, {vocab_size}) on an "
+            "active row; fix the sampled ids or mark the row inactive in `mask`"
+        )
+    if found.get("temperature"):
+        pos = _first(bad["temperature"])
+        raise ValueError(
+            f"temperature{list(pos)} = {float(temperature[pos])} on an active row; a "
+            "temperature must be positive and finite (e.g. the sampler's 1.0)"
+        )
+
+
+def _first(bad: torch.Tensor) -> Tuple[int, ...]:
+    """Index of the first True entry of ``bad`` (row-major)."""
     flat = int(torch.nonzero(bad.reshape(-1))[0, 0])
-    pos = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), bad.shape))
-    raise ValueError(
-        f"action_ids{list(pos)} = {int(ids[pos])} is outside [0, {vocab_size}) on an "
-        "active row; fix the sampled ids or mark the row inactive in `mask`"
-    )
+    return tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), bad.shape))

@@ -45,6 +45,7 @@ def _prepare(
     mask: Optional[torch.Tensor],
     temperature: Temperature,
     check_ids: bool,
+    sharded: bool = False,
     **per_token: Optional[torch.Tensor],
 ) -> _Rows:
     """Validate, flatten and (if ``check_ids``) range-check the shared inputs.
@@ -66,10 +67,10 @@ def _prepare(
         temperature=temperature if isinstance(temperature, torch.Tensor) else None,
         **per_token,
     )
-    if check_ids:
-        _checks.check_active_ids(ids, mask, logits.shape[-1])
+    if check_ids:  # sharded logits: the ids are checked against the global V later
+        _checks.check_active_ids(ids, mask, None if sharded else logits.shape[-1], temperature)
     if isinstance(temperature, torch.Tensor):
-        temperature = _flat_rows(temperature)
+        temperature = _checks.poison_bad_temperature(_flat_rows(temperature))
     return _Rows(
         lead=lead,
         logits=logits.reshape(-1, logits.shape[-1]),
@@ -140,11 +141,14 @@ def selected_logprobs(
       logits: ``[..., V]`` float32, float16 or bfloat16, any strides.
       action_ids: ``[...]`` integer sampled token ids, in ``[0, V)`` on active rows.
       mask: ``[...]`` bool (or integer 0/1), True for active tokens; None: all active.
-      temperature: a positive Python float, or a floating ``[...]`` tensor (per row).
+      temperature: a positive Python float, or a floating ``[...]`` (or 0-d) tensor,
+        per row; an entry that is not positive and finite on an active row is
+        rejected like a bad id (``check_ids``) and otherwise makes its row NaN.
       backend: ``"auto"``, ``"native"``, ``"triton"`` or ``"interpret"``.
-      check_ids: check active ids on the host (one sync) and raise ``ValueError``
-        naming the first bad position. False (CUDA graphs, ``torch.compile``):
-        no sync, and a row with a bad active id gives NaN (and NaN gradient).
+      check_ids: check active ids (and a per-row temperature) on the host (one
+        sync) and raise ``ValueError`` naming the first bad position. False (CUDA
+        graphs, ``torch.compile``): no sync, and a row with a bad active id or
+        temperature gives NaN (and NaN gradient).
       vocab_group: a ``torch.distributed`` process group over which ``logits``
         is sharded along the vocabulary (rank r holds a contiguous column
         block, in rank order; see docs/vocab_parallel.md). ``action_ids`` are
@@ -159,7 +163,7 @@ def selected_logprobs(
 
     See :func:`ratio_kl` for the references.
     """
-    rows = _prepare(logits, action_ids, mask, temperature, check_ids and vocab_group is None)
+    rows = _prepare(logits, action_ids, mask, temperature, check_ids, vocab_group is not None)
     logp = _backend(backend, rows, vocab_group).selected_logprobs(
         rows.logits, rows.ids, rows.mask, rows.temperature, check_ids
     )
@@ -220,12 +224,13 @@ def ratio_kl(
       http://joschu.net/blog/kl-approx.html -- the k1/k2/k3 estimators.
     """
     _checks.check_logits("policy_logits", policy_logits)
-    _check_reference(policy_logits, ref_logits, ref_logps)
     lead = tuple(policy_logits.shape[:-1])
+    _checks.check_ids(action_ids, lead)  # first: a flattened [N, V] names the ids
+    _check_reference(policy_logits, ref_logits, ref_logps)
     _checks.check_row_values("old_logps", old_logps, lead)
     kl_code = kl_estimator_code(kl_estimator)
     rows = _prepare(
-        policy_logits, action_ids, mask, temperature, check_ids and vocab_group is None,
+        policy_logits, action_ids, mask, temperature, check_ids, vocab_group is not None,
         ref_logits=ref_logits, old_logps=old_logps, ref_logps=ref_logps,
     )
     ref = None if ref_logits is None else ref_logits.detach().reshape(rows.logits.shape)
@@ -337,14 +342,15 @@ def policy_loss(
             "`inplace_grad=True` needs contiguous `policy_logits` (the gradient is written "
             "into their buffer); pass `policy_logits.contiguous()` or `inplace_grad=False`"
         )
+    lead = tuple(policy_logits.shape[:-1])
+    _checks.check_ids(action_ids, lead)  # first: a flattened [N, V] names the ids
     if ref_logits is not None or ref_logps is not None or opts.kl_coef != 0.0:
         _check_reference(policy_logits, ref_logits, ref_logps)
-    lead = tuple(policy_logits.shape[:-1])
     inputs = _objective.token_inputs(
         lead, old_logps, advantages, segment_ids, importance_weights, loss_normalizer
     )
     rows = _prepare(
-        policy_logits, action_ids, mask, temperature, check_ids and vocab_group is None,
+        policy_logits, action_ids, mask, temperature, check_ids, vocab_group is not None,
         ref_logits=ref_logits, old_logps=old_logps, ref_logps=ref_logps,
         advantages=advantages, segment_ids=segment_ids, importance_weights=importance_weights,
     )

@@ -1,0 +1,115 @@
+"""Bad input gives a clear error or the documented NaN poison, in both frameworks.
+
+A per-row temperature that is 0, negative, infinite or NaN on an active row:
+``ValueError`` naming the position with the host check, its row NaN (outputs
+and gradient, the other rows untouched) without it and under ``jit`` (where a
+``checkify``-wrapped call raises). ``kl_coef < 0`` is rejected. Flattened
+``[B*T, V]`` logits with ``[B, T]`` ids name ``action_ids``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+#: The interpreter's NumPy reductions of a NaN row (the poison under test) warn.
+pytestmark = pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning")
+
+B, T, V = 2, 3, 11
+BAD = (1, 0)  # the active position given the bad temperature
+
+
+def _inputs(bad_temperature: float):
+    rng = np.random.default_rng(3)
+    logits = rng.normal(0.0, 2.0, (B, T, V)).astype(np.float32)
+    ids = rng.integers(0, V, (B, T))
+    mask = np.ones((B, T), bool)
+    mask[0, 2] = False
+    temperature = np.full((B, T), 0.8, np.float32)
+    temperature[0, 2] = -1.0  # inactive: whatever it holds is fine
+    temperature[BAD] = bad_temperature
+    return logits, ids, mask, temperature
+
+
+def _check_poisoned(logp, grad, mask):
+    assert np.isnan(logp[BAD]) and np.all(np.isnan(grad[BAD]))
+    others = mask.copy()
+    others[BAD] = False
+    assert np.all(np.isfinite(logp[others])) and np.all(np.isfinite(grad[others]))
+    assert logp[0, 2] == 0.0 and np.all(grad[0, 2] == 0.0)
+
+
+@pytest.mark.parametrize("bad", [0.0, -0.5, float("nan"), float("inf")])
+@pytest.mark.parametrize("backend", ["native", "interpret"])
+def test_torch_bad_temperature_raises_or_poisons_its_row(backend, bad):
+    pytest.importorskip("triton") if backend == "interpret" else None
+    from ratiokl.torch import loss
+
+    logits, ids, mask, temp = (torch.from_numpy(a) for a in _inputs(bad))
+    with pytest.raises(ValueError, match=r"temperature\[1, 0\]"):
+        loss.selected_logprobs(logits, ids, mask, temperature=temp, backend=backend)
+    leaf = logits.clone().requires_grad_(True)
+    logp = loss.selected_logprobs(leaf, ids, mask, temperature=temp, backend=backend,
+                                  check_ids=False)
+    logp.sum().backward()
+    _check_poisoned(logp.detach().numpy(), leaf.grad.numpy(), mask.numpy())
+
+
+@pytest.mark.parametrize("bad", [0.0, -0.5, float("nan")])
+def test_jax_bad_temperature_raises_poisons_and_checkifies(bad):
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+    from jax.experimental import checkify
+
+    from ratiokl.jax import loss
+
+    logits, ids, mask, temp = (jnp.asarray(a) for a in _inputs(bad))
+    with pytest.raises(ValueError, match=r"temperature\[1, 0\]"):
+        loss.selected_logprobs(logits, ids, mask, temperature=temp)
+
+    def total(x, t):  # t traced: no host check (a closed-over array would be checked)
+        logp = loss.selected_logprobs(x, ids, mask, temperature=t)
+        return logp.sum(), logp
+
+    grad, logp = jax.jit(jax.grad(total, has_aux=True))(logits, temp)
+    _check_poisoned(np.asarray(logp), np.asarray(grad), np.asarray(mask))
+    err, _ = checkify.checkify(jax.jit(total))(logits, temp)
+    with pytest.raises(Exception, match=r"temperature\[1, 0\]"):
+        err.throw()
+
+
+def test_kl_coef_below_zero_is_rejected_in_both_frameworks():
+    from ratiokl.torch import loss as torch_loss
+
+    logits, ids, mask, _ = _inputs(1.0)
+    rows = np.zeros((B, T), np.float32)
+    with pytest.raises(ValueError, match="kl_coef"):
+        torch_loss.policy_loss(torch.from_numpy(logits), torch.from_numpy(logits),
+                               torch.from_numpy(ids), torch.from_numpy(mask),
+                               torch.from_numpy(rows), torch.from_numpy(rows), kl_coef=-0.1)
+    jnp = pytest.importorskip("jax.numpy")
+    from ratiokl.jax import loss as jax_loss
+
+    with pytest.raises(ValueError, match="kl_coef"):
+        jax_loss.policy_loss(jnp.asarray(logits), jnp.asarray(logits), jnp.asarray(ids),
+                             jnp.asarray(mask), jnp.asarray(rows), jnp.asarray(rows),
+                             kl_coef=-0.1)
+
+
+@pytest.mark.parametrize("op", ["ratio_kl", "policy_loss"])
+def test_flattened_logits_with_unflattened_ids_name_action_ids(op):
+    from ratiokl.torch import loss as torch_loss
+
+    logits, ids, mask, _ = _inputs(1.0)
+    flat = logits.reshape(B * T, V)
+    rows = np.zeros((B, T), np.float32)
+    args = (flat, flat, ids, mask, rows) + ((rows,) if op == "policy_loss" else ())
+    with pytest.raises(ValueError, match="`action_ids` must have the logits' leading shape"):
+        getattr(torch_loss, op)(*(torch.from_numpy(a) for a in args))
+    jnp = pytest.importorskip("jax.numpy")
+    from ratiokl.jax import loss as jax_loss
+
+    with pytest.raises(ValueError, match="`action_ids` must have the logits' leading shape"):
+        getattr(jax_loss, op)(*(jnp.asarray(a) for a in args))
