@@ -24,8 +24,10 @@ from ratiokl.conformance._cases import read_npz, write_npz
 
 REPO = Path(__file__).resolve().parents[1]
 GENERATE = REPO / "conformance" / "generate.py"
-#: Float64 expectations may move by this many ulps across CPUs' libm paths.
-MAX_ULPS = 4
+#: Float64 expectations may move across CPUs' libm paths: by up to 102 ulps seen on one
+#: machine (a k3 KL near 0, where exp(d) - d - 1 cancels), i.e. 2e-14 relative. Judged
+#: relative to the value, far below any fixture tolerance (>= 1e-6).
+MAX_REL = 1e-12
 
 pytestmark = pytest.mark.skipif(not GENERATE.is_file(), reason="needs a source checkout")
 
@@ -57,7 +59,8 @@ def test_case_reproduces(regenerated: Path, name: str) -> None:
     for key in old:
         if key.startswith("expected_") and old[key].dtype == np.float64:
             assert new[key].shape == old[key].shape, key
-            np.testing.assert_array_max_ulp(new[key], old[key], maxulp=MAX_ULPS)
+            np.testing.assert_allclose(new[key], old[key], rtol=MAX_REL, atol=0.0,
+                                       equal_nan=True, err_msg=f"{name}: {key}")
         else:
             assert _identical(new[key], old[key]), f"{name}: input {key!r} changed"
     if all(_identical(new[k], old[k]) for k in old):
