@@ -204,3 +204,27 @@ def test_torch_compile_training_step():
     compiled.backward()  # AOTAutograd's compiled backward runs the backward kernel
     torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(head.weight.grad, eager_grad, rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.parametrize("op", ["ratio_kl", "policy_loss", "policy_loss_inplace"])
+def test_deferred_id_check_raises_from_the_same_call(op):
+    """``check_ids=True`` on CUDA reads its result after the launches: same error, same call."""
+    from ratiokl.torch import loss
+
+    policy, ref, ids, mask, old, _, _ = _inputs(64, 4097, "bfloat16", seed=2, garbage=False)
+    mask[5], ids[5] = True, 4097 + 3
+    adv = torch.ones_like(old)
+    leaf = policy.clone().requires_grad_(True)
+    calls = {
+        "ratio_kl": lambda: loss.ratio_kl(leaf, ref, ids, mask, old),
+        "policy_loss": lambda: loss.policy_loss(leaf, None, ids, mask, old, adv),
+        "policy_loss_inplace": lambda: loss.policy_loss(leaf, None, ids, mask, old, adv,
+                                                        inplace_grad=True),
+    }
+    with pytest.raises(ValueError, match=r"action_ids\[5\] = 4100"):
+        calls[op]()
+    if op == "policy_loss_inplace":  # checked before the launch that consumes the logits
+        assert torch.equal(leaf.detach(), policy)
+    ids[5] = 7  # a good call after a failed one works (the pinned flags are per call)
+    out = calls[op]()
+    assert torch.isfinite(out[0]).all()

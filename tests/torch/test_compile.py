@@ -68,3 +68,35 @@ def test_compiled_matches_eager(dtype) -> None:
     )
     assert comp_out[0][0, 0].isnan() and comp_grad[0, 0].isnan().all()
     assert comp_out[0][2, 1] == 1.0 and comp_out[1][2, 1] == 0.0 and (comp_grad[2, 1] == 0).all()
+
+
+def _policy_step(logits, ids, mask, old, adv):
+    value, _ = loss.policy_loss(logits, None, ids, mask, old, adv, kl_coef=0.0,
+                                backend="native", check_ids=False)
+    return value
+
+
+def _step_inputs(length: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(2, length, V, generator=g).requires_grad_(),
+            torch.randint(0, V, (2, length), generator=g), torch.rand(2, length, generator=g) < 0.8,
+            torch.randn(2, length, generator=g) - 3.0, torch.randn(2, length, generator=g))
+
+
+@pytest.mark.parametrize("dynamic", [None, True], ids=["automatic_dynamic", "dynamic"])
+def test_new_sequence_lengths_compile_at_most_once_more(dynamic) -> None:
+    """Trainers see a new length every step: ten lengths, at most one recompile."""
+    torch._dynamo.reset()
+    frames = []
+
+    def backend(gm, example_inputs):  # counts the graphs Dynamo hands over
+        frames.append(gm)
+        return gm.forward
+
+    step = torch.compile(_policy_step, fullgraph=True, dynamic=dynamic, backend=backend)
+    for length in range(10, 20):
+        x = _step_inputs(length, seed=length)
+        value = step(*x)
+        want = _policy_step(x[0].detach().requires_grad_(), *x[1:])
+        torch.testing.assert_close(value, want, rtol=1e-5, atol=1e-6)
+    assert len(frames) <= 2, f"{len(frames)} compiles for 10 sequence lengths"

@@ -126,7 +126,8 @@ def test_non_contiguous_inputs(transpose: bool) -> None:
 
 def test_many_chunks_match_spec(monkeypatch) -> None:
     monkeypatch.setattr(_native, "_CHUNK_BYTES", {"cpu": 4 * V * 3, "default": 4 * V * 3})
-    assert _native._chunk_rows(40, V, torch.device("cpu")) == 3  # 3 rows per chunk
+    chunks = _native._chunks(40, V, torch.device("cpu"))  # 3 rows per chunk, 1 at the end
+    assert len(chunks) == 14 and chunks[0] == slice(0, 3) and chunks[-1] == slice(39, 42)
     _check_ratio_kl(*_case((40,), torch.float16), temperature=1.3)
 
 

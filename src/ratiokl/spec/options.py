@@ -95,7 +95,8 @@ def _number(name: str, value: object, *, allow_none: bool = False) -> Optional[f
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"`{name}` must be a Python number; got {type(value).__name__}")
-    if not math.isfinite(float(value)):
+    # Comparisons, not math.isfinite: they also trace under torch.compile(dynamic=True).
+    if not -math.inf < float(value) < math.inf:
         raise ValueError(f"`{name}` must be finite; got {value}")
     return float(value)
 

@@ -2,8 +2,9 @@
 
 Every check here looks only at shapes, dtypes, devices and Python scalars, so
 it costs no device synchronisation and traces under ``torch.compile``. The one
-exception is :func:`check_active_ids`, the documented host check that
-``check_ids=False`` skips. Errors name the argument and say how to fix it.
+exception is :class:`ActiveCheck` (:func:`check_active_ids`), the documented
+host check that ``check_ids=False`` skips, read after the call's kernels are
+queued. Errors name the argument and say how to fix it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Optional, Tuple, Union
 import torch
 
 __all__ = [
+    "ActiveCheck",
     "LOGIT_DTYPES",
     "check_active_ids",
     "check_logits",
@@ -149,6 +151,51 @@ def poison_bad_temperature(temperature: torch.Tensor) -> torch.Tensor:
     return torch.where(valid, temperature, torch.full_like(temperature, math.nan))
 
 
+class ActiveCheck:
+    """The host check of active ids and temperatures, queued on the device, read later.
+
+    ``ActiveCheck(ids, mask, V, temperature)`` queues the test (two booleans)
+    and, on a GPU, an asynchronous copy of its result to pinned host memory
+    behind an event; the caller then queues its kernels and calls
+    :meth:`raise_if_bad`, which waits for that event only -- the GPU keeps
+    running the kernels queued after it, and the bad rows are NaN in them
+    either way. On the CPU the test runs in :meth:`raise_if_bad`. The error
+    names the first bad position (:func:`check_active_ids`).
+    """
+
+    def __init__(self, ids: torch.Tensor, mask: torch.Tensor, vocab_size: Optional[int],
+                 temperature: Optional[Temperature] = None) -> None:
+        self._args = (ids, mask, vocab_size, temperature)
+        self._flags = self._event = None
+        if ids.device.type == "cuda" and not torch.compiler.is_compiling():
+            tests = _bad_rows(*self._args)
+            if tests:
+                flags = torch.stack([b.any() for b in tests.values()])
+                self._flags = torch.empty(flags.shape, dtype=torch.bool, pin_memory=True)
+                self._flags.copy_(flags, non_blocking=True)
+                self._event = torch.cuda.Event()
+                self._event.record()
+
+    def raise_if_bad(self) -> None:
+        """Raise ``ValueError`` if an active id or temperature was bad (else return)."""
+        if self._event is not None:
+            self._event.synchronize()
+            if not bool(self._flags.any()):
+                return
+        check_active_ids(*self._args)
+
+
+def _bad_rows(ids: torch.Tensor, mask: torch.Tensor, vocab_size: Optional[int],
+              temperature: Optional[Temperature]) -> dict:
+    """``{argument: bool rows}`` of the active rows whose id / temperature is bad."""
+    bad = {}
+    if vocab_size is not None:
+        bad["action_ids"] = mask & ((ids < 0) | (ids >= vocab_size))
+    if isinstance(temperature, torch.Tensor):
+        bad["temperature"] = mask & ~((temperature > 0) & (temperature < math.inf))
+    return bad
+
+
 def check_active_ids(ids: torch.Tensor, mask: torch.Tensor, vocab_size: Optional[int],
                      temperature: Optional[Temperature] = None) -> None:
     """Raise ``ValueError`` naming the first active position with an id outside ``[0, V)``.
@@ -159,11 +206,7 @@ def check_active_ids(ids: torch.Tensor, mask: torch.Tensor, vocab_size: Optional
     booleans); callers that cannot afford it pass ``check_ids=False`` and get
     NaN rows instead.
     """
-    bad = {}
-    if vocab_size is not None:
-        bad["action_ids"] = mask & ((ids < 0) | (ids >= vocab_size))
-    if isinstance(temperature, torch.Tensor):
-        bad["temperature"] = mask & ~((temperature > 0) & (temperature < math.inf))
+    bad = _bad_rows(ids, mask, vocab_size, temperature)
     if not bad:
         return
     found = dict(zip(bad, torch.stack([b.any() for b in bad.values()]).tolist()))

@@ -26,11 +26,16 @@ Memory beyond the inputs and outputs:
   * if the caller's logits cannot be viewed as ``[N, V]`` (e.g. a transposed
     ``[T, B, V]`` tensor seen as ``[B, T, V]``), ``reshape`` in the public
     function makes one copy in the logits' dtype.
+
+An active row with an id outside ``[0, V)`` is poisoned (NaN outputs and
+gradient) whether or not the caller checks the ids, as on the Triton
+backend: the host check reads its result only after the work is queued, so
+``check_ids`` needs nothing here.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+from typing import List, Optional, Tuple, Union
 
 import torch
 
@@ -47,10 +52,18 @@ _CHUNK_BYTES = {"cpu": 2 * 2**20, "default": 512 * 2**20}
 Temperature = Union[float, torch.Tensor]
 
 
-def _chunk_rows(n_rows: int, vocab: int, device: torch.device) -> int:
-    """Rows per chunk so that one float32 ``[rows, V]`` temporary fits ``_CHUNK_BYTES``."""
+def _chunks(n_rows: int, vocab: int, device: torch.device) -> List[slice]:
+    """Row chunks such that one float32 ``[rows, V]`` temporary fits ``_CHUNK_BYTES``.
+
+    Under ``torch.compile`` one chunk, all rows: the compiler fuses the passes
+    (no ``[N, V]`` temporary) and a Python loop over ``N`` would guard on it,
+    recompiling for every sequence length.
+    """
+    if torch.compiler.is_compiling():
+        return [slice(None)]
     budget = _CHUNK_BYTES.get(device.type, _CHUNK_BYTES["default"])
-    return max(1, min(n_rows, budget // (4 * vocab)))
+    step = max(1, min(n_rows, budget // (4 * vocab)))
+    return [slice(start, start + step) for start in range(0, n_rows, step)]
 
 
 def _scaled_logits(
@@ -104,9 +117,7 @@ def _forward(
     n_rows, vocab = logits.shape
     lse = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
     z_sel = torch.empty_like(lse)
-    step = _chunk_rows(n_rows, vocab, logits.device)
-    for start in range(0, n_rows, step):
-        rows = slice(start, start + step)
+    for rows in _chunks(n_rows, vocab, logits.device):
         t = temperature[rows] if isinstance(temperature, torch.Tensor) else temperature
         z = _scaled_logits(logits[rows], mask[rows], t)
         m, s, selected = _row_stats(z, ids[rows])
@@ -131,9 +142,7 @@ def _backward(
     n_rows, vocab = logits.shape
     grad = torch.empty((n_rows, vocab), dtype=logits.dtype, device=logits.device)
     coef = torch.where(mask, grad_logp, torch.zeros_like(grad_logp)) / temperature
-    step = _chunk_rows(n_rows, vocab, logits.device)
-    for start in range(0, n_rows, step):
-        rows = slice(start, start + step)
+    for rows in _chunks(n_rows, vocab, logits.device):
         t = temperature[rows] if isinstance(temperature, torch.Tensor) else temperature
         # -softmax(z), then +1 at the action: exactly onehot - softmax.
         d = (_scaled_logits(logits[rows], mask[rows], t) - lse[rows, None]).exp_().neg_()
@@ -170,10 +179,13 @@ def _prepare_rows(
     mask: torch.Tensor,
     temperature: Temperature,
     vocab: int,
-    check_ids: bool,
-) -> Tuple[torch.Tensor, Temperature, Optional[torch.Tensor]]:
-    """In-range int64 ids (0 on inactive rows), neutral temperature, and the rows to poison."""
-    bad = None if check_ids else mask & ((ids < 0) | (ids >= vocab))
+) -> Tuple[torch.Tensor, Temperature, torch.Tensor]:
+    """In-range int64 ids (0 on inactive rows), neutral temperature, and the rows to poison.
+
+    The poison is applied whether or not the caller checks the ids: the host
+    check (``check_ids``) reads its result after the kernels are queued.
+    """
+    bad = mask & ((ids < 0) | (ids >= vocab))
     safe_ids = torch.where(mask, ids, torch.zeros_like(ids)).clamp(0, vocab - 1).long()
     if isinstance(temperature, torch.Tensor):
         temperature = torch.where(mask, temperature, torch.ones_like(temperature))
@@ -188,7 +200,7 @@ def selected_logprobs(
     check_ids: bool,
 ) -> torch.Tensor:
     """Float32 ``logp[N]`` of ``logits[N, V]``; differentiable w.r.t. ``logits``."""
-    safe_ids, temp, bad = _prepare_rows(ids, mask, temperature, logits.shape[1], check_ids)
+    safe_ids, temp, bad = _prepare_rows(ids, mask, temperature, logits.shape[1])
     return _SelectedLogprob.apply(logits, safe_ids, mask, temp, bad)
 
 
@@ -204,7 +216,7 @@ def ratio_kl(
     check_ids: bool,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Float32 ``(ratio[N], kl[N])``; differentiable w.r.t. ``policy`` only."""
-    safe_ids, temp, bad = _prepare_rows(ids, mask, temperature, policy.shape[1], check_ids)
+    safe_ids, temp, bad = _prepare_rows(ids, mask, temperature, policy.shape[1])
     logp = _SelectedLogprob.apply(policy, safe_ids, mask, temp, bad)
     if ref_logps is None:
         with torch.no_grad():

@@ -74,7 +74,7 @@ def _check_normalizer(value: object) -> Normalizer:
         return value.detach().float()
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError("`loss_normalizer` must be None, a Python number or a 0-d tensor")
-    if not (math.isfinite(float(value)) and float(value) > 0.0):
+    if not 0.0 < float(value) < math.inf:  # comparisons: they trace with dynamic=True
         raise ValueError(f"`loss_normalizer` must be a positive finite number; got {value}")
     return float(value)
 

@@ -68,9 +68,7 @@ def _shard_stats(
     n_rows, vocab = logits.shape
     m = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
     s = torch.empty_like(m)
-    step = _native._chunk_rows(n_rows, vocab, logits.device)
-    for first in range(0, n_rows, step):
-        rows = slice(first, first + step)
+    for rows in _native._chunks(n_rows, vocab, logits.device):
         t = temperature[rows] if isinstance(temperature, torch.Tensor) else temperature
         z = _native._scaled_logits(logits[rows], mask[rows], t)
         m[rows] = z.amax(dim=1)
@@ -149,9 +147,7 @@ def _shard_grad(logits, lse, local_ids, owned, mask, temperature, grad_logp) -> 
     n_rows, vocab = logits.shape
     grad = torch.empty((n_rows, vocab), dtype=logits.dtype, device=logits.device)
     coef = torch.where(mask, grad_logp, torch.zeros_like(grad_logp)) / temperature
-    step = _native._chunk_rows(n_rows, vocab, logits.device)
-    for first in range(0, n_rows, step):
-        rows = slice(first, first + step)
+    for rows in _native._chunks(n_rows, vocab, logits.device):
         t = temperature[rows] if isinstance(temperature, torch.Tensor) else temperature
         d = (_native._scaled_logits(logits[rows], mask[rows], t) - lse[rows, None]).exp_().neg_()
         # +1 at the action, on the owning shard only (others write their column back).

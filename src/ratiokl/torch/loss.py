@@ -1,9 +1,10 @@
 """PyTorch entry points: per-token log-probs, importance ratio, KL penalty, policy loss.
 
 Each public function runs the same steps, kept in small private helpers:
-validate (``_checks``) -> flatten ``[..., V] -> [N, V]`` -> check active ids
-(one host sync, skipped by ``check_ids=False``) -> dispatch to a backend
-(``_dispatch``) -> reshape back to ``[...]``.
+validate (``_checks``) -> flatten ``[..., V] -> [N, V]`` -> queue the check of
+active ids (skipped by ``check_ids=False``) -> dispatch to a backend
+(``_dispatch``), which queues the kernels -> read the check's result (the one
+host sync; the GPU keeps running what was queued) -> reshape back to ``[...]``.
 """
 
 from __future__ import annotations
@@ -32,6 +33,13 @@ class _Rows:
     mask: torch.Tensor  # [N] bool
     temperature: Temperature  # Python float, or float32 [N] detached
     device: torch.device
+    check: Optional[_checks.ActiveCheck]  # the host check, read after the launches
+
+    def checked(self, result):
+        """``result`` once the host check (if any) passed: raises ``ValueError`` otherwise."""
+        if self.check is not None:
+            self.check.raise_if_bad()
+        return result
 
 
 def _flat_rows(values: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -67,8 +75,10 @@ def _prepare(
         temperature=temperature if isinstance(temperature, torch.Tensor) else None,
         **per_token,
     )
+    check = None
     if check_ids:  # sharded logits: the ids are checked against the global V later
-        _checks.check_active_ids(ids, mask, None if sharded else logits.shape[-1], temperature)
+        check = _checks.ActiveCheck(ids, mask, None if sharded else logits.shape[-1],
+                                    temperature)
     if isinstance(temperature, torch.Tensor):
         temperature = _checks.poison_bad_temperature(_flat_rows(temperature))
     return _Rows(
@@ -78,6 +88,7 @@ def _prepare(
         mask=mask.reshape(-1),
         temperature=temperature,
         device=device,
+        check=check,
     )
 
 
@@ -167,7 +178,7 @@ def selected_logprobs(
     logp = _backend(backend, rows, vocab_group).selected_logprobs(
         rows.logits, rows.ids, rows.mask, rows.temperature, check_ids
     )
-    return logp.reshape(rows.lead)
+    return rows.checked(logp.reshape(rows.lead))
 
 
 def ratio_kl(
@@ -238,7 +249,7 @@ def ratio_kl(
         rows.logits, ref, rows.ids, rows.mask, _flat_rows(old_logps),
         _flat_rows(ref_logps), kl_code, rows.temperature, check_ids,
     )
-    return ratio.reshape(rows.lead), kl.reshape(rows.lead)
+    return rows.checked((ratio.reshape(rows.lead), kl.reshape(rows.lead)))
 
 
 def policy_loss(
@@ -358,10 +369,12 @@ def policy_loss(
     one_pass = _fused(run, opts)
     if one_pass is not None:  # one kernel: loss, metrics and gradient together
         ref = None if ref_logits is None else ref_logits.reshape(rows.logits.shape)
-        return one_pass.policy_loss(
+        if inplace_grad:  # the launch consumes the logits: check before it
+            rows.checked(None)
+        return rows.checked(one_pass.policy_loss(
             rows.logits, ref, rows.ids, rows.mask, _flat_rows(ref_logps), rows.temperature,
             inputs, opts, lead, inplace_grad=inplace_grad,
-        )
+        ))
     logp = run.selected_logprobs(rows.logits, rows.ids, rows.mask, rows.temperature, check_ids)
     logp_ref = _flat_rows(ref_logps)
     if ref_logits is not None:
@@ -369,7 +382,7 @@ def policy_loss(
             ref = ref_logits.detach().reshape(rows.logits.shape)
             logp_ref = run.selected_logprobs(ref, rows.ids, rows.mask, rows.temperature, check_ids)
     as_rows = _objective.as_rows
-    return _objective.policy_objective(
+    return rows.checked(_objective.policy_objective(
         as_rows(logp, lead), None if logp_ref is None else as_rows(logp_ref, lead),
         as_rows(rows.mask, lead), inputs, opts,
-    )
+    ))
