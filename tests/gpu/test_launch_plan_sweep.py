@@ -110,6 +110,16 @@ def _scale(x) -> float:
 # Each runner returns {name: float32 CUDA tensor}: the op's outputs and its policy-logit gradient.
 
 
+def _policy_options(op: str, agg: str, backend: str):
+    """``policy_loss`` keyword options of a sweep op, and whether it takes ``ref_logps``."""
+    kw = dict(kl_coef=0.1, loss_agg=agg)
+    if op == "policy_gspo":
+        kw["ratio_level"] = "sequence"
+    if op == "policy_inplace":
+        kw["inplace_grad"] = backend == "triton"
+    return kw, op in ("policy_fwd", "policy_ref_logps")
+
+
 def _torch_ops(x, backend: str, op: str, agg: str = "token-mean"):
     from ratiokl.torch import loss
 
@@ -126,16 +136,11 @@ def _torch_ops(x, backend: str, op: str, agg: str = "token-mean"):
                                   **common)
         outs, obj = {"ratio": ratio, "kl": kl}, (ratio * x["g1"] + kl * x["g2"]).sum()
     else:
-        kw = dict(kl_coef=0.1, loss_agg=agg, **common)
-        if op == "policy_gspo":
-            kw["ratio_level"] = "sequence"
-        if op == "policy_inplace":
-            kw["inplace_grad"] = backend == "triton"
-        by_logps = op in ("policy_fwd", "policy_ref_logps")
+        kw, by_logps = _policy_options(op, agg, backend)
         value, metrics = loss.policy_loss(
             leaf.view(*lead, -1), None if by_logps else x["ref"].view(*lead, -1),
             x["ids"].view(lead), x["mask"].view(lead), x["old"].view(lead), x["adv"].view(lead),
-            ref_logps=x["ref_logps"].view(lead) if by_logps else None, **kw)
+            ref_logps=x["ref_logps"].view(lead) if by_logps else None, **common, **kw)
         outs, obj = {"loss": value, **metrics}, value * -1.7
     if leaf.requires_grad:
         grad = torch.autograd.grad(obj, leaf)[0]
@@ -164,17 +169,12 @@ def _jax_ops(x, backend: str, op: str, agg: str = "token-mean"):
                                       j["old"], ref_logps=j["ref_logps"] if by_logps else None,
                                       **common)
             return jnp.sum(ratio * j["g1"] + kl * j["g2"]), {"ratio": ratio, "kl": kl}
-        kw = dict(kl_coef=0.1, loss_agg=agg, **common)
-        if op == "policy_gspo":
-            kw["ratio_level"] = "sequence"
-        if op == "policy_inplace":
-            kw["inplace_grad"] = backend == "triton"
-        by_logps = op in ("policy_fwd", "policy_ref_logps")
+        kw, by_logps = _policy_options(op, agg, backend)
         r = lambda a: a.reshape(lead)  # noqa: E731
         value, metrics = loss.policy_loss(
             policy.reshape(*lead, -1), None if by_logps else j["ref"].reshape(*lead, -1),
             r(j["ids"]), r(j["mask"]), r(j["old"]), r(j["adv"]),
-            ref_logps=r(j["ref_logps"]) if by_logps else None, **kw)
+            ref_logps=r(j["ref_logps"]) if by_logps else None, **common, **kw)
         return value * -1.7, {"loss": value, **metrics}
 
     if op == "policy_fwd":

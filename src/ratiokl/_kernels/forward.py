@@ -117,6 +117,19 @@ def split_span(split, V, active, TILES_PER_SPLIT: tl.constexpr, BLOCK_V: tl.cons
 
 
 @triton.jit
+def store_partial(part_ptr, row, split, m_p, s_p, m_r, s_r, SPLITS: tl.constexpr):
+    """Store split ``split``'s partial ``(m_p, s_p, m_r, s_r)`` at ``part[row, split]``.
+
+    ``part_ptr``: ``[N, SPLITS, 4]`` float32 (policy and reference ``(max, sum)``, base 2).
+    """
+    part = part_ptr + (row * SPLITS + split) * 4
+    tl.store(part, m_p)
+    tl.store(part + 1, s_p)
+    tl.store(part + 2, m_r)
+    tl.store(part + 3, s_r)
+
+
+@triton.jit
 def fold_lse2(m_acc, s_acc, m, s):
     """Fold a split's partial ``(m, s)`` into the running pair (the same code on every path)."""
     m_new = tl.maximum(m_acc, m)

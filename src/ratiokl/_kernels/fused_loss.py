@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 
 from ratiokl._kernels.backward import grad_span
-from ratiokl._kernels.forward import span_lse2, split_span
+from ratiokl._kernels.forward import span_lse2, split_span, store_partial
 from ratiokl._kernels.heuristics import (
     LaunchConfig,
     SplitPlan,
@@ -171,16 +171,6 @@ def _meet(part_ptr, count_ptr, row, active, wait, HAS_REF: tl.constexpr,
 
 
 @triton.jit
-def _publish(part_ptr, row, span, m_p, s_p, m_r, s_r, SPLITS: tl.constexpr):
-    """Store span ``span``'s partial ``(m_p, s_p, m_r, s_r)`` at ``part[row, span]``."""
-    part = part_ptr + (row * SPLITS + span) * 4
-    tl.store(part, m_p)
-    tl.store(part + 1, s_p)
-    tl.store(part + 2, m_r)
-    tl.store(part + 3, s_r)
-
-
-@triton.jit
 def _stand_in_meeting(p_row, r_row, part_ptr, count_ptr, row, own, a, active, k, V,
                       stride_pv, stride_rv, HAS_REF: tl.constexpr, SPLITS: tl.constexpr,
                       TILES_PER_SPLIT: tl.constexpr, SPANS: tl.constexpr,
@@ -208,7 +198,7 @@ def _stand_in_meeting(p_row, r_row, part_ptr, count_ptr, row, own, a, active, k,
                 t0, t1, tail_on = split_span(s, V, active, TILES_PER_SPLIT, BLOCK_V)
                 m_p, s_p, m_r, s_r = span_lse2(p_row, r_row, V, stride_pv, stride_rv, k, t0,
                                                t1, tail_on, HAS_REF, BLOCK_V, "")
-                _publish(part_ptr, row, s, m_p, s_p, m_r, s_r, SPLITS)
+                store_partial(part_ptr, row, s, m_p, s_p, m_r, s_r, SPLITS)
         tl.atomic_add(count_ptr + row, SPLITS - SPANS)
     return first
 
@@ -323,7 +313,7 @@ def policy_loss_kernel(
             ms_p, ss_p = tl.where(here, m_p, ms_p), tl.where(here, s_p, ss_p)
             ms_r, ss_r = tl.where(here, m_r, ms_r), tl.where(here, s_r, ss_r)
         else:
-            _publish(part_ptr, row, first + j, m_p, s_p, m_r, s_r, SPLITS)
+            store_partial(part_ptr, row, first + j, m_p, s_p, m_r, s_r, SPLITS)
     if ROW_PROGRAMS == 1:
         lse2 = _combine(ms_p, ss_p)
         ref_lse2 = -float("inf")

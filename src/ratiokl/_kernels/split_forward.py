@@ -18,7 +18,13 @@ either path and in any batch (batch invariance). Inactive rows read no logit
 import triton
 import triton.language as tl
 
-from ratiokl._kernels.forward import fold_lse2, forward_epilogue, span_lse2, split_span
+from ratiokl._kernels.forward import (
+    fold_lse2,
+    forward_epilogue,
+    span_lse2,
+    split_span,
+    store_partial,
+)
 from ratiokl._kernels.numerics import LOG2E
 
 
@@ -53,11 +59,7 @@ def lse_partials_kernel(
         policy_ptr + row * stride_pn, ref_ptr + row * stride_rn, V, stride_pv, stride_rv,
         LOG2E / t, t0, t1, tail_on, HAS_REF, BLOCK_V, "",
     )
-    out = part_ptr + (row * SPLITS + split) * 4
-    tl.store(out, m_p)
-    tl.store(out + 1, s_p)
-    tl.store(out + 2, m_r)
-    tl.store(out + 3, s_r)
+    store_partial(part_ptr, row, split, m_p, s_p, m_r, s_r, SPLITS)
 
 
 @triton.jit
