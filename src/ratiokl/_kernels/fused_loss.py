@@ -25,8 +25,9 @@ wait is safe without a cooperative launch: work is taken in order from a
 device counter, so a program only waits for spans that running programs
 have taken or will take (the pattern of single-pass decoupled look-back
 scans); it needs a row's programs resident together, ``SPLITS`` small
-programs. A program that owns a whole row (``SPANS = SPLITS``: no gradient
-and enough rows) keeps its partials in registers and meets no one. Triton's
+programs. A program that owns a whole row (``SPANS = SPLITS``: a row of one
+span, or no gradient wanted and enough rows) keeps its partials in registers
+and meets no one. Triton's
 interpreter runs the GPU's plan too: programs run one after the other
 there, so ``_stand_in_meeting`` orders a shared row's programs and
 publishes the partials the others would have before the meeting. The
