@@ -159,7 +159,8 @@ class ActiveCheck:
     behind an event; the caller then queues its kernels and calls
     :meth:`raise_if_bad`, which waits for that event only -- the GPU keeps
     running the kernels queued after it, and the bad rows are NaN in them
-    either way. On the CPU the test runs in :meth:`raise_if_bad`. The error
+    either way. On the CPU (and while ``torch.compile`` traces) the test runs at
+    once, before anything is launched. The error
     names the first bad position (:func:`check_active_ids`).
     """
 
@@ -167,22 +168,23 @@ class ActiveCheck:
                  temperature: Optional[Temperature] = None) -> None:
         self._args = (ids, mask, vocab_size, temperature)
         self._flags = self._event = None
-        if ids.device.type == "cuda" and not torch.compiler.is_compiling():
-            tests = _bad_rows(*self._args)
-            if tests:
-                flags = torch.stack([b.any() for b in tests.values()])
-                self._flags = torch.empty(flags.shape, dtype=torch.bool, pin_memory=True)
-                self._flags.copy_(flags, non_blocking=True)
-                self._event = torch.cuda.Event()
-                self._event.record()
+        if ids.device.type != "cuda" or torch.compiler.is_compiling():
+            check_active_ids(*self._args)  # nothing to overlap with: check now
+            return
+        tests = _bad_rows(*self._args)
+        if tests:
+            flags = torch.stack([b.any() for b in tests.values()])
+            self._flags = torch.empty(flags.shape, dtype=torch.bool, pin_memory=True)
+            self._flags.copy_(flags, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
 
     def raise_if_bad(self) -> None:
         """Raise ``ValueError`` if an active id or temperature was bad (else return)."""
         if self._event is not None:
             self._event.synchronize()
-            if not bool(self._flags.any()):
-                return
-        check_active_ids(*self._args)
+            if bool(self._flags.any()):
+                check_active_ids(*self._args)
 
 
 def _bad_rows(ids: torch.Tensor, mask: torch.Tensor, vocab_size: Optional[int],
