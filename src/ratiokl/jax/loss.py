@@ -116,8 +116,9 @@ def selected_logprobs(
       check_ids: with concrete inputs, check active ids (and a per-row
         temperature) on the host (one sync) and raise ``ValueError`` naming the
         first bad position. Traced inputs (``jit``, ``vmap``) are never
-        synchronised: a row with a bad active id or temperature gives NaN (and NaN gradient), and a call wrapped in
-        ``jax.experimental.checkify.checkify`` raises. False skips the host
+        synchronised: a row with a bad active id or temperature gives NaN (and
+        NaN gradient), and a call wrapped in ``jax.experimental.checkify.checkify``
+        raises. False skips the host
         check for concrete inputs too (the NaN rows stay).
       vocab_axis: inside ``jax.shard_map``, the mesh axis (static string) that
         ``logits``' vocabulary dimension is mapped to: each device holds a

@@ -14,6 +14,8 @@ from typing import Optional, Tuple, Union
 
 import torch
 
+from ratiokl.spec import check_action_ids, check_temperatures
+
 __all__ = [
     "ActiveCheck",
     "LOGIT_DTYPES",
@@ -147,8 +149,12 @@ def poison_bad_temperature(temperature: torch.Tensor) -> torch.Tensor:
     it poisons its row (outputs and gradient) on every backend, while inactive
     rows replace their temperature with 1 before any arithmetic.
     """
-    valid = (temperature > 0) & (temperature < math.inf)
-    return torch.where(valid, temperature, torch.full_like(temperature, math.nan))
+    return torch.where(_valid_temperature(temperature), temperature,
+                       torch.full_like(temperature, math.nan))
+
+
+def _valid_temperature(temperature: torch.Tensor) -> torch.Tensor:
+    return (temperature > 0) & (temperature < math.inf)
 
 
 class ActiveCheck:
@@ -194,7 +200,7 @@ def _bad_rows(ids: torch.Tensor, mask: torch.Tensor, vocab_size: Optional[int],
     if vocab_size is not None:
         bad["action_ids"] = mask & ((ids < 0) | (ids >= vocab_size))
     if isinstance(temperature, torch.Tensor):
-        bad["temperature"] = mask & ~((temperature > 0) & (temperature < math.inf))
+        bad["temperature"] = mask & ~_valid_temperature(temperature)
     return bad
 
 
@@ -212,21 +218,10 @@ def check_active_ids(ids: torch.Tensor, mask: torch.Tensor, vocab_size: Optional
     if not bad:
         return
     found = dict(zip(bad, torch.stack([b.any() for b in bad.values()]).tolist()))
+    if not any(found.values()):
+        return
+    # The error path: the spec's checks name the position, on host copies.
+    host_mask = mask.cpu().numpy()
     if found.get("action_ids"):
-        pos = _first(bad["action_ids"])
-        raise ValueError(
-            f"action_ids{list(pos)} = {int(ids[pos])} is outside [0, {vocab_size}) on an "
-            "active row; fix the sampled ids or mark the row inactive in `mask`"
-        )
-    if found.get("temperature"):
-        pos = _first(bad["temperature"])
-        raise ValueError(
-            f"temperature{list(pos)} = {float(temperature[pos])} on an active row; a "
-            "temperature must be positive and finite (e.g. the sampler's 1.0)"
-        )
-
-
-def _first(bad: torch.Tensor) -> Tuple[int, ...]:
-    """Index of the first True entry of ``bad`` (row-major)."""
-    flat = int(torch.nonzero(bad.reshape(-1))[0, 0])
-    return tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), bad.shape))
+        check_action_ids(ids.cpu().numpy(), host_mask, vocab_size)
+    check_temperatures(temperature.float().cpu().numpy(), host_mask)
