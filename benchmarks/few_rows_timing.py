@@ -23,7 +23,7 @@ import torch  # noqa: E402
 import triton.testing  # noqa: E402
 
 from ratiokl._kernels import forward_config, split_plan  # noqa: E402
-from ratiokl.torch import _triton  # noqa: E402
+from ratiokl.torch import _launch, _triton  # noqa: E402
 
 V = 151_936
 ROWS = (128, 1024, 8192)
@@ -60,14 +60,14 @@ def _time_torch(n: int, sweep: bool) -> None:
     temp = torch.ones(1, device="cuda")
     args = (x["policy"], x["ref"], x["ids"], x["mask"], x["old"], None, temp, 3)
     for graph in (False, True):
-        _bench(lambda: _triton._launch_forward(torch_raw, *args), fwd_bytes, graph,
+        _bench(lambda: _launch.launch_forward(torch_raw, *args), fwd_bytes, graph,
                provider="torch-triton", op="ratio_kl", mode="fwd", N=n)
     policy = x["policy"].clone().requires_grad_(True)
 
     def step():
         policy.grad = None
         ratio, kl = _triton.ratio_kl(policy, x["ref"], x["ids"], x["mask"], x["old"], None, 3,
-                                     1.0, False)
+                                     1.0)
         (ratio + kl).sum().backward()
 
     _bench(step, 2 * fwd_bytes, provider="torch-triton", op="ratio_kl", mode="fwd+bwd", N=n)
@@ -77,7 +77,7 @@ def _time_torch(n: int, sweep: bool) -> None:
     for splits in (1, 4, 8, 16):
         plan = split_plan(V, block, splits)
         split = n < 1024 and plan.splits > 1  # the path that the heuristic would take
-        _bench(lambda: _triton._launch_forward(torch_raw, *args, plan=plan, split=split),
+        _bench(lambda: _launch.launch_forward(torch_raw, *args, plan=plan, split=split),
                fwd_bytes, True, provider="torch-triton", op="ratio_kl", mode="fwd", N=n,
                splits=plan.splits, split_path=split)
 

@@ -22,7 +22,7 @@ import triton.testing  # noqa: E402
 
 from ratiokl._kernels import LaunchConfig, split_plan  # noqa: E402
 from ratiokl._kernels.fused_loss import FusedPlan  # noqa: E402
-from ratiokl.torch import _fused_loss, loss  # noqa: E402
+from ratiokl.torch import _launch, loss  # noqa: E402
 
 N, V = 8192, 151_936
 #: (tile, warps, at most this many spans per row; 1: one program per row).
@@ -71,13 +71,13 @@ def _time_torch(sweep: bool) -> None:
     if not sweep:
         return
     x = _inputs()
-    original = _fused_loss.launch_plan
+    original = _launch.launch_plan
     for block, warps, splits in SWEEP:
-        _fused_loss.launch_plan = _plan(block, warps, splits)
+        _launch.launch_plan = _plan(block, warps, splits)
         ms = triton.testing.do_bench(_step(x, True), warmup=30, rep=200)
         _record(provider="torch-triton-fused", mode="fwd+bwd", block_v=block, num_warps=warps,
                 splits=_plan(block, warps, splits)(V, 2, N, True).spans.splits, ms=ms)
-    _fused_loss.launch_plan = original
+    _launch.launch_plan = original
 
 
 def _plan(block: int, warps: int, splits: int):
@@ -92,7 +92,7 @@ def _time_jax(sweep: bool) -> None:
     import jax
     import jax.numpy as jnp
 
-    from ratiokl.jax import _fused_loss as jax_fused
+    from ratiokl.jax import _launch as jax_fused
     from ratiokl.jax import loss as jax_loss
 
     key = jax.random.PRNGKey(0)
@@ -118,10 +118,10 @@ def _time_jax(sweep: bool) -> None:
     original = jax_fused.launch_plan
     for block, warps, splits in JAX_SWEEP:
         jax_fused.launch_plan = _plan(block, warps, splits)
-        jax_fused._fused_op.cache_clear()
+        jax_fused.fused_op.cache_clear()
         timed(block_v=block, num_warps=warps, splits=splits)
     jax_fused.launch_plan = original
-    jax_fused._fused_op.cache_clear()
+    jax_fused.fused_op.cache_clear()
 
 
 def main() -> None:

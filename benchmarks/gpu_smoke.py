@@ -27,7 +27,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import torch  # noqa: E402
 
-from ratiokl.torch import _native, _triton  # noqa: E402
+from ratiokl.torch import _launch, _native, _triton  # noqa: E402
 
 GB = 1e9
 
@@ -49,10 +49,10 @@ def _torch_fns(policy, ref, ids, mask, old, ref_logps, use_ref_logits=True):
     ref_arg, lp_arg = (ref, None) if use_ref_logits else (None, ref_logps)
 
     def fwd():
-        return _triton.ratio_kl(policy, ref_arg, ids, mask, old, lp_arg, 3, 1.0, False)
+        return _triton.ratio_kl(policy, ref_arg, ids, mask, old, lp_arg, 3, 1.0)
 
     def fwd_bwd():
-        ratio, kl = _triton.ratio_kl(leaf, ref_arg, ids, mask, old, lp_arg, 3, 1.0, False)
+        ratio, kl = _triton.ratio_kl(leaf, ref_arg, ids, mask, old, lp_arg, 3, 1.0)
         return torch.autograd.grad((ratio + kl).sum(), leaf)[0]
 
     return fwd, fwd_bwd
@@ -68,7 +68,7 @@ def _jax_fns(policy, ref, ids, mask, old):
     i, m, o = (jnp.asarray(t.cpu().numpy()) for t in (ids, mask, old))
 
     def ratio_kl(x, r, i, m, o):
-        return jt_backend.ratio_kl(x, r, i, m, o, None, 3, 1.0, False)
+        return jt_backend.ratio_kl(x, r, i, m, o, None, 3, 1.0)
 
     fwd = jax.jit(ratio_kl)
     grad = jax.jit(jax.grad(lambda *a: sum(jnp.sum(v) for v in ratio_kl(*a))))
@@ -87,7 +87,7 @@ def _sweep(results, policy, ref, ids, mask, old, do_bench):
 
     n, vocab = policy.shape
     temp = torch.ones(1, device="cuda")
-    lse = _triton._launch_forward(raw, policy, ref, ids, mask, old, None, temp, 3)[4]
+    lse = _launch.launch_forward(raw, policy, ref, ids, mask, old, None, temp, 3)[4]
     coef = torch.ones(n, device="cuda")
     row_bytes = vocab * policy.element_size()
     for block in (2048, 4096, 8192, 16384):
@@ -95,10 +95,10 @@ def _sweep(results, policy, ref, ids, mask, old, do_bench):
             if cdiv(block, 32 * warps) < 8:  # fewer than one 16-byte load per thread
                 continue
             cfg = LaunchConfig(block, warps)
-            ms = do_bench(lambda: _triton._launch_forward(
-                raw, policy, ref, ids, mask, old, None, temp, 3, cfg))
+            ms = do_bench(lambda: _launch.launch_forward(
+                raw, policy, ref, ids, mask, old, None, temp, 3, config=cfg))
             _record(results, f"sweep fwd BLOCK_V={block} warps={warps}", ms, 2 * n * row_bytes)
-            ms = do_bench(lambda: _triton._launch_backward(
+            ms = do_bench(lambda: _launch.launch_backward(
                 raw, policy, ids, mask, temp, lse, coef, config=cfg))
             _record(results, f"sweep bwd BLOCK_V={block} warps={warps}", ms, 2 * n * row_bytes)
 

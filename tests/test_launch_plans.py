@@ -131,13 +131,13 @@ def test_jax_fused_meeting_plan_on_the_interpreter(monkeypatch):
     import jax.numpy as jnp
     from jax_interpret import interpreted_triton_call
 
-    from ratiokl.jax import _dispatch as jax_dispatch
-    from ratiokl.jax import _triton as jax_triton_backend
+    from ratiokl.jax import _route as jax_dispatch
+    from ratiokl.jax import _launch as jax_launch
     from ratiokl.jax import loss as jax_loss
     from ratiokl.torch import loss
 
-    monkeypatch.setattr(jax_triton_backend, "_triton_call", interpreted_triton_call)
-    monkeypatch.setattr(jax_dispatch, "_resolve_name", lambda backend: backend)
+    monkeypatch.setattr(jax_launch, "triton_call", interpreted_triton_call)
+    monkeypatch.setattr(jax_dispatch, "backend_name", lambda backend: backend)
     n, vocab = 3, 4 * 2048 + 5  # fp32: five spans of a 2048-column tile, the last ragged
     assert launch_plan(vocab, 4, n, True).row_programs == 5
     policy, ids, mask, old, adv, _ = _inputs(n, vocab, torch.float32, seed=7)

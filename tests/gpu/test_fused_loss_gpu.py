@@ -101,7 +101,7 @@ def test_jax_fused_matches_native(dtype):
     import jax.numpy as jnp
 
     from ratiokl.jax import loss as jax_loss
-    from ratiokl.jax._triton import import_jax_triton
+    from ratiokl.jax._launch import import_jax_triton
 
     try:
         import_jax_triton()
@@ -162,7 +162,7 @@ def test_jax_inplace_grad_with_donated_logits_matches_and_aliases():
     import jax.numpy as jnp
 
     from ratiokl.jax import loss as jax_loss
-    from ratiokl.jax._triton import import_jax_triton
+    from ratiokl.jax._launch import import_jax_triton
 
     try:
         import_jax_triton()
@@ -190,7 +190,7 @@ def test_jax_inplace_grad_with_donated_logits_matches_and_aliases():
 @pytest.mark.parametrize("write_grad", [True, False], ids=["grad", "no_grad"])
 def test_torch_fused_spans_meeting_gives_the_bits_of_one_program_per_row(monkeypatch, write_grad):
     """A program per span meeting at the row's counter == one program taking every span."""
-    from ratiokl.torch import _fused_loss
+    from ratiokl.torch import _launch
 
     x = _inputs(torch.bfloat16, seed=9)
     x["mask"][1] = False  # a whole inactive sequence among active ones
@@ -204,13 +204,13 @@ def test_torch_fused_spans_meeting_gives_the_bits_of_one_program_per_row(monkeyp
         return value.detach(), metrics, grad
 
     spans = run()
-    plan = _fused_loss.launch_plan
+    plan = _launch.launch_plan
 
     def whole_rows(vocab, itemsize, n_rows, write_grad):  # one program takes a row's spans
         chosen = plan(vocab, itemsize, n_rows, write_grad)
         return chosen._replace(spans_per_program=chosen.spans.splits)
 
-    monkeypatch.setattr(_fused_loss, "launch_plan", whole_rows)
+    monkeypatch.setattr(_launch, "launch_plan", whole_rows)
     whole = run()
     n = x["policy"].shape[0] * x["policy"].shape[1]
     assert plan(V, 2, n, write_grad).spans_per_program == 1  # few rows: a program per span

@@ -42,7 +42,7 @@ def _assert_close(actual, expected: np.ndarray, tol: spec.Tolerance, what: str) 
 def _require_jax_triton() -> None:
     """Skip without jax-triton; import it through the helper that keeps TRITON_CACHE_DIR."""
     pytest.importorskip("jax")
-    from ratiokl.jax._triton import import_jax_triton
+    from ratiokl.jax._launch import import_jax_triton
 
     try:
         import_jax_triton()
@@ -80,7 +80,7 @@ def _torch_run(policy, ref, ids, mask, old, g_ratio, g_kl, kl_code=3, temperatur
     from ratiokl.torch import _triton
 
     leaf = policy.detach().requires_grad_(True)
-    ratio, kl = _triton.ratio_kl(leaf, ref, ids, mask, old, None, kl_code, temperature, False)
+    ratio, kl = _triton.ratio_kl(leaf, ref, ids, mask, old, None, kl_code, temperature)
     (ratio * g_ratio + kl * g_kl).sum().backward()
     return ratio.detach(), kl.detach(), leaf.grad
 
@@ -96,7 +96,7 @@ def _jax_run(policy, ref, ids, mask, old, g_ratio, g_kl, kl_code=3, temperature=
     x, r, i, m, o, gr, gk = map(to_jax, (policy, ref, ids, mask, old, g_ratio, g_kl))
 
     def objective(x):
-        ratio, kl = _triton.ratio_kl(x, r, i, m, o, None, kl_code, temperature, False)
+        ratio, kl = _triton.ratio_kl(x, r, i, m, o, None, kl_code, temperature)
         return jnp.sum(ratio * gr + kl * gk), (ratio, kl)
 
     grad, (ratio, kl) = jax.jit(jax.grad(objective, has_aux=True))(x)

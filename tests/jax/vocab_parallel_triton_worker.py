@@ -36,7 +36,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from ratiokl._kernels import interpreted  # noqa: E402
-from ratiokl.jax import _dispatch, _triton, loss  # noqa: E402
+from ratiokl.jax import _launch, _route, loss  # noqa: E402
 
 #: The interpreter patches module globals while a launch runs: one launch at a time
 #: (the callbacks of the 4 devices run on 4 threads).
@@ -137,8 +137,8 @@ CHECKS: Dict[str, Callable[[], None]] = {
 
 
 def main(names) -> None:
-    _triton._triton_call = interpreted_triton_call
-    _dispatch._jax_triton_error = lambda: ""
+    _launch.triton_call = interpreted_triton_call
+    _route._jax_triton_error = lambda: ""
     for name in names:
         CHECKS[name]()
         print(f"ok {name}")

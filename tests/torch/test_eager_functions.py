@@ -1,12 +1,13 @@
-"""The eager-mode ``autograd.Function`` twins of the ``triton_op`` launches.
+"""The eager binding of every ``KernelOp`` against its ``"interpret"`` custom op.
 
-On CUDA, outside ``torch.compile``, ``ratiokl.torch._triton._EagerForward``
-and ``ratiokl.torch._fused_loss._EagerFused`` run the same launch code and
-autograd formula as the registered ops without the custom-op dispatcher.
-Here they launch the interpreter twins of the kernels (``_raw`` swapped for
-``ratiokl._kernels.interpreted``) on CPU tensors and must agree bitwise with
-the ``"interpret"`` custom ops, forward and gradient, and refuse a second
-backward through the in-place scaled gradient as the mutating op does.
+On CUDA, outside ``torch.compile``, ``ratiokl.torch._launch.KernelOp`` runs
+a launch through a generated ``autograd.Function`` (or directly) instead of
+the custom-op dispatcher, with the same launch code and autograd formula.
+Here the eager binding launches the interpreter twins of the kernels
+(``_raw`` swapped for ``ratiokl._kernels.interpreted``) on CPU tensors and
+must agree bitwise with the ``"interpret"`` custom op, forward and
+gradient, and refuse a second backward through the in-place scaled gradient
+as the mutating op does.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 pytest.importorskip("triton")
 
 from ratiokl._kernels import interpreted  # noqa: E402
-from ratiokl.torch import _fused_loss, _triton  # noqa: E402
+from ratiokl.torch import _launch  # noqa: E402
 
 N, V = 7, 45
 
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
 @pytest.fixture(autouse=True)
 def _interpreted_launches(monkeypatch):
-    monkeypatch.setattr(_triton, "_raw", interpreted)
+    monkeypatch.setattr(_launch, "_raw", interpreted)
 
 
 def _rows(seed: int = 0):
@@ -53,9 +54,10 @@ def test_eager_forward_matches_the_interpret_op(kl_code: int) -> None:
     x = _rows()
     args = lambda p: (p, x["ref"], x["ids"], x["mask"], x["old"], None, x["temp"], kl_code)  # noqa: E731
     upstream = torch.linspace(-1.0, 2.0, N)
-    eager, g_eager = _grad_of(lambda p: _triton._EagerForward.apply(*args(p))[1:3], x["policy"],
-                              upstream)
-    op, g_op = _grad_of(lambda p: _triton._interpret_forward(*args(p))[1:3], x["policy"], upstream)
+    eager, g_eager = _grad_of(lambda p: _launch.FORWARD.run("eager", *args(p))[1:3],
+                              x["policy"], upstream)
+    op, g_op = _grad_of(lambda p: _launch.FORWARD.run("interpret", *args(p))[1:3], x["policy"],
+                        upstream)
     for a, b in zip(eager + [g_eager], op + [g_op]):
         assert torch.equal(a, b)
     assert g_eager[~x["mask"]].abs().max() == 0
@@ -64,17 +66,18 @@ def test_eager_forward_matches_the_interpret_op(kl_code: int) -> None:
 
 def _fused_args(x, p):
     w = torch.where(x["mask"], 1.0 / x["mask"].sum(), 0.0)
+    coefs = torch.tensor([0.1, 0.8, 1.2, float("inf")])
     return (p, None, x["ids"], x["mask"], x["old"], x["old"] + 0.05, x["temp"], x["adv"], None,
-            w, False, True, 3, 0.1, 0.8, 1.2, 0.0, 20.0)
+            w, coefs, True, 3, False, 20.0)
 
 
 @pytest.mark.parametrize("scale", [1.0, -2.5])
 def test_eager_fused_matches_the_interpret_op(scale: float) -> None:
     x = _rows(1)
-    upstream = torch.full((N,), scale)
-    eager, g_eager = _grad_of(lambda p: _fused_loss._EagerFused.apply(*_fused_args(x, p))[:5],
+    upstream = torch.tensor(scale)
+    eager, g_eager = _grad_of(lambda p: _launch.POLICY_LOSS.run("eager", *_fused_args(x, p))[:2],
                               x["policy"], upstream)
-    op, g_op = _grad_of(lambda p: _fused_loss._interpret_fused(*_fused_args(x, p))[:5],
+    op, g_op = _grad_of(lambda p: _launch.POLICY_LOSS.run("interpret", *_fused_args(x, p))[:2],
                         x["policy"], upstream)
     for a, b in zip(eager + [g_eager], op + [g_op]):
         assert torch.equal(a, b)
@@ -85,7 +88,7 @@ def test_eager_fused_matches_the_interpret_op(scale: float) -> None:
 def test_eager_fused_second_backward_fails_loudly() -> None:
     x = _rows(2)
     leaf = x["policy"].clone().requires_grad_(True)
-    loss = _fused_loss._EagerFused.apply(*_fused_args(x, leaf))[0].sum()
+    loss = _launch.POLICY_LOSS.run("eager", *_fused_args(x, leaf))[0]
     (2.0 * loss).backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()

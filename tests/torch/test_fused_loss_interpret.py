@@ -7,7 +7,7 @@ against the two-pass native path (loss, every metric, the policy-logit
 gradient) across clip modes, KL variants, aggregations, packed rows, bf16,
 all-inactive input, garbage (NaN, bad ids) in inactive rows and upstream
 gradients of 1 (the device-side skip) and not 1. The JAX launch
-(``ratiokl.jax._fused_loss``) runs with ``jax_triton.triton_call`` replaced
+(``ratiokl.jax._triton.policy_loss``) runs with ``jax_triton.triton_call`` replaced
 by the interpreter behind ``jax.pure_callback``. Sizes are small: the
 interpreter is slow.
 """
@@ -22,9 +22,7 @@ pytest.importorskip("triton")
 
 from jax_interpret import interpreted_triton_call  # noqa: E402
 from ratiokl import spec  # noqa: E402
-from ratiokl.spec import policy_loss_options  # noqa: E402
-from ratiokl.spec.policy_loss import POLICY_LOSS_DEFAULTS  # noqa: E402
-from ratiokl.torch import _dispatch, _fused_loss, loss  # noqa: E402
+from ratiokl.torch import _launch, _route, _triton, loss  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:Conversion of an array with ndim:DeprecationWarning"
@@ -151,7 +149,7 @@ def test_fused_matches_spec_and_native(name, tiles, monkeypatch):
     taken by one program or by a program per span meeting at the row's counter."""
     if tiles != "one_tile":
         small = _small_tiles_meeting if tiles.endswith("meeting") else _small_tiles
-        monkeypatch.setattr(_fused_loss, "launch_plan", small)
+        monkeypatch.setattr(_launch, "launch_plan", small)
         assert small(V, 4, B * T, True).spans == (2, 3)
     case = CASES[name]
     x = _inputs(sum(map(ord, name)), case)
@@ -213,12 +211,26 @@ def test_unchecked_bad_active_id_poisons_only_its_row():
     assert np.all(np.isfinite(grad[others]))
 
 
-def test_dispatch_fuses_every_option_but_gspo():
-    triton_backend = _dispatch.resolve("interpret", torch.device("cpu"))
-    opts = lambda **kw: policy_loss_options(**{**POLICY_LOSS_DEFAULTS, **kw})  # noqa: E731
-    assert _fused_loss.fuses(triton_backend, opts(kl_coef=0.1, dual_clip=2.0, kl_estimator="k3-is"))
-    assert not _fused_loss.fuses(triton_backend, opts(ratio_level="sequence"))
-    assert not _fused_loss.fuses(_dispatch.resolve("native", torch.device("cpu")), opts())
+def test_route_fuses_every_option_but_gspo(monkeypatch):
+    """The fused kernel runs for every option set but GSPO's; the native backend has none."""
+    backend = _route.resolve("interpret", torch.device("cpu"))
+    assert backend.policy_loss is _triton.policy_loss
+    assert _route.resolve("native", torch.device("cpu")).policy_loss is None
+    launches = []
+    run = _launch.POLICY_LOSS.run
+    monkeypatch.setattr(_launch.POLICY_LOSS, "run",
+                        lambda *a: launches.append(1) or run(*a))
+    x = _inputs(5, dict(kl_coef=0.1))
+    t = {k: torch.from_numpy(np.asarray(v)) for k, v in x.items()}
+    args = (t["policy_logits"], None, t["action_ids"], t["mask"], t["old_logps"],
+            t["advantages"])
+    for options, fuses in ((dict(kl_coef=0.1, dual_clip=2.0, kl_estimator="k3-is"), True),
+                           (dict(loss_agg="seq-mean-token-mean"), True),
+                           (dict(ratio_level="sequence"), False)):
+        launches.clear()
+        loss.policy_loss(*args, ref_logps=t["old_logps"] + 0.1, backend="interpret",
+                         **options)
+        assert bool(launches) == fuses, options
 
 
 def test_gspo_falls_back_to_two_pass_and_matches_spec():
@@ -237,12 +249,12 @@ def test_jax_fused_launch_matches_torch_under_jit_grad_vmap(monkeypatch):
     jax = pytest.importorskip("jax")
     import jax.numpy as jnp
 
-    from ratiokl.jax import _dispatch as jax_dispatch
-    from ratiokl.jax import _triton as jax_triton_backend
+    from ratiokl.jax import _route as jax_dispatch
+    from ratiokl.jax import _launch as jax_launch
     from ratiokl.jax import loss as jax_loss
 
-    monkeypatch.setattr(jax_triton_backend, "_triton_call", interpreted_triton_call)
-    monkeypatch.setattr(jax_dispatch, "_resolve_name", lambda backend: backend)
+    monkeypatch.setattr(jax_launch, "triton_call", interpreted_triton_call)
+    monkeypatch.setattr(jax_dispatch, "backend_name", lambda backend: backend)
     case = dict(clip_eps_high=0.28, dual_clip=3.0, kl_coef=0.1,
                 loss_agg="seq-mean-token-mean", packed=True)
     x = _inputs(13, case)
@@ -297,14 +309,14 @@ def test_forward_without_gradient_skips_the_sweep_and_gives_the_same_bits(monkey
     kw = dict(ref_logps=t["ref_logps"], kl_coef=0.1, backend="interpret")
     with_grad, _ = loss.policy_loss(args[0].clone().requires_grad_(), *args[1:], **kw)
     shapes = []
-    launch = _fused_loss._launch
+    launch = _launch.POLICY_LOSS.run
 
     def spy(*a, **k):
         outs = launch(*a, **k)
-        shapes.append(tuple(outs[5].shape))
+        shapes.append(tuple(outs[2].shape))
         return outs
 
-    monkeypatch.setattr(_fused_loss, "_launch", spy)
+    monkeypatch.setattr(_launch.POLICY_LOSS, "run", spy)
     with torch.no_grad():
         no_grad, metrics = loss.policy_loss(args[0].clone().requires_grad_(), *args[1:], **kw)
     frozen, _ = loss.policy_loss(args[0], *args[1:], **kw)
@@ -317,8 +329,8 @@ def test_jax_primal_reads_once_and_matches_value_and_grad(monkeypatch):
     jax = pytest.importorskip("jax")
     import jax.numpy as jnp
 
-    from ratiokl.jax import _dispatch as jax_dispatch
-    from ratiokl.jax import _triton as jax_triton_backend
+    from ratiokl.jax import _route as jax_dispatch
+    from ratiokl.jax import _launch as jax_launch
     from ratiokl.jax import loss as jax_loss
 
     written = []
@@ -328,8 +340,8 @@ def test_jax_primal_reads_once_and_matches_value_and_grad(monkeypatch):
             written.append(kwargs["WRITE_GRAD"])
         return interpreted_triton_call(*args, **kwargs)
 
-    monkeypatch.setattr(jax_triton_backend, "_triton_call", spy)
-    monkeypatch.setattr(jax_dispatch, "_resolve_name", lambda backend: backend)
+    monkeypatch.setattr(jax_launch, "triton_call", spy)
+    monkeypatch.setattr(jax_dispatch, "backend_name", lambda backend: backend)
     x = _inputs(29, {})
     j = {k: jnp.asarray(v) for k, v in x.items()}
 
@@ -406,8 +418,8 @@ def test_jax_inplace_grad_aliases_the_logits_and_matches(monkeypatch):
     jax = pytest.importorskip("jax")
     import jax.numpy as jnp
 
-    from ratiokl.jax import _dispatch as jax_dispatch
-    from ratiokl.jax import _triton as jax_triton_backend
+    from ratiokl.jax import _route as jax_dispatch
+    from ratiokl.jax import _launch as jax_launch
     from ratiokl.jax import loss as jax_loss
 
     aliases = []
@@ -417,8 +429,8 @@ def test_jax_inplace_grad_aliases_the_logits_and_matches(monkeypatch):
             aliases.append(kwargs.get("input_output_aliases"))
         return interpreted_triton_call(*args, **kwargs)
 
-    monkeypatch.setattr(jax_triton_backend, "_triton_call", spy)
-    monkeypatch.setattr(jax_dispatch, "_resolve_name", lambda backend: backend)
+    monkeypatch.setattr(jax_launch, "triton_call", spy)
+    monkeypatch.setattr(jax_dispatch, "backend_name", lambda backend: backend)
     x = _inputs(43, {})
     j = {k: jnp.asarray(v) for k, v in x.items()}
 

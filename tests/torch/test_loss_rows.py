@@ -1,6 +1,7 @@
-"""The fused policy loss's row-vector launches (``ratiokl.torch._loss_rows``) on the interpreter.
+"""The fused policy loss's row-vector kernels (``_kernels.loss_rows``) on the interpreter.
 
-Weights and metrics from ``_kernels.loss_rows`` against the PyTorch ops of
+The weights launch (``ratiokl.torch._triton.token_weights``) and the metrics
+kernel that ends the fused launch, against the PyTorch ops of
 ``ratiokl.torch._objective`` they replace: every aggregation, with and
 without a normaliser (number or tensor), masks with no, some and all rows
 active, more rows than one block, and NaN / inf in inactive rows' values.
@@ -13,11 +14,19 @@ import torch
 
 pytest.importorskip("triton")
 
-from ratiokl._kernels.loss_rows import ROWS_BLOCK  # noqa: E402
+import numpy as np  # noqa: E402
+
+from ratiokl._kernels import interpreted  # noqa: E402
+from ratiokl._kernels.loss_rows import (  # noqa: E402
+    METRIC_NAMES,
+    ROWS_BLOCK,
+    ROWS_WARPS,
+    policy_metrics_kernel,
+)
 from ratiokl._kernels.objective import CLIP_CAPPED, CLIP_HIGH, CLIP_LOW  # noqa: E402
 from ratiokl.spec import LOSS_AGGS, policy_loss_options  # noqa: E402
 from ratiokl.spec.policy_loss import POLICY_LOSS_DEFAULTS  # noqa: E402
-from ratiokl.torch import _loss_rows, _objective  # noqa: E402
+from ratiokl.torch import _checks, _objective, _triton  # noqa: E402
 
 #: [R, T] layouts: a few rows; more tokens than one block of the kernels' loops.
 SHAPES = [(3, 5), (2, ROWS_BLOCK // 2 + 7)]
@@ -37,11 +46,18 @@ def test_weights_match_objective_ops(shape, density, agg, normalizer):
     mask = _mask(shape, density, seed=len(agg))
     segs = torch.randint(0, 3, shape, generator=torch.Generator().manual_seed(1))
     norm = torch.tensor(7.5) if normalizer == "tensor" else normalizer
-    inputs = _objective.token_inputs(shape, torch.zeros(shape), torch.zeros(shape), segs,
-                                     None, norm)
+    inputs = _checks.token_inputs(shape, torch.zeros(shape), torch.zeros(shape), segs,
+                                  None, norm)
     opts = policy_loss_options(**{**POLICY_LOSS_DEFAULTS, "loss_agg": agg})
-    got = _loss_rows.aggregation_weights(mask, inputs, opts)
     want = _objective.aggregation_weights(mask, inputs, opts)
+    got = _triton.token_weights(mask.reshape(-1), opts, inputs.loss_normalizer, shape[-1])
+    # Not one weight for every token: sequence lengths or counts, or a tensor normaliser.
+    per_sequence = agg == "seq-mean-token-mean" or normalizer == "tensor" or (
+        agg == "seq-mean-token-sum" and normalizer is None)
+    assert (got is None) == per_sequence
+    if got is None:
+        return
+    got = got.reshape(shape)
     assert got.dtype == torch.float32 and got.shape == want.shape
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0.0)
     assert torch.all(got[~mask] == 0)
@@ -63,10 +79,14 @@ def test_metrics_match_objective_ops(shape, density):
     ratio = torch.where(mask, ratio, torch.tensor(float("inf")))
     bits = torch.where(mask, bits, torch.tensor(7, dtype=torch.int32))
     loss_rows = torch.where(mask, torch.randn(n, generator=g), 0.0).requires_grad_(True)
-    total, got = _loss_rows.loss_and_metrics(loss_rows, mask, logp, ratio, kl, bits, old)
-    torch.testing.assert_close(total, loss_rows.sum(), rtol=1e-5, atol=1e-6)
-    (total * 2.5).backward()  # the sum's gradient: the upstream value on every row
-    assert torch.equal(loss_rows.grad, torch.full((n,), 2.5))
+    out = torch.full((len(METRIC_NAMES),), float("nan"))
+    total = torch.tensor(float("nan"))
+    with np.errstate(all="ignore"):
+        interpreted(policy_metrics_kernel)[(1,)](
+            mask, logp, ratio, kl, bits, old, loss_rows.detach(), out, total, n,
+            BLOCK=ROWS_BLOCK, num_warps=ROWS_WARPS)
+    torch.testing.assert_close(total, loss_rows.detach().sum(), rtol=1e-5, atol=1e-6)
+    got = dict(zip(METRIC_NAMES, out.unbind()))
     want = _objective.token_metrics(
         mask, mask.sum(), (bits & CLIP_LOW.value) != 0, (bits & CLIP_HIGH.value) != 0,
         (bits & CLIP_CAPPED.value) != 0, ratio, kl, torch.where(mask, old, 0.0) - logp,

@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from ratiokl import spec  # noqa: E402
-from ratiokl.torch import _dispatch, _elementwise, _native, loss  # noqa: E402
+from ratiokl.torch import _native, _objective, _route, loss  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 V = 37
@@ -126,7 +126,7 @@ def test_non_contiguous_inputs(transpose: bool) -> None:
 
 def test_many_chunks_match_spec(monkeypatch) -> None:
     monkeypatch.setattr(_native, "_CHUNK_BYTES", {"cpu": 4 * V * 3, "default": 4 * V * 3})
-    chunks = _native._chunks(40, V, torch.device("cpu"))  # 3 rows per chunk, 1 at the end
+    chunks = _native.row_chunks(40, V, torch.device("cpu"))  # 3 rows per chunk, 1 at the end
     assert len(chunks) == 14 and chunks[0] == slice(0, 3) and chunks[-1] == slice(39, 42)
     _check_ratio_kl(*_case((40,), torch.float16), temperature=1.3)
 
@@ -169,7 +169,7 @@ def test_elementwise_epilogue_isolates_inactive_rows(kl_code: int) -> None:
     logp_ref = torch.tensor([-1.2, nan, -inf, -0.4])
     old = torch.tensor([-0.9, nan, nan, -inf])
     mask = torch.tensor([True, False, False, False])
-    ratio, kl = _elementwise.ratio_kl(logp, logp_ref, old, mask, kl_code)
+    ratio, kl = _objective.token_ratio_kl(logp, logp_ref, old, mask, kl_code)
     (grad,) = torch.autograd.grad((ratio + kl).sum(), logp)
     assert torch.equal(ratio[1:], torch.ones(3)) and torch.equal(kl[1:], torch.zeros(3))
     assert torch.equal(grad[1:], torch.zeros(3)) and torch.isfinite(grad[0])
@@ -310,9 +310,13 @@ def test_vocabulary_temperature_and_device_errors() -> None:
 
 
 def test_backend_resolution() -> None:
-    assert _dispatch.resolve("auto", torch.device("cpu")) is _native
-    assert _dispatch.resolve("native", torch.device("cpu")) is _native
+    for name in ("auto", "native"):
+        backend = _route.resolve(name, torch.device("cpu"))
+        assert backend.selected_logprobs is _native.selected_logprobs
+        assert backend.policy_loss is None  # two passes: log-probs, then the objective
     with pytest.raises(ValueError, match="needs CUDA tensors"):
-        _dispatch.resolve("triton", torch.device("cpu"))
+        _route.resolve("triton", torch.device("cpu"))
     with pytest.raises(ValueError, match="needs CPU tensors"):
-        _dispatch.resolve("interpret", torch.device("cuda"))
+        _route.resolve("interpret", torch.device("cuda"))
+    with pytest.raises(ValueError, match="`backend` must be one of"):
+        _route.resolve("nope", torch.device("cpu"))

@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 
 from ratiokl import spec  # noqa: E402
 from ratiokl._kernels import LaunchConfig, interpreted, split_plan  # noqa: E402
-from ratiokl.torch import _triton  # noqa: E402
+from ratiokl.torch import _launch  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:Conversion of an array with ndim:DeprecationWarning"
@@ -44,9 +44,9 @@ def _inputs(seed: int, vocab: int = VOCAB):
 
 def _forward(policy, ref, ids, mask, old, temp, max_splits: int, split: bool):
     with np.errstate(all="ignore"):
-        return _triton._launch_forward(
-            interpreted, policy, ref, ids, mask, old, None, temp, 3, CONFIG,
-            split_plan(policy.shape[1], CONFIG.block_v, max_splits), split,
+        return _launch.launch_forward(
+            interpreted, policy, ref, ids, mask, old, None, temp, 3, config=CONFIG,
+            plan=split_plan(policy.shape[1], CONFIG.block_v, max_splits), split=split,
         )
 
 
@@ -81,7 +81,7 @@ def test_split_forward_and_backward_match_spec():
 
     coef = torch.linspace(-1.0, 1.0, len(ids), dtype=torch.float32)
     with np.errstate(all="ignore"):  # small row count: one program per tile of a row
-        grad = _triton._launch_backward(
+        grad = _launch.launch_backward(
             interpreted, policy, ids, mask, temp, lse, coef, config=CONFIG)
     e_grad = spec.selected_logprobs_grad(
         f64(policy), ids.numpy(), mask.numpy(), f64(coef), temperature=f64(temp))

@@ -74,7 +74,7 @@ class Case:
         policy = self.policy.clone().requires_grad_(True)
         ratio, kl = _triton.ratio_kl(
             policy, self.ref if use_ref_logits else None, self.ids, self.mask, self.old,
-            None if use_ref_logits else self.ref_logps, kl_code, self.temperature, check_ids,
+            None if use_ref_logits else self.ref_logps, kl_code, self.temperature,
         )
         (ratio * self.g_ratio + kl * self.g_kl).sum().backward()
         return ratio.detach().numpy(), kl.detach().numpy(), policy.grad
@@ -180,7 +180,7 @@ def test_selected_logprobs_strided_logits(dtype):
     ids = torch.tensor(rng.integers(0, 70, 6))
     mask = torch.tensor([True, True, False, True, True, True])
     g = torch.tensor(rng.normal(size=6), dtype=torch.float32)
-    logp = _triton.selected_logprobs(leaf, ids, mask, 0.8, True)
+    logp = _triton.selected_logprobs(leaf, ids, mask, 0.8)
     (logp * g).sum().backward()
     x = leaf.detach().float().numpy().astype(np.float64)
     e_logp = spec.selected_logprobs(x, ids.numpy(), mask.numpy(), temperature=0.8)
@@ -195,7 +195,7 @@ def test_empty_and_all_inactive():
     empty = torch.zeros((0, 9), requires_grad=True)
     none = torch.zeros(0, dtype=torch.long)
     ratio, kl = _triton.ratio_kl(empty, empty.detach(), none, none.bool(), none.float(), None,
-                                 3, 1.0, True)
+                                 3, 1.0)
     assert ratio.shape == kl.shape == (0,)
     case = Case(3, 20, "float32")
     case.mask = torch.zeros(3, dtype=torch.bool)
@@ -234,9 +234,10 @@ def test_through_public_loss_and_torch_compile():
 @pytest.fixture
 def jax_triton_backend(monkeypatch):
     pytest.importorskip("jax")
+    from ratiokl.jax import _launch as jax_launch
     from ratiokl.jax import _triton as jax_triton_backend
 
-    monkeypatch.setattr(jax_triton_backend, "_triton_call", interpreted_triton_call)
+    monkeypatch.setattr(jax_launch, "triton_call", interpreted_triton_call)
     return jax_triton_backend
 
 
@@ -254,7 +255,7 @@ def test_jax_wrapper_jit_vmap_grad(jax_triton_backend, dtype):
     ids, mask, old, g_ratio, g_kl = rows
 
     def per_sequence(x, r, ids, mask, old):
-        return jax_triton_backend.ratio_kl(x, r, ids, mask, old, None, 3, 1.3, True)
+        return jax_triton_backend.ratio_kl(x, r, ids, mask, old, None, 3, 1.3)
 
     def objective(x):
         ratio, kl = jax.vmap(per_sequence)(x, r, ids, mask, old)
@@ -276,8 +277,8 @@ def test_jax_wrapper_matches_torch_bitwise(jax_triton_backend):
 
     case = Case(5, 30, "float32", seed=22)
     case.ids[2] = 99  # unchecked bad id: NaN in both
-    torch_logp = _triton.selected_logprobs(case.policy, case.ids, case.mask, 0.7, False)
+    torch_logp = _triton.selected_logprobs(case.policy, case.ids, case.mask, 0.7)
     jax_logp = jax.jit(lambda x: jax_triton_backend.selected_logprobs(
-        x, jnp.asarray(case.ids.numpy()), jnp.asarray(case.mask.numpy()), 0.7, False))(
+        x, jnp.asarray(case.ids.numpy()), jnp.asarray(case.mask.numpy()), 0.7))(
         jnp.asarray(case.policy.numpy()))
     np.testing.assert_array_equal(np.asarray(jax_logp), torch_logp.numpy())

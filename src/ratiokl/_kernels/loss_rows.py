@@ -28,13 +28,11 @@ import triton.language as tl
 from ratiokl._kernels.objective import CLIP_CAPPED, CLIP_HIGH, CLIP_LOW
 from ratiokl.spec import PolicyLossOptions
 
-#: The order of ``policy_metrics_kernel``'s first seven outputs (the loss comes after them).
+#: The order of ``policy_metrics_kernel``'s seven means.
 METRIC_NAMES: Tuple[str, ...] = (
     "clip_fraction", "clip_fraction_low", "clip_fraction_high", "dual_clip_fraction",
     "ratio_mean", "kl_mean", "approx_kl",
 )
-#: Values ``policy_metrics_kernel`` writes: the metrics in that order, then the loss.
-METRICS_OUT = len(METRIC_NAMES) + 1
 
 #: Rows per block of the one-program loops, and the program's warps (N = 8192: two
 #: blocks; the metrics took 14 us of device time with 1024 rows x 4 warps).
@@ -100,14 +98,14 @@ def policy_metrics_kernel(
     clip_ptr,  # [N] int32 clip bits (objective.CLIP_*)
     old_ptr,  # [N] f32 behaviour log-probs (anything on inactive rows)
     loss_ptr,  # [N] f32 weighted per-row losses w_t * loss_t (0 on inactive rows)
-    out_ptr,  # [8] f32 output: the means below, then the loss
+    out_ptr,  # [7] f32 output: the means below
+    total_ptr,  # [] f32 output: the loss
     N,
     BLOCK: tl.constexpr,
 ):
     """Means over active rows, 0 when none is: ``out = (clip_fraction, clip_fraction_low,
-    clip_fraction_high, dual_clip_fraction, ratio_mean, kl_mean, approx_kl, loss)``.
-
-    ``loss`` is the sum of ``loss_ptr`` over active rows.
+    clip_fraction_high, dual_clip_fraction, ratio_mean, kl_mean, approx_kl)``; ``total``
+    is the loss, the sum of ``loss_ptr`` over active rows.
 
     ``clip_fraction`` counts rows clipped low or high; ``approx_kl`` is the
     mean of ``old - logp``. Inactive rows are selected out (never multiplied),
@@ -149,4 +147,4 @@ def policy_metrics_kernel(
     tl.store(out_ptr + 4, tl.div_rn(tl.sum(ratio, axis=0), n))
     tl.store(out_ptr + 5, tl.div_rn(tl.sum(kl, axis=0), n))
     tl.store(out_ptr + 6, tl.div_rn(tl.sum(approx, axis=0), n))
-    tl.store(out_ptr + 7, tl.sum(total, axis=0))
+    tl.store(total_ptr, tl.sum(total, axis=0))

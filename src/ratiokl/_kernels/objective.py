@@ -4,11 +4,17 @@
 ``(loss_t, dloss_t/dlogp, r, kl, clip bits)``:
 
 * ``r = exp(clip(logp - old, -B, B))`` (``B = log_ratio_bound``; no gradient beyond it);
-* the surrogate ``-A * q * iw`` with ``q`` the ratio clipped to ``[RATIO_LOW,
-  RATIO_HIGH]`` by the sign of the advantage ``A`` (and capped at ``NEG_CAP`` for
-  ``A < 0``: dual clip / ratio cap); a clipped branch carries no gradient;
-* plus ``KL_COEF * kl(logp_ref - logp)`` for the chosen estimator
-  (``ratiokl.spec.POLICY_KL_ESTIMATORS``).
+* the surrogate ``-A * q * iw`` with ``q`` the ratio clipped to ``[ratio_low,
+  ratio_high]`` by the sign of the advantage ``A`` (and capped at ``neg_cap`` for
+  ``A < 0`` when ``HAS_NEG_CAP``: dual clip / ratio cap); a clipped branch carries
+  no gradient;
+* plus ``kl_coef * kl(logp_ref - logp)`` for the chosen estimator
+  (``ratiokl.spec.POLICY_KL_ESTIMATORS``); ``kl_coef = 0`` adds nothing (the KL
+  is then only logged: ``0 * inf`` would be NaN).
+
+The coefficients are run-time values (read from device memory by the caller's
+kernel), not compile-time constants: a trainer may change them every step
+(an adaptive KL controller) without a compile or a host round trip.
 
 Used by the fused loss kernel (``fused_loss.policy_loss_kernel``).
 """
@@ -63,20 +69,20 @@ def _policy_kl(d, r, dr, KL_CODE: tl.constexpr, BOUND: tl.constexpr):
 @triton.jit(noinline=True)  # a call, not inlined: 72 -> 56 registers for the fused kernel
 def token_objective(
     logp, old, adv, iw, logp_ref,
-    KL_CODE: tl.constexpr, KL_COEF: tl.constexpr, RATIO_LOW: tl.constexpr,
-    RATIO_HIGH: tl.constexpr, NEG_CAP: tl.constexpr, BOUND: tl.constexpr,
+    kl_coef, ratio_low, ratio_high, neg_cap,
+    KL_CODE: tl.constexpr, HAS_NEG_CAP: tl.constexpr, BOUND: tl.constexpr,
 ):
     """``(loss_t, dloss_t/dlogp, r, kl, clip bits)`` of one active token (spec formulas)."""
     lr = logp - old
     r = tl.exp(_bounded(lr, BOUND))
     dr = _inside(lr, r, BOUND)  # no gradient beyond the bound
-    high = (adv > 0) & (r > RATIO_HIGH)
-    low = (adv < 0) & (r < RATIO_LOW)
-    if NEG_CAP > 0:
-        capped = (adv < 0) & (r > NEG_CAP)
+    high = (adv > 0) & (r > ratio_high)
+    low = (adv < 0) & (r < ratio_low)
+    if HAS_NEG_CAP:
+        capped = (adv < 0) & (r > neg_cap)
     else:
         capped = adv < -float("inf")  # never (NaN included)
-    q = tl.where(high, RATIO_HIGH, tl.where(low, RATIO_LOW, tl.where(capped, NEG_CAP, r)))
+    q = tl.where(high, ratio_high, tl.where(low, ratio_low, tl.where(capped, neg_cap, r)))
     clipped = high | low | capped
     loss = -adv * q * iw
     # A clipped branch carries no gradient (selected, so an infinite dr stays out).
@@ -84,9 +90,9 @@ def token_objective(
     kl = 0.0
     if KL_CODE > 0:
         kl, dkl = _policy_kl(logp_ref - logp, r, dr, KL_CODE, BOUND)
-        if KL_COEF != 0:  # kl_coef = 0: the KL is only logged (0 * inf would be NaN)
-            loss = loss + KL_COEF * kl
-            dloss = dloss + KL_COEF * dkl
+        weighted = kl_coef != 0.0  # 0: the KL is only logged (0 * inf would be NaN)
+        loss = tl.where(weighted, loss + kl_coef * kl, loss)
+        dloss = tl.where(weighted, dloss + kl_coef * dkl, dloss)
     bits = tl.where(low, CLIP_LOW, 0) + tl.where(high, CLIP_HIGH, 0)
     bits = bits + tl.where(capped, CLIP_CAPPED, 0)
     return loss, dloss, r, kl, bits

@@ -76,7 +76,7 @@ def _jax_triton() -> Optional[str]:
     """Through ratiokl's helper: a bare ``import jax_triton`` empties ``TRITON_CACHE_DIR``
     for the whole process, and every later Triton compile (torch's too) then fails."""
     try:
-        from ratiokl.jax._triton import import_jax_triton
+        from ratiokl.jax._launch import import_jax_triton
 
         import_jax_triton()
     except ImportError as exc:

@@ -2,26 +2,32 @@
 
 Every check here looks only at shapes, dtypes and Python scalars, so it
 works on tracers and adds nothing to a compiled program. The one exception
-is :func:`check_active_ids`, the documented host check on concrete inputs
-(``check_ids=False`` skips it). Errors name the argument and say how to fix it.
+is :class:`ActiveCheck`, the documented host check on concrete inputs
+(``check_ids=False`` skips it), read after the call's kernels are queued. Errors name the argument and say how to fix it.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Optional, Tuple, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.experimental import checkify
 
 from ratiokl.spec import check_action_ids, check_temperatures
 
 __all__ = [
     "LOGIT_DTYPES",
+    "Normalizer",
     "Temperature",
-    "check_active_ids",
+    "TokenInputs",
+    "as_rows",
+    "token_inputs",
+    "ActiveCheck",
     "check_bool_option",
     "check_ids",
     "check_logits",
@@ -36,6 +42,7 @@ __all__ = [
 LOGIT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 
 Temperature = Union[float, jax.Array]
+Normalizer = Union[None, float, jax.Array]
 
 
 def _require_array(name: str, value: Any) -> Any:
@@ -131,7 +138,7 @@ def check_temperature(temperature: Any, lead: Tuple[int, ...]) -> Temperature:
     """A positive finite Python float, or a floating array of the leading shape (or 0-d).
 
     An array is not inspected here: its entries are checked on active rows by
-    :func:`check_active_ids` (concrete inputs with ``check_ids``; a
+    :class:`ActiveCheck` (concrete inputs with ``check_ids``; a
     ``checkify`` check when traced) and, checked or not,
     :func:`poison_bad_temperature` makes a bad entry NaN so that its row is
     NaN on every backend.
@@ -179,47 +186,61 @@ def _valid_temperature(temperature: jax.Array) -> jax.Array:
     return (temperature > 0) & (temperature < jnp.inf)
 
 
-def check_active_ids(ids: jax.Array, mask: jax.Array, vocab_size: int, host_check: bool,
-                     temperature: Optional[Temperature] = None) -> bool:
-    """Reject active ids outside ``[0, V)`` (and active temperatures outside ``(0, inf)``).
+class ActiveCheck:
+    """The check of active ids (outside ``[0, V)``) and temperatures (outside ``(0, inf)``).
 
     ``ids``, ``mask`` and an array ``temperature`` have the leading shape.
-    Concrete inputs with ``host_check``: one host synchronisation on two
-    booleans, then ``ValueError`` naming the first bad position (the messages
-    of :func:`ratiokl.spec.check_action_ids` and
-    :func:`ratiokl.spec.check_temperatures`). Traced inputs (``jit``,
-    ``vmap``): ``checkify.debug_check``s that raise only when the caller
-    wraps the function in ``jax.experimental.checkify.checkify``; otherwise
-    the backends poison the row with NaN. ``host_check=False`` skips the host
-    synchronisation; the traced checks and the NaN poison stay.
-
-    Returns True when the host check ran and passed (every active id is in
-    range), False when nothing was verified.
+    Concrete inputs with ``host_check``: the two booleans are queued at
+    construction (JAX dispatches asynchronously) and read by
+    :meth:`raise_if_bad` after the caller has queued its kernels, so the
+    device never waits for the host; a bad entry raises ``ValueError`` naming
+    the first bad position (the messages of :func:`ratiokl.spec.check_action_ids`
+    and :func:`ratiokl.spec.check_temperatures`). Traced inputs (``jit``,
+    ``vmap``): ``checkify.debug_check``s that raise only when the caller wraps
+    the function in ``jax.experimental.checkify.checkify``; otherwise the
+    backends poison the row with NaN. ``host_check=False`` skips the host
+    read; the traced checks and the NaN poison stay. ``vocab_size`` None
+    checks the temperature only (sharded logits check their ids globally).
     """
-    temp = None if isinstance(temperature, float) else temperature
-    arrays = (ids, mask) if temp is None else (ids, mask, temp)
-    if _is_concrete(*arrays):
-        if not host_check:
-            return False
-        # Concrete arrays closed over by a jit-traced caller are still checked eagerly.
-        with jax.ensure_compile_time_eval():
-            flags = [jnp.any(mask & ((ids < 0) | (ids >= vocab_size)))]
-            if temp is not None:
-                flags.append(jnp.any(mask & ~_valid_temperature(temp)))
-            any_bad = np.asarray(jnp.stack(flags))
-        if any_bad[0]:
+
+    def __init__(self, ids: jax.Array, mask: jax.Array, vocab_size: Optional[int],
+                 host_check: bool, temperature: Optional[Temperature] = None) -> None:
+        temp = None if isinstance(temperature, float) else temperature
+        self._args = (ids, mask, vocab_size, temp)
+        self._flags = None
+        arrays = (ids, mask) if temp is None else (ids, mask, temp)
+        if _is_concrete(*arrays):
+            if host_check:
+                # Concrete arrays closed over by a jit-traced caller are checked eagerly too.
+                with jax.ensure_compile_time_eval():
+                    self._flags = jnp.stack(_bad_flags(*self._args))
+            return
+        if vocab_size is not None:
+            _traced_check(mask & ((ids < 0) | (ids >= vocab_size)), ids,
+                          f"action_ids[{{}}] = {{}} is outside [0, {vocab_size}) on an active "
+                          "row; fix the sampled ids or mark the row inactive in `mask`")
+        if temp is not None:
+            _traced_check(mask & ~_valid_temperature(temp), temp,
+                          "temperature[{}] = {} on an active row; a temperature must be "
+                          "positive and finite (e.g. the sampler's 1.0)")
+
+    def raise_if_bad(self) -> None:
+        """Raise ``ValueError`` if the host check found a bad entry (else return)."""
+        if self._flags is None:
+            return
+        bad = np.asarray(self._flags)
+        ids, mask, vocab_size, temp = self._args
+        if vocab_size is not None and bad[0]:
             check_action_ids(np.asarray(ids), np.asarray(mask), vocab_size)
-        if any_bad[-1] and temp is not None:
+        if temp is not None and bad[-1]:
             check_temperatures(np.asarray(temp), np.asarray(mask))
-        return True
-    _traced_check(mask & ((ids < 0) | (ids >= vocab_size)), ids,
-                  f"action_ids[{{}}] = {{}} is outside [0, {vocab_size}) on an active row; "
-                  "fix the sampled ids or mark the row inactive in `mask`")
+
+
+def _bad_flags(ids, mask, vocab_size, temp):
+    flags = [] if vocab_size is None else [jnp.any(mask & ((ids < 0) | (ids >= vocab_size)))]
     if temp is not None:
-        _traced_check(mask & ~_valid_temperature(temp), temp,
-                      "temperature[{}] = {} on an active row; a temperature must be positive "
-                      "and finite (e.g. the sampler's 1.0)")
-    return False
+        flags.append(jnp.any(mask & ~_valid_temperature(temp)))
+    return flags or [jnp.zeros((), bool)]
 
 
 def _traced_check(bad: jax.Array, values: jax.Array, message: str) -> None:
@@ -231,3 +252,98 @@ def _traced_check(bad: jax.Array, values: jax.Array, message: str) -> None:
     index = ", ".join("{}" for _ in pos)
     head, tail = message.split("{}", 1)
     checkify.debug_check(~jnp.any(bad), head + index + tail, *pos, value)
+
+
+# --- policy_loss's per-token inputs -------------------------------------------------------
+
+
+_ARRAYS = (jax.Array, np.ndarray, jax.core.Tracer)
+
+
+def as_rows(x: jax.Array, lead: Tuple[int, ...]) -> jax.Array:
+    """A per-token array of leading shape ``[..., T]`` viewed as ``[R, T]``."""
+    if not lead:
+        return x.reshape(1, 1)
+    return x.reshape(math.prod(lead[:-1]), lead[-1])  # explicit R: T may be 0
+
+
+@dataclass(frozen=True)
+class TokenInputs:
+    """``policy_loss``'s per-token inputs, validated, under stop-gradient, laid out ``[R, T]``."""
+
+    old_logps: jax.Array  # float32
+    advantages: jax.Array  # float32, broadcast over tokens
+    segment_ids: Optional[jax.Array]  # integer
+    importance_weights: Optional[jax.Array]  # float32
+    loss_normalizer: Normalizer
+
+
+def _floats(x: jax.Array, lead: Tuple[int, ...]) -> jax.Array:
+    return as_rows(lax.stop_gradient(jnp.asarray(x, jnp.float32)), lead)
+
+
+def _check_advantages(advantages: Any, lead: Tuple[int, ...]) -> jax.Array:
+    """Per token ``[...]``, or per sequence ``lead[:-1]`` / ``lead[:-1] + [1]``; ``[R, T]`` out."""
+    if not isinstance(advantages, _ARRAYS) or not jnp.issubdtype(advantages.dtype, jnp.floating):
+        raise TypeError("`advantages` must be a floating jax.Array (float32 recommended)")
+    shape = tuple(advantages.shape)
+    if shape != lead and not (lead and shape in (lead[:-1], lead[:-1] + (1,))):
+        raise ValueError(
+            f"`advantages` must have shape {list(lead)} (per token) or {list(lead[:-1])} "
+            f"(per sequence); got {list(shape)}"
+        )
+    adv = jnp.asarray(advantages)
+    if shape != lead:
+        adv = jnp.broadcast_to(adv.reshape(lead[:-1] + (1,)), lead)
+    return _floats(adv, lead)
+
+
+def _check_normalizer(value: Any) -> Normalizer:
+    """None, a positive finite Python number, or a 0-d floating array (not inspected)."""
+    if value is None:
+        return None
+    if isinstance(value, _ARRAYS):
+        if value.ndim != 0 or not jnp.issubdtype(value.dtype, jnp.floating):
+            raise ValueError("`loss_normalizer` array must be a 0-d floating array")
+        return lax.stop_gradient(jnp.asarray(value, jnp.float32))
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError("`loss_normalizer` must be None, a Python number or a 0-d array")
+    if not (math.isfinite(float(value)) and float(value) > 0.0):
+        raise ValueError(f"`loss_normalizer` must be a positive finite number; got {value}")
+    return float(value)
+
+
+def _check_segments(segment_ids: Any, lead: Tuple[int, ...]) -> Optional[jax.Array]:
+    if segment_ids is None:
+        return None
+    if not isinstance(segment_ids, _ARRAYS) or not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+        raise TypeError("`segment_ids` must be an integer jax.Array (e.g. int32)")
+    if tuple(segment_ids.shape) != lead:
+        raise ValueError(
+            f"`segment_ids` must have the leading shape {list(lead)}; "
+            f"got {list(segment_ids.shape)}"
+        )
+    return as_rows(jnp.asarray(segment_ids), lead)
+
+
+def token_inputs(
+    lead: Tuple[int, ...],
+    old_logps: Any,
+    advantages: Any,
+    segment_ids: Any,
+    importance_weights: Any,
+    loss_normalizer: Any,
+) -> TokenInputs:
+    """Validate ``policy_loss``'s per-token arguments (errors name the argument)."""
+    old = check_row_values("old_logps", old_logps, lead)
+    weights = None
+    if importance_weights is not None:
+        weights = check_row_values("importance_weights", importance_weights, lead)
+        weights = _floats(weights, lead)
+    return TokenInputs(
+        old_logps=_floats(old, lead),
+        advantages=_check_advantages(advantages, lead),
+        segment_ids=_check_segments(segment_ids, lead),
+        importance_weights=weights,
+        loss_normalizer=_check_normalizer(loss_normalizer),
+    )

@@ -15,27 +15,28 @@ Inactive rows are isolated by construction: their logits and temperature
 are replaced with ``jnp.where`` (never a multiplication) before any
 arithmetic, their ids are clamped before the gather, and their gradient is
 selected to exactly 0. An active row whose id is outside ``[0, V)`` reads
-the clamped id and, unless the caller verified the ids (``check_ids``), is
-poisoned: its ``lse`` is NaN, so its outputs and its gradient are NaN. All
+the clamped id and is poisoned, checked or not: its ``lse`` is NaN, so its
+outputs and its gradient are NaN. All
 math is float32; the gradient is cast to the logits' dtype.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Optional, Tuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ratiokl.jax import _elementwise
+from ratiokl.jax import _objective
 from ratiokl.jax._checks import Temperature
 
-__all__ = ["ratio_kl", "selected_logprobs"]
+__all__ = [
+    "finite_or_zero", "ratio_kl", "row_temperature", "scaled_logits", "selected_logprobs",
+]
 
 
-def _row_temperature(temperature: Temperature, rows: int) -> jax.Array:
+def row_temperature(temperature: Temperature, rows: int) -> jax.Array:
     """Temperature as float32 ``[N]`` (a Python float is broadcast)."""
     if isinstance(temperature, float):
         return jnp.full((rows,), temperature, dtype=jnp.float32)
@@ -48,7 +49,7 @@ def _safe_ids(ids: jax.Array, mask: jax.Array, vocab: int) -> Tuple[jax.Array, j
     return jnp.where(mask, jnp.clip(ids, 0, vocab - 1), 0), bad
 
 
-def _scaled_logits(
+def scaled_logits(
     logits: jax.Array, mask: jax.Array, temperature: jax.Array
 ) -> Tuple[jax.Array, jax.Array]:
     """``(z = logits / T, T)`` in float32; inactive rows hold ``z = 0``, ``T = 1``."""
@@ -57,7 +58,7 @@ def _scaled_logits(
     return x / t[:, None], t
 
 
-def _finite_or_zero(m: jax.Array) -> jax.Array:
+def finite_or_zero(m: jax.Array) -> jax.Array:
     # A row with no finite maximum (all -inf, or +inf present) keeps its
     # non-finite lse: shifting by 0 leaves it visible instead of 0/0 hiding it.
     return jnp.where(jnp.isfinite(m), m, 0.0)
@@ -66,46 +67,43 @@ def _finite_or_zero(m: jax.Array) -> jax.Array:
 def _row_stats(z: jax.Array, ids: jax.Array) -> Tuple[jax.Array, jax.Array, jax.Array]:
     """Per-row ``(m, s, z_a)``: max, ``sum(exp(z - shift(m)))``, selected scaled logit."""
     m = jnp.max(z, axis=-1)
-    s = jnp.sum(jnp.exp(z - _finite_or_zero(m)[:, None]), axis=-1)
+    s = jnp.sum(jnp.exp(z - finite_or_zero(m)[:, None]), axis=-1)
     z_a = jnp.take_along_axis(z, ids[:, None], axis=-1)[:, 0]
     return m, s, z_a
 
 
 def _combine(m: jax.Array, s: jax.Array) -> jax.Array:
     """``lse`` from one shard's row statistics (the whole vocabulary)."""
-    return _finite_or_zero(m) + jnp.log(s)
+    return finite_or_zero(m) + jnp.log(s)
 
 
 def _forward(
-    logits: jax.Array, ids: jax.Array, mask: jax.Array, temperature: jax.Array, verified: bool
+    logits: jax.Array, ids: jax.Array, mask: jax.Array, temperature: jax.Array
 ) -> Tuple[jax.Array, jax.Array]:
     """``(logp, lse)`` float32 ``[N]``; ``logp = 0`` on inactive rows, NaN on poisoned rows."""
     safe, bad = _safe_ids(ids, mask, logits.shape[-1])
-    z, _ = _scaled_logits(logits, mask, temperature)
+    z, _ = scaled_logits(logits, mask, temperature)
     m, s, z_a = _row_stats(z, safe)
-    lse = _combine(m, s)
-    if not verified:
-        lse = jnp.where(bad, jnp.nan, lse)
+    lse = jnp.where(bad, jnp.nan, _combine(m, s))
     return jnp.where(mask, z_a - lse, 0.0), lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _logp(
-    logits: jax.Array, ids: jax.Array, mask: jax.Array, temperature: jax.Array, verified: bool
-) -> jax.Array:
-    return _forward(logits, ids, mask, temperature, verified)[0]
+@jax.custom_vjp
+def _logp(logits: jax.Array, ids: jax.Array, mask: jax.Array,
+          temperature: jax.Array) -> jax.Array:
+    return _forward(logits, ids, mask, temperature)[0]
 
 
-def _logp_fwd(logits, ids, mask, temperature, verified):
-    logp, lse = _forward(logits, ids, mask, temperature, verified)
+def _logp_fwd(logits, ids, mask, temperature):
+    logp, lse = _forward(logits, ids, mask, temperature)
     return logp, (logits, ids, mask, temperature, lse)
 
 
-def _logp_bwd(verified, residuals, g):
-    del verified  # a poisoned row's NaN lse already makes its gradient NaN
+def _logp_bwd(residuals, g):
+    # A poisoned row's NaN lse makes its gradient NaN.
     logits, ids, mask, temperature, lse = residuals
     safe, _ = _safe_ids(ids, mask, logits.shape[-1])
-    z, t = _scaled_logits(logits, mask, temperature)
+    z, t = scaled_logits(logits, mask, temperature)
     softmax = jnp.exp(z - lse[:, None])
     onehot = safe[:, None] == jnp.arange(logits.shape[-1])[None, :]
     coef = jnp.where(mask, g, 0.0) / t
@@ -118,16 +116,15 @@ _logp.defvjp(_logp_fwd, _logp_bwd)
 
 
 def selected_logprobs(
-    logits: jax.Array, ids: jax.Array, mask: jax.Array, temperature: Temperature, check_ids: bool
+    logits: jax.Array, ids: jax.Array, mask: jax.Array, temperature: Temperature
 ) -> jax.Array:
     """``logp`` float32 ``[N]`` from logits ``[N, V]``, ids ``[N]``, bool mask ``[N]``.
 
     Differentiable with respect to ``logits`` (gradient in its dtype).
-    Inactive rows: ``logp = 0`` and exactly zero gradient. ``check_ids``:
-    True when every active id is known to be in ``[0, V)`` (no poisoning).
+    Inactive rows: ``logp = 0`` and exactly zero gradient.
     """
-    t = _row_temperature(temperature, logits.shape[0])
-    return _logp(logits, ids, mask, t, check_ids)
+    t = row_temperature(temperature, logits.shape[0])
+    return _logp(logits, ids, mask, t)
 
 
 def ratio_kl(
@@ -139,19 +136,18 @@ def ratio_kl(
     ref_logps: Optional[jax.Array],
     kl_code: int,
     temperature: Temperature,
-    check_ids: bool,
 ) -> Tuple[jax.Array, jax.Array]:
     """``(ratio, kl)`` float32 ``[N]``; differentiable with respect to ``policy`` only.
 
     The reference log-prob comes from ``ref`` logits ``[N, V]`` or is given
-    as ``ref_logps`` ``[N]`` (exactly one is not None). ``check_ids`` as in
-    :func:`selected_logprobs`.
+    as ``ref_logps`` ``[N]`` (exactly one is not None).
     """
-    t = _row_temperature(temperature, policy.shape[0])
-    logp = _logp(policy, ids, mask, t, check_ids)
+    t = row_temperature(temperature, policy.shape[0])
+    logp = _logp(policy, ids, mask, t)
     if ref_logps is None:
         ref, t_ref = lax.stop_gradient(ref), lax.stop_gradient(t)
-        logp_ref = _forward(ref, ids, mask, t_ref, check_ids)[0]
+        logp_ref = _forward(ref, ids, mask, t_ref)[0]
     else:
         logp_ref = lax.stop_gradient(ref_logps)
-    return _elementwise.ratio_kl(logp, logp_ref, lax.stop_gradient(old_logps), mask, kl_code)
+    return _objective.token_ratio_kl(logp, logp_ref, lax.stop_gradient(old_logps), mask,
+                                     kl_code)

@@ -1,9 +1,10 @@
 """The PPO/GRPO objective on per-token log-probs: ``[R, T]``-sized ``jnp`` ops.
 
-``ratiokl.jax.loss.policy_loss`` gets ``logp`` from a backend's
-differentiable ``selected_logprobs`` and hands it here with the other
-per-token inputs laid out as ``R`` rows of ``T`` tokens; JAX's autodiff
-differentiates the result. The math is ``ratiokl.spec.policy_loss``'s and the
+The two-pass ``policy_loss`` (``ratiokl.jax._route``) gets ``logp`` from a
+backend's differentiable ``selected_logprobs`` and hands it here with the
+other per-token inputs laid out as ``R`` rows of ``T`` tokens; JAX's autodiff
+differentiates the result. :func:`token_ratio_kl` is the same epilogue for
+``ratio_kl`` (``[N]``). The math is ``ratiokl.spec.policy_loss``'s and the
 code mirrors ``ratiokl.torch._objective`` line for line.
 
 Inactive tokens' inputs are replaced with neutral values *before* any
@@ -15,115 +16,41 @@ Options are static Python values; everything else may be traced (``jit``,
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Dict, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
-from ratiokl.jax import _checks
+from ratiokl.jax._checks import Normalizer, TokenInputs
 from ratiokl.spec import PolicyLossOptions
 
-__all__ = [
-    "TokenInputs", "aggregation_weights", "as_rows", "policy_objective", "token_inputs",
-    "token_metrics",
-]
-
-Normalizer = Union[None, float, jax.Array]
-_ARRAYS = (jax.Array, np.ndarray, jax.core.Tracer)
+__all__ = ["aggregation_weights", "policy_objective", "token_metrics", "token_ratio_kl"]
 
 
-def as_rows(x: jax.Array, lead: Tuple[int, ...]) -> jax.Array:
-    """A per-token array of leading shape ``[..., T]`` viewed as ``[R, T]``."""
-    if not lead:
-        return x.reshape(1, 1)
-    return x.reshape(math.prod(lead[:-1]), lead[-1])  # explicit R: T may be 0
+def _ratio_kl_estimate(d: jax.Array, kl_code: int) -> jax.Array:
+    """Schulman's estimator on ``d = logp_ref - logp`` (codes from ``ratiokl.spec``)."""
+    if kl_code == 1:
+        return -d
+    if kl_code == 2:
+        return 0.5 * d * d
+    return jnp.expm1(d) - d
 
 
-@dataclass(frozen=True)
-class TokenInputs:
-    """``policy_loss``'s per-token inputs, validated, under stop-gradient, laid out ``[R, T]``."""
+def token_ratio_kl(logp: jax.Array, logp_ref: jax.Array, old_logps: jax.Array,
+                   mask: jax.Array, kl_code: int) -> Tuple[jax.Array, jax.Array]:
+    """``(ratio, kl)`` float32 ``[N]`` from ``[N]`` log-probs and a bool ``[N]`` mask.
 
-    old_logps: jax.Array  # float32
-    advantages: jax.Array  # float32, broadcast over tokens
-    segment_ids: Optional[jax.Array]  # integer
-    importance_weights: Optional[jax.Array]  # float32
-    loss_normalizer: Normalizer
-
-
-def _floats(x: jax.Array, lead: Tuple[int, ...]) -> jax.Array:
-    return as_rows(lax.stop_gradient(jnp.asarray(x, jnp.float32)), lead)
-
-
-def _check_advantages(advantages: Any, lead: Tuple[int, ...]) -> jax.Array:
-    """Per token ``[...]``, or per sequence ``lead[:-1]`` / ``lead[:-1] + [1]``; ``[R, T]`` out."""
-    if not isinstance(advantages, _ARRAYS) or not jnp.issubdtype(advantages.dtype, jnp.floating):
-        raise TypeError("`advantages` must be a floating jax.Array (float32 recommended)")
-    shape = tuple(advantages.shape)
-    if shape != lead and not (lead and shape in (lead[:-1], lead[:-1] + (1,))):
-        raise ValueError(
-            f"`advantages` must have shape {list(lead)} (per token) or {list(lead[:-1])} "
-            f"(per sequence); got {list(shape)}"
-        )
-    adv = jnp.asarray(advantages)
-    if shape != lead:
-        adv = jnp.broadcast_to(adv.reshape(lead[:-1] + (1,)), lead)
-    return _floats(adv, lead)
-
-
-def _check_normalizer(value: Any) -> Normalizer:
-    """None, a positive finite Python number, or a 0-d floating array (not inspected)."""
-    if value is None:
-        return None
-    if isinstance(value, _ARRAYS):
-        if value.ndim != 0 or not jnp.issubdtype(value.dtype, jnp.floating):
-            raise ValueError("`loss_normalizer` array must be a 0-d floating array")
-        return lax.stop_gradient(jnp.asarray(value, jnp.float32))
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError("`loss_normalizer` must be None, a Python number or a 0-d array")
-    if not (math.isfinite(float(value)) and float(value) > 0.0):
-        raise ValueError(f"`loss_normalizer` must be a positive finite number; got {value}")
-    return float(value)
-
-
-def _check_segments(segment_ids: Any, lead: Tuple[int, ...]) -> Optional[jax.Array]:
-    if segment_ids is None:
-        return None
-    if not isinstance(segment_ids, _ARRAYS) or not jnp.issubdtype(segment_ids.dtype, jnp.integer):
-        raise TypeError("`segment_ids` must be an integer jax.Array (e.g. int32)")
-    if tuple(segment_ids.shape) != lead:
-        raise ValueError(
-            f"`segment_ids` must have the leading shape {list(lead)}; "
-            f"got {list(segment_ids.shape)}"
-        )
-    return as_rows(jnp.asarray(segment_ids), lead)
-
-
-def token_inputs(
-    lead: Tuple[int, ...],
-    old_logps: Any,
-    advantages: Any,
-    segment_ids: Any,
-    importance_weights: Any,
-    loss_normalizer: Any,
-) -> TokenInputs:
-    """Validate ``policy_loss``'s per-token arguments (errors name the argument)."""
-    old = _checks.check_row_values("old_logps", old_logps, lead)
-    weights = None
-    if importance_weights is not None:
-        weights = _checks.check_row_values("importance_weights", importance_weights, lead)
-        weights = _floats(weights, lead)
-    return TokenInputs(
-        old_logps=_floats(old, lead),
-        advantages=_check_advantages(advantages, lead),
-        segment_ids=_check_segments(segment_ids, lead),
-        importance_weights=weights,
-        loss_normalizer=_check_normalizer(loss_normalizer),
-    )
-
+    Differentiable through ``logp`` only (the caller passes the others under
+    ``lax.stop_gradient``). Inactive rows: ``ratio = 1``, ``kl = 0``, zero
+    gradient. ``kl_code`` is a static Python int (1, 2, 3 for k1, k2, k3).
+    """
+    logp = jnp.where(mask, logp.astype(jnp.float32), 0.0)
+    logp_ref = jnp.where(mask, logp_ref.astype(jnp.float32), 0.0)
+    old = jnp.where(mask, old_logps.astype(jnp.float32), 0.0)
+    ratio = jnp.exp(logp - old)
+    kl = _ratio_kl_estimate(logp_ref - logp, kl_code)
+    return jnp.where(mask, ratio, 1.0), jnp.where(mask, kl, 0.0)
 
 def _bounded(x: jax.Array, bound: Optional[float]) -> jax.Array:
     """``clip(x, -bound, bound)`` with gradient 1 inside ``[-bound, bound]``, 0 outside."""
@@ -228,7 +155,7 @@ def aggregation_weights(mask: jax.Array, inputs: TokenInputs, opts: PolicyLossOp
     """
     weights = jnp.ones(mask.shape, jnp.float32)
     n_seq = None
-    if opts.agg_code in (2, 3):
+    if opts.seq_aggregation:
         first, last, starts = _segments(mask, inputs.segment_ids)
         n_seq = jnp.sum(starts, dtype=jnp.int32)
         if opts.agg_code == 2:
@@ -262,7 +189,7 @@ def policy_objective(
     logp = jnp.where(mask, logp, 0.0)
     old = jnp.where(mask, inputs.old_logps, 0.0)
     adv = jnp.where(mask, inputs.advantages, 0.0)
-    need_segments = opts.sequence_ratio or opts.agg_code in (2, 3)
+    need_segments = opts.sequence_ratio or opts.seq_aggregation
     if need_segments:
         first, last, starts = _segments(mask, inputs.segment_ids)
         counts = jnp.maximum(_segment_totals(mask.astype(jnp.float32), first, last), 1.0)
@@ -280,8 +207,10 @@ def policy_objective(
     if logp_ref is not None:
         d = jnp.where(mask, logp_ref, 0.0) - logp
         kl = _kl(d, opts.kl_code, ratio, opts.log_ratio_bound)
-        if opts.kl_coef != 0.0:  # kl_coef = 0: the KL is only logged (0 * inf would be NaN)
-            per_token = per_token + opts.kl_coef * kl
+        if opts.uses_kl:  # kl_coef = 0: the KL is only logged (0 * inf would be NaN)
+            weighted = per_token + opts.kl_coef * kl
+            per_token = weighted if isinstance(opts.kl_coef, float) else jnp.where(
+                opts.kl_coef != 0.0, weighted, per_token)
     if opts.agg_code == 2:
         per_token = per_token / counts
     n_tok = jnp.sum(mask, dtype=jnp.int32)

@@ -1,202 +1,59 @@
-"""The ``"triton"`` JAX backend: ``ratiokl._kernels`` launched through ``jax_triton``.
+"""The ``"triton"`` JAX backend on flattened rows: the kernels' launches with derivatives.
 
-Implements the backend interface documented in ``ratiokl.jax._dispatch``
-on flattened inputs (logits ``[N, V]``, per-row arrays ``[N]``) with the
-very kernel functions that ``ratiokl.torch._triton`` launches:
+The functions ``ratiokl.jax._route`` calls with validated ``[N, V]`` logits
+and ``[N]`` per-row arrays, on the very kernels ``ratiokl.torch`` launches
+(``ratiokl.jax._launch`` holds the launches and their ``vmap`` rules):
 
-* one ``jax.custom_vjp`` whose forward runs ``logp_forward_kernel`` (per
-  row: ``logp``, ``ratio``, ``kl``, ``dkl/dlogp``, ``lse``; few rows:
-  ``lse_partials_kernel`` + ``logp_combine_kernel``, the same bits) and whose
-  backward runs ``logp_backward_kernel``, which forms ``c = g_logp + g_ratio *
-  ratio + g_kl * dkl`` per row itself (0 on inactive rows), cast to the
-  logits' dtype;
-* each kernel call is a ``jax.custom_batching.custom_vmap`` that folds batch
-  dimensions into rows (the op is row-independent; ``triton_call`` has no
-  batching rule), so ``jit``, ``grad`` and ``vmap`` compose.
+* ``selected_logprobs`` / ``ratio_kl``: one ``jax.custom_vjp`` whose forward
+  runs the row forward (per row ``logp``, ``ratio``, ``kl``, ``dkl/dlogp``,
+  ``lse``; few rows: partials + combine, the same bits) and whose backward runs
+  ``logp_backward_kernel``, which forms ``c = g_logp + g_ratio * ratio + g_kl *
+  dkl`` per row itself (0 on inactive rows), in the logits' dtype;
+* ``policy_loss``: the fused kernel writes per row ``w * loss_t``, the
+  metrics' values and the policy-logit gradient of ``sum_t w_t * loss_t`` in
+  one program; a ``jax.custom_vjp`` keeps that gradient as its residual and
+  its backward scales it by the cotangent (``scale_rows_kernel``, aliased in
+  place, skipped on the device where the cotangent is 1). The primal (no
+  derivative taken) skips the gradient sweep: one read of each row. The
+  coefficients (``kl_coef``, the clip bounds) are a run-time ``[4]`` array;
+* ``shard_logps`` (``vocab_axis=``, inside ``shard_map``): a block's
+  statistics from ``shard_stats_kernel``, one ``pmax`` and one ``psum``, and
+  the block's gradient from ``logp_backward_kernel`` with the global ``lse``.
 
-Launch details: block sizes come from ``ratiokl._kernels`` heuristics (no
-autotuning, so CUDA-graph capture works); ``V`` and the strides are passed
-as compile-time constants, which keeps the loads vectorised (jax-triton
-gives runtime integers no alignment facts); the mask travels as bool; a
-scalar temperature is a ``[1]`` array read with stride 0. ``jax_triton`` is
-imported on first launch, restoring ``TRITON_CACHE_DIR`` (jax-triton 0.3.1
-empties it on import, which breaks every later Triton compile in the
-process, PyTorch's included). The kernels clamp ids and poison bad active
-rows with NaN whatever ``check_ids`` says; nothing synchronises with the host.
+The kernels clamp ids and poison bad active rows with NaN; nothing
+synchronises with the host.
 """
 
 from __future__ import annotations
 
 import functools
-import os
-from types import ModuleType
-from typing import Callable, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
-from ratiokl._kernels import (
-    backward_config,
-    backward_splits,
-    forward_config,
-    logp_backward_kernel,
-    logp_combine_kernel,
-    logp_forward_kernel,
-    lse_partials_kernel,
-    split_plan,
-    use_split_forward,
-)
+from ratiokl._kernels.loss_rows import METRIC_NAMES, token_denominator
+from ratiokl.jax import _launch, _native
+from ratiokl.jax._launch import Static
+from ratiokl.spec import PolicyLossOptions
+from ratiokl.jax._checks import Temperature
 
-__all__ = ["import_jax_triton", "ratio_kl", "selected_logprobs"]
+__all__ = ["policy_loss", "ratio_kl", "selected_logprobs", "shard_logps", "token_weights",
+           "varies_over"]
 
-Temperature = Union[float, jax.Array]
-
-
-def import_jax_triton() -> ModuleType:
-    """``import jax_triton`` without letting it clear ``TRITON_CACHE_DIR`` for the process.
-
-    An empty value (what jax-triton sets, also when something imported it
-    earlier) is never usable, so it is removed rather than kept.
-    """
-    saved = os.environ.get("TRITON_CACHE_DIR")
-    try:
-        import jax_triton
-    finally:
-        if saved:
-            os.environ["TRITON_CACHE_DIR"] = saved
-        else:
-            os.environ.pop("TRITON_CACHE_DIR", None)
-    return jax_triton
-
-
-def _triton_call(*args, **kwargs):
-    """``jax_triton.triton_call`` (the one launch point; tests may substitute it)."""
-    return import_jax_triton().triton_call(*args, **kwargs)
-
-
-# --- kernel calls on [N, V] / [N] arrays ---------------------------------------------------
-
-
-def _forward_call(kl_code: int, has_ref: bool, policy, ref, ids, mask, old, ref_logps, temp):
-    """``(logp, ratio, kl, dkl, lse)`` float32 ``[N]``: one launch, or partials + combine.
-
-    Few rows (``use_split_forward``) run a program per (row, vocabulary
-    split) and a per-row combine; the bits are those of the one-launch path.
-    """
-    n_rows, vocab = policy.shape
-    row = jax.ShapeDtypeStruct((n_rows,), jnp.float32)
-    if n_rows == 0:
-        return tuple(jnp.zeros((0,), jnp.float32) for _ in range(5))
-    config = forward_config(vocab, policy.dtype.itemsize)
-    plan = split_plan(vocab, config.block_v)
-    sizes = dict(
-        V=vocab, stride_pn=vocab, stride_pv=1, stride_rn=vocab, stride_rv=1,
-        stride_t=0 if temp.shape[0] == 1 else 1, HAS_REF=has_ref,
-    )
-    if not use_split_forward(n_rows, plan):
-        return tuple(_triton_call(
-            policy, ref, ids, mask, old, ref_logps, temp,
-            kernel=logp_forward_kernel, out_shape=[row] * 5, grid=(n_rows,),
-            num_warps=config.num_warps, KL_CODE=kl_code,
-            TILES_PER_SPLIT=plan.tiles_per_split, BLOCK_V=config.block_v, **sizes,
-        ))
-    parts = _triton_call(
-        policy, ref, mask, temp,
-        kernel=lse_partials_kernel,
-        out_shape=jax.ShapeDtypeStruct((n_rows, plan.splits, 4), jnp.float32),
-        grid=(n_rows, plan.splits), num_warps=config.num_warps, SPLITS=plan.splits,
-        TILES_PER_SPLIT=plan.tiles_per_split, BLOCK_V=config.block_v, **sizes,
-    )
-    return tuple(_triton_call(
-        policy, ref, ids, mask, old, ref_logps, temp, parts,
-        kernel=logp_combine_kernel, out_shape=[row] * 5, grid=(n_rows,), num_warps=1,
-        KL_CODE=kl_code, SPLITS=plan.splits, **sizes,
-    ))
-
-
-def _backward_call(terms: Tuple[bool, bool, bool], policy, ids, mask, temp, lse, g_logp,
-                   g_ratio, ratio, g_kl, dkl):
-    """Gradient ``[N, V]`` in the logits' dtype; grid ``(N, S)``, ``S = backward_splits``.
-
-    The kernel forms ``c = g_logp + g_ratio * ratio + g_kl * dkl`` per row;
-    ``terms`` says which of the three are present (an absent one's arrays are
-    placeholders, never read).
-    """
-    n_rows, vocab = policy.shape
-    if n_rows == 0:
-        return jnp.zeros(policy.shape, policy.dtype)
-    config = backward_config(vocab, policy.dtype.itemsize)
-    tiles = -(-vocab // config.block_v)
-    per_prog = -(-tiles // backward_splits(n_rows, vocab, policy.dtype.itemsize))
-    return _triton_call(
-        policy, ids, mask, temp, lse, g_logp, g_ratio, ratio, g_kl, dkl,
-        kernel=logp_backward_kernel, out_shape=jax.ShapeDtypeStruct(policy.shape, policy.dtype),
-        grid=(n_rows, -(-tiles // per_prog)), num_warps=config.num_warps,
-        V=vocab, stride_ln=vocab, stride_lv=1, stride_t=0 if temp.shape[0] == 1 else 1,
-        stride_gl=1, stride_gr=1, stride_gk=1, tiles_per_prog=per_prog,
-        HAS_G_LOGP=terms[0], HAS_G_RATIO=terms[1], HAS_G_KL=terms[2], BLOCK_V=config.block_v,
-    )
-
-
-# --- vmap: fold batch dimensions into rows -------------------------------------------------
-
-
-def _fold(axis_size: int, batched: bool, x: jax.Array, rows: int, is_temp: bool) -> jax.Array:
-    """``x`` (``[B, ...]`` if batched) as rows ``[B * rows, ...]``.
-
-    An unbatched scalar temperature (``[1]``, read with stride 0) stays as it is.
-    """
-    if is_temp and not batched and x.shape == (1,):
-        return x
-    x = x if batched else jnp.broadcast_to(x, (axis_size,) + x.shape)
-    if is_temp and x.shape[1] == 1:
-        x = jnp.broadcast_to(x, (axis_size, rows))
-    return x.reshape((axis_size * x.shape[1],) + x.shape[2:])
-
-
-def _row_op(call: Callable, temp_index: int) -> Callable:
-    """``call`` (rows first in every argument) with a vmap rule that folds the batch into rows."""
-    op = jax.custom_batching.custom_vmap(call)
-
-    @op.def_vmap
-    def _rule(axis_size: int, in_batched: Sequence[bool], *args):
-        rows = args[0].shape[1] if in_batched[0] else args[0].shape[0]
-        folded = [
-            _fold(axis_size, b, x, rows, i == temp_index)
-            for i, (b, x) in enumerate(zip(in_batched, args))
-        ]
-        outs = op(*folded)
-        unfold = lambda o: o.reshape((axis_size, rows) + o.shape[1:])  # noqa: E731
-        unfolded = jax.tree_util.tree_map(unfold, outs)
-        return unfolded, jax.tree_util.tree_map(lambda _: True, outs)
-
-    return op
-
-
-@functools.lru_cache(maxsize=None)
-def _forward_op(kl_code: int, has_ref: bool) -> Callable:
-    return _row_op(functools.partial(_forward_call, kl_code, has_ref), temp_index=6)
-
-
-@functools.lru_cache(maxsize=None)
-def backward_op(terms: Tuple[bool, bool, bool]) -> Callable:
-    """The backward kernel call for these upstream terms (see :func:`_backward_call`)."""
-    return _row_op(functools.partial(_backward_call, terms), temp_index=3)
-
-
-# --- differentiation -----------------------------------------------------------------------
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
 def _op(policy, ref, ids, mask, old, ref_logps, temp, kl_code: int, has_ref: bool):
-    logp, ratio, kl, _, _ = _forward_op(kl_code, has_ref)(
+    logp, ratio, kl, _, _ = _launch.forward_op(kl_code, has_ref)(
         policy, ref, ids, mask, old, ref_logps, temp
     )
     return logp, ratio, kl
 
 
 def _op_fwd(policy, ref, ids, mask, old, ref_logps, temp, kl_code, has_ref):
-    logp, ratio, kl, dkl, lse = _forward_op(kl_code, has_ref)(
+    logp, ratio, kl, dkl, lse = _launch.forward_op(kl_code, has_ref)(
         policy, ref, ids, mask, old, ref_logps, temp
     )
     return (logp, ratio, kl), (policy, ids, mask, temp, lse, ratio, dkl)
@@ -208,16 +65,13 @@ def _op_bwd(kl_code, has_ref, residuals, cotangents):
     g_logp, g_ratio, g_kl = (g.astype(jnp.float32) for g in cotangents)
     # The kernel forms c = g_logp + g_ratio * ratio + g_kl * dkl, selecting 0 on inactive
     # rows (never multiplying: a NaN cotangent there stays out).
-    grad = backward_op((True, True, True))(policy, ids, mask, temp, lse, g_logp, g_ratio,
+    grad = _launch.backward_op((True, True, True))(policy, ids, mask, temp, lse, g_logp, g_ratio,
                                            ratio, g_kl, dkl)
     # custom_vjp does not force the cotangent's dtype: keep the logits' dtype.
     return grad.astype(policy.dtype), None, None, None, None, None, None
 
 
 _op.defvjp(_op_fwd, _op_bwd)
-
-
-# --- backend interface ---------------------------------------------------------------------
 
 
 def _rows(ids: jax.Array, mask: jax.Array, temperature: Temperature):
@@ -237,14 +91,11 @@ def _rows(ids: jax.Array, mask: jax.Array, temperature: Temperature):
 
 def selected_logprobs(
     logits: jax.Array, ids: jax.Array, mask: jax.Array, temperature: Temperature,
-    check_ids: bool,
 ) -> jax.Array:
     """Float32 ``logp[N]`` of ``logits[N, V]``; 0 on inactive rows, NaN on bad-id rows.
 
-    Differentiable w.r.t. ``logits`` (gradient in its dtype). ``check_ids``
-    is accepted for the interface; the kernel poisons bad ids regardless.
+    Differentiable w.r.t. ``logits`` (gradient in its dtype).
     """
-    del check_ids
     ids, mask_k, temp = _rows(ids, mask, temperature)
     # Placeholders, never read (KL_CODE = 0): an existing array, so nothing is computed.
     logp, _, _ = _op(logits, logits, ids, mask_k, temp, temp, temp, 0, False)
@@ -254,13 +105,12 @@ def selected_logprobs(
 def ratio_kl(
     policy: jax.Array, ref: Optional[jax.Array], ids: jax.Array, mask: jax.Array,
     old_logps: jax.Array, ref_logps: Optional[jax.Array], kl_code: int,
-    temperature: Temperature, check_ids: bool,
+    temperature: Temperature,
 ) -> Tuple[jax.Array, jax.Array]:
     """Float32 ``(ratio[N], kl[N])``: ``(1, 0)`` on inactive rows, NaN on bad-id rows.
 
-    Differentiable w.r.t. ``policy`` only. ``check_ids`` as in :func:`selected_logprobs`.
+    Differentiable w.r.t. ``policy`` only.
     """
-    del check_ids
     ids, mask_k, temp = _rows(ids, mask, temperature)
     old = jax.lax.stop_gradient(old_logps.astype(jnp.float32))
     if ref is None:
@@ -271,3 +121,193 @@ def ratio_kl(
         ref_lp = old  # placeholder, never read (HAS_REF: the kernel computes it)
     _, ratio, kl = _op(policy, ref_in, ids, mask_k, old, ref_lp, temp, kl_code, has_ref)
     return ratio, kl
+
+
+# --- the fused policy loss ----------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(11, 12))
+def _fused(policy, ref, ids, mask, old, ref_lp, temp, adv, iw, w, coefs, static: Static,
+           inplace: bool):
+    return _launch.fused_op(static, False)(policy, ref, ids, mask, old, ref_lp, temp, adv, iw,
+                                           w, coefs)[:5]
+
+
+def _fused_fwd(policy, ref, ids, mask, old, ref_lp, temp, adv, iw, w, coefs, static, inplace):
+    outs = _launch.fused_op(static, True, inplace)(policy, ref, ids, mask, old, ref_lp, temp,
+                                                   adv, iw, w, coefs)
+    return outs[:5], (outs[5], mask)
+
+
+def _fused_bwd(static, inplace, residuals, cotangents):
+    del static, inplace
+    grad, mask = residuals
+    g_loss = cotangents[0].astype(jnp.float32)
+    return (_launch.scale_op(grad, g_loss, mask),) + (None,) * 10
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _rows_total(rows: int, loss_rows: jax.Array, total: jax.Array) -> jax.Array:
+    """``sum(loss_rows)``, given already summed (``total``): the sum's gradient, no reduction.
+
+    The backward hands every row the upstream value (a broadcast).
+    """
+    del rows, loss_rows
+    return total
+
+
+def _rows_total_fwd(rows, loss_rows, total):
+    del rows, loss_rows
+    return total, None
+
+
+def _rows_total_bwd(rows, _, g):
+    return jnp.broadcast_to(g, (rows,)), jnp.zeros_like(g)
+
+
+_rows_total.defvjp(_rows_total_fwd, _rows_total_bwd)
+
+
+def token_weights(mask: jax.Array, opts: PolicyLossOptions, normalizer: object,
+                  width: int) -> Optional[jax.Array]:
+    """The aggregation weights ``w = where(mask, 1 / D, 0)`` (float32 ``[N]``) in one launch,
+    where every active token weighs the same; None where they do not (sequence lengths or
+    counts, an array normaliser: the caller takes the framework's ops).
+
+    ``normalizer``: ``loss_normalizer``; ``width``: tokens per sequence ``T``.
+    """
+    denom, count = token_denominator(opts, normalizer, width)
+    if denom is None and not count:
+        return None
+    return _launch.weights_op(1.0 if denom is None else denom, count)(mask.astype(jnp.bool_))
+
+
+def policy_loss(
+    policy: jax.Array, ref: Optional[jax.Array], ids: jax.Array, mask: jax.Array,
+    old: jax.Array, ref_logps: Optional[jax.Array], adv: jax.Array, iw: Optional[jax.Array],
+    weights: jax.Array, temperature: Temperature, opts: PolicyLossOptions,
+    inplace_grad: bool,
+) -> Tuple[jax.Array, Dict[str, jax.Array]]:
+    """The fused ``(loss, metrics)`` of flattened rows: one kernel for the loss, the
+    metrics' row values and the policy-logit gradient, one for the means.
+
+    ``old``, ``adv``, ``iw`` (or None), ``ref_logps`` (or None) and the
+    aggregation ``weights`` are float32 ``[N]``; ``policy`` ``[N, V]`` is the only
+    differentiable input. ``inplace_grad``: the gradient's buffer aliases
+    ``policy``'s (``input_output_aliases``; without a copy where XLA may, e.g.
+    ``policy`` donated to ``jit``). Returns the float32 0-d loss and the
+    stop-gradient metrics.
+    """
+    ids, mask_k, temp = _rows(ids, mask, temperature)
+    stop = lax.stop_gradient
+    old, adv, weights = stop(old), stop(adv), stop(weights)
+    has_ref = ref is not None or ref_logps is not None
+    static: Static = (
+        ref is not None, iw is not None, opts.kl_code if has_ref else 0,
+        opts.neg_cap is not None, opts.log_ratio_bound or 0.0,
+    )
+    coefs = stop(jnp.stack([
+        jnp.asarray(c, jnp.float32) for c in (
+            opts.kl_coef, opts.ratio_low, opts.ratio_high,
+            jnp.inf if opts.neg_cap is None else opts.neg_cap)
+    ]))
+    ref_in = policy if ref is None else stop(ref)  # placeholder, never read
+    ref_lp = weights if ref_logps is None else stop(ref_logps)
+    loss_rows, logp, ratio, kl, bits = _fused(
+        policy, ref_in, ids, mask_k, old, ref_lp, temp, adv,
+        weights if iw is None else stop(iw), weights, coefs, static, inplace_grad,
+    )
+    rows = (mask_k, logp, ratio, kl, bits, old, loss_rows)
+    means, total = _launch.metrics_op(*(stop(x) for x in rows))  # no derivative: none asked
+    loss = _rows_total(loss_rows.shape[0], loss_rows, total)
+    return loss, {name: means[i] for i, name in enumerate(METRIC_NAMES)}
+
+
+# --- one vocabulary shard (vocab-parallel) -----------------------------------------------------
+
+
+def varies_over(x: jax.Array, axis: str) -> bool:
+    """Whether ``x`` is typed as varying over mesh ``axis`` (never with ``check_vma=False``)."""
+    aval = jax.typeof(x)
+    vma = getattr(aval, "vma", None)  # JAX < 0.9 spelling
+    if vma is None:
+        vma = aval.manual_axis_type.varying
+    return axis in vma
+
+
+def _varying(x: jax.Array, axis: str) -> jax.Array:
+    """``x`` typed as varying over ``axis`` (jax-triton outputs come back invariant)."""
+    return x if varies_over(x, axis) else lax.pcast(x, axis, to="varying")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _attach(policy, z_a, lse, local_ids, mask_k, temp, axis: str):
+    """``logp = z_a - lse`` (0 on inactive rows), differentiable w.r.t. this block ``policy``."""
+    del policy, local_ids, temp, axis
+    return jnp.where(mask_k != 0, z_a - lse, 0.0)
+
+
+def _attach_fwd(policy, z_a, lse, local_ids, mask_k, temp, axis):
+    return _attach(policy, z_a, lse, local_ids, mask_k, temp, axis), (
+        policy, local_ids, mask_k, temp, lse
+    )
+
+
+def _attach_bwd(axis, residuals, g):
+    policy, local_ids, mask_k, temp, lse = residuals
+    # The kernel selects 0 on inactive rows (a NaN cotangent there stays out).
+    coef = g.astype(jnp.float32)
+    grad = _launch.backward_op((True, False, False))(
+        policy, local_ids, mask_k, temp, lse, coef, lse, lse, lse, lse)
+    return _varying(grad.astype(policy.dtype), axis), None, None, None, None, None
+
+
+_attach.defvjp(_attach_fwd, _attach_bwd)
+
+
+def shard_logps(
+    shards: Sequence[jax.Array], ids: jax.Array, mask: jax.Array, temperature: Temperature,
+    axis: str,
+) -> List[jax.Array]:
+    """``logp`` float32 ``[N]`` per block in ``shards`` (policy, then optionally reference).
+
+    ``shards``: this device's ``[N, V_local]`` blocks; ``ids`` global, ``mask``
+    bool, ``temperature`` a float or float32 ``[N]``, all replicated along
+    ``axis``. The policy's ``logp`` is differentiable (the gradient is this
+    block's slice of the unsharded one); the reference's is not. Inactive rows
+    are 0 with a zero gradient; an active id outside the global ``[0, V)``
+    gives NaN (value and gradient). One ``pmax`` and one ``psum`` in all.
+    """
+    if not varies_over(shards[0], axis):
+        raise ValueError(
+            f"backend='triton' with vocab_axis={axis!r} needs the logits typed as varying over "
+            f"{axis!r}: call it inside `jax.shard_map(..., check_vma=True)` (the default; with "
+            "check_vma=False the gradient would be scaled by 1/axis_size), or use "
+            "backend='native'"
+        )
+    local_vocab = shards[0].shape[-1]
+    ids_k, mask_k, temp = _rows(ids, mask, temperature)
+    start = lax.axis_index(axis) * local_vocab
+    has_ref = len(shards) > 1
+    blocks = [lax.stop_gradient(x) for x in shards]
+    stats = _launch.stats_op(has_ref)(
+        blocks[0], blocks[-1], ids_k, mask_k, temp, jnp.full((1,), start, ids_k.dtype)
+    )
+    lse_k, ref_lse_k, z_a, ref_z_a = (_varying(o, axis) for o in stats)
+    m = jnp.stack([lse_k, ref_lse_k][: len(shards)])
+    shift = _native.finite_or_zero(lax.pmax(m, axis))
+    # A block's log-sum-exp is its (m, s) = (lse_k, 1).
+    s, z_sel = lax.psum((jnp.exp(m - shift), jnp.stack([z_a, ref_z_a][: len(shards)])), axis)
+    bad = mask & ((ids < 0) | (ids >= local_vocab * lax.axis_size(axis)))
+    # An out-of-range active id poisons its row; the NaN lse makes its gradient NaN too.
+    lse = jnp.where(bad[None], jnp.nan, shift + jnp.log(s))
+    local = ids_k - start
+    owned = mask & (local >= 0) & (local < local_vocab)
+    local_ids = jnp.where(owned, local, -1).astype(ids_k.dtype)
+    out = [_attach(shards[0], z_sel[0], lse[0], local_ids, mask_k, temp, axis)]
+    if has_ref:
+        out.append(jnp.where(mask, z_sel[1] - lse[1], 0.0))
+    return out

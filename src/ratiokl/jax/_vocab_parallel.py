@@ -32,7 +32,7 @@ inside the body is exact with ``check_vma=True`` and, as for any psum,
 That is the native math (``backend="native"``, and ``"auto"`` without a
 GPU). ``backend="triton"`` (and ``"auto"`` where jax-triton runs) computes
 the same statistics with the Triton kernels and the same one pmax and one
-psum (``ratiokl.jax._triton_stats``); it needs ``check_vma=True``.
+psum (``ratiokl.jax._triton.shard_logps``); it needs ``check_vma=True``.
 """
 
 from __future__ import annotations
@@ -43,10 +43,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ratiokl.jax import _dispatch, _elementwise, _native
+from ratiokl.jax import _native, _objective
 from ratiokl.jax._checks import Temperature
+from ratiokl.jax._route import Backend
 
-__all__ = ["VocabParallel", "bind", "global_vocab"]
+__all__ = ["VocabParallel", "backend", "global_vocab"]
 
 
 def _axis_size(axis: str) -> int:
@@ -65,11 +66,15 @@ def global_vocab(local_vocab: int, axis: Optional[str]) -> int:
     return local_vocab if axis is None else local_vocab * _axis_size(axis)
 
 
-def bind(backend: str, axis: str) -> "VocabParallel":
-    """The vocabulary-parallel backend over mesh axis ``axis`` (a static string)."""
-    name = _dispatch._resolve_name(backend)
+def backend(name: str, axis: str, explicit: bool) -> Backend:
+    """The vocabulary-parallel backend over mesh axis ``axis`` (a static string).
+
+    ``name``: the resolved per-block math, ``"native"`` or ``"triton"``;
+    ``explicit``: it was asked for by name (not ``"auto"``).
+    """
     _axis_size(axis)
-    return VocabParallel(axis, name, explicit=backend != "auto")
+    parallel = VocabParallel(axis, name, explicit)
+    return Backend(parallel.selected_logprobs, parallel.ratio_kl)
 
 
 def _ownership(ids: jax.Array, mask: jax.Array, local_vocab: int, axis: str):
@@ -81,7 +86,7 @@ def _ownership(ids: jax.Array, mask: jax.Array, local_vocab: int, axis: str):
 
 
 def _shard_sums_fwd(logits, local_ids, owned, mask, temperature, shift):
-    z, _ = _native._scaled_logits(logits, mask, temperature)
+    z, _ = _native.scaled_logits(logits, mask, temperature)
     s = jnp.sum(jnp.exp(z - shift[:, None]), axis=-1)
     z_a = jnp.where(owned, jnp.take_along_axis(z, local_ids[:, None], axis=-1)[:, 0], 0.0)
     return (s, z_a), (logits, local_ids, owned, mask, temperature, shift)
@@ -96,7 +101,7 @@ def _shard_sums(logits, local_ids, owned, mask, temperature, shift):
 def _shard_sums_bwd(residuals, cotangents):
     logits, local_ids, owned, mask, temperature, shift = residuals
     g_s, g_z = cotangents
-    z, t = _native._scaled_logits(logits, mask, temperature)
+    z, t = _native.scaled_logits(logits, mask, temperature)
     onehot = owned[:, None] & (local_ids[:, None] == jnp.arange(logits.shape[-1])[None, :])
     grad = g_s[:, None] * jnp.exp(z - shift[:, None]) + jnp.where(onehot, g_z[:, None], 0.0)
     grad = jnp.where(mask[:, None], grad / t[:, None], 0.0)
@@ -110,9 +115,9 @@ _shard_sums.defvjp(_shard_sums_fwd, _shard_sums_bwd)
 def _logps(shards, ids, mask, temperature, axis):
     """``logp`` float32 ``[N]`` per block in ``shards``; one pmax and one psum in all."""
     local_ids, owned, bad = _ownership(ids, mask, shards[0].shape[-1], axis)
-    z = [_native._scaled_logits(lax.stop_gradient(x), mask, temperature)[0] for x in shards]
+    z = [_native.scaled_logits(lax.stop_gradient(x), mask, temperature)[0] for x in shards]
     m = jnp.stack([jnp.max(zk, axis=-1) for zk in z])
-    shift = lax.stop_gradient(_native._finite_or_zero(lax.pmax(m, axis)))
+    shift = lax.stop_gradient(_native.finite_or_zero(lax.pmax(m, axis)))
     sums = [_shard_sums(x, local_ids, owned, mask, temperature, shift[k])
             for k, x in enumerate(shards)]
     s, z_a = lax.psum((jnp.stack([s for s, _ in sums]), jnp.stack([z for _, z in sums])), axis)
@@ -122,11 +127,10 @@ def _logps(shards, ids, mask, temperature, axis):
 
 
 class VocabParallel:
-    """The backend interface of ``ratiokl.jax._dispatch`` over a vocabulary-sharded mesh axis.
+    """The backend interface of ``ratiokl.jax._route`` over a vocabulary-sharded mesh axis.
 
-    ``check_ids`` is accepted for the interface and not needed: rows whose
-    active id is outside the global ``[0, V)`` are always poisoned with NaN.
-    ``backend``: the resolved per-block math, ``"native"`` or ``"triton"``;
+    Rows whose active id is outside the global ``[0, V)`` are always poisoned
+    with NaN. ``backend``: the resolved per-block math, ``"native"`` or ``"triton"``;
     ``explicit``: it was asked for by name. A resolved ``"auto"`` runs the
     Triton path only where it is exact (``check_vma=True``), else the native one.
     """
@@ -139,11 +143,11 @@ class VocabParallel:
     def _logps(self, shards, ids, mask, temperature):
         # No rows: nothing to launch (the native math on [0, V] is free).
         if self.backend == "triton" and shards[0].shape[0] > 0:
-            from ratiokl.jax import _triton_stats  # imports triton; jax_triton on first launch
+            from ratiokl.jax import _triton  # imports triton; jax_triton on first launch
 
-            if self.explicit or _triton_stats.varies_over(shards[0], self.axis):
-                return _triton_stats.logps(shards, ids, mask, temperature, self.axis)
-        t = _native._row_temperature(temperature, shards[0].shape[0])
+            if self.explicit or _triton.varies_over(shards[0], self.axis):
+                return _triton.shard_logps(shards, ids, mask, temperature, self.axis)
+        t = _native.row_temperature(temperature, shards[0].shape[0])
         return _logps(shards, ids, mask, t, self.axis)
 
     def selected_logprobs(
@@ -152,7 +156,6 @@ class VocabParallel:
         ids: jax.Array,
         mask: jax.Array,
         temperature: Temperature,
-        check_ids: bool,
     ) -> jax.Array:
         """Float32 ``logp[N]`` from this device's block ``logits[N, V_local]``."""
         return self._logps([logits], ids, mask, temperature)[0]
@@ -167,13 +170,12 @@ class VocabParallel:
         ref_logps: Optional[jax.Array],
         kl_code: int,
         temperature: Temperature,
-        check_ids: bool,
     ) -> Tuple[jax.Array, jax.Array]:
         """Float32 ``(ratio[N], kl[N])``; one pmax and one psum for policy and reference."""
         if ref is None:
             (logp,), logp_ref = self._logps([policy], ids, mask, temperature), ref_logps
         else:
             logp, logp_ref = self._logps([policy, lax.stop_gradient(ref)], ids, mask, temperature)
-        return _elementwise.ratio_kl(
+        return _objective.token_ratio_kl(
             logp, lax.stop_gradient(logp_ref), lax.stop_gradient(old_logps), mask, kl_code
         )

@@ -1,9 +1,9 @@
 """JAX entry points: per-token log-probs, importance ratio, KL penalty, policy loss.
 
-Each public function runs the same steps, kept in small private helpers:
-validate (``_checks``) -> check active ids (a host check on concrete
-inputs, a ``checkify`` check under tracing) -> flatten ``[..., V] -> [N, V]``
--> dispatch to a backend (``_dispatch``) -> reshape back to ``[...]``.
+Signatures and documentation; each function is one call into
+``ratiokl.jax._route``, which validates the inputs once, queues the check of
+active ids (a host check on concrete inputs, a ``checkify`` check under
+tracing), runs the backend and reads the check.
 
 Options that select code paths (``kl_estimator``, ``backend``,
 ``check_ids``) and a Python-float ``temperature`` are static Python values:
@@ -13,80 +13,25 @@ or mark them static. Arrays may be traced.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from types import ModuleType
 from typing import Dict, Optional, Tuple, Union
 
 import jax
-import jax.numpy as jnp
-from jax import lax
 
-from ratiokl.jax import _checks, _dispatch, _objective, _vocab_parallel
+from ratiokl.jax import _route
 from ratiokl.jax._checks import Temperature
-from ratiokl.spec import DEFAULT_LOG_RATIO_BOUND, kl_estimator_code, policy_loss_options
+from ratiokl.spec import (
+    DEFAULT_LOG_RATIO_BOUND,
+    BackendName,
+    KLEstimator,
+    LossAgg,
+    PolicyKLEstimator,
+    RatioLevel,
+)
+
+#: A coefficient a trainer may change every step: a Python number or a 0-d float array.
+Coefficient = Union[float, jax.Array]
 
 __all__ = ["policy_loss", "ratio_kl", "selected_logprobs"]
-
-
-@dataclass(frozen=True)
-class _Rows:
-    """Validated inputs with the leading shape flattened to ``N`` rows."""
-
-    lead: Tuple[int, ...]  # the caller's leading shape [...]
-    logits: jax.Array  # [N, V] policy logits
-    ids: jax.Array  # [N] integer
-    mask: jax.Array  # [N] bool
-    temperature: Temperature  # Python float, or float32 [N]
-    ids_verified: bool  # the host check proved every active id in [0, V)
-
-
-def _flat_rows(values: Optional[jax.Array]) -> Optional[jax.Array]:
-    """A float32 ``[N]`` copy of a per-token array (None passes through)."""
-    return None if values is None else values.reshape(-1).astype(jnp.float32)
-
-
-def _prepare(
-    logits: jax.Array,
-    action_ids: jax.Array,
-    mask: Optional[jax.Array],
-    temperature: Temperature,
-    check_ids: bool,
-    vocab_axis: Optional[str] = None,
-) -> _Rows:
-    """Validate, range-check (see ``_checks.check_active_ids``) and flatten the shared inputs."""
-    logits = _checks.check_logits("policy_logits", logits)
-    lead = tuple(logits.shape[:-1])
-    ids = _checks.check_ids(action_ids, lead)
-    mask = jnp.ones(lead, dtype=bool) if mask is None else _checks.check_mask(mask, lead)
-    temperature = _checks.check_temperature(temperature, lead)
-    check_ids = _checks.check_bool_option("check_ids", check_ids)
-    vocab = _vocab_parallel.global_vocab(logits.shape[-1], vocab_axis)
-    verified = _checks.check_active_ids(ids, mask, vocab, check_ids, temperature)
-    if not isinstance(temperature, float):
-        temperature = _checks.poison_bad_temperature(_flat_rows(temperature))
-    return _Rows(
-        lead=lead,
-        logits=logits.reshape(-1, logits.shape[-1]),
-        ids=ids.reshape(-1),
-        mask=mask.reshape(-1),
-        temperature=temperature,
-        ids_verified=verified,
-    )
-
-
-def _backend(backend: str, vocab_axis: Optional[str] = None) -> ModuleType:
-    if vocab_axis is not None:
-        return _vocab_parallel.bind(backend, vocab_axis)
-    return _dispatch.resolve(backend)
-
-
-def _fused(run: ModuleType, opts) -> Optional[ModuleType]:
-    """The fused policy-loss module when ``run`` is the Triton backend and ``opts`` fuse."""
-    if getattr(run, "__name__", None) != "ratiokl.jax._triton":  # vocab-parallel: an object
-        return None
-    from ratiokl.jax import _fused_loss
-
-    return _fused_loss if _fused_loss.fuses(run, opts) else None
 
 
 def selected_logprobs(
@@ -95,7 +40,7 @@ def selected_logprobs(
     mask: Optional[jax.Array] = None,
     *,
     temperature: Temperature = 1.0,
-    backend: str = "auto",
+    backend: BackendName = "auto",
     check_ids: bool = True,
     vocab_axis: Optional[str] = None,
 ) -> jax.Array:
@@ -114,7 +59,8 @@ def selected_logprobs(
         rejected like a bad id (``check_ids``) and otherwise makes its row NaN.
       backend: ``"auto"``, ``"native"`` or ``"triton"`` (static).
       check_ids: with concrete inputs, check active ids (and a per-row
-        temperature) on the host (one sync) and raise ``ValueError`` naming the
+        temperature) on the host (read after the kernels are queued: the device
+        does not wait) and raise ``ValueError`` naming the
         first bad position. Traced inputs (``jit``, ``vmap``) are never
         synchronised: a row with a bad active id or temperature gives NaN (and
         NaN gradient), and a call wrapped in ``jax.experimental.checkify.checkify``
@@ -134,11 +80,10 @@ def selected_logprobs(
 
     See :func:`ratio_kl` for the references.
     """
-    rows = _prepare(logits, action_ids, mask, temperature, check_ids, vocab_axis)
-    logp = _backend(backend, vocab_axis).selected_logprobs(
-        rows.logits, rows.ids, rows.mask, rows.temperature, rows.ids_verified
+    return _route.selected_logprobs(
+        logits, action_ids, mask, temperature=temperature, backend=backend,
+        check_ids=check_ids, vocab_axis=vocab_axis,
     )
-    return logp.reshape(rows.lead)
 
 
 def ratio_kl(
@@ -149,9 +94,9 @@ def ratio_kl(
     old_logps: jax.Array,
     *,
     ref_logps: Optional[jax.Array] = None,
-    kl_estimator: str = "k3",
+    kl_estimator: KLEstimator = "k3",
     temperature: Temperature = 1.0,
-    backend: str = "auto",
+    backend: BackendName = "auto",
     check_ids: bool = True,
     vocab_axis: Optional[str] = None,
 ) -> Tuple[jax.Array, jax.Array]:
@@ -194,19 +139,11 @@ def ratio_kl(
       J. Schulman, "Approximating KL Divergence" (2020),
       http://joschu.net/blog/kl-approx.html -- the k1/k2/k3 estimators.
     """
-    policy_logits = _checks.check_logits("policy_logits", policy_logits)
-    lead = tuple(policy_logits.shape[:-1])
-    _checks.check_ids(action_ids, lead)  # first: a flattened [N, V] names the ids
-    ref_logits, ref_logps = _checks.check_ref(ref_logits, ref_logps, tuple(policy_logits.shape))
-    old_logps = _checks.check_row_values("old_logps", old_logps, lead)
-    kl_code = kl_estimator_code(kl_estimator)
-    rows = _prepare(policy_logits, action_ids, mask, temperature, check_ids, vocab_axis)
-    ref = None if ref_logits is None else ref_logits.reshape(rows.logits.shape)
-    ratio, kl = _backend(backend, vocab_axis).ratio_kl(
-        rows.logits, ref, rows.ids, rows.mask, _flat_rows(old_logps),
-        _flat_rows(ref_logps), kl_code, rows.temperature, rows.ids_verified,
+    return _route.ratio_kl(
+        policy_logits, ref_logits, action_ids, mask, old_logps, ref_logps=ref_logps,
+        kl_estimator=kl_estimator, temperature=temperature, backend=backend,
+        check_ids=check_ids, vocab_axis=vocab_axis,
     )
-    return ratio.reshape(rows.lead), kl.reshape(rows.lead)
 
 
 def policy_loss(
@@ -218,20 +155,20 @@ def policy_loss(
     advantages: jax.Array,
     *,
     ref_logps: Optional[jax.Array] = None,
-    clip_eps: float = 0.2,
-    clip_eps_high: Optional[float] = None,
+    clip_eps: Coefficient = 0.2,
+    clip_eps_high: Optional[Coefficient] = None,
     dual_clip: Optional[float] = None,
     ratio_cap: Optional[float] = None,
-    kl_coef: float = 0.0,
-    kl_estimator: str = "k3",
-    loss_agg: str = "token-mean",
+    kl_coef: Coefficient = 0.0,
+    kl_estimator: PolicyKLEstimator = "k3",
+    loss_agg: LossAgg = "token-mean",
     loss_normalizer: Union[None, float, jax.Array] = None,
-    ratio_level: str = "token",
+    ratio_level: RatioLevel = "token",
     segment_ids: Optional[jax.Array] = None,
     importance_weights: Optional[jax.Array] = None,
     log_ratio_bound: Optional[float] = DEFAULT_LOG_RATIO_BOUND,
     temperature: Temperature = 1.0,
-    backend: str = "auto",
+    backend: BackendName = "auto",
     check_ids: bool = True,
     vocab_axis: Optional[str] = None,
     inplace_grad: bool = False,
@@ -264,6 +201,9 @@ def policy_loss(
       advantages: floating, per token ``[..., T]`` or per sequence ``[...]`` / ``[..., 1]``.
       clip_eps: ratio floor ``1 - clip_eps``; clip_eps_high: ceiling
         ``1 + clip_eps_high`` (DAPO clip-higher; default ``clip_eps``).
+        ``clip_eps``, ``clip_eps_high`` and ``kl_coef`` may be 0-d float arrays,
+        traced under ``jit`` (a schedule or an adaptive KL controller: no
+        recompile per value; not range-checked, as reading them would synchronise).
       dual_clip: ``c > 1`` caps the loss of ``A < 0`` tokens at ``-A*c``; None: off.
       ratio_cap: INTELLECT-2's ``delta > 1``, an upper cap on the ratio; None: off.
       kl_coef, kl_estimator: KL weight and variant: ``"k1"``, ``"k2"``, ``"k3"``,
@@ -300,40 +240,12 @@ def policy_loss(
       (2025) Dr. GRPO, arXiv:2503.20783; Zheng et al. (2025) GSPO,
       arXiv:2507.18071; Prime Intellect (2025) INTELLECT-2, arXiv:2505.07291.
     """
-    opts = policy_loss_options(
-        clip_eps=clip_eps, clip_eps_high=clip_eps_high, dual_clip=dual_clip,
-        ratio_cap=ratio_cap, kl_coef=kl_coef, kl_estimator=kl_estimator, loss_agg=loss_agg,
-        ratio_level=ratio_level, log_ratio_bound=log_ratio_bound,
-    )
-    policy_logits = _checks.check_logits("policy_logits", policy_logits)
-    lead = tuple(policy_logits.shape[:-1])
-    _checks.check_ids(action_ids, lead)  # first: a flattened [N, V] names the ids
-    if ref_logits is not None or ref_logps is not None or opts.kl_coef != 0.0:
-        ref_logits, ref_logps = _checks.check_ref(ref_logits, ref_logps, policy_logits.shape)
-    inputs = _objective.token_inputs(
-        lead, old_logps, advantages, segment_ids, importance_weights, loss_normalizer
-    )
-    rows = _prepare(policy_logits, action_ids, mask, temperature, check_ids, vocab_axis)
-    run = _backend(backend, vocab_axis)
-    one_pass = _fused(run, opts)
-    if one_pass is not None:  # one kernel: loss, metrics and gradient together
-        ref = None if ref_logits is None else ref_logits.reshape(rows.logits.shape)
-        return one_pass.policy_loss(
-            rows.logits, ref, rows.ids, rows.mask, _flat_rows(ref_logps), rows.temperature,
-            inputs, opts, lead, inplace_grad=inplace_grad,
-        )
-    logp = run.selected_logprobs(
-        rows.logits, rows.ids, rows.mask, rows.temperature, rows.ids_verified
-    )
-    logp_ref = _flat_rows(ref_logps)
-    if ref_logits is not None:
-        ref = lax.stop_gradient(ref_logits.reshape(rows.logits.shape))
-        logp_ref = run.selected_logprobs(
-            ref, rows.ids, rows.mask, rows.temperature, rows.ids_verified
-        )
-    logp_ref = None if logp_ref is None else lax.stop_gradient(logp_ref)
-    as_rows = _objective.as_rows
-    return _objective.policy_objective(
-        as_rows(logp, lead), None if logp_ref is None else as_rows(logp_ref, lead),
-        as_rows(rows.mask, lead), inputs, opts,
+    return _route.policy_loss(
+        policy_logits, ref_logits, action_ids, mask, old_logps, advantages,
+        ref_logps=ref_logps, clip_eps=clip_eps, clip_eps_high=clip_eps_high,
+        dual_clip=dual_clip, ratio_cap=ratio_cap, kl_coef=kl_coef, kl_estimator=kl_estimator,
+        loss_agg=loss_agg, loss_normalizer=loss_normalizer, ratio_level=ratio_level,
+        segment_ids=segment_ids, importance_weights=importance_weights,
+        log_ratio_bound=log_ratio_bound, temperature=temperature, backend=backend,
+        check_ids=check_ids, vocab_axis=vocab_axis, inplace_grad=inplace_grad,
     )

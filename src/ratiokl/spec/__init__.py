@@ -5,6 +5,12 @@ Imports only NumPy. Every backend of both frameworks is tested against it.
 
 from ratiokl.spec.options import (
     BACKENDS,
+    BackendName,
+    Coefficient,
+    KLEstimator,
+    LossAgg,
+    PolicyKLEstimator,
+    RatioLevel,
     DEFAULT_LOG_RATIO_BOUND,
     KL_ESTIMATORS,
     LOSS_AGGS,
@@ -36,6 +42,12 @@ from ratiokl.spec.tolerances import GRAD_ROUNDOFF, Tolerance, forward_tolerance,
 
 __all__ = [
     "BACKENDS",
+    "BackendName",
+    "Coefficient",
+    "KLEstimator",
+    "LossAgg",
+    "PolicyKLEstimator",
+    "RatioLevel",
     "DEFAULT_LOG_RATIO_BOUND",
     "LOSS_AGGS",
     "POLICY_LOSS_DEFAULTS",

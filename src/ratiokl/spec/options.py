@@ -7,12 +7,19 @@ an unknown option is rejected with the same message everywhere.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Any, Literal, Mapping, Optional, Union, get_args
 
 __all__ = [
     "BACKENDS",
+    "BackendName",
+    "Coefficient",
+    "KLEstimator",
+    "LossAgg",
+    "PolicyKLEstimator",
+    "RatioLevel",
     "DEFAULT_LOG_RATIO_BOUND",
     "KL_ESTIMATORS",
     "LOSS_AGGS",
@@ -24,11 +31,19 @@ __all__ = [
     "policy_loss_options",
 ]
 
+#: The string options of the public functions, as types (the tables below give their codes).
+BackendName = Literal["auto", "native", "triton", "interpret"]
+KLEstimator = Literal["k1", "k2", "k3"]
+PolicyKLEstimator = Literal["k1", "k2", "k3", "k1+", "k3+", "k3-is"]
+LossAgg = Literal["token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum",
+                  "seq-mean-token-sum-norm"]
+RatioLevel = Literal["token", "sequence"]
+
 #: Schulman's estimators of KL(pi || pi_ref) from ``d = logp_ref - logp``.
-KL_ESTIMATORS: Mapping[str, int] = {"k1": 1, "k2": 2, "k3": 3}
+KL_ESTIMATORS: Mapping[str, int] = {name: code for code, name in enumerate(get_args(KLEstimator), 1)}
 
 #: Backends a caller may name; which ones run where is decided per framework.
-BACKENDS = ("auto", "native", "triton", "interpret")
+BACKENDS = get_args(BackendName)
 
 
 def option_code(name: str, value: str, table: Mapping[str, int]) -> int:
@@ -55,20 +70,14 @@ def kl_estimator_code(kl_estimator: str) -> int:
 #: importance ratio, differentiated through both (TRL/Liger
 #: ``use_bias_correction_kl``, DeepSeek-V3.2's unbiased KL estimate).
 POLICY_KL_ESTIMATORS: Mapping[str, int] = {
-    "k1": 1, "k2": 2, "k3": 3, "k1+": 4, "k3+": 5, "k3-is": 6,
+    name: code for code, name in enumerate(get_args(PolicyKLEstimator), 1)
 }
 
 #: How per-token losses become one number (see docs/policy_loss.md for verl/TRL names).
-LOSS_AGGS: Mapping[str, int] = {
-    "token-mean": 0,
-    "token-sum": 1,
-    "seq-mean-token-mean": 2,
-    "seq-mean-token-sum": 3,
-    "seq-mean-token-sum-norm": 4,
-}
+LOSS_AGGS: Mapping[str, int] = {name: code for code, name in enumerate(get_args(LossAgg))}
 
 #: Importance-ratio level: per token (PPO/GRPO) or per sequence (GSPO).
-RATIO_LEVELS: Mapping[str, int] = {"token": 0, "sequence": 1}
+RATIO_LEVELS: Mapping[str, int] = {name: code for code, name in enumerate(get_args(RatioLevel))}
 
 #: Default bound on ``|log ratio|`` (and on ``|d|`` before k3's ``exp``): verl's
 #: +-20. ``exp(20) ~ 4.9e8`` keeps ``A * ratio`` finite in float32 for any
@@ -76,18 +85,39 @@ RATIO_LEVELS: Mapping[str, int] = {"token": 0, "sequence": 1}
 DEFAULT_LOG_RATIO_BOUND = 20.0
 
 
+#: A coefficient a trainer may change every step: a Python number, or a 0-d floating
+#: tensor / array (traced under ``jax.jit`` / ``torch.compile``: no recompile per value).
+Coefficient = Union[float, Any]
+
+
 @dataclass(frozen=True)
 class PolicyLossOptions:
-    """Validated scalar options of ``policy_loss`` (shared by both frameworks)."""
+    """Validated scalar options of ``policy_loss`` (shared by both frameworks).
 
-    ratio_low: float  # 1 - clip_eps: floor of the ratio for A < 0
-    ratio_high: float  # min(1 + clip_eps_high, ratio_cap): ceiling for A > 0
+    ``ratio_low``, ``ratio_high`` and ``kl_coef`` are Python floats, or 0-d
+    float arrays of the caller's framework when the caller passed its
+    coefficients as such (not inspected: that would synchronise).
+    """
+
+    ratio_low: Coefficient  # 1 - clip_eps: floor of the ratio for A < 0
+    ratio_high: Coefficient  # min(1 + clip_eps_high, ratio_cap): ceiling for A > 0
     neg_cap: Optional[float]  # min(dual_clip, ratio_cap): ceiling for A < 0, or None
-    kl_coef: float
+    kl_coef: Coefficient
     kl_code: int  # POLICY_KL_ESTIMATORS
     agg_code: int  # LOSS_AGGS
     sequence_ratio: bool  # RATIO_LEVELS == "sequence"
     log_ratio_bound: Optional[float]  # None: no bound
+
+    @property
+    def uses_kl(self) -> bool:
+        """Whether the KL term may weigh in: ``kl_coef`` is not the number 0 (a tensor may)."""
+        return not (isinstance(self.kl_coef, float) and self.kl_coef == 0.0)
+
+    @property
+    def seq_aggregation(self) -> bool:
+        """Whether ``loss_agg`` averages over sequences (``seq-mean-token-{mean,sum}``)."""
+        return self.agg_code in (LOSS_AGGS["seq-mean-token-mean"],
+                                 LOSS_AGGS["seq-mean-token-sum"])
 
 
 def _number(name: str, value: object, *, allow_none: bool = False) -> Optional[float]:
@@ -101,6 +131,32 @@ def _number(name: str, value: object, *, allow_none: bool = False) -> Optional[f
     return float(value)
 
 
+def _is_array(value: object) -> bool:
+    """A framework array (torch tensor, JAX array or tracer): not a Python scalar or None.
+
+    (``isinstance`` only, no ``hasattr``: ``torch.compile(dynamic=True)`` traces a Python
+    float as a symbolic float, which it cannot ask for attributes.)
+    """
+    return value is not None and not isinstance(value, (bool, int, float, str))
+
+
+def _coefficient(name: str, value: object) -> Coefficient:
+    """A finite Python number as float, or a 0-d floating array passed through (not read)."""
+    if not _is_array(value):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(
+                f"`{name}` must be a Python number or a 0-d floating tensor/array; got "
+                f"{type(value).__name__}"
+            )
+        return _number(name, value)
+    if not hasattr(value, "shape") or tuple(value.shape) != () or "float" not in str(value.dtype):
+        raise TypeError(
+            f"`{name}` must be a Python number or a 0-d floating tensor/array; got shape "
+            f"{tuple(value.shape)} dtype {value.dtype}"
+        )
+    return value
+
+
 def _above(name: str, value: Optional[float], floor: float, hint: str) -> None:
     if value is not None and not value > floor:
         raise ValueError(f"`{name}` must be > {floor} ({hint}); got {value}")
@@ -108,33 +164,63 @@ def _above(name: str, value: Optional[float], floor: float, hint: str) -> None:
 
 def policy_loss_options(
     *,
-    clip_eps: float,
-    clip_eps_high: Optional[float],
+    clip_eps: Coefficient,
+    clip_eps_high: Optional[Coefficient],
     dual_clip: Optional[float],
     ratio_cap: Optional[float],
-    kl_coef: float,
+    kl_coef: Coefficient,
     kl_estimator: str,
     loss_agg: str,
     ratio_level: str,
     log_ratio_bound: Optional[float],
+    cached: bool = True,
 ) -> PolicyLossOptions:
-    """Check ``policy_loss``'s scalar options; errors name the argument and the fix."""
-    eps_low = _number("clip_eps", clip_eps)
-    if not 0.0 <= eps_low < 1.0:
+    """Check ``policy_loss``'s scalar options; errors name the argument and the fix.
+
+    ``clip_eps``, ``clip_eps_high`` and ``kl_coef`` may be 0-d floating arrays
+    (their values are then the caller's responsibility: reading them would
+    synchronise). With ``cached``, calls with Python values only are cached: a
+    step pays the checks once per distinct option set (a tracer such as
+    ``torch.compile``, which sees through caches, passes False).
+    """
+    args = (clip_eps, clip_eps_high, dual_clip, ratio_cap, kl_coef, kl_estimator, loss_agg,
+            ratio_level, log_ratio_bound)
+    if not cached or any(_is_array(a) for a in args):
+        return _policy_loss_options(*args)
+    try:
+        return _cached_policy_loss_options(*args)
+    except TypeError as err:  # unhashable: an unsupported type; let the checks name it
+        if "unhashable" not in str(err):
+            raise
+        return _policy_loss_options(*args)
+
+
+def _policy_loss_options(clip_eps, clip_eps_high, dual_clip, ratio_cap, kl_coef,
+                         kl_estimator, loss_agg, ratio_level,
+                         log_ratio_bound) -> PolicyLossOptions:
+    eps_low = _coefficient("clip_eps", clip_eps)
+    if not _is_array(eps_low) and not 0.0 <= eps_low < 1.0:
         raise ValueError(
             f"`clip_eps` must be in [0, 1) (the ratio floor is 1 - clip_eps); got {eps_low}"
         )
-    eps_high = eps_low if clip_eps_high is None else _number("clip_eps_high", clip_eps_high)
-    if eps_high < 0.0:
+    eps_high = eps_low if clip_eps_high is None else _coefficient("clip_eps_high",
+                                                                  clip_eps_high)
+    if not _is_array(eps_high) and eps_high < 0.0:
         raise ValueError(f"`clip_eps_high` must be >= 0; got {eps_high}")
     dual = _number("dual_clip", dual_clip, allow_none=True)
     _above("dual_clip", dual, 1.0, "the dual-clip constant c > 1; None turns it off")
     cap = _number("ratio_cap", ratio_cap, allow_none=True)
     _above("ratio_cap", cap, 1.0, "INTELLECT-2's delta, e.g. 4.0; None turns it off")
+    if cap is not None and _is_array(eps_high):
+        raise ValueError(
+            "`ratio_cap` needs Python-number clip bounds (the ceiling is "
+            "min(1 + clip_eps_high, ratio_cap)); pass `clip_eps_high` as a float, or "
+            "ratio_cap=None"
+        )
     bound = _number("log_ratio_bound", log_ratio_bound, allow_none=True)
     _above("log_ratio_bound", bound, 0.0, "a bound on |log ratio| before exp; None: no bound")
-    kl_coef = _number("kl_coef", kl_coef)
-    if kl_coef < 0.0:
+    kl_coef = _coefficient("kl_coef", kl_coef)
+    if not _is_array(kl_coef) and kl_coef < 0.0:
         raise ValueError(
             f"`kl_coef` must be >= 0 (a negative weight rewards moving away from the "
             f"reference); got {kl_coef}. Pass 0.0 to turn the KL term off"
@@ -150,3 +236,7 @@ def policy_loss_options(
         sequence_ratio=option_code("ratio_level", ratio_level, RATIO_LEVELS) == 1,
         log_ratio_bound=bound,
     )
+
+
+#: Python-valued option sets, checked once each (typed: ``True`` is not ``1``).
+_cached_policy_loss_options = functools.lru_cache(maxsize=256, typed=True)(_policy_loss_options)

@@ -10,6 +10,7 @@ queued. Errors name the argument and say how to fix it.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Optional, Tuple, Union
 
 import torch
@@ -19,6 +20,10 @@ from ratiokl.spec import check_action_ids, check_temperatures
 __all__ = [
     "ActiveCheck",
     "LOGIT_DTYPES",
+    "Normalizer",
+    "TokenInputs",
+    "as_rows",
+    "token_inputs",
     "check_active_ids",
     "check_logits",
     "check_ids",
@@ -33,6 +38,7 @@ __all__ = [
 LOGIT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 Temperature = Union[float, torch.Tensor]
+Normalizer = Union[None, float, torch.Tensor]
 
 
 def _require_tensor(name: str, value: object) -> torch.Tensor:
@@ -225,3 +231,89 @@ def check_active_ids(ids: torch.Tensor, mask: torch.Tensor, vocab_size: Optional
     if found.get("action_ids"):
         check_action_ids(ids.cpu().numpy(), host_mask, vocab_size)
     check_temperatures(temperature.float().cpu().numpy(), host_mask)
+
+
+# --- policy_loss's per-token inputs -------------------------------------------------------
+
+
+def as_rows(x: torch.Tensor, lead: Tuple[int, ...]) -> torch.Tensor:
+    """A per-token tensor of leading shape ``[..., T]`` viewed as ``[R, T]``."""
+    if not lead:
+        return x.reshape(1, 1)
+    return x.reshape(math.prod(lead[:-1]), lead[-1])  # explicit R: T may be 0
+
+
+@dataclass(frozen=True)
+class TokenInputs:
+    """``policy_loss``'s per-token inputs, validated, detached, laid out ``[R, T]``."""
+
+    old_logps: torch.Tensor  # float32
+    advantages: torch.Tensor  # float32, broadcast over tokens
+    segment_ids: Optional[torch.Tensor]  # integer
+    importance_weights: Optional[torch.Tensor]  # float32
+    loss_normalizer: Normalizer
+
+
+def _check_advantages(advantages: object, lead: Tuple[int, ...]) -> torch.Tensor:
+    """Per token ``[...]``, or per sequence ``lead[:-1]`` / ``lead[:-1] + [1]``; ``[R, T]`` out."""
+    if not isinstance(advantages, torch.Tensor) or not advantages.dtype.is_floating_point:
+        raise TypeError("`advantages` must be a floating torch.Tensor (float32 recommended)")
+    shape = tuple(advantages.shape)
+    if shape != lead and not (lead and shape in (lead[:-1], lead[:-1] + (1,))):
+        raise ValueError(
+            f"`advantages` must have shape {list(lead)} (per token) or {list(lead[:-1])} "
+            f"(per sequence); got {list(shape)}"
+        )
+    adv = advantages.detach().float()
+    if shape != lead:
+        adv = adv.reshape(lead[:-1] + (1,)).expand(lead)
+    return as_rows(adv, lead)
+
+
+def _check_normalizer(value: object) -> Normalizer:
+    """None, a positive finite Python number, or a 0-d floating tensor (not inspected)."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0 or not value.dtype.is_floating_point:
+            raise ValueError("`loss_normalizer` tensor must be a 0-d floating tensor")
+        return value.detach().float()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError("`loss_normalizer` must be None, a Python number or a 0-d tensor")
+    if not 0.0 < float(value) < math.inf:  # comparisons: they trace with dynamic=True
+        raise ValueError(f"`loss_normalizer` must be a positive finite number; got {value}")
+    return float(value)
+
+
+def token_inputs(
+    lead: Tuple[int, ...],
+    old_logps: object,
+    advantages: object,
+    segment_ids: object,
+    importance_weights: object,
+    loss_normalizer: object,
+) -> TokenInputs:
+    """Validate ``policy_loss``'s per-token arguments (errors name the argument)."""
+    old = check_row_values("old_logps", old_logps, lead)
+    weights = None
+    if importance_weights is not None:
+        weights = check_row_values("importance_weights", importance_weights, lead)
+        weights = as_rows(weights.detach().float(), lead)
+    segs = None
+    if segment_ids is not None:
+        if not isinstance(segment_ids, torch.Tensor) or segment_ids.dtype.is_floating_point \
+                or segment_ids.dtype.is_complex or segment_ids.dtype == torch.bool:
+            raise TypeError("`segment_ids` must be an integer torch.Tensor (e.g. int32)")
+        if tuple(segment_ids.shape) != lead:
+            raise ValueError(
+                f"`segment_ids` must have the leading shape {list(lead)}; "
+                f"got {list(segment_ids.shape)}"
+            )
+        segs = as_rows(segment_ids, lead)
+    return TokenInputs(
+        old_logps=as_rows(old.detach().float(), lead),
+        advantages=_check_advantages(advantages, lead),
+        segment_ids=segs,
+        importance_weights=weights,
+        loss_normalizer=_check_normalizer(loss_normalizer),
+    )

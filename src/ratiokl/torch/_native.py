@@ -1,7 +1,7 @@
 """The native PyTorch backend: framework ops only, any device, any logits dtype.
 
-Implements the backend interface documented in ``ratiokl.torch._dispatch`` on
-flattened inputs (logits ``[N, V]``, per-row tensors ``[N]``).
+Implements the backend interface of ``ratiokl.torch._route`` on flattened
+inputs (logits ``[N, V]``, per-row tensors ``[N]``).
 
 How it works. Rows are processed in chunks whose size depends only on
 ``(N, V)`` (never on values, so no host sync). Per chunk, inactive rows are
@@ -35,13 +35,14 @@ backend: the host check reads its result only after the work is queued, so
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple, Union
+from typing import List, Optional, Tuple
 
 import torch
 
-from ratiokl.torch import _elementwise
+from ratiokl.torch import _objective
+from ratiokl.torch._checks import Temperature
 
-__all__ = ["ratio_kl", "selected_logprobs"]
+__all__ = ["finite_shift", "ratio_kl", "row_chunks", "scaled_logits", "selected_logprobs"]
 
 #: Bytes of one float32 chunk temporary, by device type (``"cpu"``, else the default). On
 #: a CPU the chunk's passes should hit its caches: selected_logprobs, N=1024, V=32768 fp32,
@@ -49,10 +50,9 @@ __all__ = ["ratio_kl", "selected_logprobs"]
 #: 4 MiB 83, 2 MiB 70, 1 MiB 89 (per-op overhead). A GPU launch must move enough bytes.
 _CHUNK_BYTES = {"cpu": 2 * 2**20, "default": 512 * 2**20}
 
-Temperature = Union[float, torch.Tensor]
 
 
-def _chunks(n_rows: int, vocab: int, device: torch.device) -> List[slice]:
+def row_chunks(n_rows: int, vocab: int, device: torch.device) -> List[slice]:
     """Row chunks such that one float32 ``[rows, V]`` temporary fits ``_CHUNK_BYTES``.
 
     Under ``torch.compile`` one chunk, all rows: the compiler fuses the passes
@@ -66,7 +66,7 @@ def _chunks(n_rows: int, vocab: int, device: torch.device) -> List[slice]:
     return [slice(start, start + step) for start in range(0, n_rows, step)]
 
 
-def _scaled_logits(
+def scaled_logits(
     logits: torch.Tensor, mask: torch.Tensor, temperature: Temperature
 ) -> torch.Tensor:
     """Float32 ``z = logits / T`` of a chunk, with inactive rows zeroed first."""
@@ -83,12 +83,12 @@ def _row_stats(
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Row max ``m``, ``s = sum exp(z - shift(m))`` and the selected ``z[a]``, each ``[rows]``."""
     m = z.amax(dim=1)
-    s = (z - _shift(m)[:, None]).exp_().sum(dim=1)
+    s = (z - finite_shift(m)[:, None]).exp_().sum(dim=1)
     z_sel = z.gather(1, ids[:, None])[:, 0]
     return m, s, z_sel
 
 
-def _shift(m: torch.Tensor) -> torch.Tensor:
+def finite_shift(m: torch.Tensor) -> torch.Tensor:
     """The max used to shift the exponentials; 0 where the max is +-inf or NaN.
 
     A row of all ``-inf`` then gets ``lse = -inf`` and ``logp = NaN`` (no valid
@@ -99,7 +99,7 @@ def _shift(m: torch.Tensor) -> torch.Tensor:
 
 def _lse(m: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     """Combine row statistics into the log-sum-exp (single shard)."""
-    return _shift(m) + torch.log(s)
+    return finite_shift(m) + torch.log(s)
 
 
 def _forward(
@@ -117,9 +117,9 @@ def _forward(
     n_rows, vocab = logits.shape
     lse = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
     z_sel = torch.empty_like(lse)
-    for rows in _chunks(n_rows, vocab, logits.device):
+    for rows in row_chunks(n_rows, vocab, logits.device):
         t = temperature[rows] if isinstance(temperature, torch.Tensor) else temperature
-        z = _scaled_logits(logits[rows], mask[rows], t)
+        z = scaled_logits(logits[rows], mask[rows], t)
         m, s, selected = _row_stats(z, ids[rows])
         lse[rows] = _lse(m, s)
         z_sel[rows] = selected
@@ -142,10 +142,10 @@ def _backward(
     n_rows, vocab = logits.shape
     grad = torch.empty((n_rows, vocab), dtype=logits.dtype, device=logits.device)
     coef = torch.where(mask, grad_logp, torch.zeros_like(grad_logp)) / temperature
-    for rows in _chunks(n_rows, vocab, logits.device):
+    for rows in row_chunks(n_rows, vocab, logits.device):
         t = temperature[rows] if isinstance(temperature, torch.Tensor) else temperature
         # -softmax(z), then +1 at the action: exactly onehot - softmax.
-        d = (_scaled_logits(logits[rows], mask[rows], t) - lse[rows, None]).exp_().neg_()
+        d = (scaled_logits(logits[rows], mask[rows], t) - lse[rows, None]).exp_().neg_()
         d.scatter_add_(1, ids[rows, None], torch.ones_like(d[:, :1]))
         d.mul_(coef[rows, None]).masked_fill_(~mask[rows, None], 0.0)
         grad[rows] = d
@@ -197,7 +197,6 @@ def selected_logprobs(
     ids: torch.Tensor,
     mask: torch.Tensor,
     temperature: Temperature,
-    check_ids: bool,
 ) -> torch.Tensor:
     """Float32 ``logp[N]`` of ``logits[N, V]``; differentiable w.r.t. ``logits``."""
     safe_ids, temp, bad = _prepare_rows(ids, mask, temperature, logits.shape[1])
@@ -213,7 +212,6 @@ def ratio_kl(
     ref_logps: Optional[torch.Tensor],
     kl_code: int,
     temperature: Temperature,
-    check_ids: bool,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Float32 ``(ratio[N], kl[N])``; differentiable w.r.t. ``policy`` only."""
     safe_ids, temp, bad = _prepare_rows(ids, mask, temperature, policy.shape[1])
@@ -221,4 +219,5 @@ def ratio_kl(
     if ref_logps is None:
         with torch.no_grad():
             ref_logps, _ = _forward(ref.detach(), safe_ids, mask, temp, bad)
-    return _elementwise.ratio_kl(logp, ref_logps.detach(), old_logps.detach(), mask, kl_code)
+    return _objective.token_ratio_kl(logp, ref_logps.detach(), old_logps.detach(), mask,
+                                    kl_code)

@@ -1,9 +1,10 @@
 """The PPO/GRPO objective on per-token log-probs: ``[R, T]``-sized PyTorch ops.
 
-``ratiokl.torch.loss.policy_loss`` gets ``logp`` from a backend's
-differentiable ``selected_logprobs`` and hands it here with the other
-per-token inputs laid out as ``R`` rows of ``T`` tokens; autograd
+The two-pass ``policy_loss`` (``ratiokl.torch._route``) gets ``logp`` from a
+backend's differentiable ``selected_logprobs`` and hands it here with the
+other per-token inputs laid out as ``R`` rows of ``T`` tokens; autograd
 differentiates the result. The math is ``ratiokl.spec.policy_loss``'s.
+:func:`token_ratio_kl` is the same epilogue for ``ratio_kl`` (``[N]``).
 
 Inactive tokens' inputs are replaced with neutral values *before* any
 arithmetic and every intermediate stays finite on them, so a NaN there never
@@ -13,104 +14,39 @@ No function here synchronises with the host.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from typing import Dict, Optional, Tuple, Union
+from typing import Dict, Optional, Tuple
 
 import torch
 
 from ratiokl.spec import PolicyLossOptions
-from ratiokl.torch import _checks
+from ratiokl.torch._checks import Normalizer, TokenInputs
 
-__all__ = [
-    "TokenInputs", "aggregation_weights", "as_rows", "policy_objective", "token_inputs",
-    "token_metrics",
-]
-
-Normalizer = Union[None, float, torch.Tensor]
+__all__ = ["aggregation_weights", "policy_objective", "token_metrics", "token_ratio_kl"]
 
 
-def as_rows(x: torch.Tensor, lead: Tuple[int, ...]) -> torch.Tensor:
-    """A per-token tensor of leading shape ``[..., T]`` viewed as ``[R, T]``."""
-    if not lead:
-        return x.reshape(1, 1)
-    return x.reshape(math.prod(lead[:-1]), lead[-1])  # explicit R: T may be 0
+def _ratio_kl_estimate(d: torch.Tensor, kl_code: int) -> torch.Tensor:
+    """Schulman's estimator on ``d = logp_ref - logp`` (codes from ``ratiokl.spec``)."""
+    if kl_code == 1:
+        return -d
+    if kl_code == 2:
+        return 0.5 * d * d
+    return torch.expm1(d) - d
 
 
-@dataclass(frozen=True)
-class TokenInputs:
-    """``policy_loss``'s per-token inputs, validated, detached, laid out ``[R, T]``."""
+def token_ratio_kl(logp: torch.Tensor, logp_ref: torch.Tensor, old_logps: torch.Tensor,
+                   mask: torch.Tensor, kl_code: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(ratio, kl)`` float32 ``[N]`` from float32 ``[N]`` log-probs and a bool mask.
 
-    old_logps: torch.Tensor  # float32
-    advantages: torch.Tensor  # float32, broadcast over tokens
-    segment_ids: Optional[torch.Tensor]  # integer
-    importance_weights: Optional[torch.Tensor]  # float32
-    loss_normalizer: Normalizer
-
-
-def _check_advantages(advantages: object, lead: Tuple[int, ...]) -> torch.Tensor:
-    """Per token ``[...]``, or per sequence ``lead[:-1]`` / ``lead[:-1] + [1]``; ``[R, T]`` out."""
-    if not isinstance(advantages, torch.Tensor) or not advantages.dtype.is_floating_point:
-        raise TypeError("`advantages` must be a floating torch.Tensor (float32 recommended)")
-    shape = tuple(advantages.shape)
-    if shape != lead and not (lead and shape in (lead[:-1], lead[:-1] + (1,))):
-        raise ValueError(
-            f"`advantages` must have shape {list(lead)} (per token) or {list(lead[:-1])} "
-            f"(per sequence); got {list(shape)}"
-        )
-    adv = advantages.detach().float()
-    if shape != lead:
-        adv = adv.reshape(lead[:-1] + (1,)).expand(lead)
-    return as_rows(adv, lead)
-
-
-def _check_normalizer(value: object) -> Normalizer:
-    """None, a positive finite Python number, or a 0-d floating tensor (not inspected)."""
-    if value is None:
-        return None
-    if isinstance(value, torch.Tensor):
-        if value.dim() != 0 or not value.dtype.is_floating_point:
-            raise ValueError("`loss_normalizer` tensor must be a 0-d floating tensor")
-        return value.detach().float()
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError("`loss_normalizer` must be None, a Python number or a 0-d tensor")
-    if not 0.0 < float(value) < math.inf:  # comparisons: they trace with dynamic=True
-        raise ValueError(f"`loss_normalizer` must be a positive finite number; got {value}")
-    return float(value)
-
-
-def token_inputs(
-    lead: Tuple[int, ...],
-    old_logps: object,
-    advantages: object,
-    segment_ids: object,
-    importance_weights: object,
-    loss_normalizer: object,
-) -> TokenInputs:
-    """Validate ``policy_loss``'s per-token arguments (errors name the argument)."""
-    old = _checks.check_row_values("old_logps", old_logps, lead)
-    weights = None
-    if importance_weights is not None:
-        weights = _checks.check_row_values("importance_weights", importance_weights, lead)
-        weights = as_rows(weights.detach().float(), lead)
-    segs = None
-    if segment_ids is not None:
-        if not isinstance(segment_ids, torch.Tensor) or segment_ids.dtype.is_floating_point \
-                or segment_ids.dtype.is_complex or segment_ids.dtype == torch.bool:
-            raise TypeError("`segment_ids` must be an integer torch.Tensor (e.g. int32)")
-        if tuple(segment_ids.shape) != lead:
-            raise ValueError(
-                f"`segment_ids` must have the leading shape {list(lead)}; "
-                f"got {list(segment_ids.shape)}"
-            )
-        segs = as_rows(segment_ids, lead)
-    return TokenInputs(
-        old_logps=as_rows(old.detach().float(), lead),
-        advantages=_check_advantages(advantages, lead),
-        segment_ids=segs,
-        importance_weights=weights,
-        loss_normalizer=_check_normalizer(loss_normalizer),
-    )
+    Differentiable through ``logp`` only (the caller passes the others
+    detached). Inactive rows: ``ratio = 1``, ``kl = 0``, zero gradient.
+    """
+    zero = torch.zeros((), dtype=torch.float32, device=logp.device)
+    logp = torch.where(mask, logp, zero)
+    logp_ref = torch.where(mask, logp_ref.float(), zero)
+    old = torch.where(mask, old_logps.float(), zero)
+    ratio = torch.exp(logp - old)
+    kl = _ratio_kl_estimate(logp_ref - logp, kl_code)
+    return torch.where(mask, ratio, zero + 1.0), torch.where(mask, kl, zero)
 
 
 def _bounded(x: torch.Tensor, bound: Optional[float]) -> torch.Tensor:
@@ -214,7 +150,7 @@ def aggregation_weights(
     zero = torch.zeros((), dtype=torch.float32, device=mask.device)
     weights = torch.ones(mask.shape, dtype=torch.float32, device=mask.device)
     n_seq = None
-    if opts.agg_code in (2, 3):
+    if opts.seq_aggregation:
         first, last, starts = _segments(mask, inputs.segment_ids)
         n_seq = starts.sum()
         if opts.agg_code == 2:
@@ -246,7 +182,7 @@ def policy_objective(
     logp = torch.where(mask, logp, zero)
     old = torch.where(mask, inputs.old_logps, zero)
     adv = torch.where(mask, inputs.advantages, zero)
-    need_segments = opts.sequence_ratio or opts.agg_code in (2, 3)
+    need_segments = opts.sequence_ratio or opts.seq_aggregation
     if need_segments:
         first, last, starts = _segments(mask, inputs.segment_ids)
         counts = _segment_totals(mask.float(), first, last).clamp(min=1)
@@ -264,7 +200,10 @@ def policy_objective(
     if logp_ref is not None:
         d = torch.where(mask, logp_ref, zero) - logp
         kl = _kl(d, opts.kl_code, ratio, opts.log_ratio_bound)
-        if opts.kl_coef != 0.0:  # kl_coef = 0: the KL is only logged (0 * inf would be NaN)
+        if isinstance(opts.kl_coef, torch.Tensor):  # 0: the KL is only logged (0 * inf: NaN)
+            per_token = torch.where(opts.kl_coef != 0.0, per_token + opts.kl_coef * kl,
+                                    per_token)
+        elif opts.uses_kl:
             per_token = per_token + opts.kl_coef * kl
     if opts.agg_code == 2:
         per_token = per_token / counts

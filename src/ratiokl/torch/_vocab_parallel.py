@@ -27,7 +27,7 @@ multiply the replicated loss's gradient by the group size).
 The per-shard math runs on the backend that ``backend`` resolves to for
 the logits' device (as unsharded: ``"auto"`` is ``"triton"`` on CUDA):
 ``"native"`` (framework ops) or the Triton kernels, ``"triton"`` on CUDA and
-``"interpret"`` on CPU (``ratiokl.torch._triton_stats``: the shard's
+``"interpret"`` on CPU (``ratiokl.torch._triton``: the shard's
 log-sum-exp from ``shard_stats_kernel``, combined as ``(m, s) = (lse_r, 1)``;
 the backward from ``logp_backward_kernel`` with the global ``lse``). The
 collectives are the same for every backend.
@@ -35,30 +35,33 @@ collectives are the same for every backend.
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-from ratiokl.spec import BACKENDS
-from ratiokl.torch import _checks, _dispatch, _elementwise, _native
+from ratiokl.torch import _checks, _native, _objective
+from ratiokl.torch._route import Backend
+from ratiokl.torch._checks import Temperature
 
-__all__ = ["VocabParallel", "bind"]
-
-Temperature = Union[float, torch.Tensor]
+__all__ = ["VocabParallel", "backend"]
 
 
-def bind(backend: str, group: dist.ProcessGroup, lead: Tuple[int, ...]) -> "VocabParallel":
-    """The vocabulary-parallel backend over ``group`` for inputs of leading shape ``lead``."""
-    if backend not in BACKENDS:
-        choices = ", ".join(repr(b) for b in BACKENDS)
-        raise ValueError(f"`backend` must be one of {choices}; got {backend!r}")
+
+def backend(group: dist.ProcessGroup, lead: Tuple[int, ...], kernels: bool,
+            check_ids: bool) -> Backend:
+    """The vocabulary-parallel backend over ``group`` for inputs of leading shape ``lead``.
+
+    ``kernels``: the per-shard math runs the Triton kernels (else framework ops);
+    ``check_ids``: range-check active ids against the global vocabulary.
+    """
     if not dist.is_initialized():
         raise RuntimeError(
             "`vocab_group` needs torch.distributed: call "
             "torch.distributed.init_process_group first"
         )
-    return VocabParallel(group, lead, backend)
+    parallel = VocabParallel(group, lead, kernels, check_ids)
+    return Backend(parallel.selected_logprobs, parallel.ratio_kl)
 
 
 def _shard_stats(
@@ -68,11 +71,11 @@ def _shard_stats(
     n_rows, vocab = logits.shape
     m = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
     s = torch.empty_like(m)
-    for rows in _native._chunks(n_rows, vocab, logits.device):
+    for rows in _native.row_chunks(n_rows, vocab, logits.device):
         t = temperature[rows] if isinstance(temperature, torch.Tensor) else temperature
-        z = _native._scaled_logits(logits[rows], mask[rows], t)
+        z = _native.scaled_logits(logits[rows], mask[rows], t)
         m[rows] = z.amax(dim=1)
-        s[rows] = (z - _native._shift(m[rows])[:, None]).exp_().sum(dim=1)
+        s[rows] = (z - _native.finite_shift(m[rows])[:, None]).exp_().sum(dim=1)
     return m, s
 
 
@@ -99,11 +102,11 @@ def _stats(
     """
     if not kernels:
         return [_shard_stats(x, mask, temperature) for x in shards]
-    from ratiokl.torch import _triton_stats  # imports triton: only when a kernel backend runs
+    from ratiokl.torch import _triton  # imports triton: only when a kernel backend runs
 
-    temp = _triton_stats.kernel_temperature(temperature, shards[0].device)
-    lse, ref_lse = _triton_stats.shard_lse(shards[0], shards[1] if len(shards) > 1 else None,
-                                           mask, temp)
+    temp = _triton.kernel_temperature(temperature, shards[0].device)
+    lse, ref_lse = _triton.shard_lse(shards[0], shards[1] if len(shards) > 1 else None,
+                                     mask, temp)
     return [(m, torch.ones_like(m)) for m in ([lse] if ref_lse is None else [lse, ref_lse])]
 
 
@@ -130,11 +133,11 @@ class _AttachGrad(torch.autograd.Function):
         logits, lse, local_ids, owned, mask = saved[:5]
         temperature = saved[5] if len(saved) == 6 else ctx.temperature
         if ctx.kernels:
-            from ratiokl.torch import _triton_stats
+            from ratiokl.torch import _triton
 
-            grad = _triton_stats.shard_grad(
+            grad = _triton.shard_grad(
                 logits, torch.where(owned, local_ids, -1), mask,
-                _triton_stats.kernel_temperature(temperature, logits.device), lse,
+                _triton.kernel_temperature(temperature, logits.device), lse,
                 torch.where(mask, grad_logp, torch.zeros_like(grad_logp)).float(),
             )
         else:
@@ -147,9 +150,9 @@ def _shard_grad(logits, lse, local_ids, owned, mask, temperature, grad_logp) -> 
     n_rows, vocab = logits.shape
     grad = torch.empty((n_rows, vocab), dtype=logits.dtype, device=logits.device)
     coef = torch.where(mask, grad_logp, torch.zeros_like(grad_logp)) / temperature
-    for rows in _native._chunks(n_rows, vocab, logits.device):
+    for rows in _native.row_chunks(n_rows, vocab, logits.device):
         t = temperature[rows] if isinstance(temperature, torch.Tensor) else temperature
-        d = (_native._scaled_logits(logits[rows], mask[rows], t) - lse[rows, None]).exp_().neg_()
+        d = (_native.scaled_logits(logits[rows], mask[rows], t) - lse[rows, None]).exp_().neg_()
         # +1 at the action, on the owning shard only (others write their column back).
         col = d.gather(1, local_ids[rows, None])
         d.scatter_(1, local_ids[rows, None], torch.where(owned[rows, None], col + 1.0, col))
@@ -159,17 +162,19 @@ def _shard_grad(logits, lse, local_ids, owned, mask, temperature, grad_logp) -> 
 
 
 class VocabParallel:
-    """The backend interface of ``ratiokl.torch._dispatch`` over a vocabulary-sharded group.
+    """The backend interface of ``ratiokl.torch._route`` over a vocabulary-sharded group.
 
     ``check_ids=True`` here means: range-check active ids against the global
     vocabulary on the host (one sync, after the first collective), raising
     ``ValueError`` with the position in the leading shape ``lead``.
     """
 
-    def __init__(self, group: dist.ProcessGroup, lead: Tuple[int, ...], backend: str) -> None:
+    def __init__(self, group: dist.ProcessGroup, lead: Tuple[int, ...], kernels: bool,
+                 check_ids: bool) -> None:
         self.group = group
         self.lead = lead
-        self.backend = backend
+        self.kernels = kernels
+        self.check_ids = check_ids
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
 
@@ -179,10 +184,9 @@ class VocabParallel:
         ids: torch.Tensor,
         mask: torch.Tensor,
         temperature: Temperature,
-        check_ids: bool,
     ) -> torch.Tensor:
         """Float32 ``logp[N]`` of this rank's shard ``logits[N, V_r]``; same on every rank."""
-        return self.logprobs(logits, None, ids, mask, temperature, check_ids)[0]
+        return self.logprobs(logits, None, ids, mask, temperature)[0]
 
     def ratio_kl(
         self,
@@ -194,13 +198,13 @@ class VocabParallel:
         ref_logps: Optional[torch.Tensor],
         kl_code: int,
         temperature: Temperature,
-        check_ids: bool,
     ) -> Tuple[torch.Tensor, torch.Tensor]:
         """Float32 ``(ratio[N], kl[N])``; differentiable w.r.t. this rank's ``policy`` shard."""
-        logp, logp_ref = self.logprobs(policy, ref, ids, mask, temperature, check_ids)
+        logp, logp_ref = self.logprobs(policy, ref, ids, mask, temperature)
         if logp_ref is None:
             logp_ref = ref_logps
-        return _elementwise.ratio_kl(logp, logp_ref.detach(), old_logps.detach(), mask, kl_code)
+        return _objective.token_ratio_kl(logp, logp_ref.detach(), old_logps.detach(), mask,
+                                         kl_code)
 
     def logprobs(
         self,
@@ -209,7 +213,6 @@ class VocabParallel:
         ids: torch.Tensor,
         mask: torch.Tensor,
         temperature: Temperature,
-        check_ids: bool,
     ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """``(logp, logp_ref)`` float32 ``[N]`` from shards ``[N, V_r]`` (``ref`` may be None).
 
@@ -218,7 +221,7 @@ class VocabParallel:
         """
         if isinstance(temperature, torch.Tensor):
             temperature = torch.where(mask, temperature, torch.ones_like(temperature))
-        kernels = _dispatch._backend_name(self.backend, policy.device) != "native"
+        kernels = self.kernels
         shards = [policy.detach()] + ([] if ref is None else [ref.detach()])
         if mask.numel() == 0:
             empty = torch.zeros(0, dtype=torch.float32, device=policy.device)
@@ -227,9 +230,7 @@ class VocabParallel:
             return logp, None if ref is None else empty
         with torch.no_grad():
             stats = _stats(shards, mask, temperature, kernels)
-            z_sel, lse, local_ids, owned = self._combine(
-                shards, stats, ids, mask, temperature, check_ids
-            )
+            z_sel, lse, local_ids, owned = self._combine(shards, stats, ids, mask, temperature)
         logp = _AttachGrad.apply(
             policy, z_sel[0], lse[0], local_ids, owned, mask, temperature, kernels
         )
@@ -244,7 +245,6 @@ class VocabParallel:
         ids: torch.Tensor,
         mask: torch.Tensor,
         temperature: Temperature,
-        check_ids: bool,
     ) -> Tuple[List[torch.Tensor], List[torch.Tensor], torch.Tensor, torch.Tensor]:
         """Global ``z_a`` and ``lse`` per shard tensor, plus local ids and ownership ``[N]``.
 
@@ -257,13 +257,13 @@ class VocabParallel:
         dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=self.group)
         sizes = maxima[len(shards) * n_rows :].long()
         start, vocab = sizes[: self.rank].sum(), sizes.sum()
-        if check_ids:
+        if self.check_ids:
             self._check_ids(ids, mask, vocab)
         bad = mask & ((ids < 0) | (ids >= vocab))
         local = ids.long() - start
         owned = mask & (local >= 0) & (local < local_vocab)
         local_ids = torch.where(owned, local, torch.zeros_like(local))
-        shift = _native._shift(maxima[: len(shards) * n_rows].float()).reshape(len(shards), n_rows)
+        shift = _native.finite_shift(maxima[: len(shards) * n_rows].float()).reshape(len(shards), n_rows)
         sums = []
         for k, (x, (m, s)) in enumerate(zip(shards, stats)):
             sums.append(s * torch.exp(m - shift[k]))

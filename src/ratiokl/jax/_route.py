@@ -1,0 +1,265 @@
+"""The route from a public ``ratiokl.jax.loss`` call to its launches, one function per op.
+
+Every call runs the same steps, each once, mirroring ``ratiokl.torch._route``:
+
+1. validate (``_checks``; shapes, dtypes and Python scalars only, so it works
+   on tracers) and flatten the leading shape ``[...]`` to ``N`` rows;
+2. queue the check of active ids and temperatures (an
+   :class:`~ratiokl.jax._checks.ActiveCheck`: on concrete inputs with
+   ``check_ids``, two booleans; traced, a ``checkify`` check);
+3. resolve the backend in the table below and call it on the flattened rows;
+4. read the check (concrete inputs: the device keeps running what was queued)
+   and reshape the outputs back to ``[...]``.
+
+Backend interface
+-----------------
+A :class:`Backend` runs on flattened inputs::
+
+    selected_logprobs(logits, ids, mask, temperature) -> logp
+    ratio_kl(policy, ref, ids, mask, old_logps, ref_logps, kl_code, temperature)
+        -> (ratio, kl)
+    policy_loss(policy, ref, ids, mask, old, ref_logps, adv, iw, weights,
+                temperature, opts, inplace_grad) -> (loss, metrics)   [fused; or None]
+    token_weights(mask, opts, normalizer, width) -> weights | None     [or None]
+
+with ``logits``/``policy``/``ref`` ``[N, V]`` float32 / float16 / bfloat16 (``ref``
+may be None), ``ids`` ``[N]`` integer (not range-checked: clamped before any
+read), ``mask`` ``[N]`` bool, the per-row values float32 ``[N]``, ``kl_code`` a
+static Python int and ``temperature`` a positive Python float or float32
+``[N]`` with bad entries NaN. Outputs are float32 ``[N]`` (the loss and the
+metrics 0-d); differentiable w.r.t. the policy logits only, in their dtype;
+inactive rows are neutral (``logp = 0``, ``ratio = 1``, ``kl = 0``, gradient
+exactly 0); an active row with a bad id or temperature is NaN; nothing
+synchronises with the host. Without a fused ``policy_loss`` (and for GSPO's
+``ratio_level="sequence"``) ``policy_loss`` takes two passes:
+``selected_logprobs``, then ``ratiokl.jax._objective``.
+
+Backends: ``"native"`` (XLA, runs everywhere) and ``"triton"`` (the shared
+Triton kernels through ``jax_triton``; GPU only). ``"auto"`` picks
+``"triton"`` when JAX's default backend is a GPU and ``jax_triton`` imports,
+else ``"native"``. ``"interpret"`` (Triton's CPU interpreter) exists only in
+``ratiokl.torch``. ``vocab_axis`` wraps either in ``_vocab_parallel``.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable, Dict, NamedTuple, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ratiokl.jax import _checks
+from ratiokl.jax._checks import Temperature
+from ratiokl.spec import BACKENDS, kl_estimator_code, policy_loss_options
+
+__all__ = ["Backend", "backend_name", "policy_loss", "ratio_kl", "resolve",
+           "selected_logprobs"]
+
+
+@dataclass(frozen=True)
+class Backend:
+    """The functions one backend runs on flattened rows (the interface above)."""
+
+    selected_logprobs: Callable
+    ratio_kl: Callable
+    policy_loss: Optional[Callable] = None  # fused; None: two passes
+    token_weights: Optional[Callable] = None  # one-launch aggregation weights; None: ops
+
+
+def _native() -> Backend:
+    from ratiokl.jax import _native
+
+    return Backend(_native.selected_logprobs, _native.ratio_kl)
+
+
+def _triton() -> Backend:
+    from ratiokl.jax import _triton
+
+    return Backend(_triton.selected_logprobs, _triton.ratio_kl, _triton.policy_loss,
+                   _triton.token_weights)
+
+
+#: Backend name -> its loader (imported on first use).
+_LOADERS: Dict[str, Callable[[], Backend]] = {"native": _native, "triton": _triton}
+
+
+@functools.lru_cache(maxsize=None)
+def _jax_triton_error() -> str:
+    """Why ``jax_triton`` cannot run here, or ``""`` when it can."""
+    if jax.default_backend() != "gpu":
+        return f"JAX's default backend is {jax.default_backend()!r}, not a GPU"
+    try:
+        # Through the launch module's helper: a bare `import jax_triton` empties
+        # TRITON_CACHE_DIR, after which every new Triton compile fails.
+        from ratiokl.jax import _launch
+
+        _launch.import_jax_triton()
+    except ImportError as err:
+        return f"`import jax_triton` failed ({err})"
+    return ""
+
+
+def backend_name(backend: str) -> str:
+    """The concrete backend for ``backend`` (a static string); raises if it cannot run here.
+
+    ``"auto"`` never fails for want of a GPU; an explicit backend that cannot
+    run here raises ``RuntimeError`` saying why, an unknown name ``ValueError``.
+    """
+    if backend not in BACKENDS:
+        choices = ", ".join(repr(b) for b in BACKENDS if b != "interpret")
+        raise ValueError(f"`backend` must be one of {choices}; got {backend!r}")
+    if backend == "interpret":
+        raise ValueError(
+            "`backend='interpret'` (Triton's CPU interpreter) is available only in "
+            "ratiokl.torch; in JAX use backend='native' on CPU or 'triton' on a GPU"
+        )
+    if backend == "auto":
+        return "native" if _jax_triton_error() else "triton"
+    if backend == "triton":
+        reason = _jax_triton_error()
+        if reason:
+            raise RuntimeError(
+                f"backend='triton' cannot run here: {reason}. It needs a CUDA build of "
+                "jaxlib and `pip install ratiokl[triton]`; use backend='native' or 'auto'"
+            )
+    return backend
+
+
+@functools.lru_cache(maxsize=None)
+def resolve(name: str) -> Backend:
+    """The :class:`Backend` of a concrete backend name (from :func:`backend_name`)."""
+    try:
+        return _LOADERS[name]()
+    except ImportError as err:
+        raise RuntimeError(
+            f"backend={name!r} is unavailable: importing its module failed ({err}). "
+            "Use backend='native'"
+        ) from err
+
+
+class _Rows(NamedTuple):
+    """Validated inputs with the leading shape flattened to ``N`` rows."""
+
+    lead: Tuple[int, ...]  # the caller's leading shape [...]
+    logits: jax.Array  # [N, V] policy logits
+    ids: jax.Array  # [N] integer
+    mask: jax.Array  # [N] bool
+    temperature: Temperature  # Python float, or float32 [N] (bad entries NaN)
+    run: Backend
+    check: _checks.ActiveCheck  # read after the backend has queued its work
+
+    def checked(self, result):
+        """``result`` once the host check (if any) passed: raises ``ValueError`` otherwise."""
+        self.check.raise_if_bad()
+        return result
+
+
+def _flat(values: Optional[jax.Array]) -> Optional[jax.Array]:
+    """A float32 ``[N]`` copy of a per-token array (None passes through)."""
+    return None if values is None else values.reshape(-1).astype(jnp.float32)
+
+
+def _lead(logits: jax.Array, action_ids: jax.Array) -> Tuple[jax.Array, Tuple[int, ...]]:
+    """Check the logits, then the ids (first: a flattened ``[N, V]`` names the ids)."""
+    logits = _checks.check_logits("policy_logits", logits)
+    lead = tuple(logits.shape[:-1])
+    _checks.check_ids(action_ids, lead)
+    return logits, lead
+
+
+def _rows(logits: jax.Array, lead: Tuple[int, ...], action_ids, mask, temperature,
+          backend: str, check_ids: bool, vocab_axis: Optional[str]) -> _Rows:
+    """Steps 1-3 for the inputs every op shares (``logits`` and ``ids`` already checked)."""
+    ids = _checks.check_ids(action_ids, lead)
+    mask = jnp.ones(lead, dtype=bool) if mask is None else _checks.check_mask(mask, lead)
+    temperature = _checks.check_temperature(temperature, lead)
+    check_ids = _checks.check_bool_option("check_ids", check_ids)
+    name = backend_name(backend)
+    if vocab_axis is None:
+        vocab, run = logits.shape[-1], resolve(name)
+    else:
+        from ratiokl.jax import _vocab_parallel
+
+        vocab = _vocab_parallel.global_vocab(logits.shape[-1], vocab_axis)
+        run = _vocab_parallel.backend(name, vocab_axis, explicit=backend != "auto")
+    check = _checks.ActiveCheck(ids, mask, vocab, check_ids, temperature)
+    if not isinstance(temperature, float):
+        temperature = _checks.poison_bad_temperature(_flat(temperature))
+    return _Rows(lead, logits.reshape(-1, logits.shape[-1]), ids.reshape(-1), mask.reshape(-1),
+                 temperature, run, check)
+
+
+def selected_logprobs(logits, action_ids, mask, *, temperature, backend, check_ids,
+                      vocab_axis) -> jax.Array:
+    """``ratiokl.jax.loss.selected_logprobs`` (documented there)."""
+    logits, lead = _lead(logits, action_ids)
+    rows = _rows(logits, lead, action_ids, mask, temperature, backend, check_ids, vocab_axis)
+    logp = rows.run.selected_logprobs(rows.logits, rows.ids, rows.mask, rows.temperature)
+    return rows.checked(logp.reshape(lead))
+
+
+def ratio_kl(policy_logits, ref_logits, action_ids, mask, old_logps, *, ref_logps,
+             kl_estimator, temperature, backend, check_ids,
+             vocab_axis) -> Tuple[jax.Array, jax.Array]:
+    """``ratiokl.jax.loss.ratio_kl`` (documented there)."""
+    policy_logits, lead = _lead(policy_logits, action_ids)
+    ref_logits, ref_logps = _checks.check_ref(ref_logits, ref_logps, tuple(policy_logits.shape))
+    old_logps = _checks.check_row_values("old_logps", old_logps, lead)
+    kl_code = kl_estimator_code(kl_estimator)
+    rows = _rows(policy_logits, lead, action_ids, mask, temperature, backend, check_ids,
+                 vocab_axis)
+    ref = None if ref_logits is None else ref_logits.reshape(rows.logits.shape)
+    ratio, kl = rows.run.ratio_kl(rows.logits, ref, rows.ids, rows.mask, _flat(old_logps),
+                                  _flat(ref_logps), kl_code, rows.temperature)
+    return rows.checked((ratio.reshape(lead), kl.reshape(lead)))
+
+
+def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantages, *,
+                ref_logps, clip_eps, clip_eps_high, dual_clip, ratio_cap, kl_coef,
+                kl_estimator, loss_agg, loss_normalizer, ratio_level, segment_ids,
+                importance_weights, log_ratio_bound, temperature, backend, check_ids,
+                vocab_axis, inplace_grad) -> Tuple[jax.Array, Dict[str, jax.Array]]:
+    """``ratiokl.jax.loss.policy_loss`` (documented there)."""
+    opts = policy_loss_options(
+        clip_eps=clip_eps, clip_eps_high=clip_eps_high, dual_clip=dual_clip,
+        ratio_cap=ratio_cap, kl_coef=kl_coef, kl_estimator=kl_estimator, loss_agg=loss_agg,
+        ratio_level=ratio_level, log_ratio_bound=log_ratio_bound,
+    )
+    policy_logits, lead = _lead(policy_logits, action_ids)
+    if ref_logits is not None or ref_logps is not None or opts.uses_kl:
+        ref_logits, ref_logps = _checks.check_ref(ref_logits, ref_logps, policy_logits.shape)
+    inputs = _checks.token_inputs(lead, old_logps, advantages, segment_ids,
+                                  importance_weights, loss_normalizer)
+    rows = _rows(policy_logits, lead, action_ids, mask, temperature, backend, check_ids,
+                 vocab_axis)
+    ref = None if ref_logits is None else ref_logits.reshape(rows.logits.shape)
+    run = rows.run
+    as_rows = _checks.as_rows
+    if run.policy_loss is not None and not opts.sequence_ratio:  # one kernel: the loss,
+        # the metrics' row values and the gradient together
+        mask_rows = as_rows(rows.mask, lead)
+        weights = run.token_weights(rows.mask, opts, inputs.loss_normalizer, mask_rows.shape[-1])
+        if weights is None:
+            from ratiokl.jax import _objective
+
+            weights = _objective.aggregation_weights(mask_rows, inputs, opts).reshape(-1)
+        return rows.checked(run.policy_loss(
+            rows.logits, ref, rows.ids, rows.mask, _flat(inputs.old_logps), _flat(ref_logps),
+            _flat(inputs.advantages), _flat(inputs.importance_weights), weights,
+            rows.temperature, opts, inplace_grad,
+        ))
+    from ratiokl.jax import _objective
+
+    logp = run.selected_logprobs(rows.logits, rows.ids, rows.mask, rows.temperature)
+    logp_ref = _flat(ref_logps)
+    if ref is not None:
+        logp_ref = run.selected_logprobs(lax.stop_gradient(ref), rows.ids, rows.mask,
+                                         rows.temperature)
+    logp_ref = None if logp_ref is None else lax.stop_gradient(logp_ref)
+    return rows.checked(_objective.policy_objective(
+        as_rows(logp, lead), None if logp_ref is None else as_rows(logp_ref, lead),
+        as_rows(rows.mask, lead), inputs, opts,
+    ))

@@ -1,0 +1,454 @@
+"""Every Triton launch of the PyTorch binding, each described once and bound three ways.
+
+A launch is a plain function ``launch(kernels, *args)``: ``kernels`` maps a
+``@triton.jit`` kernel to something launchable as ``kernel[grid](...)``, and
+the annotated positional parameters after it are the op's schema.
+:class:`KernelOp` binds that one description for each way torch runs it:
+
+* ``"eager"`` (CUDA, outside ``torch.compile``): the kernels themselves, inside
+  a generated ``torch.autograd.Function`` when the op has a gradient, else
+  called directly -- no op dispatcher, whose ~0.2-0.4 ms of host time per call
+  dominated few-row steps on the H200;
+* ``"compiled"`` (CUDA, while ``torch.compile`` traces): a
+  ``torch.library.triton_op`` launching through ``wrap_triton``, so the
+  compiler sees the kernels (``fullgraph=True`` works);
+* ``"interpret"`` (CPU tensors): the interpreter twins
+  (``ratiokl._kernels.interpreted``) inside a ``torch.library.custom_op``,
+  opaque to the compiler, with a fake for tracing.
+
+An op with a gradient gives ``setup_context(ctx, inputs, output)`` and
+``backward(ctx, *grads)``: registered for both library ops and used by the
+eager Function. ``ctx.binding`` names the binding that ran the forward, so a
+backward launches its own kernels the same way (:meth:`KernelOp.run`).
+
+Launches never synchronise with the host and never read out of bounds: the
+kernels clamp every id and poison (NaN) an active row with an id outside
+``[0, V)`` or a NaN temperature, so a host check is never needed for safety.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Callable, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from torch.library import custom_op, register_autograd, triton_op, wrap_triton
+
+from ratiokl._kernels import (
+    LaunchConfig,
+    SplitPlan,
+    backward_config,
+    backward_splits,
+    forward_config,
+    interpreted,
+    logp_backward_kernel,
+    logp_combine_kernel,
+    logp_forward_kernel,
+    lse_partials_kernel,
+    shard_stats_kernel,
+    split_plan,
+    use_split_forward,
+)
+from ratiokl._kernels.fused_loss import launch_plan, policy_loss_kernel, scale_rows_kernel
+from ratiokl._kernels.loss_rows import (
+    METRIC_NAMES,
+    ROWS_BLOCK,
+    ROWS_WARPS,
+    policy_metrics_kernel,
+    token_weights_kernel,
+)
+
+__all__ = [
+    "BACKWARD", "FORWARD", "KernelOp", "POLICY_LOSS", "SCALE_ROWS", "SHARD_STATS",
+    "TOKEN_WEIGHTS", "launch_forward", "launch_backward",
+]
+
+Tensor = torch.Tensor
+
+
+def _raw(kernel):
+    """Eager CUDA: the ``JITFunction`` itself (no tracing wrapper)."""
+    return kernel
+
+
+def _interpreter(kernel):
+    return interpreted(kernel)
+
+
+class KernelOp:
+    """One launch (``launch(kernels, *args)``) bound as eager, compiled and interpreted ops.
+
+    Call it like the launch without ``kernels``: the binding is chosen from the
+    first tensor argument's device and whether ``torch.compile`` is tracing.
+    """
+
+    def __init__(self, launch: Callable, *, fake: Callable, mutates: Sequence[str] = (),
+                 setup_context: Optional[Callable] = None,
+                 backward: Optional[Callable] = None) -> None:
+        name = launch.__name__
+        signature = inspect.signature(launch)
+        params = [p for p in list(signature.parameters.values())[1:]
+                  if p.kind is p.POSITIONAL_OR_KEYWORD]  # keyword-only: eager tuning knobs
+        schema = signature.replace(parameters=params)
+        self.launch = launch
+        self._mutates = tuple(mutates)
+        names = [p.name for p in params]
+        self._mutated_positions = tuple(names.index(m) for m in self._mutates)
+        self._compiled = triton_op(f"ratiokl::{name}", self._bound(launch, wrap_triton, schema),
+                                   mutates_args=self._mutates)
+        self._interpret = custom_op(
+            f"ratiokl::interpret_{name}", self._bound(launch, _interpreter, schema, quiet=True),
+            mutates_args=self._mutates, device_types="cpu",
+        )
+        self._interpret.register_fake(fake)
+        self._eager = self._direct
+        if backward is not None:
+            for qualname, binding in ((f"ratiokl::{name}", "compiled"),
+                                      (f"ratiokl::interpret_{name}", "interpret")):
+                register_autograd(qualname, backward,
+                                  setup_context=self._tagged(setup_context, binding))
+            self._eager = self._function(name, setup_context, backward).apply
+
+    @staticmethod
+    def _bound(launch: Callable, kernels: Callable, schema: inspect.Signature,
+               quiet: bool = False) -> Callable:
+        def op(*args):
+            if quiet:  # the interpreter: NaN/inf rows are data, not accidents
+                with np.errstate(all="ignore"):
+                    return launch(kernels, *args)
+            return launch(kernels, *args)
+
+        op.__signature__ = schema
+        op.__name__ = launch.__name__
+        return op
+
+    @staticmethod
+    def _tagged(setup_context: Callable, binding: str) -> Callable:
+        def setup(ctx, inputs, output) -> None:
+            ctx.binding = binding
+            setup_context(ctx, inputs, output)
+
+        return setup
+
+    def _function(self, name: str, setup_context: Callable,
+                  backward: Callable) -> type:
+        launch = self.launch
+
+        def forward(ctx, *args):
+            output = launch(_raw, *args)
+            ctx.binding = "eager"
+            setup_context(ctx, args, output)
+            return output
+
+        return type(f"{name}_eager", (torch.autograd.Function,),
+                    {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+
+    def _direct(self, *args):
+        output = self.launch(_raw, *args)
+        for index in self._mutated_positions:
+            torch.autograd.graph.increment_version(args[index])
+        return output
+
+    def run(self, binding: str, *args):
+        """The op through ``binding`` (``"eager"``, ``"compiled"`` or ``"interpret"``)."""
+        if binding == "eager":
+            return self._eager(*args)
+        return (self._compiled if binding == "compiled" else self._interpret)(*args)
+
+    def __call__(self, *args):
+        return self.run(binding_for(args[0].device), *args)
+
+    def direct(self, device: torch.device, *args, **knobs):
+        """The launch itself, outside any op or autograd (eager only; knobs: tuning overrides)."""
+        kernels = _raw if device.type == "cuda" else _interpreter
+        with np.errstate(all="ignore"):
+            return self.launch(kernels, *args, **knobs)
+
+
+def binding_for(device: torch.device) -> str:
+    """Which binding runs on ``device`` now (see the module docstring)."""
+    if device.type != "cuda":
+        return "interpret"
+    return "compiled" if torch.compiler.is_compiling() else "eager"
+
+
+def _rows(n_rows: int, device: torch.device, count: int) -> Tuple[Tensor, ...]:
+    return tuple(torch.empty(n_rows, dtype=torch.float32, device=device) for _ in range(count))
+
+
+def _stride(t: Tensor) -> int:
+    """Row stride of a per-row tensor, 0 for a one-element tensor (one value for every row)."""
+    return 0 if t.numel() == 1 else t.stride(0)
+
+
+# --- log-probs, ratio and KL: forward and backward of one row's statistics ---------------
+
+
+def launch_forward(
+    kernels: Callable, policy: Tensor, ref: Optional[Tensor], ids: Tensor, mask: Tensor,
+    old: Optional[Tensor], ref_logps: Optional[Tensor], temp: Tensor, kl_code: int, *,
+    config: Optional[LaunchConfig] = None, plan: Optional[SplitPlan] = None,
+    split: Optional[bool] = None,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(logp, ratio, kl, dkl, lse)`` float32 ``[N]`` each of ``policy [N, V]``.
+
+    Few rows run a program per (row, vocabulary split) and a combine
+    (``use_split_forward``), else one program per row; both give the same bits.
+    ``config``, ``plan`` and ``split`` override the heuristics (tuning sweeps).
+    """
+    n_rows, vocab = policy.shape
+    outs = _rows(n_rows, policy.device, 5)
+    if n_rows == 0:
+        return outs
+    ref_t = policy if ref is None else ref  # never read when absent (HAS_REF is False)
+    config = config or forward_config(vocab, policy.element_size())
+    plan = plan or split_plan(vocab, config.block_v)
+    split = use_split_forward(n_rows, plan) if split is None else split
+    sizes = (vocab, policy.stride(0), policy.stride(1), ref_t.stride(0), ref_t.stride(1),
+             _stride(temp))
+    rows = (ids, mask, temp if old is None else old, temp if ref_logps is None else ref_logps,
+            temp)
+    if not split:
+        kernels(logp_forward_kernel)[(n_rows,)](
+            policy, ref_t, *rows, *outs, *sizes,
+            HAS_REF=ref is not None, KL_CODE=kl_code, TILES_PER_SPLIT=plan.tiles_per_split,
+            BLOCK_V=config.block_v, num_warps=config.num_warps,
+        )
+        return outs
+    parts = torch.empty((n_rows, plan.splits, 4), dtype=torch.float32, device=policy.device)
+    kernels(lse_partials_kernel)[(n_rows, plan.splits)](
+        policy, ref_t, mask, temp, parts, *sizes,
+        HAS_REF=ref is not None, SPLITS=plan.splits, TILES_PER_SPLIT=plan.tiles_per_split,
+        BLOCK_V=config.block_v, num_warps=config.num_warps,
+    )
+    kernels(logp_combine_kernel)[(n_rows,)](
+        policy, ref_t, *rows, parts, *outs, *sizes,
+        HAS_REF=ref is not None, KL_CODE=kl_code, SPLITS=plan.splits, num_warps=1,
+    )
+    return outs
+
+
+def launch_backward(
+    kernels: Callable, logits: Tensor, ids: Tensor, mask: Tensor, temp: Tensor, lse: Tensor,
+    g_logp: Optional[Tensor], g_ratio: Optional[Tensor] = None, ratio: Optional[Tensor] = None,
+    g_kl: Optional[Tensor] = None, dkl: Optional[Tensor] = None, *,
+    config: Optional[LaunchConfig] = None,
+) -> Tensor:
+    """``c * (onehot(a) - softmax(z)) / T``, ``[N, V]`` in the logits' dtype, row-major.
+
+    The kernel forms ``c = g_logp + g_ratio * ratio + g_kl * dkl`` per row (a
+    ``None`` upstream gradient is a zero term, never zero-filled), exactly 0 on
+    inactive rows. Grid ``(N, S)`` with ``S = backward_splits(...)`` spans per
+    row (no bit depends on ``S``); ``config`` overrides the tile (tuning sweeps).
+    """
+    n_rows, vocab = logits.shape
+    grad = torch.empty((n_rows, vocab), dtype=logits.dtype, device=logits.device)
+    if n_rows == 0:
+        return grad
+    config = config or backward_config(vocab, logits.element_size())
+    tiles = -(-vocab // config.block_v)
+    per_prog = -(-tiles // backward_splits(n_rows, vocab, logits.element_size()))
+    upstream = (g_logp, g_ratio, g_kl)
+    # An absent term's arrays are placeholders (never read: its HAS_G_* is off), stride 0.
+    pointers = (lse if g_logp is None else g_logp, lse if g_ratio is None else g_ratio,
+                lse if g_ratio is None else ratio, lse if g_kl is None else g_kl,
+                lse if g_kl is None else dkl)
+    kernels(logp_backward_kernel)[(n_rows, -(-tiles // per_prog))](
+        logits, ids, mask, temp, lse, *pointers, grad,
+        vocab, logits.stride(0), logits.stride(1), _stride(temp),
+        *(0 if g is None else g.stride(0) for g in upstream), per_prog,
+        HAS_G_LOGP=g_logp is not None, HAS_G_RATIO=g_ratio is not None,
+        HAS_G_KL=g_kl is not None, BLOCK_V=config.block_v, num_warps=config.num_warps,
+    )
+    return grad
+
+
+def row_forward(
+    kernels: Callable, policy: Tensor, ref: Optional[Tensor], ids: Tensor, mask: Tensor,
+    old: Optional[Tensor], ref_logps: Optional[Tensor], temp: Tensor, kl_code: int,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return launch_forward(kernels, policy, ref, ids, mask, old, ref_logps, temp, kl_code)
+
+
+def row_backward(
+    kernels: Callable, logits: Tensor, ids: Tensor, mask: Tensor, temp: Tensor, lse: Tensor,
+    g_logp: Optional[Tensor], g_ratio: Optional[Tensor], ratio: Tensor,
+    g_kl: Optional[Tensor], dkl: Tensor,
+) -> Tensor:
+    return launch_backward(kernels, logits, ids, mask, temp, lse, g_logp, g_ratio, ratio,
+                           g_kl, dkl)
+
+
+def _forward_context(ctx, inputs, output) -> None:
+    policy, _, ids, mask, _, _, temp, _ = inputs
+    _, ratio, _, dkl, lse = output
+    ctx.save_for_backward(policy, ids, mask, temp, lse, ratio, dkl)
+    ctx.mark_non_differentiable(dkl, lse)
+    ctx.set_materialize_grads(False)  # an unused output's gradient stays None (skipped)
+
+
+def _forward_backward(ctx, g_logp, g_ratio, g_kl, _g_dkl, _g_lse):
+    policy, ids, mask, temp, lse, ratio, dkl = ctx.saved_tensors
+    grad = BACKWARD.run(ctx.binding, policy, ids, mask, temp, lse, g_logp, g_ratio, ratio,
+                        g_kl, dkl)
+    return grad, None, None, None, None, None, None, None
+
+
+BACKWARD = KernelOp(row_backward, fake=lambda logits, *_: torch.empty_like(
+    logits, memory_format=torch.contiguous_format))
+FORWARD = KernelOp(
+    row_forward,
+    fake=lambda policy, *_: tuple(policy.new_empty(policy.shape[0], dtype=torch.float32)
+                                  for _ in range(5)),
+    setup_context=_forward_context, backward=_forward_backward,
+)
+
+
+# --- the fused policy loss: weights before, loss + metrics + stored gradient, scale after -------
+
+
+def token_weights(kernels: Callable, mask: Tensor, denom: float, count: bool) -> Tensor:
+    """``w = where(mask, 1 / D, 0)`` float32 ``[N]`` (``count``: ``D`` = active rows, min 1)."""
+    w = torch.empty(mask.shape, dtype=torch.float32, device=mask.device)
+    if mask.numel():
+        kernels(token_weights_kernel)[(1,)](mask, w, mask.numel(), denom, COUNT=count,
+                                            BLOCK=ROWS_BLOCK, num_warps=ROWS_WARPS)
+    return w
+
+
+TOKEN_WEIGHTS = KernelOp(token_weights, fake=lambda mask, *_: mask.new_empty(
+    mask.shape, dtype=torch.float32))
+
+
+def fused_policy_loss(
+    kernels: Callable, policy: Tensor, ref: Optional[Tensor], ids: Tensor, mask: Tensor,
+    old: Tensor, ref_logps: Optional[Tensor], temp: Tensor, adv: Tensor, iw: Optional[Tensor],
+    w: Tensor, coefs: Tensor, write_grad: bool, kl_code: int, has_neg_cap: bool, bound: float,
+    *, grad_out: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """``(loss, metrics, grad)``: float32 ``[]``, float32 ``[7]`` (``METRIC_NAMES``), and
+    ``d loss / d policy`` ``[N, V]`` in the logits' dtype (``[0, V]`` without ``write_grad``).
+
+    Two launches: ``policy_loss_kernel`` (per-row values and, with
+    ``write_grad``, the gradient of ``sum_t w_t loss_t``) and
+    ``policy_metrics_kernel`` (the loss and the metrics). ``coefs``: float32
+    ``[4]`` (``kl_coef``, ratio floor, ratio ceiling, negative-advantage cap);
+    ``kl_code`` 0: no reference. ``grad_out``: a row-major ``[N, V]`` buffer
+    for the gradient (the in-place mode passes ``policy`` itself: every tile is
+    read before it is overwritten, by the same program).
+    """
+    n_rows, vocab = policy.shape
+    device = policy.device
+    if grad_out is None:
+        grad_out = torch.empty((n_rows if write_grad else 0, vocab), dtype=policy.dtype,
+                               device=device)
+    loss = torch.empty((), dtype=torch.float32, device=device)
+    metrics = torch.empty(len(METRIC_NAMES), dtype=torch.float32, device=device)
+    if n_rows == 0:
+        return loss.zero_(), metrics.zero_(), grad_out
+    has_ref = ref is not None
+    ref_t = ref if has_ref else policy  # never read without HAS_REF
+    plan = launch_plan(vocab, policy.element_size(), n_rows, write_grad)
+    # One scratch allocation (host time: one allocator call, not seven): the five row
+    # values the metrics kernel reads, then the spans' partials [N, SPLITS, 4].
+    # Each piece starts 64-byte aligned, as its own allocation would (the kernel's
+    # specialisation, hence its compile, does not depend on N mod 16).
+    width = -(-n_rows // 16) * 16
+    scratch = torch.empty(width * (5 + 4 * plan.spans.splits), dtype=torch.float32,
+                          device=device)
+    loss_rows, logp, ratio, kl, bits = scratch[:5 * width].view(5, width)[:, :n_rows].unbind()
+    bits = bits.view(torch.int32)
+    parts = scratch[5 * width:]
+    n_counters = plan.counters(n_rows)  # 0: none used, no memset (any buffer will do)
+    counts = torch.zeros(n_counters, dtype=torch.int32, device=device) if n_counters \
+        else bits
+    kernels(policy_loss_kernel)[(plan.programs(n_rows),)](
+        policy, ref_t, ids, mask, old, w if ref_logps is None else ref_logps, temp, adv,
+        w if iw is None else iw, w, coefs,
+        loss_rows, logp, ratio, kl, bits, grad_out, parts, counts,
+        n_rows, vocab, policy.stride(0), policy.stride(1), ref_t.stride(0), ref_t.stride(1),
+        _stride(temp),
+        HAS_REF=has_ref, HAS_IW=iw is not None, KL_CODE=kl_code, HAS_NEG_CAP=has_neg_cap,
+        BOUND=bound, WRITE_GRAD=write_grad, SPLITS=plan.spans.splits,
+        TILES_PER_SPLIT=plan.spans.tiles_per_split, SPANS=plan.spans_per_program,
+        BLOCK_V=plan.config.block_v, num_warps=plan.config.num_warps,
+    )
+    kernels(policy_metrics_kernel)[(1,)](
+        mask, logp, ratio, kl, bits, old, loss_rows, metrics, loss, n_rows,
+        BLOCK=ROWS_BLOCK, num_warps=ROWS_WARPS,
+    )
+    return loss, metrics, grad_out
+
+
+#: Tile of the in-place scale (a plain streaming read-modify-write).
+_SCALE_BLOCK = 4096
+
+
+def scale_rows_(kernels: Callable, grad: Tensor, g: Tensor, mask: Tensor) -> None:
+    """``grad[i] *= g[i]`` in place on active rows whose ``g[i] != 1`` (tested on the device)."""
+    n_rows, vocab = grad.shape
+    if n_rows:
+        kernels(scale_rows_kernel)[(n_rows,)](
+            grad, g, mask, grad, vocab, _stride(g),
+            BLOCK_V=min(_SCALE_BLOCK, max(16, 1 << (vocab - 1).bit_length())), num_warps=8,
+        )
+
+
+SCALE_ROWS = KernelOp(scale_rows_, fake=lambda *_: None, mutates=("grad",))
+
+
+def _fused_context(ctx, inputs, output) -> None:
+    ctx.save_for_backward(output[2], inputs[3])  # the stored gradient, the mask
+    ctx.mark_non_differentiable(output[1], output[2])
+    ctx.set_materialize_grads(False)  # else autograd fills a zero [N, V] cotangent
+
+
+def _fused_backward(ctx, g_loss, *_unused):
+    if g_loss is None:
+        return (None,) * 15
+    grad, mask = ctx.saved_tensors
+    SCALE_ROWS.run(ctx.binding, grad, g_loss.to(torch.float32), mask)
+    return (grad,) + (None,) * 14
+
+
+def _fused_fake(policy, ref, ids, mask, old, ref_logps, temp, adv, iw, w, coefs, write_grad,
+                *_):
+    grad = policy.new_empty((policy.shape[0] if write_grad else 0, policy.shape[1]))
+    return (policy.new_empty((), dtype=torch.float32),
+            policy.new_empty(len(METRIC_NAMES), dtype=torch.float32), grad)
+
+
+POLICY_LOSS = KernelOp(fused_policy_loss, fake=_fused_fake, setup_context=_fused_context,
+                       backward=_fused_backward)
+
+
+# --- one vocabulary shard (vocab-parallel) -----------------------------------------------------
+
+
+def shard_stats(kernels: Callable, policy: Tensor, ref: Optional[Tensor], mask: Tensor,
+                temp: Tensor) -> Tuple[Tensor, Tensor]:
+    """``(lse, ref_lse)`` float32 ``[N]`` of this shard (``ref_lse`` 0 without ``ref``).
+
+    ``shard_stats_kernel`` without its selected-logit part (a rank learns where
+    its shard starts only from the first all-reduce); 0 on inactive rows.
+    """
+    n_rows, vocab = policy.shape
+    lse, ref_lse = _rows(n_rows, policy.device, 2)
+    if n_rows == 0:
+        return lse, ref_lse
+    ref_t = policy if ref is None else ref  # never read when absent (HAS_REF is False)
+    config = forward_config(vocab, policy.element_size())
+    # ids, start and the selected-logit outputs are untouched with SELECT=False.
+    kernels(shard_stats_kernel)[(n_rows,)](
+        policy, ref_t, mask, mask, temp, mask, lse, ref_lse, lse, lse,
+        vocab, policy.stride(0), policy.stride(1), ref_t.stride(0), ref_t.stride(1),
+        _stride(temp),
+        HAS_REF=ref is not None, SELECT=False, BLOCK_V=config.block_v,
+        num_warps=config.num_warps,
+    )
+    return lse, ref_lse
+
+
+SHARD_STATS = KernelOp(shard_stats, fake=lambda policy, *_: tuple(
+    policy.new_empty(policy.shape[0], dtype=torch.float32) for _ in range(2)))

@@ -1,0 +1,305 @@
+"""The route from a public ``ratiokl.torch.loss`` call to its launches, one function per op.
+
+Every call runs the same steps, each once:
+
+1. validate (``_checks``; shapes, dtypes and devices only -- no host sync) and
+   flatten the leading shape ``[...]`` to ``N`` rows;
+2. queue the check of active ids and temperatures (``check_ids=True``; an
+   :class:`~ratiokl.torch._checks.ActiveCheck`);
+3. resolve the backend in :data:`BACKENDS` and call it on the flattened rows,
+   which queues the kernels;
+4. read the check (the call's one host sync: the GPU keeps running what was
+   queued) and reshape the outputs back to ``[...]``.
+
+Backend interface
+-----------------
+A :class:`Backend` runs on flattened inputs::
+
+    selected_logprobs(logits, ids, mask, temperature) -> logp
+    ratio_kl(policy, ref, ids, mask, old_logps, ref_logps, kl_code, temperature)
+        -> (ratio, kl)
+    policy_loss(policy, ref, ids, mask, old, ref_logps, adv, iw, weights,
+                temperature, opts, inplace_grad) -> (loss, metrics)   [fused; or None]
+    token_weights(mask, opts, normalizer, width) -> weights | None     [or None]
+
+with ``logits``/``policy``/``ref`` ``[N, V]`` float32 / float16 / bfloat16 (any
+strides; ``ref`` detached or None), ``ids`` ``[N]`` integer (not range-checked),
+``mask`` ``[N]`` bool, the per-row values float32 ``[N]`` detached, and
+``temperature`` a positive Python float or a float32 ``[N]`` tensor with bad
+entries NaN. Outputs are float32 ``[N]`` (``loss`` and the metrics 0-d);
+differentiable w.r.t. ``logits``/``policy`` only, in the logits' dtype; inactive
+rows are neutral (``logp = 0``, ``ratio = 1``, ``kl = 0``, gradient exactly 0)
+whatever they hold; an active row with a bad id or temperature is NaN; nothing
+synchronises with the host. A backend without a fused ``policy_loss`` (and
+GSPO's ``ratio_level="sequence"``, which needs a cross-row mean of the
+log-ratio before the objective) takes the two-pass route: ``selected_logprobs``,
+then ``ratiokl.torch._objective``.
+
+Backends: ``"native"`` (``_native``, framework ops, any device), ``"triton"``
+(``_triton`` on CUDA tensors), ``"interpret"`` (the same ``_triton`` on CPU
+tensors, through Triton's interpreter); ``"auto"`` is ``"triton"`` for CUDA
+tensors when Triton is installed, else ``"native"``. ``vocab_group`` wraps the
+per-shard math of either in ``_vocab_parallel``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import Callable, Dict, NamedTuple, Optional, Tuple
+
+import torch
+
+from ratiokl.spec import BACKENDS, kl_estimator_code, policy_loss_options
+from ratiokl.torch import _checks
+from ratiokl.torch._checks import Temperature
+
+__all__ = ["BACKENDS", "Backend", "backend_name", "policy_loss", "ratio_kl", "resolve",
+           "selected_logprobs"]
+
+
+
+@dataclass(frozen=True)
+class Backend:
+    """The functions one backend runs on flattened rows (the interface above)."""
+
+    selected_logprobs: Callable
+    ratio_kl: Callable
+    policy_loss: Optional[Callable] = None  # fused; None: two passes
+    token_weights: Optional[Callable] = None  # one-launch aggregation weights; None: ops
+
+
+def _native() -> Backend:
+    from ratiokl.torch import _native
+
+    return Backend(_native.selected_logprobs, _native.ratio_kl)
+
+
+def _triton() -> Backend:
+    from ratiokl.torch import _triton
+
+    return Backend(_triton.selected_logprobs, _triton.ratio_kl, _triton.policy_loss,
+                   _triton.token_weights)
+
+
+#: Backend name -> its loader (plain imports: torch.compile traces through them).
+_LOADERS: Dict[str, Callable[[], Backend]] = {
+    "native": _native, "triton": _triton, "interpret": _triton,
+}
+_LOADED: Dict[str, Backend] = {}
+
+#: Whether the ``triton`` package is installed (found, not imported: importing it
+#: is left to the backend module, so ``import ratiokl.torch`` stays light).
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def backend_name(backend: str, device: torch.device) -> str:
+    """The concrete backend for ``backend`` on ``device``; raises if it cannot run there."""
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and _HAS_TRITON else "native"
+    if backend not in BACKENDS:
+        choices = ", ".join(repr(b) for b in BACKENDS)
+        raise ValueError(f"`backend` must be one of {choices}; got {backend!r}")
+    if backend == "triton" and device.type != "cuda":
+        raise ValueError(
+            f"backend='triton' needs CUDA tensors; the inputs are on {device}. Use "
+            "backend='native' (or 'interpret' to run the Triton kernels on the CPU)"
+        )
+    if backend == "interpret" and device.type != "cpu":
+        raise ValueError(
+            f"backend='interpret' runs Triton's CPU interpreter and needs CPU tensors; "
+            f"the inputs are on {device}. Use backend='triton' or 'native'"
+        )
+    if backend in ("triton", "interpret") and not _HAS_TRITON:
+        raise RuntimeError(
+            f"backend={backend!r} needs the `triton` package, which is not installed. "
+            "Install `ratiokl[triton]` or use backend='native'"
+        )
+    return backend
+
+
+def resolve(backend: str, device: torch.device) -> Backend:
+    """The :class:`Backend` for ``backend`` (``"auto"`` resolved) on tensors on ``device``."""
+    name = backend_name(backend, device)
+    loaded = _LOADED.get(name)
+    if loaded is None:
+        try:
+            loaded = _LOADED[name] = _LOADERS[name]()
+        except Exception as err:  # any import failure: say which backend and what to use
+            raise RuntimeError(
+                f"backend={name!r} is unavailable: importing its module failed "
+                f"({type(err).__name__}: {err}). Use backend='native'"
+            ) from err
+    return loaded
+
+
+class _Rows(NamedTuple):
+    """Validated inputs with the leading shape flattened to ``N`` rows."""
+
+    lead: Tuple[int, ...]  # the caller's leading shape [...]
+    logits: torch.Tensor  # [N, V] policy logits (a view where possible)
+    ids: torch.Tensor  # [N] integer
+    mask: torch.Tensor  # [N] bool
+    temperature: Temperature  # Python float, or float32 [N] (bad entries NaN)
+    run: Backend
+    check: Optional[_checks.ActiveCheck]  # the host check, read after the launches
+
+    def checked(self, result):
+        """``result`` once the host check (if any) passed: raises ``ValueError`` otherwise."""
+        if self.check is not None:
+            self.check.raise_if_bad()
+        return result
+
+
+def _flat(values: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A detached, contiguous float32 ``[N]`` view (or copy) of a per-token tensor; None
+    passes through. Contiguous: the kernels read row ``i`` at ``i`` (an expanded input,
+    such as per-sequence advantages broadcast over one sequence, flattens to stride 0)."""
+    return None if values is None else values.detach().reshape(-1).float().contiguous()
+
+
+def _rows(logits: torch.Tensor, lead: Tuple[int, ...], ids: torch.Tensor, mask, temperature,
+          backend: str, check_ids: bool, vocab_group, **per_token) -> _Rows:
+    """Steps 1-3 for the inputs every op shares (``logits`` and ``ids`` already checked).
+
+    ``per_token`` holds the call's other tensors by argument name, for the device check.
+    """
+    if mask is None:
+        mask = torch.ones(lead, dtype=torch.bool, device=logits.device)
+    mask = _checks.check_mask(mask, lead)
+    temperature = _checks.check_temperature(temperature, lead)
+    device = _checks.check_same_device(
+        policy_logits=logits, action_ids=ids, mask=mask,
+        temperature=temperature if isinstance(temperature, torch.Tensor) else None, **per_token,
+    )
+    if check_ids and torch.compiler.is_compiling():
+        raise ValueError(
+            "check_ids=True reads the active ids on the host, which torch.compile cannot "
+            "trace; pass check_ids=False under torch.compile (a bad id or temperature then "
+            "makes its row NaN)"
+        )
+    name = backend_name(backend, device)
+    check = None
+    if check_ids:  # sharded logits: their ids are checked against the global V later
+        check = _checks.ActiveCheck(ids, mask, None if vocab_group else logits.shape[-1],
+                                    temperature)
+    if vocab_group is None:
+        run = resolve(name, device)
+    else:
+        from ratiokl.torch import _vocab_parallel
+
+        run = _vocab_parallel.backend(vocab_group, lead, name != "native", check_ids)
+    if isinstance(temperature, torch.Tensor):
+        temperature = _checks.poison_bad_temperature(_flat(temperature))
+    return _Rows(lead, logits.reshape(-1, logits.shape[-1]), ids.reshape(-1).contiguous(),
+                 mask.reshape(-1).contiguous(), temperature, run, check)
+
+
+def _reference(policy_logits: torch.Tensor, lead: Tuple[int, ...],
+               ref_logits: Optional[torch.Tensor], ref_logps: Optional[torch.Tensor]) -> None:
+    """Exactly one of ``ref_logits`` (the policy's shape) and ``ref_logps`` (``lead``)."""
+    if (ref_logits is None) == (ref_logps is None):
+        raise ValueError(
+            "pass exactly one of `ref_logits` (reference-model logits [..., V]) and "
+            "`ref_logps` (reference log-probs [...]); set the other to None"
+        )
+    if ref_logps is not None:
+        _checks.check_row_values("ref_logps", ref_logps, lead)
+        return
+    _checks.check_logits("ref_logits", ref_logits)
+    if ref_logits.shape != policy_logits.shape:
+        raise ValueError(
+            f"`ref_logits` must have the shape of `policy_logits` {list(policy_logits.shape)}; "
+            f"got {list(ref_logits.shape)}"
+        )
+
+
+def _lead(logits: torch.Tensor, action_ids: torch.Tensor) -> Tuple[int, ...]:
+    """Check the logits, then the ids (first: a flattened ``[N, V]`` names the ids)."""
+    _checks.check_logits("policy_logits", logits)
+    lead = tuple(logits.shape[:-1])
+    _checks.check_ids(action_ids, lead)
+    return lead
+
+
+def selected_logprobs(logits, action_ids, mask, *, temperature, backend, check_ids,
+                      vocab_group) -> torch.Tensor:
+    """``ratiokl.torch.loss.selected_logprobs`` (documented there)."""
+    lead = _lead(logits, action_ids)
+    rows = _rows(logits, lead, action_ids, mask, temperature, backend, check_ids, vocab_group)
+    logp = rows.run.selected_logprobs(rows.logits, rows.ids, rows.mask, rows.temperature)
+    return rows.checked(logp.reshape(lead))
+
+
+def ratio_kl(policy_logits, ref_logits, action_ids, mask, old_logps, *, ref_logps,
+             kl_estimator, temperature, backend, check_ids,
+             vocab_group) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``ratiokl.torch.loss.ratio_kl`` (documented there)."""
+    lead = _lead(policy_logits, action_ids)
+    _reference(policy_logits, lead, ref_logits, ref_logps)
+    _checks.check_row_values("old_logps", old_logps, lead)
+    kl_code = kl_estimator_code(kl_estimator)
+    rows = _rows(policy_logits, lead, action_ids, mask, temperature, backend, check_ids,
+                 vocab_group, ref_logits=ref_logits, old_logps=old_logps, ref_logps=ref_logps)
+    ref = None if ref_logits is None else ref_logits.detach().reshape(rows.logits.shape)
+    ratio, kl = rows.run.ratio_kl(rows.logits, ref, rows.ids, rows.mask, _flat(old_logps),
+                                  _flat(ref_logps), kl_code, rows.temperature)
+    return rows.checked((ratio.reshape(lead), kl.reshape(lead)))
+
+
+def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantages, *,
+                ref_logps, clip_eps, clip_eps_high, dual_clip, ratio_cap, kl_coef,
+                kl_estimator, loss_agg, loss_normalizer, ratio_level, segment_ids,
+                importance_weights, log_ratio_bound, temperature, backend, check_ids,
+                vocab_group, inplace_grad) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """``ratiokl.torch.loss.policy_loss`` (documented there)."""
+    opts = policy_loss_options(
+        clip_eps=clip_eps, clip_eps_high=clip_eps_high, dual_clip=dual_clip,
+        ratio_cap=ratio_cap, kl_coef=kl_coef, kl_estimator=kl_estimator, loss_agg=loss_agg,
+        ratio_level=ratio_level, log_ratio_bound=log_ratio_bound,
+        cached=not torch.compiler.is_compiling(),
+    )
+    lead = _lead(policy_logits, action_ids)
+    if inplace_grad and not policy_logits.is_contiguous():
+        raise ValueError(
+            "`inplace_grad=True` needs contiguous `policy_logits` (the gradient is written "
+            "into their buffer); pass `policy_logits.contiguous()` or `inplace_grad=False`"
+        )
+    if ref_logits is not None or ref_logps is not None or opts.uses_kl:
+        _reference(policy_logits, lead, ref_logits, ref_logps)
+    inputs = _checks.token_inputs(lead, old_logps, advantages, segment_ids,
+                                  importance_weights, loss_normalizer)
+    rows = _rows(
+        policy_logits, lead, action_ids, mask, temperature, backend, check_ids, vocab_group,
+        ref_logits=ref_logits, old_logps=old_logps, ref_logps=ref_logps, advantages=advantages,
+        segment_ids=segment_ids, importance_weights=importance_weights,
+    )
+    ref = None if ref_logits is None else ref_logits.detach().reshape(rows.logits.shape)
+    run = rows.run
+    if run.policy_loss is not None and not opts.sequence_ratio:  # one kernel: the loss,
+        # the metrics' row values and the gradient together
+        mask_rows = _checks.as_rows(rows.mask, lead)
+        weights = run.token_weights(rows.mask, opts, inputs.loss_normalizer, mask_rows.shape[-1])
+        if weights is None:
+            from ratiokl.torch import _objective
+
+            weights = _objective.aggregation_weights(mask_rows, inputs, opts).reshape(-1)
+        if inplace_grad:  # the launch consumes the logits: check before it
+            rows.checked(None)
+        return rows.checked(run.policy_loss(
+            rows.logits, ref, rows.ids, rows.mask, _flat(inputs.old_logps), _flat(ref_logps),
+            _flat(inputs.advantages), _flat(inputs.importance_weights), weights,
+            rows.temperature, opts, inplace_grad,
+        ))
+    from ratiokl.torch import _objective
+
+    logp = run.selected_logprobs(rows.logits, rows.ids, rows.mask, rows.temperature)
+    logp_ref = _flat(ref_logps)
+    if ref is not None:
+        with torch.no_grad():
+            logp_ref = run.selected_logprobs(ref, rows.ids, rows.mask, rows.temperature)
+    as_rows = _checks.as_rows
+    return rows.checked(_objective.policy_objective(
+        as_rows(logp, lead), None if logp_ref is None else as_rows(logp_ref, lead),
+        as_rows(rows.mask, lead), inputs, opts,
+    ))

@@ -1,0 +1,77 @@
+"""JAX ``policy_loss`` coefficients as traced 0-d arrays: the numbers' bits, one trace.
+
+An adaptive KL controller hands ``kl_coef`` (and a schedule the clip bounds)
+to a jitted step as an array: new values must neither retrace nor change
+what a Python number gives. On the ``"triton"`` backend the fused kernel reads
+them as run-time data (here through the interpreter stand-in of
+``jax_triton.triton_call``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+
+import jax.numpy as jnp  # noqa: E402
+
+from ratiokl.jax import loss  # noqa: E402
+
+B, T, V = 2, 5, 23
+
+#: Inactive rows hold data the kernels never use; the interpreter's numpy warns on it.
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+
+def _inputs(seed: int):
+    rng = np.random.default_rng(seed)
+    return (jnp.asarray(rng.normal(size=(B, T, V)) * 2, jnp.float32),
+            jnp.asarray(rng.normal(size=(B, T, V)), jnp.float32),
+            jnp.asarray(rng.integers(0, V, (B, T))), jnp.asarray(rng.random((B, T)) < 0.8),
+            jnp.asarray(rng.normal(size=(B, T)) * 0.3 - 3.0, jnp.float32),
+            jnp.asarray(rng.normal(size=(B, T)), jnp.float32))
+
+
+def _backend(name: str, monkeypatch):
+    if name == "native":
+        return "native"
+    pytest.importorskip("triton")
+    from jax_interpret import interpreted_triton_call
+
+    from ratiokl.jax import _launch, _route
+
+    monkeypatch.setattr(_launch, "triton_call", interpreted_triton_call)
+    monkeypatch.setattr(_route, "backend_name", lambda backend: backend)
+    return "triton"
+
+
+@pytest.mark.parametrize("name", ["native", "triton"])
+def test_traced_coefficients_match_numbers_in_one_trace(name: str, monkeypatch) -> None:
+    backend = _backend(name, monkeypatch)
+    x = _inputs(0)
+    traces = []
+
+    def step(logits, ref, ids, mask, old, adv, kl_coef, clip_eps):
+        traces.append(1)
+        value, metrics = loss.policy_loss(logits, ref, ids, mask, old, adv, kl_coef=kl_coef,
+                                          clip_eps=clip_eps, dual_clip=3.0, backend=backend,
+                                          check_ids=False)
+        return value, metrics["clip_fraction"]
+
+    grad_step = jax.jit(jax.value_and_grad(step, has_aux=True))
+    for kl_coef, clip_eps in ((0.0, 0.2), (0.05, 0.1), (0.3, 0.25)):
+        (value, clip), grad = grad_step(*x, jnp.float32(kl_coef), jnp.float32(clip_eps))
+        (want, want_clip), want_grad = jax.value_and_grad(
+            lambda p: step(p, *x[1:], kl_coef, clip_eps), has_aux=True)(x[0])
+        np.testing.assert_allclose(float(value), float(want), rtol=1e-6, atol=1e-7)
+        assert float(clip) == float(want_clip)
+        np.testing.assert_allclose(np.asarray(grad), np.asarray(want_grad), rtol=1e-5,
+                                   atol=1e-7)
+    assert len(traces) == 1 + 3  # one trace of the jitted step, one per eager reference
+
+
+def test_a_coefficient_must_be_0d() -> None:
+    x = _inputs(1)
+    with pytest.raises(TypeError, match="`kl_coef` must be a Python number or a 0-d"):
+        loss.policy_loss(*x, kl_coef=jnp.ones(2), backend="native")
