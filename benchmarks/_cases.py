@@ -1,7 +1,8 @@
-"""What the suite measures: operations, modes, shapes, presets and minimum bytes.
+"""What the suite measures: operations, modes, timings, shapes, presets and minimum bytes.
 
-A *case* is one input configuration ``(N, V, density, dtype)``; every
-(provider, op, mode) of a preset runs on it. Minimum bytes follow PERF.md:
+A *case* is one input configuration ``(N, V, density, dtype)`` (and, for the
+in-situ lm_head step, the hidden size ``H``); every (provider, op, mode) of a
+preset group runs on it under both timings (``TIMINGS``). Minimum bytes follow PERF.md:
 the forward reads the policy logits (and the reference logits when the op
 takes them) once for active rows; the backward reads the policy logits once
 for active rows and writes the whole ``[N, V]`` gradient once (inactive rows
@@ -11,22 +12,28 @@ must hold exact zeros, so they are written too).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, NamedTuple, Tuple
+from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
 __all__ = [
     "BWD",
     "CLIP_EPS",
     "Case",
+    "DEVICE",
     "FWD",
     "FWD_BWD",
+    "Group",
     "KL_COEF",
+    "LMHEAD",
     "OPS",
     "PRESETS",
     "Preset",
     "TIMED_MODES",
+    "TIMINGS",
     "Timing",
     "TorchOp",
+    "USER",
     "min_bytes",
+    "timed_modes",
     "uses_ref_logits",
 ]
 
@@ -39,9 +46,20 @@ OPS: Tuple[str, ...] = (
     "policy_loss_ref_logps",  # precomputed reference log-probs given
 )
 
+#: The in-situ lm_head step: ``logits = hidden @ W.T`` -> loss -> gradients of hidden and W.
+#: Its cases have ``hidden > 0`` and their own inputs (``_inputs.StepInputs``).
+LMHEAD = "lmhead-step"
+
 FWD, BWD, FWD_BWD = "fwd", "bwd", "fwd+bwd"
 #: Modes that are timed; ``bwd`` is derived as ``fwd+bwd - fwd`` (see README).
 TIMED_MODES: Tuple[str, ...] = (FWD, FWD_BWD)
+
+#: Timings, both measured for every (provider, op, mode, case) in one run (PERF.md):
+#: ``user``: ``triton.testing.do_bench(fn)`` with its defaults, every provider with its
+#: default arguments (ratiokl ``check_ids=True``); ``device``: the head-start timer,
+#: ratiokl ``check_ids=False``.
+USER, DEVICE = "user", "device"
+TIMINGS: Tuple[str, ...] = (USER, DEVICE)
 
 #: Policy-loss hyperparameters shared by every provider (PPO clip, KL weight).
 CLIP_EPS = 0.2
@@ -55,10 +73,15 @@ _MAX_SEQ = 1024
 
 
 class TorchOp(NamedTuple):
-    """A torch provider's op: ``forward() -> (diff, aux)`` and the leaf the gradient reaches."""
+    """A torch provider's op: ``forward() -> (diff, aux)`` and the leaves the gradient reaches.
+
+    ``grad_outputs``: the upstream gradients of ``diff`` when the provider fixes them
+    (the bare GEMMs of the lm_head step); None: the op's own (``_measure``).
+    """
 
     forward: Callable[[], Any]
-    wrt: Any  # torch.Tensor [B, T, V] (or the provider's own copy of it), requires_grad
+    wrt: Any  # torch.Tensor [B, T, V] (or a copy of it), or a tuple of leaves; requires_grad
+    grad_outputs: Optional[Tuple[Any, ...]] = None
 
 
 def uses_ref_logits(op: str) -> bool:
@@ -66,14 +89,21 @@ def uses_ref_logits(op: str) -> bool:
     return op in ("ratio_kl", "policy_loss")
 
 
+def timed_modes(op: str) -> Tuple[str, ...]:
+    """The modes timed for ``op``: the lm_head step is a training step (``fwd+bwd``) only."""
+    return (FWD_BWD,) if op == LMHEAD else TIMED_MODES
+
+
 @dataclass(frozen=True)
 class Case:
-    """One input configuration: ``n`` tokens of vocabulary ``v``, a mask density, a dtype."""
+    """One input configuration: ``n`` tokens of vocabulary ``v``, a mask density, a dtype;
+    ``hidden > 0``: hidden states ``[n, hidden]`` and ``W [v, hidden]`` in (the lm_head step)."""
 
     n: int
     v: int
     density: float
     dtype: str  # "bfloat16" | "float32"
+    hidden: int = 0
 
     def __post_init__(self) -> None:
         if self.n % self.seq:
@@ -99,11 +129,15 @@ class Case:
         return _ITEMSIZE[self.dtype]
 
     def label(self) -> str:
-        return f"N={self.n} V={self.v} d={self.density:g} {self.dtype}"
+        h = f" H={self.hidden}" if self.hidden else ""
+        return f"N={self.n} V={self.v}{h} d={self.density:g} {self.dtype}"
 
 
-def min_bytes(op: str, mode: str, case: Case) -> int:
-    """Minimum HBM traffic of ``op`` in ``mode`` on ``case`` (per-row vectors ignored)."""
+def min_bytes(op: str, mode: str, case: Case) -> Optional[int]:
+    """Minimum HBM traffic of ``op`` in ``mode`` on ``case`` (per-row vectors ignored);
+    None for the lm_head step (GEMM-bound: its yardstick is the bare GEMMs, not bytes)."""
+    if op == LMHEAD:
+        return None
     row_bytes = case.v * case.itemsize
     fwd = case.active * row_bytes * (2 if uses_ref_logits(op) else 1)
     bwd = case.active * row_bytes + case.n * row_bytes
@@ -119,11 +153,19 @@ class Timing:
     cpu_reps: int
 
 
+class Group(NamedTuple):
+    """Cases, the providers that run on them, and their ops (None: the preset's)."""
+
+    cases: Tuple[Case, ...]
+    providers: Tuple[str, ...]
+    ops: Optional[Tuple[str, ...]] = None
+
+
 @dataclass(frozen=True)
 class Preset:
-    """Groups of cases, each with the providers that run on it, and the ops."""
+    """Groups of cases (each with its providers, and optionally its own ops), and the ops."""
 
-    groups: Tuple[Tuple[Tuple[Case, ...], Tuple[str, ...]], ...]
+    groups: Tuple[Group, ...]
     ops: Tuple[str, ...]
     timing: Timing
 
@@ -131,6 +173,7 @@ class Preset:
 _ALL = (
     "ratiokl-torch-triton",
     "ratiokl-torch-triton-inplace",
+    "ratiokl-torch-triton-graph",
     "ratiokl-jax-triton",
     "ratiokl-torch-native",
     "ratiokl-jax-native",
@@ -138,10 +181,14 @@ _ALL = (
     "torch-compile",
     "liger",
 )
-_FAST = ("ratiokl-torch-triton", "ratiokl-torch-triton-inplace", "ratiokl-jax-triton",
-         "torch-eager", "liger")
+_FAST = ("ratiokl-torch-triton", "ratiokl-torch-triton-inplace", "ratiokl-torch-triton-graph",
+         "ratiokl-jax-triton", "torch-eager", "liger")
 _NATIVE = ("ratiokl-torch-native", "ratiokl-jax-native", "torch-eager")
 _HEADLINE_OPS = ("selected_logprobs", "ratio_kl", "ratio_kl_ref_logps", "policy_loss_ref_logps")
+#: The lm_head step's providers on a GPU: ratiokl's loss, Liger's, and the bare GEMMs.
+_STEP = ("ratiokl-torch-triton", "liger", "gemm-only")
+#: PERF.md's lm_head shape: N = 8192 tokens, hidden size 4096, V = 151,936, bf16.
+_STEP_GROUP = Group((Case(8192, 151936, 1.0, "bfloat16", hidden=4096),), _STEP, (LMHEAD,))
 
 
 def _grid(ns, vs, densities, dtypes) -> Tuple[Case, ...]:
@@ -151,31 +198,38 @@ def _grid(ns, vs, densities, dtypes) -> Tuple[Case, ...]:
 PRESETS: Dict[str, Preset] = {
     # Every shape of issue 5; far more than one device session.
     "full": Preset(
-        groups=((_grid((128, 8192, 32768), (32768, 151936, 262144), (1.0, 0.5),
-                       ("bfloat16", "float32")), _ALL),),
+        groups=(Group(_grid((128, 8192, 32768), (32768, 151936, 262144), (1.0, 0.5),
+                            ("bfloat16", "float32")), _ALL), _STEP_GROUP),
         ops=OPS,
         timing=Timing(warmup_ms=25, rep_ms=100, cpu_reps=10),
     ),
     # PERF.md's targets: the headline shape for every provider at both
-    # densities; the few-rows shape for ratiokl and the cheap peers (torch.compile
-    # and XLA would add minutes of compilation for no target).
+    # densities; the few-rows shapes (N = 128 and 1024, against the CUDA graph) for
+    # ratiokl and the cheap peers (torch.compile and XLA would add minutes of
+    # compilation for no target); the lm_head step.
     "headline": Preset(
         groups=(
-            (_grid((8192,), (151936,), (1.0, 0.5), ("bfloat16",)), _ALL),
-            (_grid((128,), (151936,), (1.0,), ("bfloat16",)), _FAST),
+            Group(_grid((8192,), (151936,), (1.0, 0.5), ("bfloat16",)), _ALL),
+            Group(_grid((128, 1024), (151936,), (1.0,), ("bfloat16",)), _FAST),
+            _STEP_GROUP,
         ),
         ops=_HEADLINE_OPS,
         timing=Timing(warmup_ms=10, rep_ms=60, cpu_reps=10),
     ),
     # The CPU native paths against eager PyTorch at a moderate size (issue 5: within 1.5x).
     "cpu": Preset(
-        groups=((_grid((1024,), (32768,), (1.0,), ("float32",)), _NATIVE),),
+        groups=(Group(_grid((1024,), (32768,), (1.0,), ("float32",)), _NATIVE),),
         ops=OPS,
         timing=Timing(warmup_ms=1, rep_ms=5, cpu_reps=7),
     ),
-    # CI on the CPU: tiny, native providers, every op.
+    # CI on the CPU: tiny, native providers, every op; a tiny lm_head step (bf16, as on
+    # the GPU) with ratiokl's native loss and the bare GEMMs.
     "cpu-smoke": Preset(
-        groups=((_grid((32,), (256,), (0.5,), ("float32",)), _NATIVE),),
+        groups=(
+            Group(_grid((32,), (256,), (0.5,), ("float32",)), _NATIVE),
+            Group((Case(32, 256, 0.5, "bfloat16", hidden=64),),
+                  ("ratiokl-torch-native", "gemm-only"), (LMHEAD,)),
+        ),
         ops=OPS,
         timing=Timing(warmup_ms=1, rep_ms=5, cpu_reps=3),
     ),

@@ -6,8 +6,8 @@
   warp counts;
 - few-rows read (GPU only): the best pure read (``chunk_sum_kernel``, a small
   grid of programs, blocks and warps) of exactly the bytes of the few-rows
-  forwards (N = 128, V = 151,936, bf16: one tensor, or two with reference
-  logits), with the same timer: what any kernel could reach there.
+  forwards (N = 128 and N = 1024, V = 151,936, bf16: one tensor, or two with
+  reference logits), with the device timer: what any kernel could reach there.
 
 On the CPU the same quantities are measured with torch ops (``copy_`` and
 ``sum``) so the smoke run exercises this code; they are not a GPU ceiling.
@@ -31,8 +31,9 @@ _READ_SHAPE_GPU = (8192, 151936)
 _READ_SHAPE_CPU = (256, 32768)
 #: (BLOCK, num_warps) grid for the read kernel.
 _READ_CONFIGS = tuple((b, w) for b in (2048, 4096, 8192) for w in (8, 16))
-#: The few-rows forwards' [N, V] bf16 tensors, and (programs, BLOCK, num_warps) to try.
-_FEW_ROWS = (128, 151936)
+#: The few-rows forwards' row counts N and V (bf16 [N, V] tensors), and (programs, BLOCK,
+#: num_warps) to try.
+_FEW_ROWS, _FEW_V = (128, 1024), 151936
 _FEW_CONFIGS = tuple((p, b, w) for p in (1056, 2112, 4224) for b in (2048, 8192)
                      for w in (8, 16))
 
@@ -75,35 +76,37 @@ def _read_gpu(x: torch.Tensor, timing: Timing) -> Dict[str, Any]:
 
 
 def _few_rows_read(timing: Timing, read_gbps: float) -> List[Dict[str, Any]]:
-    """Best pure read of the few-rows forwards' bytes (one and two tensors), as % of read."""
+    """Best pure read of the few-rows forwards' bytes (each N; one and two tensors), as % of
+    read."""
     from _read_kernel import chunk_sum_kernel
 
     out = torch.empty(max(p for p, _, _ in _FEW_CONFIGS), dtype=torch.float32, device="cuda")
     found = []
-    for tensors in (1, 2):
-        x = torch.ones(tensors * _FEW_ROWS[0] * _FEW_ROWS[1], dtype=torch.bfloat16,
-                       device="cuda")
+    for rows in _FEW_ROWS:
+        for tensors in (1, 2):
+            x = torch.ones(tensors * rows * _FEW_V, dtype=torch.bfloat16, device="cuda")
 
-        def runs(x: torch.Tensor = x):
-            for programs, block, warps in _FEW_CONFIGS:
-                chunk = -(-x.numel() // programs // block) * block
-                yield f"{programs} programs BLOCK={block} num_warps={warps}", functools.partial(
-                    chunk_sum_kernel[(-(-x.numel() // chunk),)], x, out, TOTAL=x.numel(),
-                    CHUNK=chunk, BLOCK=block, num_warps=warps)
+            def runs(x: torch.Tensor = x):
+                for programs, block, warps in _FEW_CONFIGS:
+                    chunk = -(-x.numel() // programs // block) * block
+                    yield (f"{programs} programs BLOCK={block} num_warps={warps}",
+                           functools.partial(chunk_sum_kernel[(-(-x.numel() // chunk),)], x, out,
+                                             TOTAL=x.numel(), CHUNK=chunk, BLOCK=block,
+                                             num_warps=warps))
 
-        nbytes = x.numel() * x.element_size()
-        gbps, label = _fastest(nbytes, runs(), timing)
-        found.append({"rows": _FEW_ROWS[0], "V": _FEW_ROWS[1], "tensors": tensors,
-                      "bytes": nbytes, "gbps": gbps, "pct_read_ceiling": 100.0 * gbps / read_gbps,
-                      "method": f"triton chunk sum, {label}"})
-        del x
+            nbytes = x.numel() * x.element_size()
+            gbps, label = _fastest(nbytes, runs(), timing)
+            found.append({"rows": rows, "V": _FEW_V, "tensors": tensors, "bytes": nbytes,
+                          "gbps": gbps, "pct_read_ceiling": 100.0 * gbps / read_gbps,
+                          "method": f"triton chunk sum, {label}"})
+            del x
     return found
 
 
 def measure_ceilings(on_gpu: bool, timing: Timing) -> Dict[str, Any]:
     """``{"copy_gbps", "read_gbps", "copy_method", "read_method"}`` for this device, and on
-    a GPU ``"few_rows_read"``: a list of ``{"tensors", "bytes", "gbps", "pct_read_ceiling",
-    ...}``, the best pure read of the few-rows forwards' bytes."""
+    a GPU ``"few_rows_read"``: a list of ``{"rows", "V", "tensors", "bytes", "gbps",
+    "pct_read_ceiling", ...}``, the best pure read of the few-rows forwards' bytes."""
     device = torch.device("cuda" if on_gpu else "cpu")
     time_it = _timer(timing, on_gpu)
     nbytes = _COPY_BYTES_GPU if on_gpu else _COPY_BYTES_CPU

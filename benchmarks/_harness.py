@@ -1,6 +1,15 @@
 """Shared benchmark machinery: timers, peak memory, metadata, the results file.
 
-Timers (all return milliseconds, the median of repeated runs):
+User timing (what a trainer sees; PERF.md), milliseconds per call:
+
+- torch on CUDA: ``triton.testing.do_bench(fn)`` with its defaults (25 ms
+  warm-up, 100 ms of runs, a 256 MB L2 flush before each run, the *mean*),
+  no device head start: host time shows wherever the device waits for it;
+- JAX on a GPU: the jitted call in a plain wall loop (do_bench's budget),
+  ending in ``block_until_ready``;
+- CPU: as device timing (below).
+
+Device timing (what the kernels could do), the median of repeated runs:
 
 - torch on CUDA: ``triton.testing.do_bench``'s method (CUDA events around
   each run, the L2 flushed before each by writing a buffer, the median), with
@@ -20,6 +29,18 @@ Timers (all return milliseconds, the median of repeated runs):
   leaked into N = 128 ops: a forward read 0.26 ms, more than its forward +
   backward). The median over batches is reported;
 - CPU: ``time.perf_counter`` around each (synchronised) call, no flush.
+
+Issue time (``issue_ms``): wall ms for the host to return from one call, the
+mean of ``_ISSUE_CALLS`` calls in a row. torch on CUDA: a device-side wait
+long enough for the host to issue them all is queued first, so the device
+is busy throughout; whether it had drained before the host returned from
+the last call is ``issue_blocked`` (the call waits for the GPU, e.g. ratiokl's
+default ``check_ids=True`` reading its check: the time is the backlog, not
+the host's cost). JAX: the time to return from dispatching the jitted call.
+CPU (torch): the calls run synchronously, so it is their wall time.
+
+CUDA graphs (:func:`cuda_graph`): the call is warmed up on a side stream,
+captured once with ``torch.cuda.graph`` and timed as ``graph.replay``.
 
 Extra peak memory is what the op allocates beyond the inputs it is given:
 torch ``max_memory_allocated`` minus ``memory_allocated`` just before the
@@ -41,20 +62,26 @@ import statistics
 import subprocess
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
 __all__ = [
+    "GraphReplay",
     "RECORD_FIELDS",
     "ResultsWriter",
     "cpu_ms",
+    "cuda_graph",
     "cuda_ms",
     "host_ms",
     "jax_gpu_ms",
+    "jax_issue_ms",
     "jax_peak_extra",
+    "jax_wall_ms",
     "metadata",
+    "torch_issue_ms",
     "torch_peak_extra",
+    "user_ms",
 ]
 
 #: Bytes written between runs to evict the GPU's L2 cache (50 MB on an H200)
@@ -64,6 +91,10 @@ _FLUSH_BYTES = 1024**3
 _JAX_BATCHES = 5
 #: Runs of one timing: at least (a median of fewer is noise), at most (time).
 _MIN_RUNS, _MAX_RUNS = 5, 200
+#: ``triton.testing.do_bench``'s default budget (ms), also the JAX user timing's.
+_USER_WARMUP_MS, _USER_REP_MS = 25, 100
+#: Calls in a row timed for the issue time.
+_ISSUE_CALLS = 10
 
 _TORCH_FLUSH: Dict[str, torch.Tensor] = {}
 
@@ -116,10 +147,102 @@ def cuda_ms(fn: Callable[[], Any], warmup_ms: float, rep_ms: float, est_ms: floa
     return float(statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)))
 
 
+def user_ms(fn: Callable[[], Any]) -> float:
+    """User timing of ``fn`` (torch on CUDA): ``triton.testing.do_bench(fn)``, its defaults."""
+    from triton.testing import do_bench
+
+    return float(do_bench(fn))
+
+
+def _sleep_ms(ms: float) -> None:
+    """Queue a device-side wait of at least ``ms`` (at up to 2 GHz) on the current stream."""
+    torch.cuda._sleep(int(ms * _CYCLES_PER_MS))
+
+
+def torch_issue_ms(fn: Callable[[], Any], host: Optional[float],
+                   calls: int = _ISSUE_CALLS) -> Tuple[float, Optional[bool]]:
+    """``(issue ms, blocked)`` of ``fn`` (torch): the mean wall time of ``calls`` calls in a row.
+
+    CUDA: first a device-side wait of ``2 * calls * host + 1`` ms (``host`` from
+    :func:`host_ms`), so the device is busy while the host issues them;
+    ``blocked``: the wait had finished when the host returned from the last
+    call, i.e. the call waits for the GPU and the time is the backlog.
+    CPU: the calls run synchronously; ``blocked`` is None.
+    """
+    drained = None
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        _sleep_ms(2 * calls * (host or 0.0) + 1.0)
+        drained = torch.cuda.Event()
+        drained.record()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    blocked = None if drained is None else bool(drained.query())
+    if drained is not None:
+        torch.cuda.synchronize()
+    return elapsed / calls * 1e3, blocked
+
+
+class GraphReplay:
+    """A captured CUDA graph as a zero-argument call (``graph.replay()``); it keeps the
+    captured outputs, which live in the graph's memory pool, alive with it."""
+
+    def __init__(self, graph: "torch.cuda.CUDAGraph", outputs: Any) -> None:
+        self.graph, self.outputs = graph, outputs
+
+    def __call__(self) -> None:
+        self.graph.replay()
+
+
+def cuda_graph(fn: Callable[[], Any], warmups: int = 3) -> GraphReplay:
+    """``fn`` as a CUDA graph: warmed up on a side stream (compilation, autotuning and the
+    allocator settle there), then captured once (``torch.cuda.graph``)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = fn()
+    return GraphReplay(graph, outputs)
+
+
 def _block(value: Any) -> Any:
     import jax
 
     return jax.block_until_ready(value)
+
+
+def jax_wall_ms(call: Callable[[], Any], est_ms: float) -> float:
+    """User timing of a jitted JAX call: do_bench's budget of calls in a plain wall loop
+    ending in ``block_until_ready`` (the device runs them in order: the last one ends it)."""
+    out = None
+    for _ in range(max(1, int(_USER_WARMUP_MS / max(est_ms, 1e-3)))):
+        out = call()
+    _block(out)
+    runs = _runs(_USER_REP_MS, est_ms)
+    start = time.perf_counter()
+    for _ in range(runs):
+        out = call()
+    _block(out)
+    return (time.perf_counter() - start) / runs * 1e3
+
+
+def jax_issue_ms(call: Callable[[], Any], calls: int = _ISSUE_CALLS) -> float:
+    """Issue time of a jitted JAX call: the mean wall time to return from ``calls``
+    dispatches in a row (then blocked on)."""
+    _block(call())
+    out = None
+    start = time.perf_counter()
+    for _ in range(calls):
+        out = call()
+    elapsed = time.perf_counter() - start
+    _block(out)
+    return elapsed / calls * 1e3
 
 
 class _JaxFlush:
@@ -275,9 +398,10 @@ def metadata() -> Dict[str, Any]:
 
 #: Columns of every record, in CSV order.
 RECORD_FIELDS = (
-    "op", "provider", "framework", "mode", "N", "V", "density", "dtype", "status",
-    "ms", "gbps", "pct_read_ceiling", "pct_copy_ceiling", "peak_extra_bytes", "min_bytes",
-    "host_ms", "timer", "mem_method", "first_call_s", "reason",
+    "op", "provider", "framework", "mode", "timing", "N", "V", "H", "density", "dtype",
+    "status", "ms", "gbps", "pct_read_ceiling", "pct_copy_ceiling", "peak_extra_bytes",
+    "min_bytes", "host_ms", "issue_ms", "issue_blocked", "timer", "mem_method",
+    "first_call_s", "reason",
 )
 
 

@@ -5,18 +5,23 @@ ratios and KL values are those of a policy a few steps from its reference;
 ``old_logps`` and ``ref_logps`` are the exact log-probs plus small noise.
 Exactly ``case.active`` rows are active, at random positions. JAX sees the
 same buffers through DLPack (zero copy on the GPU).
+
+The lm_head step's cases (``case.hidden > 0``) get :class:`StepInputs`:
+hidden states and ``W`` scaled so that ``hidden @ W.T`` has the same spread
+(standard normals times 2), the per-token inputs of the policy loss, and a
+random ``[N, V]`` gradient for the bare GEMMs (never a constant one: PERF.md).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Dict
+from typing import Any, Dict, Union
 
 import torch
 
 from _cases import Case
 
-__all__ = ["TorchInputs", "jax_inputs", "make_inputs"]
+__all__ = ["StepInputs", "TorchInputs", "jax_inputs", "make_inputs"]
 
 #: Rows per chunk when computing exact log-probs (bounds the fp32 temporary).
 _CHUNK_ROWS = 1024
@@ -49,33 +54,88 @@ def _exact_logps(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return out.reshape(ids.shape)
 
 
-def make_inputs(case: Case, device: torch.device, seed: int = 0) -> TorchInputs:
-    """Random inputs for ``case`` on ``device`` (deterministic for a seed)."""
-    g = torch.Generator(device=device).manual_seed(seed)
+@dataclass
+class StepInputs:
+    """Inputs of one lm_head step case: ``logits = hidden @ weight.T`` viewed ``[B, T, V]``."""
+
+    hidden: torch.Tensor  # [N, H] case dtype, requires_grad
+    weight: torch.Tensor  # [V, H] case dtype, requires_grad
+    ids: torch.Tensor  # [B, T] int64
+    mask: torch.Tensor  # [B, T] bool
+    old_logps: torch.Tensor  # [B, T] float32
+    ref_logps: torch.Tensor  # [B, T] float32
+    advantages: torch.Tensor  # [B] float32
+    grad_logits: torch.Tensor  # [N, V] case dtype: the bare GEMMs' upstream gradient
+
+
+class _Random:
+    """Seeded random tensors on one device."""
+
+    def __init__(self, device: torch.device, seed: int) -> None:
+        self.device = device
+        self.g = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(self, *size: int, dt: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.randn(*size, generator=self.g, device=self.device, dtype=dt)
+
+    def ids(self, case: Case) -> torch.Tensor:
+        return torch.randint(0, case.v, (case.batch, case.seq), generator=self.g,
+                             device=self.device)
+
+    def mask(self, case: Case) -> torch.Tensor:
+        """``[B, T]`` bool with exactly ``case.active`` true entries, at random positions."""
+        mask = torch.zeros(case.n, dtype=torch.bool, device=self.device)
+        mask[torch.randperm(case.n, generator=self.g, device=self.device)[: case.active]] = True
+        return mask.reshape(case.batch, case.seq)
+
+
+def _logits_inputs(case: Case, r: _Random) -> TorchInputs:
     dtype = getattr(torch, case.dtype)
     shape = (case.batch, case.seq, case.v)
-
-    def randn(*size: int, dt: torch.dtype = torch.float32) -> torch.Tensor:
-        return torch.randn(*size, generator=g, device=device, dtype=dt)
-
-    policy = randn(*shape, dt=dtype).mul_(2.0)
-    ref = randn(*shape, dt=dtype).mul_(0.1).add_(policy)
-    ids = torch.randint(0, case.v, shape[:2], generator=g, device=device)
-    mask = torch.zeros(case.n, dtype=torch.bool, device=device)
-    mask[torch.randperm(case.n, generator=g, device=device)[: case.active]] = True
-    old = _exact_logps(policy, ids) + 0.05 * randn(*shape[:2])
+    policy = r.randn(*shape, dt=dtype).mul_(2.0)
+    ref = r.randn(*shape, dt=dtype).mul_(0.1).add_(policy)
+    ids = r.ids(case)
+    mask = r.mask(case)
+    old = _exact_logps(policy, ids) + 0.05 * r.randn(*shape[:2])
     ref_lp = _exact_logps(ref, ids)
     return TorchInputs(
         policy=policy.requires_grad_(True),
         ref=ref,
         ids=ids,
-        mask=mask.reshape(shape[:2]),
+        mask=mask,
         old_logps=old,
         ref_logps=ref_lp,
-        advantages=randn(case.batch),
-        cot_a=randn(*shape[:2]),
-        cot_b=randn(*shape[:2]),
+        advantages=r.randn(case.batch),
+        cot_a=r.randn(*shape[:2]),
+        cot_b=r.randn(*shape[:2]),
     )
+
+
+def _step_inputs(case: Case, r: _Random) -> StepInputs:
+    dtype = getattr(torch, case.dtype)
+    hidden = r.randn(case.n, case.hidden, dt=dtype)
+    weight = r.randn(case.v, case.hidden, dt=dtype).mul_(2.0 / case.hidden**0.5)
+    ids = r.ids(case)
+    with torch.no_grad():
+        logps = _exact_logps((hidden @ weight.T).view(case.batch, case.seq, case.v), ids)
+    return StepInputs(
+        hidden=hidden.requires_grad_(True),
+        weight=weight.requires_grad_(True),
+        ids=ids,
+        mask=r.mask(case),
+        old_logps=logps + 0.05 * r.randn(case.batch, case.seq),
+        ref_logps=logps + 0.05 * r.randn(case.batch, case.seq),
+        advantages=r.randn(case.batch),
+        grad_logits=r.randn(case.n, case.v, dt=dtype).mul_(1.0 / case.n),
+    )
+
+
+def make_inputs(case: Case, device: torch.device,
+                seed: int = 0) -> Union[TorchInputs, StepInputs]:
+    """Random inputs for ``case`` on ``device`` (deterministic for a seed): logits in, or
+    (``case.hidden > 0``) the lm_head step's hidden states and weight."""
+    r = _Random(device, seed)
+    return _step_inputs(case, r) if case.hidden else _logits_inputs(case, r)
 
 
 def _to_jax(tensor: torch.Tensor) -> Any:

@@ -13,7 +13,12 @@ pairs with ratiokl:
 - ``policy_loss_ref_logps`` / ``policy_loss``: ``GrpoLossFunction`` (after
   the reference log-probs as above), forward and backward, token-mean loss,
   ``beta = KL_COEF``, ``eps_low = eps_high = CLIP_EPS``, ``inplace=False``
-  (a fresh gradient tensor, like ratiokl's default).
+  (a fresh gradient tensor, like ratiokl's default);
+- ``lmhead-step``: the same loss on ``hidden @ W.T``, Liger's own hidden states
+  holding ``T + 1`` positions per sequence (``_lmhead``), as a trainer computes them.
+
+The same arguments are used under both timings (Liger has no option that
+the timings tell apart).
 
 Liger is imported lazily; where it is missing, the provider is recorded as
 skipped with the import error.
@@ -22,13 +27,14 @@ skipped with the import error.
 from __future__ import annotations
 
 import inspect
-from typing import Any, List
+from typing import Any, List, Optional, Tuple
 
 import torch
 
-from _cases import CLIP_EPS, KL_COEF, TorchOp, uses_ref_logits
+import _lmhead
+from _cases import CLIP_EPS, KL_COEF, LMHEAD, TorchOp, uses_ref_logits
 
-__all__ = ["build"]
+__all__ = ["build", "grpo_loss"]
 
 
 def _padded(tensor: torch.Tensor) -> torch.Tensor:
@@ -59,9 +65,27 @@ def _token_mean(loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (loss * active).sum() / active.sum().clamp(min=1.0)
 
 
-def build(op: str, x: Any) -> TorchOp:
-    """``op`` on the torch inputs ``x``; the gradient reaches Liger's padded copy of the policy."""
-    from liger_kernel.ops.grpo_loss import GrpoLossFunction, fused_selective_log_softmax
+def grpo_loss(logits: torch.Tensor, x: Any,
+              ref_lp: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Any]:
+    """Liger's GRPO loss on ``[B, T + 1, V]`` logits with the per-token inputs of ``x``
+    (reference log-probs ``ref_lp``, default ``x.ref_logps``): ``(token-mean loss, the
+    rest of its outputs)``."""
+    from liger_kernel.ops.grpo_loss import GrpoLossFunction
+
+    mask = x.mask.contiguous()
+    ref_lp = x.ref_logps if ref_lp is None else ref_lp
+    args = _grpo_args(GrpoLossFunction, logits, x.old_logps, ref_lp, x.ids.contiguous(),
+                      x.advantages, mask)
+    out = GrpoLossFunction.apply(*args)
+    return _token_mean(out[0], mask), out[1:]
+
+
+def build(op: str, x: Any, check_ids: Optional[bool] = None) -> TorchOp:
+    """``op`` on the torch inputs ``x``; the gradient reaches Liger's padded copy of the policy
+    (the lm_head step: Liger's hidden states and ``W``). ``check_ids``: unused (no such option)."""
+    if op == LMHEAD:
+        return _lmhead.liger_step(x, grpo_loss)
+    from liger_kernel.ops.grpo_loss import fused_selective_log_softmax
 
     logits = _padded(x.policy).requires_grad_(True)
     ids, mask = x.ids.contiguous(), x.mask.contiguous()
@@ -70,15 +94,10 @@ def build(op: str, x: Any) -> TorchOp:
     if op == "selected_logprobs":
         return TorchOp(lambda: (fused_selective_log_softmax(logits, ids, 1.0, mask), ()), logits)
 
-    def ref_logps() -> torch.Tensor:
-        if ref_logits is None:
-            return x.ref_logps
-        return fused_selective_log_softmax(ref_logits, ids, 1.0, mask)
-
     def forward() -> Any:
-        args = _grpo_args(GrpoLossFunction, logits, x.old_logps, ref_logps(), ids,
-                          x.advantages, mask)
-        out = GrpoLossFunction.apply(*args)
-        return _token_mean(out[0], mask), out[1:]
+        ref_lp = None
+        if ref_logits is not None:
+            ref_lp = fused_selective_log_softmax(ref_logits, ids, 1.0, mask)
+        return grpo_loss(logits, x, ref_lp)
 
     return TorchOp(forward, logits)

@@ -1,9 +1,10 @@
 """Draw PNG plots from a results JSON written by ``benchmarks/run.py``.
 
-    python benchmarks/plot.py benchmarks/results/h200.json [--out-dir DIR]
+    python benchmarks/plot.py benchmarks/results/h200.json [--out-dir DIR] [--timing device]
 
-One figure per operation: for each timed mode, median ms per provider
-(log scale) and % of the read ceiling, grouped by case. Needs matplotlib;
+One figure per operation: for each timed mode, ms per provider (log scale)
+and % of the read ceiling, grouped by case, under one timing (default
+``user``, the headline; ``device`` figures get a ``_device`` suffix). Needs matplotlib;
 without it the script says so and exits 0 (nothing else depends on it).
 """
 
@@ -44,7 +45,7 @@ def _draw_op(plt: Any, op: str, recs: List[Dict[str, Any]], path: Path) -> None:
                 ax.bar(xs, ys, width, label=prov)
             ax.set_xticks(range(len(cases)), cases, fontsize=7)
             ax.set_ylabel(label)
-            ax.set_title(f"{op} {mode}")
+            ax.set_title(f"{op} {mode} ({recs[0].get('timing', 'device')} timing)")
             if metric == "ms":
                 ax.set_yscale("log")
     axes[0][0].legend(fontsize=7)
@@ -56,6 +57,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("results", type=Path, help="a JSON written by benchmarks/run.py")
     ap.add_argument("--out-dir", type=Path, help="default: beside the results file")
+    ap.add_argument("--timing", choices=("user", "device"), default="user",
+                    help="which timing's records to draw (default: user)")
     args = ap.parse_args(argv)
     try:
         import matplotlib
@@ -67,11 +70,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               "(pip install matplotlib, then run again)")
         return 0
     data = json.loads(args.results.read_text())
-    ok = [r for r in data["records"] if r["status"] == "ok" and r["ms"]]
+    ok = [r for r in data["records"] if r["status"] == "ok" and r["ms"]
+          and r.get("timing", "device") == args.timing]
     out_dir = args.out_dir or args.results.parent
     out_dir.mkdir(parents=True, exist_ok=True)
+    suffix = "" if args.timing == "user" else f"_{args.timing}"
     for op in dict.fromkeys(r["op"] for r in ok):
-        path = out_dir / f"{args.results.stem}_{op}.png"
+        path = out_dir / f"{args.results.stem}_{op}{suffix}.png"
         _draw_op(plt, op, [r for r in ok if r["op"] == op], path)
         print(f"wrote {path}")
     return 0

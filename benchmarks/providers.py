@@ -1,41 +1,72 @@
 """Providers: the implementations measured side by side.
 
-A provider builds, for one operation, a forward callable on the case's
-inputs; ``_measure`` turns it into the timed modes (forward, forward +
-backward). Torch providers build a ``TorchOp`` on the torch inputs (a
-zero-argument forward and the leaf the gradient reaches); JAX providers
-build a pure function ``f(policy, rest)`` that ``_measure`` jits (and
-differentiates with ``jax.vjp``). Either forward returns ``(diff, aux)``: ``diff`` is what the gradient flows from (a tensor, a tuple
-of tensors, or a scalar loss) and ``aux`` anything else the op returns.
+A provider builds, for one operation and one value of ratiokl's
+``check_ids`` (``Provider.check_ids``: the library default under user
+timing, False under device timing; None for peers without the option), a
+forward callable on the case's inputs; ``_measure`` turns it into the timed
+modes (forward, forward + backward). Torch providers build a ``TorchOp`` on
+the torch inputs (a zero-argument forward and the leaves the gradient
+reaches); JAX providers build a pure function ``f(policy, rest)`` that
+``_measure`` jits (and differentiates with ``jax.vjp``). Either forward
+returns ``(diff, aux)``: ``diff`` is what the gradient flows from (a tensor,
+a tuple of tensors, or a scalar loss) and ``aux`` anything else the op returns.
 
 Peers are written as trainers write them: upcast to fp32, ``log_softmax``,
 ``gather`` (``torch-eager``), and ``torch.compile`` of exactly that
-(``torch-compile``). Liger-Kernel lives in ``_liger``.
+(``torch-compile``). Liger-Kernel lives in ``_liger``, the lm_head step's
+builders (its ratiokl and Liger losses, the bare GEMMs) in ``_lmhead``.
 """
 
 from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Mapping, Optional
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 import torch
 
 import _liger
-from _cases import CLIP_EPS, FWD, KL_COEF, TorchOp, uses_ref_logits
+import _lmhead
+from _cases import CLIP_EPS, FWD, KL_COEF, LMHEAD, USER, TorchOp, uses_ref_logits
 
 __all__ = ["PROVIDERS", "Provider", "eager_op", "ratiokl_op"]
+
+#: Input kinds: logits in (every op but the lm_head step), hidden states in (``LMHEAD``).
+LOGITS, HIDDEN = "logits", "hidden"
 
 
 @dataclass(frozen=True)
 class Provider:
-    """One implementation: how to build an op, and where it cannot run."""
+    """One implementation: how to build an op, and where it cannot run.
+
+    ``user_check_ids``: the ``check_ids`` its user timing passes to ratiokl (the
+    library default, True; False for a CUDA graph, whose capture cannot
+    synchronise), None for peers without the option. ``graphed``: timed as a
+    CUDA-graph replay of the call. ``inputs``: the input kinds it takes.
+    """
 
     name: str
     framework: str  # "torch" | "jax"
-    build: Callable[..., Any]  # torch: (op, inputs) -> TorchOp; jax: (op) -> f(policy, rest)
+    # torch: (op, inputs, check_ids) -> TorchOp; jax: (op, check_ids) -> f(policy, rest)
+    build: Callable[..., Any]
     unavailable: Callable[[], Optional[str]]  # reason it cannot run here, or None
     unsupported: Callable[[str, str], Optional[str]] = lambda op, mode: None
+    user_check_ids: Optional[bool] = None
+    graphed: bool = False
+    inputs: Tuple[str, ...] = (LOGITS,)
+
+    def check_ids(self, timing: str) -> Optional[bool]:
+        """ratiokl's ``check_ids`` under ``timing`` (False under device timing; None: no option)."""
+        if self.user_check_ids is None:
+            return None
+        return self.user_check_ids if timing == USER else False
+
+    def why_not(self, op: str, mode: str) -> Optional[str]:
+        """Why this provider does not run ``op`` in ``mode`` (None: it does)."""
+        kind = HIDDEN if op == LMHEAD else LOGITS
+        if kind not in self.inputs:
+            return f"{self.name} does not take {kind} inputs"
+        return self.unsupported(op, mode)
 
 
 def _missing_module(name: str) -> Optional[str]:
@@ -59,15 +90,18 @@ def _needs_jax_gpu() -> Optional[str]:
     return None if jax.default_backend() == "gpu" else "needs a JAX GPU backend"
 
 
-def ratiokl_op(loss: Any, op: str, a: Mapping[str, Any], backend: str,
+def ratiokl_op(loss: Any, op: str, a: Mapping[str, Any], backend: str, check_ids: bool,
                inplace_grad: bool = False) -> Any:
     """Call ``loss.<op>`` (torch or JAX module: same API) on the named inputs ``a``.
 
-    ``check_ids=False``: the inputs' ids are valid by construction, and the
-    host check is one synchronisation that a compiled/graph caller skips too.
-    ``inplace_grad``: the policy loss's opt-in in-place gradient.
+    ``check_ids=True``: the library's default (the keyword is not passed: what a
+    user's call does); False: no host check of the ids (valid by construction),
+    as a compiled/graph caller runs it. ``inplace_grad``: the policy loss's
+    opt-in in-place gradient.
     """
-    kw: Dict[str, Any] = {"backend": backend, "check_ids": False}
+    kw: Dict[str, Any] = {"backend": backend}
+    if not check_ids:
+        kw["check_ids"] = False
     p, ids, mask, old = a["policy"], a["ids"], a["mask"], a["old_logps"]
     if op == "selected_logprobs":
         return loss.selected_logprobs(p, ids, mask, **kw), ()
@@ -80,23 +114,27 @@ def ratiokl_op(loss: Any, op: str, a: Mapping[str, Any], backend: str,
     )
 
 
-def _ratiokl_torch(backend: str) -> Callable[[str, Any], TorchOp]:
-    def build(op: str, x: Any) -> TorchOp:
+def _ratiokl_torch(backend: str) -> Callable[[str, Any, bool], TorchOp]:
+    def build(op: str, x: Any, check_ids: bool) -> TorchOp:
         from ratiokl.torch import loss
 
         a = vars(x)
-        return TorchOp(lambda: ratiokl_op(loss, op, a, backend), x.policy)
+        if op == LMHEAD:  # the policy loss (reference log-probs given) on hidden @ W.T
+            return _lmhead.step(x, lambda logits: ratiokl_op(
+                loss, "policy_loss_ref_logps", {**a, "policy": logits}, backend, check_ids))
+        return TorchOp(lambda: ratiokl_op(loss, op, a, backend, check_ids), x.policy)
 
     return build
 
 
-def _ratiokl_torch_inplace(op: str, x: Any) -> TorchOp:
+def _ratiokl_torch_inplace(op: str, x: Any, check_ids: bool) -> TorchOp:
     """The fused policy loss writing its gradient into the logits (its own copy of them:
     every run overwrites them with a gradient, which no other provider should read)."""
     from ratiokl.torch import loss
 
     a = {**vars(x), "policy": x.policy.detach().clone().requires_grad_()}
-    return TorchOp(lambda: ratiokl_op(loss, op, a, "triton", inplace_grad=True), a["policy"])
+    return TorchOp(lambda: ratiokl_op(loss, op, a, "triton", check_ids, inplace_grad=True),
+                   a["policy"])
 
 
 def _policy_loss_only(op: str, mode: str) -> Optional[str]:
@@ -105,11 +143,12 @@ def _policy_loss_only(op: str, mode: str) -> Optional[str]:
     return "the in-place gradient is a policy-loss option"
 
 
-def _ratiokl_jax(backend: str) -> Callable[[str], Callable[..., Any]]:
-    def build(op: str) -> Callable[..., Any]:
+def _ratiokl_jax(backend: str) -> Callable[[str, bool], Callable[..., Any]]:
+    def build(op: str, check_ids: bool) -> Callable[..., Any]:
         from ratiokl.jax import loss
 
-        return lambda policy, rest: ratiokl_op(loss, op, {**rest, "policy": policy}, backend)
+        return lambda policy, rest: ratiokl_op(loss, op, {**rest, "policy": policy}, backend,
+                                               check_ids)
 
     return build
 
@@ -156,8 +195,8 @@ def eager_op(op: str, p: torch.Tensor, ref: torch.Tensor, ids: torch.Tensor,
     return loss, metrics
 
 
-def _eager(compile_it: bool) -> Callable[[str, Any], TorchOp]:
-    def build(op: str, x: Any) -> TorchOp:
+def _eager(compile_it: bool) -> Callable[[str, Any, Optional[bool]], TorchOp]:
+    def build(op: str, x: Any, check_ids: Optional[bool]) -> TorchOp:
         fn = eager_op
         if compile_it:
             fn = torch.compile(eager_op, fullgraph=True, dynamic=False)
@@ -168,29 +207,43 @@ def _eager(compile_it: bool) -> Callable[[str, Any], TorchOp]:
 
 
 def _liger_unsupported(op: str, mode: str) -> Optional[str]:
-    if op.startswith("policy_loss") or mode == FWD:
+    if op.startswith("policy_loss") or op == LMHEAD or mode == FWD:
         return None
     return "Liger has no differentiable equivalent (forward-only comparison)"
+
+
+def _gemm_only(op: str, x: Any, check_ids: Optional[bool]) -> TorchOp:
+    return _lmhead.gemm_only(x)
+
+
+def _torch_triton() -> Optional[str]:
+    return _needs_cuda() or _missing_module("ratiokl.torch.loss")
 
 
 PROVIDERS: Dict[str, Provider] = {
     p.name: p
     for p in (
-        Provider("ratiokl-torch-triton", "torch", _ratiokl_torch("triton"),
-                 lambda: _needs_cuda() or _missing_module("ratiokl.torch.loss")),
+        Provider("ratiokl-torch-triton", "torch", _ratiokl_torch("triton"), _torch_triton,
+                 user_check_ids=True, inputs=(LOGITS, HIDDEN)),
         Provider("ratiokl-torch-triton-inplace", "torch", _ratiokl_torch_inplace,
-                 lambda: _needs_cuda() or _missing_module("ratiokl.torch.loss"),
-                 _policy_loss_only),
+                 _torch_triton, _policy_loss_only, user_check_ids=True),
+        # The same call as ratiokl-torch-triton (check_ids=False), captured once as a CUDA
+        # graph and replayed: the op without the host's per-call work.
+        Provider("ratiokl-torch-triton-graph", "torch", _ratiokl_torch("triton"),
+                 _torch_triton, user_check_ids=False, graphed=True),
         Provider("ratiokl-jax-triton", "jax", _ratiokl_jax("triton"),
-                 lambda: _needs_jax_gpu() or _missing_module("ratiokl.jax.loss")),
+                 lambda: _needs_jax_gpu() or _missing_module("ratiokl.jax.loss"),
+                 user_check_ids=True),
         Provider("ratiokl-torch-native", "torch", _ratiokl_torch("native"),
-                 lambda: _missing_module("ratiokl.torch.loss")),
+                 lambda: _missing_module("ratiokl.torch.loss"), user_check_ids=True,
+                 inputs=(LOGITS, HIDDEN)),
         Provider("ratiokl-jax-native", "jax", _ratiokl_jax("native"),
-                 lambda: _missing_module("ratiokl.jax.loss")),
+                 lambda: _missing_module("ratiokl.jax.loss"), user_check_ids=True),
         Provider("torch-eager", "torch", _eager(False), lambda: None),
         Provider("torch-compile", "torch", _eager(True), lambda: None),
         Provider("liger", "torch", _liger.build,
                  lambda: _needs_cuda() or _missing_module("liger_kernel.ops.grpo_loss"),
-                 _liger_unsupported),
+                 _liger_unsupported, inputs=(LOGITS, HIDDEN)),
+        Provider("gemm-only", "torch", _gemm_only, lambda: None, inputs=(HIDDEN,)),
     )
 }

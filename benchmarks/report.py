@@ -1,6 +1,10 @@
 """Print the summary tables of a results file (plain text, or Markdown for the README).
 
     python benchmarks/report.py benchmarks/results/h200.json --markdown
+
+The headline tables are user timing; device timing stands beside them,
+labelled (the legend printed first says what each timing and the issue
+time's ``(waits)`` label mean).
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from _summary import render, tables
+from _summary import LEGEND, render, tables
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -25,7 +29,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     versions = ", ".join(f"{k} {v}" for k, v in meta["versions"].items() if v)
     print(f"{gpu}, {meta['date_utc']}; {versions}")
     print(f"ceilings: copy {ceil['copy_gbps']:.0f} GB/s, read {ceil['read_gbps']:.0f} GB/s "
-          f"({ceil['read_method']})\n")
+          f"({ceil['read_method']})")
+    for found in ceil.get("few_rows_read", []):
+        print(f"pure read of [{found.get('rows', 128)} x {found['V']}] bf16 x {found['tensors']}: "
+              f"{found['gbps']:.0f} GB/s ({found['method']})")
+    print("\n" + LEGEND + "\n")
     for title, headers, rows in tables(data["records"], ceil):
         print(render(title, headers, rows, args.markdown) + "\n")
     return 0

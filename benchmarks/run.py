@@ -3,7 +3,9 @@
     python benchmarks/run.py --preset headline --out benchmarks/results/h200.json
     python benchmarks/run.py --preset cpu-smoke --out /tmp/smoke.json
 
-Writes tidy records (JSON + CSV beside it) after every measurement, then
+Every (provider, op, mode, case) is measured under both timings, ``user``
+(what a trainer sees) and ``device`` (the kernels, host hidden). Writes
+tidy records (JSON + CSV beside it) after every measurement, then
 the summary (speedups against each peer, PERF.md's targets) and prints it.
 A provider that fails (import, compile, OOM) gets an ``error`` record and
 the run goes on; one that cannot run here gets ``skipped``. See README.md.
@@ -21,19 +23,30 @@ import gc  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Any, Dict, List, Optional, Sequence  # noqa: E402
+from typing import Any, Callable, Dict, List, Optional, Sequence  # noqa: E402
 
 import torch  # noqa: E402
 
-from _cases import OPS, PRESETS, TIMED_MODES, Case, Preset  # noqa: E402
+from _cases import (  # noqa: E402
+    LMHEAD,
+    OPS,
+    PRESETS,
+    TIMED_MODES,
+    TIMINGS,
+    Case,
+    Preset,
+    timed_modes,
+)
 from _ceilings import measure_ceilings  # noqa: E402
 from _harness import ResultsWriter, metadata  # noqa: E402
 from _inputs import jax_inputs, make_inputs  # noqa: E402
 from _measure import derive_bwd, make_record, measure_jax, measure_torch  # noqa: E402
-from _summary import check_targets, render, speedups, tables  # noqa: E402
+from _summary import LEGEND, check_targets, render, speedups, tables  # noqa: E402
 from providers import PROVIDERS, Provider  # noqa: E402
 
 _START = time.perf_counter()
+#: Every op ``--ops`` may name: the logits-in ops and the lm_head step.
+_ALL_OPS = OPS + (LMHEAD,)
 
 
 def _log(msg: str) -> None:
@@ -57,53 +70,69 @@ class _Run:
     def __init__(self, writer: ResultsWriter, preset: Preset, ceilings: Dict[str, Any]) -> None:
         self.writer, self.preset, self.ceilings = writer, preset, ceilings
         self.unavailable: Dict[str, Optional[str]] = {}
-        self.jax_compiled: Dict[Any, Any] = {}  # (provider, op, mode, N, V, dtype) -> compiled
-        self.shape: Optional[tuple] = None  # (N, V, dtype) of the previous case
+        # (provider, op, mode, N, V, dtype, check_ids) -> compiled
+        self.jax_compiled: Dict[Any, Any] = {}
+        self.shape: Optional[tuple] = None  # (N, V, H, dtype) of the previous case
 
-    def record(self, prov: Provider, op: str, mode: str, case: Case, measured: Dict[str, Any],
-               status: str = "ok", reason: Optional[str] = None) -> Dict[str, Any]:
-        rec = make_record(op, prov.name, prov.framework, mode, case, self.ceilings, measured,
-                          status, reason)
+    def record(self, prov: Provider, op: str, mode: str, timing: str, case: Case,
+               measured: Dict[str, Any], status: str = "ok",
+               reason: Optional[str] = None) -> Dict[str, Any]:
+        rec = make_record(op, prov.name, prov.framework, mode, timing, case, self.ceilings,
+                          measured, status, reason)
         self.writer.add(rec)
         ms = f"{rec['ms']:.3f} ms" if rec["ms"] is not None else rec["status"]
         pct = f" {rec['pct_read_ceiling']:.0f}% read" if rec["pct_read_ceiling"] else ""
+        issue = f", issue {rec['issue_ms']:.3f} ms" if rec["issue_ms"] is not None else ""
         why = f" ({reason})" if reason and status != "ok" else ""
-        _log(f"{case.label()} {op} {mode} {prov.name}: {ms}{pct}{why}")
+        _log(f"{case.label()} {op} {mode} {prov.name} [{timing}]: {ms}{pct}{issue}{why}")
         return rec
+
+    def add_bwd(self, recs: List[Dict[str, Any]], case: Case) -> None:
+        """The derived ``bwd`` record of one timing's ``[fwd, fwd+bwd]`` records."""
+        if [r["mode"] for r in recs] == list(TIMED_MODES):
+            self.writer.add(derive_bwd(recs[0], recs[1], case, self.ceilings))
 
     def no_inputs(self, case: Case, names: Sequence[str], ops: Sequence[str], why: str) -> None:
         """Error records for every measurement of a case whose inputs could not be made."""
         _free()
         for name in names:
             for op in ops:
-                recs = [self.record(PROVIDERS[name], op, mode, case, {}, "error",
-                                    f"inputs: {why}") for mode in TIMED_MODES]
-                self.writer.add(derive_bwd(recs[0], recs[1], case, self.ceilings))
+                for timing in TIMINGS:
+                    self.add_bwd([self.record(PROVIDERS[name], op, mode, timing, case, {},
+                                              "error", f"inputs: {why}")
+                                  for mode in timed_modes(op)], case)
 
-    def provider_op(self, prov: Provider, op: str, case: Case, x: Any, xj: Any) -> None:
-        """Both timed modes of one (provider, op), then the derived backward."""
-        recs: List[Dict[str, Any]] = []
-        reason = self.unavailable[prov.name]
-        built: Any = None
-        for mode in TIMED_MODES:
-            why = reason or prov.unsupported(op, mode)
-            if why:
-                recs.append(self.record(prov, op, mode, case, {}, "skipped", why))
-                continue
-            try:
-                if prov.framework == "torch":
-                    built = built or prov.build(op, x)
-                    measured = measure_torch(built, op, mode, x, self.preset.timing)
-                else:
-                    key = (prov.name, op, mode, case.n, case.v, case.dtype)
-                    measured = measure_jax(lambda: prov.build(op), op, mode, xj(),
-                                           self.preset.timing, self.jax_compiled, key)
-                recs.append(self.record(prov, op, mode, case, measured))
-            except Exception as exc:  # noqa: BLE001 - one failure must not end the run
-                recs.append(self.record(prov, op, mode, case, {}, "error", _error_text(exc)))
+    def measure(self, prov: Provider, op: str, mode: str, timing: str, case: Case, x: Any,
+                xj: Callable[[], Any], built: Dict[Optional[bool], Any]) -> Dict[str, Any]:
+        """One timed record (``built``: the provider's torch ops by ``check_ids``)."""
+        why = self.unavailable[prov.name] or prov.why_not(op, mode)
+        if why:
+            return self.record(prov, op, mode, timing, case, {}, "skipped", why)
+        check_ids = prov.check_ids(timing)
+        try:
+            if prov.framework == "torch":
+                if check_ids not in built:
+                    built[check_ids] = prov.build(op, x, check_ids)
+                measured = measure_torch(built[check_ids], op, mode, x, self.preset.timing,
+                                         timing, prov.graphed)
+            else:
+                key = (prov.name, op, mode, case.n, case.v, case.dtype, check_ids)
+                measured = measure_jax(lambda: prov.build(op, check_ids), op, mode, xj(),
+                                       self.preset.timing, timing, self.jax_compiled, key)
+            return self.record(prov, op, mode, timing, case, measured)
+        except Exception as exc:  # noqa: BLE001 - one failure must not end the run
+            return self.record(prov, op, mode, timing, case, {}, "error", _error_text(exc))
+        finally:
             _free()
-        bwd = derive_bwd(recs[0], recs[1], case, self.ceilings)
-        self.writer.add(bwd)
+
+    def provider_op(self, prov: Provider, op: str, case: Case, x: Any,
+                    xj: Callable[[], Any]) -> None:
+        """Every timed mode of one (provider, op) under both timings, then the derived
+        backwards. A torch op is built once per ``check_ids`` value (peers: once)."""
+        built: Dict[Optional[bool], Any] = {}
+        for timing in TIMINGS:
+            self.add_bwd([self.measure(prov, op, mode, timing, case, x, xj, built)
+                          for mode in timed_modes(op)], case)
 
     def case(self, case: Case, names: Sequence[str], ops: Sequence[str]) -> None:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -119,7 +148,7 @@ class _Run:
                 cache["jax"] = jax_inputs(x)
             return cache["jax"]
 
-        shape = (case.n, case.v, case.dtype)
+        shape = (case.n, case.v, case.hidden, case.dtype)
         if shape != self.shape:
             # New shapes: drop compiled code of the old ones, so torch.compile never
             # reaches its recompile limit (and silently falls back to eager).
@@ -144,7 +173,7 @@ def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, help="results JSON (CSV written beside it); "
                     "default benchmarks/results/<preset>.json")
     ap.add_argument("--providers", help=f"comma list, subset of: {', '.join(PROVIDERS)}")
-    ap.add_argument("--ops", help=f"comma list, subset of: {', '.join(OPS)}")
+    ap.add_argument("--ops", help=f"comma list, subset of: {', '.join(_ALL_OPS)}")
     return ap.parse_args(argv)
 
 
@@ -162,20 +191,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parse(argv)
     preset = PRESETS[args.preset]
     only_provs = _subset(args.providers, list(PROVIDERS), "providers")
-    only_ops = _subset(args.ops, OPS, "ops")
+    only_ops = _subset(args.ops, _ALL_OPS, "ops")
     out = args.out or Path(__file__).parent / "results" / f"{args.preset}.json"
     writer = ResultsWriter(out, {**metadata(), "preset": args.preset, "argv": sys.argv[1:]})
     ceilings = measure_ceilings(torch.cuda.is_available(), preset.timing)
     writer.set("ceilings", ceilings)
     _log(f"ceilings: copy {ceilings['copy_gbps']:.0f} GB/s, read {ceilings['read_gbps']:.0f} GB/s")
     run = _Run(writer, preset, ceilings)
-    ops = [op for op in preset.ops if only_ops is None or op in only_ops]
-    for cases, names in preset.groups:
-        names = [n for n in names if only_provs is None or n in only_provs]
-        for case in cases:
-            run.case(case, names, ops)
+    for group in preset.groups:
+        names = [n for n in group.providers if only_provs is None or n in only_provs]
+        ops = [op for op in group.ops or preset.ops if only_ops is None or op in only_ops]
+        for case in group.cases:
+            if names and ops:
+                run.case(case, names, ops)
     writer.set("summary", {"speedups": speedups(writer.records),
                            "targets": check_targets(writer.records, ceilings)})
+    print(LEGEND + "\n")
     for title, headers, rows in tables(writer.records, ceilings):
         print(render(title, headers, rows, markdown=False) + "\n")
     _log(f"wrote {out} and {out.with_suffix('.csv')}")

@@ -1,9 +1,11 @@
 """The benchmark suite's CPU smoke run, through the real script entry, and its target checks.
 
 The smoke run times ratiokl's native providers and the eager reference on a
-tiny case; this checks that every record carries the fields the results
-format promises, with values consistent with each other (bytes, bandwidth,
-ceilings), not the timings themselves.
+tiny case, and a tiny lm_head step (ratiokl's native loss and the bare
+GEMMs), under both timings; this checks that every record carries the
+fields the results format promises (timing, issue time), with values
+consistent with each other (bytes, bandwidth, ceilings), not the timings
+themselves.
 """
 
 from __future__ import annotations
@@ -22,13 +24,15 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
-from _cases import PRESETS, min_bytes  # noqa: E402
+from _cases import LMHEAD, PRESETS, TIMINGS, min_bytes, timed_modes  # noqa: E402
 from _summary import check_targets  # noqa: E402
 
-REQUIRED = ("op", "provider", "mode", "N", "V", "density", "dtype", "ms", "gbps",
-            "pct_read_ceiling", "pct_copy_ceiling", "peak_extra_bytes", "min_bytes")
-SMOKE_OPS = ("ratio_kl", "policy_loss_ref_logps")
+REQUIRED = ("op", "provider", "mode", "timing", "N", "V", "density", "dtype", "ms", "gbps",
+            "pct_read_ceiling", "pct_copy_ceiling", "peak_extra_bytes", "min_bytes",
+            "issue_ms", "issue_blocked")
+SMOKE_OPS = ("ratio_kl", "policy_loss_ref_logps", LMHEAD)
 NATIVE = ("ratiokl-torch-native", "ratiokl-jax-native", "torch-eager")
+STEP = ("ratiokl-torch-native", "gemm-only")
 
 
 def _run_smoke(out: Path) -> str:
@@ -50,34 +54,56 @@ def test_cpu_smoke_run_writes_complete_consistent_records(tmp_path):
     out = tmp_path / "smoke.json"
     stdout = _run_smoke(out)
     data = json.loads(out.read_text())
-    (case,), providers = PRESETS["cpu-smoke"].groups[0]
-    _check_coverage(data, providers)
-    _check_consistency(data, case)
+    logits_group, step_group = PRESETS["cpu-smoke"].groups
+    (case,), (step_case,) = logits_group.cases, step_group.cases
+    assert set(logits_group.providers) == set(NATIVE)
+    assert set(step_group.providers) == set(STEP) and step_group.ops == (LMHEAD,)
+    _check_coverage(data, logits_group.providers, step_group.providers)
+    _check_consistency(data, {c.hidden: c for c in (case, step_case)})
     _check_memory(data, case)
     _check_files_and_summary(data, out, stdout)
 
 
-def _check_coverage(data, providers):
-    keys = [(r["provider"], r["op"], r["mode"]) for r in data["records"]]
-    expected = {(p, op, m) for p in providers for op in SMOKE_OPS
-                for m in ("fwd", "fwd+bwd", "bwd")}
-    assert set(providers) == set(NATIVE)
-    assert sorted(keys) == sorted(expected)  # each exactly once
+def _modes(op):
+    """Timed modes, and the derived bwd where both are timed."""
+    modes = timed_modes(op)
+    return modes + ("bwd",) if len(modes) == 2 else modes
 
 
-def _check_consistency(data, case):
+def _check_coverage(data, providers, step_providers):
+    """Each (provider, op, mode) exactly once per timing, the lm_head step included."""
+    keys = [(r["provider"], r["op"], r["mode"], r["timing"]) for r in data["records"]]
+    ops = [op for op in SMOKE_OPS if op != LMHEAD]
+    expected = [(p, op, m, t) for p in providers for op in ops for m in _modes(op)
+                for t in TIMINGS]
+    expected += [(p, LMHEAD, "fwd+bwd", t) for p in step_providers for t in TIMINGS]
+    assert set(TIMINGS) == {"user", "device"}
+    assert sorted(keys) == sorted(expected)
+    assert any(r["op"] == LMHEAD for r in data["records"])
+
+
+def _check_consistency(data, cases):
     ceil = data["ceilings"]
     assert ceil["copy_gbps"] > 0 and ceil["read_gbps"] > 0
     for r in data["records"]:
         assert all(k in r for k in REQUIRED), r
         assert r["status"] == "ok", r
+        assert r["timing"] in ("user", "device"), r
+        case = cases[r["H"] or 0]
         assert (r["N"], r["V"], r["density"], r["dtype"]) == (case.n, case.v, case.density,
                                                               case.dtype)
         assert r["min_bytes"] == min_bytes(r["op"], r["mode"], case)
         assert math.isfinite(r["ms"]) and r["ms"] >= 0
         if r["mode"] != "bwd":  # bwd is derived (fwd+bwd - fwd) and may round to 0
             assert r["ms"] > 0
-        if r["ms"] > 0:
+            # measured for every timed record (CPU: the calls' own wall time)
+            assert isinstance(r["issue_ms"], float) and r["issue_ms"] > 0, r
+            assert r["issue_blocked"] is None  # no GPU to wait for
+        else:
+            assert r["issue_ms"] is None  # a backward is not issued alone
+        if r["min_bytes"] is None:  # the lm_head step: no bandwidth fields
+            assert r["op"] == LMHEAD and r["gbps"] is None and r["pct_read_ceiling"] is None
+        elif r["ms"] > 0:
             gbps = r["min_bytes"] / (r["ms"] * 1e-3) / 1e9
             assert r["gbps"] == pytest.approx(gbps)
             assert r["pct_read_ceiling"] == pytest.approx(100 * gbps / ceil["read_gbps"])
@@ -101,33 +127,53 @@ def _check_files_and_summary(data, out, stdout):
     assert data["metadata"]["versions"]["torch"] and data["metadata"]["date_utc"]
     speedups = data["summary"]["speedups"]
     assert len(speedups) == len(data["records"])
-    for row in speedups:
-        eager = next(r for r in data["records"] if r["provider"] == "torch-eager"
-                     and all(r[k] == row[k] for k in ("op", "mode")))
-        if row["ms"] > 0 and eager["ms"] > 0:
-            assert row["x_torch-eager"] == pytest.approx(eager["ms"] / row["ms"])
-    assert "median ms by provider" in stdout
+    for row in speedups:  # against the peer of the same timing
+        eager = [r for r in data["records"] if r["provider"] == "torch-eager"
+                 and all(r[k] == row[k] for k in ("op", "mode", "timing"))]
+        if not eager:  # the lm_head step has no eager peer
+            assert row["op"] == LMHEAD and row["x_torch-eager"] is None
+        elif row["ms"] > 0 and eager[0]["ms"] > 0:
+            assert row["x_torch-eager"] == pytest.approx(eager[0]["ms"] / row["ms"])
+    for title in ("ms by provider, user timing", "ms by provider, device timing",
+                  "issue ms by provider", "lmhead-step"):
+        assert title in stdout
 
 
-def _record(provider, op, mode, ms, density=1.0, n=8192, peak=0, pct=95.0):
-    return {"op": op, "provider": provider, "mode": mode, "N": n, "V": 151936,
-            "density": density, "dtype": "bfloat16", "status": "ok", "ms": ms,
-            "gbps": 1.0, "pct_read_ceiling": pct, "peak_extra_bytes": peak}
+def _record(provider, op, mode, ms, density=1.0, n=8192, peak=0, pct=95.0, timing="user",
+            issue=None, gbps=1.0):
+    return {"op": op, "provider": provider, "mode": mode, "timing": timing, "N": n,
+            "V": 151936, "density": density, "dtype": "bfloat16", "status": "ok", "ms": ms,
+            "gbps": gbps, "pct_read_ceiling": pct, "peak_extra_bytes": peak, "issue_ms": issue}
 
 
 def test_targets_pass_fail_and_missing():
+    tt, tg = "ratiokl-torch-triton", "ratiokl-torch-triton-graph"
     recs = [
-        _record("ratiokl-torch-triton", "ratio_kl", "fwd", 1.10),
-        _record("ratiokl-torch-triton", "ratio_kl", "fwd+bwd", 2.60),
+        _record(tt, "ratio_kl", "fwd", 1.10),
+        _record(tt, "ratio_kl", "fwd", 0.90, timing="device", issue=0.10),  # not the headline
+        _record(tt, "ratio_kl", "fwd+bwd", 2.60),
+        _record(tt, "ratio_kl", "fwd+bwd", 2.30, timing="device", issue=0.40),
         _record("torch-eager", "ratio_kl", "fwd+bwd", 24.6),
-        _record("ratiokl-torch-triton", "ratio_kl", "fwd", 0.50, density=0.5),
+        _record(tt, "ratio_kl", "fwd", 0.50, density=0.5),
         _record("ratiokl-jax-triton", "ratio_kl", "fwd", 1.20),
+        _record(tg, "ratio_kl", "fwd", 1.00),
+        _record(tt, "selected_logprobs", "fwd", 0.50, n=128),
+        _record(tg, "selected_logprobs", "fwd", 0.30, n=128),
+        _record(tt, "selected_logprobs", "fwd", 0.10, n=128, timing="device", gbps=3900.0),
     ]
-    status = {c["target"]: c["status"] for c in check_targets(recs)}
-    assert status["ratio_kl fwd ms"] == "pass"
+    ceilings = {"few_rows_read": [{"rows": 128, "V": 151936, "tensors": 1, "gbps": 4000.0}]}
+    status = {c["target"]: c["status"] for c in check_targets(recs, ceilings)}
+    assert status["ratio_kl fwd ms"] == "pass"  # user timing, not the device record's 0.90
     assert status["ratio_kl fwd+bwd ms"] == "fail"
     assert status["ratio_kl fwd+bwd speedup vs torch-eager"] == "fail"  # 24.6 / 2.6 < 10
-    assert status["ratio_kl fwd ratiokl-torch-triton time(d=0.5) / time(d=1.0)"] == "pass"
-    assert status["ratio_kl fwd d=1 jax-triton / torch-triton time"] == "fail"
-    assert status["ratio_kl fwd+bwd d=1 jax-triton / torch-triton time"] == "missing"
+    assert status[f"ratio_kl fwd {tt} time(d=0.5) / time(d=1.0)"] == "pass"
+    assert status["ratio_kl fwd d=1 jax-triton / torch-triton CUDA graph time"] == "fail"
+    assert status["ratio_kl fwd+bwd d=1 jax-triton / torch-triton CUDA graph time"] == "missing"
+    assert status[f"ratio_kl fwd {tt} issue ms (device record, check_ids=False)"] == "pass"
+    assert status[f"ratio_kl fwd+bwd {tt} issue ms (device record, check_ids=False)"] == "fail"
+    assert status[f"selected_logprobs fwd {tt} N=128 user time / CUDA graph user time"] == "fail"
+    assert status[f"selected_logprobs fwd+bwd {tt} N=128 user time / CUDA graph user time"] == (
+        "missing")
+    assert status[f"selected_logprobs fwd {tt} N=128 device GB/s / pure read of the same bytes "
+                  "(4000 GB/s)"] == "pass"  # 3900 / 4000 >= 0.85
     assert not any(t.startswith("policy_loss") for t in status)
