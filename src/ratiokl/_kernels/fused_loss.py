@@ -43,6 +43,7 @@ id and is poisoned (NaN loss, metrics pieces and gradient), like the
 forward kernel.
 """
 
+import functools
 from typing import NamedTuple
 
 import triton
@@ -86,6 +87,7 @@ class FusedPlan(NamedTuple):
         return n_rows + 1 if self.row_programs > 1 else 0
 
 
+@functools.lru_cache(maxsize=1024)  # pure; called once per launch (host time)
 def launch_plan(vocab: int, itemsize: int, n_rows: int, write_grad: bool) -> FusedPlan:
     """How the fused kernel cuts a row: ``_SPLITS`` spans, one program each (on a GPU).
 

@@ -15,6 +15,7 @@ holds 32 registers instead of 62, within run-to-run noise, so unchanged; a devic
 the same bytes 1.16 ms).
 """
 
+import functools
 from typing import NamedTuple
 
 __all__ = [
@@ -63,11 +64,13 @@ def _config(vocab: int, itemsize: int, num_warps: int, bytes_per_thread: int) ->
     return LaunchConfig(block_v=block, num_warps=warps)
 
 
+@functools.lru_cache(maxsize=1024)  # pure; called once per launch (host time)
 def forward_config(vocab: int, itemsize: int) -> LaunchConfig:
     """Forward tile for ``[N, vocab]`` logits of ``itemsize`` bytes (4096 x 4 warps in bf16)."""
     return _config(vocab, itemsize, num_warps=4, bytes_per_thread=64)
 
 
+@functools.lru_cache(maxsize=1024)  # pure; called once per launch (host time)
 def backward_config(vocab: int, itemsize: int) -> LaunchConfig:
     """Backward tile (8192 x 16 warps in bf16)."""
     return _config(vocab, itemsize, num_warps=16, bytes_per_thread=32)
@@ -80,6 +83,7 @@ class SplitPlan(NamedTuple):
     tiles_per_split: int
 
 
+@functools.lru_cache(maxsize=1024)  # pure; called once per launch (host time)
 def split_plan(vocab: int, block_v: int, max_splits: int = _SPLITS) -> SplitPlan:
     """How the forward's log-sum-exp of a row is cut into partial ``(max, sum)`` pairs.
 
@@ -103,6 +107,7 @@ def use_split_forward(n_rows: int, plan: SplitPlan) -> bool:
     return n_rows < _SPLIT_BELOW_ROWS and plan.splits > 1
 
 
+@functools.lru_cache(maxsize=1024)  # pure; called once per launch (host time)
 def backward_splits(n_rows: int, vocab: int, itemsize: int) -> int:
     """Programs per row of the backward (each takes a span of whole tiles).
 
