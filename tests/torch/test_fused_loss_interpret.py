@@ -195,6 +195,35 @@ def test_empty_input():
     assert value.item() == 0.0 and logits.grad.shape == (0, T, V)
 
 
+@pytest.mark.parametrize("kl", [False, True], ids=["no_kl", "k3"])
+def test_a_nan_input_on_an_active_row_is_nan_as_in_the_two_pass_path(kl):
+    """NaN ``old_logps`` (or reference log-probs) on an active row makes the loss NaN,
+    through ``log_ratio_bound`` too, on both paths; the other rows' gradients stay finite.
+
+    (The bound was ``min(max(x, -b), b)``: on a GPU ``max.f32`` returns the non-NaN
+    operand, so the poison vanished there, as it does in Triton >= 3.7's interpreter.)
+    """
+    x = _inputs(31, {})
+    t = {k: torch.from_numpy(np.asarray(v)) for k, v in x.items()}
+    old = t["old_logps"].clone()
+    ref_lp = old + 0.1
+    (ref_lp if kl else old)[0, 0] = float("nan")
+    t["mask"][0, 0] = True
+    got = []
+    for backend in ("native", "interpret"):
+        logits = t["policy_logits"].clone().requires_grad_()
+        value, _ = loss.policy_loss(logits, None, t["action_ids"], t["mask"], old,
+                                    t["advantages"], ref_logps=ref_lp,
+                                    kl_coef=0.1 if kl else 0.0, backend=backend)
+        value.backward()
+        got.append((value.item(), logits.grad.numpy()))
+    for value, grad in got:
+        assert np.isnan(value)
+        others = np.ones((B, T), bool)
+        others[0, 0] = False
+        assert np.all(np.isfinite(grad[others]))
+
+
 def test_unchecked_bad_active_id_poisons_only_its_row():
     x = _inputs(9, {})
     x["action_ids"][0, 0] = V + 3

@@ -15,13 +15,22 @@ Python function to a copy of its module globals in which
 
 and wraps it in Triton's ``InterpretedFunction``. The twin launches like the
 kernel (``twin[grid](...)``) and runs the same source through the interpreter.
+
+One fix to the interpreter itself (:func:`_comparisons_give_int1`): its
+comparisons return handles typed like their operands instead of ``int1``; from
+Triton 3.7 on, broadcasting such a scalar (``tl.load(mask_ptr + row) != 0``) into
+a vector mask then gives ``int32`` data, and every masked load fails with "mask has
+unsupported dtype". The compiled kernels never see this: their comparisons are
+``int1`` in the compiler.
 """
 
 import types
 from typing import Dict
 
+import numpy as np
 import triton
 import triton.language as tl
+from triton.runtime import interpreter
 from triton.runtime.interpreter import InterpretedFunction
 
 __all__ = ["interpreted"]
@@ -45,6 +54,30 @@ class _LanguageView(types.ModuleType):
         if isinstance(value, triton.JITFunction):
             return _library_twin(value)
         return value
+
+
+def _comparisons_give_int1() -> None:
+    """Make the interpreter's comparisons return ``int1`` handles, as compiled code has them.
+
+    Idempotent; the values (NumPy bools) are unchanged, only the handle's type.
+    """
+    builder = interpreter.InterpreterBuilder
+    for name in dir(builder):
+        if not name.startswith(("create_icmp", "create_fcmp")):
+            continue
+        compare = getattr(builder, name)
+        if getattr(compare, "_ratiokl_int1", False):
+            continue
+
+        def as_int1(self, lhs, rhs, _compare=compare):
+            out = _compare(self, lhs, rhs)
+            return interpreter.TensorHandle(np.asarray(out.data, dtype=np.bool_), tl.int1)
+
+        as_int1._ratiokl_int1 = True
+        setattr(builder, name, as_int1)
+
+
+_comparisons_give_int1()
 
 
 def _library_twin(fn: triton.JITFunction) -> InterpretedFunction:

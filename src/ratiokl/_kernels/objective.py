@@ -32,9 +32,15 @@ CLIP_CAPPED = tl.constexpr(4)  # A < 0 and r > neg_cap (dual clip / ratio_cap)
 
 @triton.jit
 def _bounded(x, BOUND: tl.constexpr):
-    """``clip(x, -BOUND, BOUND)`` (``BOUND = 0``: no bound)."""
+    """``clip(x, -BOUND, BOUND)`` (``BOUND = 0``: no bound); a NaN stays NaN.
+
+    Selected, not ``tl.minimum(tl.maximum(...))``: on a GPU those are ``max.f32`` /
+    ``min.f32``, which return the non-NaN operand, so a NaN log-ratio (a poisoned row,
+    NaN ``old_logps``) became the bound and the row's loss finite (so does Triton
+    >= 3.7's interpreter); ``np.clip`` in the spec keeps it NaN.
+    """
     if BOUND > 0:
-        x = tl.minimum(tl.maximum(x, -BOUND), BOUND)
+        x = tl.where(x > BOUND, BOUND, tl.where(x < -BOUND, -BOUND, x))
     return x
 
 
