@@ -21,7 +21,10 @@ comparisons return handles typed like their operands instead of ``int1``; from
 Triton 3.7 on, broadcasting such a scalar (``tl.load(mask_ptr + row) != 0``) into
 a vector mask then gives ``int32`` data, and every masked load fails with "mask has
 unsupported dtype". The compiled kernels never see this: their comparisons are
-``int1`` in the compiler.
+``int1`` in the compiler. And one for NumPy >= 2.4 under Triton 3.6
+(:func:`_index_of_one_element_arrays`): the interpreter turns a scalar into a Python
+int with ``int(array)`` on a one-element ``[1]`` array, which NumPy 2.4 refuses (so
+every ``range(n)`` over a tensor bound failed); Triton 3.9 squeezes first, as this does.
 """
 
 import types
@@ -77,7 +80,28 @@ def _comparisons_give_int1() -> None:
         setattr(builder, name, as_int1)
 
 
+def _index_of_one_element_arrays() -> None:
+    """Scalars used as Python ints (``range`` bounds) through ``.item()``, as Triton 3.9 does.
+
+    Wraps the interpreter's per-launch patch of ``tl.tensor`` (undone after each
+    launch, as the interpreter's own); idempotent; a Triton without that hook is left
+    as it is.
+    """
+    patch_tensor = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch_tensor is None or getattr(patch_tensor, "_ratiokl_index", False):
+        return
+
+    def patched(tensor, scope, _patch_tensor=patch_tensor):
+        _patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__",
+                       lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    patched._ratiokl_index = True
+    interpreter._patch_lang_tensor = patched
+
+
 _comparisons_give_int1()
+_index_of_one_element_arrays()
 
 
 def _library_twin(fn: triton.JITFunction) -> InterpretedFunction:

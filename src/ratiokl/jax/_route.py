@@ -123,7 +123,7 @@ def backend_name(backend: str) -> str:
         if reason:
             raise RuntimeError(
                 f"backend='triton' cannot run here: {reason}. It needs a CUDA build of "
-                "jaxlib and `pip install ratiokl[triton]`; use backend='native' or 'auto'"
+                "jaxlib and `pip install ratiokl[jax-triton]`; use backend='native' or 'auto'"
             )
     return backend
 
