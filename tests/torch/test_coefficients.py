@@ -78,6 +78,9 @@ def test_a_coefficient_must_be_a_number_or_a_0d_float_tensor() -> None:
     with pytest.raises(TypeError, match="`kl_coef` must be a Python number or a 0-d"):
         loss.policy_loss(x["logits"], x["ref"], x["ids"], x["mask"], x["old"], x["adv"],
                          kl_coef=torch.tensor([0.1, 0.2]), backend="native")
+    with pytest.raises(TypeError, match="`kl_coef` must be .* 0-d floating tensor/array; got list"):
+        loss.policy_loss(x["logits"], x["ref"], x["ids"], x["mask"], x["old"], x["adv"],
+                         kl_coef=[0.1], backend="native")
     with pytest.raises(TypeError, match="`clip_eps` must be a Python number or a 0-d"):
         loss.policy_loss(x["logits"], x["ref"], x["ids"], x["mask"], x["old"], x["adv"],
                          clip_eps=torch.tensor(1), backend="native")

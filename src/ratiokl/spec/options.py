@@ -134,6 +134,9 @@ def _number(name: str, value: object, *, allow_none: bool = False) -> Optional[f
 def _is_array(value: object) -> bool:
     """A framework array (torch tensor, JAX array or tracer): not a Python scalar or None.
 
+    Anything else that is not a scalar (a list, say) counts too: it then meets the
+    array checks, which reject it by name, and never the cache (it may be unhashable).
+
     (``isinstance`` only, no ``hasattr``: ``torch.compile(dynamic=True)`` traces a Python
     float as a symbolic float, which it cannot ask for attributes.)
     """
@@ -149,10 +152,12 @@ def _coefficient(name: str, value: object) -> Coefficient:
                 f"{type(value).__name__}"
             )
         return _number(name, value)
-    if not hasattr(value, "shape") or tuple(value.shape) != () or "float" not in str(value.dtype):
+    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+    if shape is None or tuple(shape) != () or "float" not in str(dtype):
+        got = (type(value).__name__ if shape is None
+               else f"shape {tuple(shape)} dtype {dtype}")
         raise TypeError(
-            f"`{name}` must be a Python number or a 0-d floating tensor/array; got shape "
-            f"{tuple(value.shape)} dtype {value.dtype}"
+            f"`{name}` must be a Python number or a 0-d floating tensor/array; got {got}"
         )
     return value
 
@@ -187,12 +192,7 @@ def policy_loss_options(
             ratio_level, log_ratio_bound)
     if not cached or any(_is_array(a) for a in args):
         return _policy_loss_options(*args)
-    try:
-        return _cached_policy_loss_options(*args)
-    except TypeError as err:  # unhashable: an unsupported type; let the checks name it
-        if "unhashable" not in str(err):
-            raise
-        return _policy_loss_options(*args)
+    return _cached_policy_loss_options(*args)
 
 
 def _policy_loss_options(clip_eps, clip_eps_high, dual_clip, ratio_cap, kl_coef,
