@@ -120,16 +120,26 @@ def backend_name(backend: str, device: torch.device) -> str:
 
 def resolve(backend: str, device: torch.device) -> Backend:
     """The :class:`Backend` for ``backend`` (``"auto"`` resolved) on tensors on ``device``."""
-    name = backend_name(backend, device)
-    loaded = _LOADED.get(name)
+    return _loaded(backend_name(backend, device))
+
+
+def _loaded(name: str) -> Backend:
+    """The :class:`Backend` of a concrete name (from :func:`backend_name`), loaded once.
+
+    While ``torch.compile`` traces, the loader runs uncached: a trace that read (and
+    filled) ``_LOADED`` would guard on its contents and compile again on the next call.
+    """
+    loaded = None if torch.compiler.is_compiling() else _LOADED.get(name)
     if loaded is None:
         try:
-            loaded = _LOADED[name] = _LOADERS[name]()
+            loaded = _LOADERS[name]()
         except Exception as err:  # any import failure: say which backend and what to use
             raise RuntimeError(
                 f"backend={name!r} is unavailable: importing its module failed "
                 f"({type(err).__name__}: {err}). Use backend='native'"
             ) from err
+        if not torch.compiler.is_compiling():
+            _LOADED[name] = loaded
     return loaded
 
 
@@ -184,7 +194,7 @@ def _rows(logits: torch.Tensor, lead: Tuple[int, ...], ids: torch.Tensor, mask, 
         check = _checks.ActiveCheck(ids, mask, None if vocab_group else logits.shape[-1],
                                     temperature)
     if vocab_group is None:
-        run = resolve(name, device)
+        run = _loaded(name)
     else:
         from ratiokl.torch import _vocab_parallel
 
