@@ -28,15 +28,6 @@ from ratiokl.spec import PolicyLossOptions
 __all__ = ["aggregation_weights", "policy_objective", "token_metrics", "token_ratio_kl"]
 
 
-def _ratio_kl_estimate(d: jax.Array, kl_code: int) -> jax.Array:
-    """Schulman's estimator on ``d = logp_ref - logp`` (codes from ``ratiokl.spec``)."""
-    if kl_code == 1:
-        return -d
-    if kl_code == 2:
-        return 0.5 * d * d
-    return jnp.expm1(d) - d
-
-
 def token_ratio_kl(logp: jax.Array, logp_ref: jax.Array, old_logps: jax.Array,
                    mask: jax.Array, kl_code: int) -> Tuple[jax.Array, jax.Array]:
     """``(ratio, kl)`` float32 ``[N]`` from ``[N]`` log-probs and a bool ``[N]`` mask.
@@ -49,7 +40,7 @@ def token_ratio_kl(logp: jax.Array, logp_ref: jax.Array, old_logps: jax.Array,
     logp_ref = jnp.where(mask, logp_ref.astype(jnp.float32), 0.0)
     old = jnp.where(mask, old_logps.astype(jnp.float32), 0.0)
     ratio = jnp.exp(logp - old)
-    kl = _ratio_kl_estimate(logp_ref - logp, kl_code)
+    kl = _kl(logp_ref - logp, kl_code, ratio, None)
     return jnp.where(mask, ratio, 1.0), jnp.where(mask, kl, 0.0)
 
 def _bounded(x: jax.Array, bound: Optional[float]) -> jax.Array:
@@ -65,21 +56,20 @@ def _straight_through(grad_like: jax.Array, value: jax.Array) -> jax.Array:
 
 
 def _kl(d: jax.Array, code: int, ratio: jax.Array, bound: Optional[float]) -> jax.Array:
-    """KL variant ``code`` (``ratiokl.spec.POLICY_KL_ESTIMATORS``) on ``d = logp_ref - logp``."""
-    d_b = _bounded(d, bound)
-    k3 = jnp.expm1(d_b) - d_b
-    k2 = 0.5 * d * d
+    """KL variant ``code`` (``ratiokl.spec.POLICY_KL_ESTIMATORS``) on ``d = logp_ref - logp``.
+
+    Only the terms the variant uses are computed (``ratio`` is read by ``k3-is`` only).
+    """
     if code == 1:
         return -d
-    if code == 2:
-        return k2
+    k2 = 0.5 * d * d
+    if code in (2, 4):
+        return k2 if code == 2 else _straight_through(k2, -d)
+    d_b = _bounded(d, bound)
+    k3 = jnp.expm1(d_b) - d_b
     if code == 3:
         return k3
-    if code == 4:
-        return _straight_through(k2, -d)
-    if code == 5:
-        return _straight_through(k2, k3)
-    return ratio * k3
+    return _straight_through(k2, k3) if code == 5 else ratio * k3
 
 
 def _shift_right(x: jax.Array, step: int, fill) -> jax.Array:

@@ -24,15 +24,6 @@ from ratiokl.torch._checks import Normalizer, TokenInputs
 __all__ = ["aggregation_weights", "policy_objective", "token_metrics", "token_ratio_kl"]
 
 
-def _ratio_kl_estimate(d: torch.Tensor, kl_code: int) -> torch.Tensor:
-    """Schulman's estimator on ``d = logp_ref - logp`` (codes from ``ratiokl.spec``)."""
-    if kl_code == 1:
-        return -d
-    if kl_code == 2:
-        return 0.5 * d * d
-    return torch.expm1(d) - d
-
-
 def token_ratio_kl(logp: torch.Tensor, logp_ref: torch.Tensor, old_logps: torch.Tensor,
                    mask: torch.Tensor, kl_code: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(ratio, kl)`` float32 ``[N]`` from float32 ``[N]`` log-probs and a bool mask.
@@ -45,7 +36,7 @@ def token_ratio_kl(logp: torch.Tensor, logp_ref: torch.Tensor, old_logps: torch.
     logp_ref = torch.where(mask, logp_ref.float(), zero)
     old = torch.where(mask, old_logps.float(), zero)
     ratio = torch.exp(logp - old)
-    kl = _ratio_kl_estimate(logp_ref - logp, kl_code)
+    kl = _kl(logp_ref - logp, kl_code, ratio, None)
     return torch.where(mask, ratio, zero + 1.0), torch.where(mask, kl, zero)
 
 
@@ -62,21 +53,20 @@ def _straight_through(grad_like: torch.Tensor, value: torch.Tensor) -> torch.Ten
 
 
 def _kl(d: torch.Tensor, code: int, ratio: torch.Tensor, bound: Optional[float]) -> torch.Tensor:
-    """KL variant ``code`` (``ratiokl.spec.POLICY_KL_ESTIMATORS``) on ``d = logp_ref - logp``."""
-    d_b = _bounded(d, bound)
-    k3 = torch.expm1(d_b) - d_b
-    k2 = 0.5 * d * d
+    """KL variant ``code`` (``ratiokl.spec.POLICY_KL_ESTIMATORS``) on ``d = logp_ref - logp``.
+
+    Only the terms the variant uses are computed (``ratio`` is read by ``k3-is`` only).
+    """
     if code == 1:
         return -d
-    if code == 2:
-        return k2
+    k2 = 0.5 * d * d
+    if code in (2, 4):
+        return k2 if code == 2 else _straight_through(k2, -d)
+    d_b = _bounded(d, bound)
+    k3 = torch.expm1(d_b) - d_b
     if code == 3:
         return k3
-    if code == 4:
-        return _straight_through(k2, -d)
-    if code == 5:
-        return _straight_through(k2, k3)
-    return ratio * k3
+    return _straight_through(k2, k3) if code == 5 else ratio * k3
 
 
 def _segments(mask: torch.Tensor, segment_ids: Optional[torch.Tensor]):
