@@ -17,7 +17,7 @@ gives the same bits every time. Divisions are rounded to nearest
 (``div_rn``), as the frameworks' own division is. PyTorch
 (``ratiokl.torch._loss_rows``) and JAX (``ratiokl.jax._loss_rows``) launch
 the same two kernels and decide where they apply with
-:func:`token_denominator`.
+:func:`token_weights_args`.
 """
 
 from typing import Optional, Tuple
@@ -40,26 +40,26 @@ ROWS_BLOCK = 4096
 ROWS_WARPS = 8
 
 
-def token_denominator(opts: PolicyLossOptions, normalizer: object,
-                      width: int) -> Tuple[Optional[float], bool]:
-    """How ``token_weights_kernel`` computes ``w = mask / D`` here: ``(D, count)``.
+def token_weights_args(opts: PolicyLossOptions, normalizer: object,
+                       width: int) -> Optional[Tuple[float, bool]]:
+    """``token_weights_kernel``'s ``(denom, COUNT)`` for ``w = mask / D``, or None where the
+    kernel does not apply.
 
-    ``D`` is a number (``count`` False), or ``D`` is the active count
-    (``(None, True)``: ``token-mean`` without a normaliser), or the kernel does
-    not apply (``(None, False)``): ``seq-mean-token-mean`` weighs tokens by their
-    sequence's length, sequence counts need segments, and a normaliser given
-    as an array is device data; those take the framework's ops.
-    ``normalizer``: ``loss_normalizer`` (None, a Python number or an array);
-    ``width``: tokens per sequence ``T``.
+    ``D`` is a number (``COUNT`` False), or the active count (``COUNT`` True:
+    ``token-mean`` without a normaliser; ``denom`` unused). None:
+    ``seq-mean-token-mean`` weighs tokens by their sequence's length, sequence
+    counts need segments, and a normaliser given as an array is device data; those
+    take the framework's ops. ``normalizer``: ``loss_normalizer`` (None, a Python
+    number or an array); ``width``: tokens per sequence ``T``.
     """
     if opts.agg_code == 2:
-        return None, False
+        return None
     if isinstance(normalizer, (int, float)) and not isinstance(normalizer, bool):
         return float(normalizer), False
     if normalizer is not None or opts.agg_code == 3:
-        return None, False
+        return None
     if opts.agg_code == 0:
-        return None, True
+        return 1.0, True
     return (1.0 if opts.agg_code == 1 else float(width)), False
 
 

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ratiokl._kernels.loss_rows import METRIC_NAMES, token_denominator
+from ratiokl._kernels.loss_rows import METRIC_NAMES, token_weights_args
 from ratiokl.jax import _launch, _native
 from ratiokl.jax._launch import Static
 from ratiokl.spec import PolicyLossOptions
@@ -179,10 +179,8 @@ def token_weights(mask: jax.Array, opts: PolicyLossOptions, normalizer: object,
 
     ``normalizer``: ``loss_normalizer``; ``width``: tokens per sequence ``T``.
     """
-    denom, count = token_denominator(opts, normalizer, width)
-    if denom is None and not count:
-        return None
-    return _launch.weights_op(1.0 if denom is None else denom, count)(mask.astype(jnp.bool_))
+    args = token_weights_args(opts, normalizer, width)
+    return None if args is None else _launch.weights_op(*args)(mask.astype(jnp.bool_))
 
 
 def policy_loss(

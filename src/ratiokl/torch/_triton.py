@@ -25,7 +25,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from ratiokl._kernels.loss_rows import METRIC_NAMES, token_denominator
+from ratiokl._kernels.loss_rows import METRIC_NAMES, token_weights_args
 from ratiokl.spec import PolicyLossOptions
 from ratiokl.torch._launch import (
     BACKWARD,
@@ -111,10 +111,8 @@ def token_weights(mask: torch.Tensor, opts: PolicyLossOptions, normalizer: objec
 
     ``normalizer``: ``loss_normalizer``; ``width``: tokens per sequence ``T``.
     """
-    denom, count = token_denominator(opts, normalizer, width)
-    if denom is None and not count:
-        return None
-    return TOKEN_WEIGHTS(mask, 1.0 if denom is None else denom, count)
+    args = token_weights_args(opts, normalizer, width)
+    return None if args is None else TOKEN_WEIGHTS(mask, *args)
 
 
 class _InplaceLoss(torch.autograd.Function):
