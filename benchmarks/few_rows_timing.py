@@ -60,7 +60,7 @@ def _time_torch(n: int, sweep: bool) -> None:
     temp = torch.ones(1, device="cuda")
     args = (x["policy"], x["ref"], x["ids"], x["mask"], x["old"], None, temp, 3)
     for graph in (False, True):
-        _bench(lambda: _launch.launch_forward(torch_raw, *args), fwd_bytes, graph,
+        _bench(lambda: _launch.row_forward(torch_raw, *args), fwd_bytes, graph,
                provider="torch-triton", op="ratio_kl", mode="fwd", N=n)
     policy = x["policy"].clone().requires_grad_(True)
 
@@ -77,7 +77,7 @@ def _time_torch(n: int, sweep: bool) -> None:
     for splits in (1, 4, 8, 16):
         plan = split_plan(V, block, splits)
         split = n < 1024 and plan.splits > 1  # the path that the heuristic would take
-        _bench(lambda: _launch.launch_forward(torch_raw, *args, plan=plan, split=split),
+        _bench(lambda: _launch.row_forward(torch_raw, *args, plan=plan, split=split),
                fwd_bytes, True, provider="torch-triton", op="ratio_kl", mode="fwd", N=n,
                splits=plan.splits, split_path=split)
 

@@ -87,7 +87,7 @@ def _sweep(results, policy, ref, ids, mask, old, do_bench):
 
     n, vocab = policy.shape
     temp = torch.ones(1, device="cuda")
-    lse = _launch.launch_forward(raw, policy, ref, ids, mask, old, None, temp, 3)[4]
+    lse = _launch.row_forward(raw, policy, ref, ids, mask, old, None, temp, 3)[4]
     coef = torch.ones(n, device="cuda")
     row_bytes = vocab * policy.element_size()
     for block in (2048, 4096, 8192, 16384):
@@ -95,10 +95,10 @@ def _sweep(results, policy, ref, ids, mask, old, do_bench):
             if cdiv(block, 32 * warps) < 8:  # fewer than one 16-byte load per thread
                 continue
             cfg = LaunchConfig(block, warps)
-            ms = do_bench(lambda: _launch.launch_forward(
+            ms = do_bench(lambda: _launch.row_forward(
                 raw, policy, ref, ids, mask, old, None, temp, 3, config=cfg))
             _record(results, f"sweep fwd BLOCK_V={block} warps={warps}", ms, 2 * n * row_bytes)
-            ms = do_bench(lambda: _launch.launch_backward(
+            ms = do_bench(lambda: _launch.row_backward(
                 raw, policy, ids, mask, temp, lse, coef, config=cfg))
             _record(results, f"sweep bwd BLOCK_V={block} warps={warps}", ms, 2 * n * row_bytes)
 

@@ -44,7 +44,7 @@ def _inputs(seed: int, vocab: int = VOCAB):
 
 def _forward(policy, ref, ids, mask, old, temp, max_splits: int, split: bool):
     with np.errstate(all="ignore"):
-        return _launch.launch_forward(
+        return _launch.row_forward(
             interpreted, policy, ref, ids, mask, old, None, temp, 3, config=CONFIG,
             plan=split_plan(policy.shape[1], CONFIG.block_v, max_splits), split=split,
         )
@@ -81,7 +81,7 @@ def test_split_forward_and_backward_match_spec():
 
     coef = torch.linspace(-1.0, 1.0, len(ids), dtype=torch.float32)
     with np.errstate(all="ignore"):  # small row count: one program per tile of a row
-        grad = _launch.launch_backward(
+        grad = _launch.row_backward(
             interpreted, policy, ids, mask, temp, lse, coef, config=CONFIG)
     e_grad = spec.selected_logprobs_grad(
         f64(policy), ids.numpy(), mask.numpy(), f64(coef), temperature=f64(temp))

@@ -61,7 +61,7 @@ from ratiokl._kernels.loss_rows import (
 
 __all__ = [
     "BACKWARD", "FORWARD", "KernelOp", "POLICY_LOSS", "SCALE_ROWS", "SHARD_STATS",
-    "TOKEN_WEIGHTS", "launch_forward", "launch_backward",
+    "TOKEN_WEIGHTS", "row_backward", "row_forward",
 ]
 
 Tensor = torch.Tensor
@@ -185,7 +185,7 @@ def _stride(t: Tensor) -> int:
 # --- log-probs, ratio and KL: forward and backward of one row's statistics ---------------
 
 
-def launch_forward(
+def row_forward(
     kernels: Callable, policy: Tensor, ref: Optional[Tensor], ids: Tensor, mask: Tensor,
     old: Optional[Tensor], ref_logps: Optional[Tensor], temp: Tensor, kl_code: int, *,
     config: Optional[LaunchConfig] = None, plan: Optional[SplitPlan] = None,
@@ -229,7 +229,7 @@ def launch_forward(
     return outs
 
 
-def launch_backward(
+def row_backward(
     kernels: Callable, logits: Tensor, ids: Tensor, mask: Tensor, temp: Tensor, lse: Tensor,
     g_logp: Optional[Tensor], g_ratio: Optional[Tensor] = None, ratio: Optional[Tensor] = None,
     g_kl: Optional[Tensor] = None, dkl: Optional[Tensor] = None, *,
@@ -262,22 +262,6 @@ def launch_backward(
         HAS_G_KL=g_kl is not None, BLOCK_V=config.block_v, num_warps=config.num_warps,
     )
     return grad
-
-
-def row_forward(
-    kernels: Callable, policy: Tensor, ref: Optional[Tensor], ids: Tensor, mask: Tensor,
-    old: Optional[Tensor], ref_logps: Optional[Tensor], temp: Tensor, kl_code: int,
-) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return launch_forward(kernels, policy, ref, ids, mask, old, ref_logps, temp, kl_code)
-
-
-def row_backward(
-    kernels: Callable, logits: Tensor, ids: Tensor, mask: Tensor, temp: Tensor, lse: Tensor,
-    g_logp: Optional[Tensor], g_ratio: Optional[Tensor], ratio: Tensor,
-    g_kl: Optional[Tensor], dkl: Tensor,
-) -> Tensor:
-    return launch_backward(kernels, logits, ids, mask, temp, lse, g_logp, g_ratio, ratio,
-                           g_kl, dkl)
 
 
 def _forward_context(ctx, inputs, output) -> None:
