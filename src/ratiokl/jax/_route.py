@@ -162,18 +162,17 @@ def _flat(values: Optional[jax.Array]) -> Optional[jax.Array]:
     return None if values is None else values.reshape(-1).astype(jnp.float32)
 
 
-def _lead(logits: jax.Array, action_ids: jax.Array) -> Tuple[jax.Array, Tuple[int, ...]]:
+def _lead(logits: jax.Array,
+          action_ids: jax.Array) -> Tuple[jax.Array, jax.Array, Tuple[int, ...]]:
     """Check the logits, then the ids (first: a flattened ``[N, V]`` names the ids)."""
     logits = _checks.check_logits("policy_logits", logits)
     lead = tuple(logits.shape[:-1])
-    _checks.check_ids(action_ids, lead)
-    return logits, lead
+    return logits, _checks.check_ids(action_ids, lead), lead
 
 
-def _rows(logits: jax.Array, lead: Tuple[int, ...], action_ids, mask, temperature,
+def _rows(logits: jax.Array, lead: Tuple[int, ...], ids: jax.Array, mask, temperature,
           backend: str, check_ids: bool, vocab_axis: Optional[str]) -> _Rows:
     """Steps 1-3 for the inputs every op shares (``logits`` and ``ids`` already checked)."""
-    ids = _checks.check_ids(action_ids, lead)
     mask = jnp.ones(lead, dtype=bool) if mask is None else _checks.check_mask(mask, lead)
     temperature = _checks.check_temperature(temperature, lead)
     check_ids = _checks.check_bool_option("check_ids", check_ids)
@@ -195,8 +194,8 @@ def _rows(logits: jax.Array, lead: Tuple[int, ...], action_ids, mask, temperatur
 def selected_logprobs(logits, action_ids, mask, *, temperature, backend, check_ids,
                       vocab_axis) -> jax.Array:
     """``ratiokl.jax.loss.selected_logprobs`` (documented there)."""
-    logits, lead = _lead(logits, action_ids)
-    rows = _rows(logits, lead, action_ids, mask, temperature, backend, check_ids, vocab_axis)
+    logits, ids, lead = _lead(logits, action_ids)
+    rows = _rows(logits, lead, ids, mask, temperature, backend, check_ids, vocab_axis)
     logp = rows.run.selected_logprobs(rows.logits, rows.ids, rows.mask, rows.temperature)
     return rows.checked(logp.reshape(lead))
 
@@ -205,12 +204,11 @@ def ratio_kl(policy_logits, ref_logits, action_ids, mask, old_logps, *, ref_logp
              kl_estimator, temperature, backend, check_ids,
              vocab_axis) -> Tuple[jax.Array, jax.Array]:
     """``ratiokl.jax.loss.ratio_kl`` (documented there)."""
-    policy_logits, lead = _lead(policy_logits, action_ids)
+    policy_logits, ids, lead = _lead(policy_logits, action_ids)
     ref_logits, ref_logps = _checks.check_ref(ref_logits, ref_logps, tuple(policy_logits.shape))
     old_logps = _checks.check_row_values("old_logps", old_logps, lead)
     kl_code = kl_estimator_code(kl_estimator)
-    rows = _rows(policy_logits, lead, action_ids, mask, temperature, backend, check_ids,
-                 vocab_axis)
+    rows = _rows(policy_logits, lead, ids, mask, temperature, backend, check_ids, vocab_axis)
     ref = None if ref_logits is None else ref_logits.reshape(rows.logits.shape)
     ratio, kl = rows.run.ratio_kl(rows.logits, ref, rows.ids, rows.mask, _flat(old_logps),
                                   _flat(ref_logps), kl_code, rows.temperature)
@@ -228,13 +226,12 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
         ratio_cap=ratio_cap, kl_coef=kl_coef, kl_estimator=kl_estimator, loss_agg=loss_agg,
         ratio_level=ratio_level, log_ratio_bound=log_ratio_bound,
     )
-    policy_logits, lead = _lead(policy_logits, action_ids)
+    policy_logits, ids, lead = _lead(policy_logits, action_ids)
     if ref_logits is not None or ref_logps is not None or opts.uses_kl:
         ref_logits, ref_logps = _checks.check_ref(ref_logits, ref_logps, policy_logits.shape)
     inputs = _checks.token_inputs(lead, old_logps, advantages, segment_ids,
                                   importance_weights, loss_normalizer)
-    rows = _rows(policy_logits, lead, action_ids, mask, temperature, backend, check_ids,
-                 vocab_axis)
+    rows = _rows(policy_logits, lead, ids, mask, temperature, backend, check_ids, vocab_axis)
     ref = None if ref_logits is None else ref_logits.reshape(rows.logits.shape)
     run = rows.run
     as_rows = _checks.as_rows
