@@ -11,28 +11,10 @@ Every call runs the same steps, each once, mirroring ``ratiokl.torch._route``:
 4. read the check (concrete inputs: the device keeps running what was queued)
    and reshape the outputs back to ``[...]``.
 
-Backend interface
------------------
-A :class:`Backend` runs on flattened inputs::
-
-    selected_logprobs(logits, ids, mask, temperature) -> logp
-    ratio_kl(policy, ref, ids, mask, old_logps, ref_logps, kl_code, temperature)
-        -> (ratio, kl)
-    policy_loss(policy, ref, ids, mask, old, ref_logps, adv, iw, weights,
-                temperature, opts, inplace_grad) -> (loss, metrics)   [fused; or None]
-    token_weights(mask, opts, normalizer, width) -> weights | None     [or None]
-
-with ``logits``/``policy``/``ref`` ``[N, V]`` float32 / float16 / bfloat16 (``ref``
-may be None), ``ids`` ``[N]`` integer (not range-checked: clamped before any
-read), ``mask`` ``[N]`` bool, the per-row values float32 ``[N]``, ``kl_code`` a
-static Python int and ``temperature`` a positive Python float or float32
-``[N]`` with bad entries NaN. Outputs are float32 ``[N]`` (the loss and the
-metrics 0-d); differentiable w.r.t. the policy logits only, in their dtype;
-inactive rows are neutral (``logp = 0``, ``ratio = 1``, ``kl = 0``, gradient
-exactly 0); an active row with a bad id or temperature is NaN; nothing
-synchronises with the host. Without a fused ``policy_loss`` (and for GSPO's
-``ratio_level="sequence"``) ``policy_loss`` takes two passes:
-``selected_logprobs``, then ``ratiokl.jax._objective``.
+Backend interface: :class:`ratiokl._backend.Backend` (documented there).
+JAX specifics: ``kl_code`` and the option codes are static; the coefficients
+(``opts.kl_coef``, the clip bounds) and every array may be traced (``jit``,
+``grad``, ``vmap``).
 
 Backends: ``"native"`` (XLA, runs everywhere) and ``"triton"`` (the shared
 Triton kernels through ``jax_triton``; GPU only). ``"auto"`` picks
@@ -44,7 +26,6 @@ else ``"native"``. ``"interpret"`` (Triton's CPU interpreter) exists only in
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
 import jax
@@ -53,20 +34,11 @@ from jax import lax
 
 from ratiokl.jax import _checks
 from ratiokl.jax._checks import Temperature
+from ratiokl._backend import Backend
 from ratiokl.spec import BACKENDS, kl_estimator_code, policy_loss_options
 
-__all__ = ["Backend", "backend_name", "policy_loss", "ratio_kl", "resolve",
+__all__ = ["backend_name", "policy_loss", "ratio_kl", "resolve",
            "selected_logprobs"]
-
-
-@dataclass(frozen=True)
-class Backend:
-    """The functions one backend runs on flattened rows (the interface above)."""
-
-    selected_logprobs: Callable
-    ratio_kl: Callable
-    policy_loss: Optional[Callable] = None  # fused; None: two passes
-    token_weights: Optional[Callable] = None  # one-launch aggregation weights; None: ops
 
 
 def _native() -> Backend:

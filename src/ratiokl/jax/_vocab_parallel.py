@@ -43,9 +43,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ratiokl._backend import Backend
 from ratiokl.jax import _native, _objective
 from ratiokl.jax._checks import Temperature
-from ratiokl.jax._route import Backend
 
 __all__ = ["VocabParallel", "backend", "global_vocab"]
 

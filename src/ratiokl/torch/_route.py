@@ -11,29 +11,10 @@ Every call runs the same steps, each once:
 4. read the check (the call's one host sync: the GPU keeps running what was
    queued) and reshape the outputs back to ``[...]``.
 
-Backend interface
------------------
-A :class:`Backend` runs on flattened inputs::
-
-    selected_logprobs(logits, ids, mask, temperature) -> logp
-    ratio_kl(policy, ref, ids, mask, old_logps, ref_logps, kl_code, temperature)
-        -> (ratio, kl)
-    policy_loss(policy, ref, ids, mask, old, ref_logps, adv, iw, weights,
-                temperature, opts, inplace_grad) -> (loss, metrics)   [fused; or None]
-    token_weights(mask, opts, normalizer, width) -> weights | None     [or None]
-
-with ``logits``/``policy``/``ref`` ``[N, V]`` float32 / float16 / bfloat16 (any
-strides; ``ref`` detached or None), ``ids`` ``[N]`` integer (not range-checked),
-``mask`` ``[N]`` bool, the per-row values float32 ``[N]`` detached, and
-``temperature`` a positive Python float or a float32 ``[N]`` tensor with bad
-entries NaN. Outputs are float32 ``[N]`` (``loss`` and the metrics 0-d);
-differentiable w.r.t. ``logits``/``policy`` only, in the logits' dtype; inactive
-rows are neutral (``logp = 0``, ``ratio = 1``, ``kl = 0``, gradient exactly 0)
-whatever they hold; an active row with a bad id or temperature is NaN; nothing
-synchronises with the host. A backend without a fused ``policy_loss`` (and
-GSPO's ``ratio_level="sequence"``, which needs a cross-row mean of the
-log-ratio before the objective) takes the two-pass route: ``selected_logprobs``,
-then ``ratiokl.torch._objective``.
+Backend interface: :class:`ratiokl._backend.Backend` (documented there).
+PyTorch specifics: the logits may have any strides, ``ref`` and the per-row
+values are detached, and per-row inputs are contiguous (the kernels read row
+``i`` at ``i``).
 
 Backends: ``"native"`` (``_native``, framework ops, any device), ``"triton"``
 (``_triton`` on CUDA tensors), ``"interpret"`` (the same ``_triton`` on CPU
@@ -45,28 +26,17 @@ per-shard math of either in ``_vocab_parallel``.
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
 from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
 import torch
 
+from ratiokl._backend import Backend
 from ratiokl.spec import BACKENDS, kl_estimator_code, policy_loss_options
 from ratiokl.torch import _checks
 from ratiokl.torch._checks import Temperature
 
-__all__ = ["BACKENDS", "Backend", "backend_name", "policy_loss", "ratio_kl", "resolve",
+__all__ = ["BACKENDS", "backend_name", "policy_loss", "ratio_kl", "resolve",
            "selected_logprobs"]
-
-
-
-@dataclass(frozen=True)
-class Backend:
-    """The functions one backend runs on flattened rows (the interface above)."""
-
-    selected_logprobs: Callable
-    ratio_kl: Callable
-    policy_loss: Optional[Callable] = None  # fused; None: two passes
-    token_weights: Optional[Callable] = None  # one-launch aggregation weights; None: ops
 
 
 def _native() -> Backend:

@@ -40,8 +40,8 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from ratiokl._backend import Backend
 from ratiokl.torch import _checks, _native, _objective
-from ratiokl.torch._route import Backend
 from ratiokl.torch._checks import Temperature
 
 __all__ = ["VocabParallel", "backend"]

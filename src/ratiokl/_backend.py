@@ -1,0 +1,42 @@
+"""The backend interface both frameworks' routes dispatch to (framework-neutral).
+
+A :class:`Backend` runs on flattened, validated inputs::
+
+    selected_logprobs(logits, ids, mask, temperature) -> logp
+    ratio_kl(policy, ref, ids, mask, old_logps, ref_logps, kl_code, temperature)
+        -> (ratio, kl)
+    policy_loss(policy, ref, ids, mask, old, ref_logps, adv, iw, weights,
+                temperature, opts, inplace_grad) -> (loss, metrics)   [fused; or None]
+    token_weights(mask, opts, normalizer, width) -> weights | None     [or None]
+
+with ``logits``/``policy``/``ref`` ``[N, V]`` float32 / float16 / bfloat16 (``ref``
+without gradient, or None), ``ids`` ``[N]`` integer (not range-checked: clamped
+before any read), ``mask`` ``[N]`` bool, the per-row values float32 ``[N]``
+without gradient, ``kl_code`` a Python int, ``opts`` the validated
+``ratiokl.spec.PolicyLossOptions`` and ``temperature`` a positive Python float or
+float32 ``[N]`` with bad entries NaN. Outputs are float32 ``[N]`` (the loss and
+the metrics 0-d), differentiable w.r.t. the policy logits only, in their dtype;
+inactive rows are neutral (``logp = 0``, ``ratio = 1``, ``kl = 0``, gradient
+exactly 0) whatever they hold; an active row with a bad id or temperature is
+NaN; nothing synchronises with the host. A backend without a fused
+``policy_loss`` (and GSPO's ``ratio_level="sequence"``, which needs a cross-row
+mean of the log-ratio before the objective) takes the two-pass route:
+``selected_logprobs``, then the framework's ``_objective``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+__all__ = ["Backend"]
+
+
+@dataclass(frozen=True)
+class Backend:
+    """The functions one backend runs on flattened rows (the interface above)."""
+
+    selected_logprobs: Callable
+    ratio_kl: Callable
+    policy_loss: Optional[Callable] = None  # fused; None: two passes
+    token_weights: Optional[Callable] = None  # one-launch aggregation weights; None: ops
