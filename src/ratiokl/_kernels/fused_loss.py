@@ -125,6 +125,15 @@ def launch_plan(vocab: int, itemsize: int, n_rows: int, write_grad: bool) -> Fus
     return FusedPlan(config, spans, spans.splits if whole_rows else 1)
 
 
+#: Warps of ``scale_rows_kernel`` (a plain streaming read-modify-write).
+SCALE_WARPS = 8
+
+
+def scale_block(vocab: int) -> int:
+    """``scale_rows_kernel``'s tile: the row rounded up to a power of two, 16 to 4096."""
+    return min(4096, max(16, 1 << (vocab - 1).bit_length()))
+
+
 @triton.jit
 def _combine(ms, ss):
     """``log2(sum_k s_k * 2^m_k)`` of a row's span partials ``(m_k, s_k)`` (vectors over spans).

@@ -41,7 +41,13 @@ from ratiokl._kernels import (
     use_split_forward,
 )
 from ratiokl._kernels import loss_rows as row_kernels
-from ratiokl._kernels.fused_loss import launch_plan, policy_loss_kernel, scale_rows_kernel
+from ratiokl._kernels.fused_loss import (
+    SCALE_WARPS,
+    launch_plan,
+    policy_loss_kernel,
+    scale_block,
+    scale_rows_kernel,
+)
 from ratiokl._kernels.objective import CLIP_CAPPED, CLIP_HIGH, CLIP_LOW
 from ratiokl.jax import _objective
 
@@ -194,9 +200,6 @@ def backward_op(terms: Tuple[bool, bool, bool]) -> Callable:
 
 # --- the fused policy loss ----------------------------------------------------------------
 
-#: Tile of the in-place scale (a plain streaming read-modify-write).
-_SCALE_BLOCK = 4096
-
 #: (has_ref, has_iw, kl_code, has_neg_cap, bound): static.
 Static = Tuple[bool, bool, int, bool, float]
 
@@ -248,8 +251,8 @@ def _scale_call(grad, g, mask):
     return triton_call(
         grad, g, mask,
         kernel=scale_rows_kernel, out_shape=jax.ShapeDtypeStruct(grad.shape, grad.dtype),
-        grid=(n_rows,), num_warps=8, input_output_aliases={0: 0},
-        V=vocab, stride_g=1, BLOCK_V=min(_SCALE_BLOCK, max(16, 1 << (vocab - 1).bit_length())),
+        grid=(n_rows,), num_warps=SCALE_WARPS, input_output_aliases={0: 0},
+        V=vocab, stride_g=1, BLOCK_V=scale_block(vocab),
     )
 
 

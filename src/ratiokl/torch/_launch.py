@@ -50,7 +50,13 @@ from ratiokl._kernels import (
     split_plan,
     use_split_forward,
 )
-from ratiokl._kernels.fused_loss import launch_plan, policy_loss_kernel, scale_rows_kernel
+from ratiokl._kernels.fused_loss import (
+    SCALE_WARPS,
+    launch_plan,
+    policy_loss_kernel,
+    scale_block,
+    scale_rows_kernel,
+)
 from ratiokl._kernels.loss_rows import (
     METRIC_NAMES,
     ROWS_BLOCK,
@@ -365,17 +371,13 @@ def fused_policy_loss(
     return loss, metrics, grad_out
 
 
-#: Tile of the in-place scale (a plain streaming read-modify-write).
-_SCALE_BLOCK = 4096
-
-
 def scale_rows_(kernels: Callable, grad: Tensor, g: Tensor, mask: Tensor) -> None:
     """``grad[i] *= g[i]`` in place on active rows whose ``g[i] != 1`` (tested on the device)."""
     n_rows, vocab = grad.shape
     if n_rows:
         kernels(scale_rows_kernel)[(n_rows,)](
             grad, g, mask, grad, vocab, _stride(g),
-            BLOCK_V=min(_SCALE_BLOCK, max(16, 1 << (vocab - 1).bit_length())), num_warps=8,
+            BLOCK_V=scale_block(vocab), num_warps=SCALE_WARPS,
         )
 
 
