@@ -172,6 +172,8 @@ class Preset:
 
 _ALL = (
     "ratiokl-torch-triton",
+    "ratiokl-torch-triton-unchecked",
+    "ratiokl-torch-triton-compiled",
     "ratiokl-torch-triton-inplace",
     "ratiokl-torch-triton-graph",
     "ratiokl-jax-triton",
@@ -181,8 +183,16 @@ _ALL = (
     "torch-compile",
     "liger",
 )
+#: ratiokl's GPU paths and the fastest peer: every target at the headline shape.
+_GPU = ("ratiokl-torch-triton", "ratiokl-torch-triton-unchecked",
+        "ratiokl-torch-triton-compiled", "ratiokl-torch-triton-inplace",
+        "ratiokl-torch-triton-graph", "ratiokl-jax-triton", "liger")
 _FAST = ("ratiokl-torch-triton", "ratiokl-torch-triton-inplace", "ratiokl-torch-triton-graph",
          "ratiokl-jax-triton", "torch-eager", "liger")
+#: The density target's providers (inactive rows skipped).
+_DENSITY = ("ratiokl-torch-triton", "ratiokl-jax-triton")
+#: The slow peers, on the op of PERF.md's eager / torch.compile columns only.
+_SLOW = ("torch-eager", "torch-compile")
 _NATIVE = ("ratiokl-torch-native", "ratiokl-jax-native", "torch-eager")
 _HEADLINE_OPS = ("selected_logprobs", "ratio_kl", "ratio_kl_ref_logps", "policy_loss_ref_logps")
 #: The lm_head step's providers on a GPU: ratiokl's loss, Liger's, and the bare GEMMs.
@@ -203,13 +213,16 @@ PRESETS: Dict[str, Preset] = {
         ops=OPS,
         timing=Timing(warmup_ms=25, rep_ms=100, cpu_reps=10),
     ),
-    # PERF.md's targets: the headline shape for every provider at both
-    # densities; the few-rows shapes (N = 128 and 1024, against the CUDA graph) for
-    # ratiokl and the cheap peers (torch.compile and XLA would add minutes of
-    # compilation for no target); the lm_head step.
+    # PERF.md's targets in one device call: the headline shape for ratiokl's GPU paths
+    # and Liger; density 0.5 for the density target; eager and torch.compile on
+    # ratio_kl only (their column in PERF.md; minutes of compilation otherwise); the
+    # few-rows shapes (N = 128 and 1024, against the CUDA graph) for ratiokl and the
+    # cheap peers; the lm_head step.
     "headline": Preset(
         groups=(
-            Group(_grid((8192,), (151936,), (1.0, 0.5), ("bfloat16",)), _ALL),
+            Group(_grid((8192,), (151936,), (1.0,), ("bfloat16",)), _GPU),
+            Group(_grid((8192,), (151936,), (1.0,), ("bfloat16",)), _SLOW, ("ratio_kl",)),
+            Group(_grid((8192,), (151936,), (0.5,), ("bfloat16",)), _DENSITY),
             Group(_grid((128, 1024), (151936,), (1.0,), ("bfloat16",)), _FAST),
             _STEP_GROUP,
         ),

@@ -127,6 +127,19 @@ def _ratiokl_torch(backend: str) -> Callable[[str, Any, bool], TorchOp]:
     return build
 
 
+def _ratiokl_torch_compiled(op: str, x: Any, check_ids: bool) -> TorchOp:
+    """``torch.compile(fullgraph=True)`` of the same call (``check_ids=False``: the check
+    cannot compile); the tensors are arguments of the compiled function, as in a step."""
+    from ratiokl.torch import loss
+
+    def call(a: Dict[str, Any]) -> Any:
+        return ratiokl_op(loss, op, a, "triton", check_ids)
+
+    compiled = torch.compile(call, fullgraph=True)
+    a = vars(x)
+    return TorchOp(lambda: compiled(a), x.policy)
+
+
 def _ratiokl_torch_inplace(op: str, x: Any, check_ids: bool) -> TorchOp:
     """The fused policy loss writing its gradient into the logits (its own copy of them:
     every run overwrites them with a gradient, which no other provider should read)."""
@@ -227,6 +240,13 @@ PROVIDERS: Dict[str, Provider] = {
                  user_check_ids=True, inputs=(LOGITS, HIDDEN)),
         Provider("ratiokl-torch-triton-inplace", "torch", _ratiokl_torch_inplace,
                  _torch_triton, _policy_loss_only, user_check_ids=True),
+        # The same call with check_ids=False under both timings: what the default id
+        # check costs (PERF.md: <= 3 %) and the eager side of the torch.compile target.
+        Provider("ratiokl-torch-triton-unchecked", "torch", _ratiokl_torch("triton"),
+                 _torch_triton, user_check_ids=False),
+        # torch.compile(fullgraph=True) of that call (PERF.md: <= 1.05x the eager call).
+        Provider("ratiokl-torch-triton-compiled", "torch", _ratiokl_torch_compiled,
+                 _torch_triton, user_check_ids=False),
         # The same call as ratiokl-torch-triton (check_ids=False), captured once as a CUDA
         # graph and replayed: the op without the host's per-call work.
         Provider("ratiokl-torch-triton-graph", "torch", _ratiokl_torch("triton"),

@@ -152,7 +152,7 @@ class _Run:
         if shape != self.shape:
             # New shapes: drop compiled code of the old ones, so torch.compile never
             # reaches its recompile limit (and silently falls back to eager).
-            if "torch-compile" in names:
+            if any("compile" in name for name in names):
                 torch._dynamo.reset()
             self.jax_compiled.clear()
             self.shape = shape
