@@ -93,29 +93,13 @@ def launch_plan(vocab: int, itemsize: int, n_rows: int, write_grad: bool) -> Fus
 
     A row's programs each read their span (the log-sum-exp partials), meet at
     a device-side counter to combine the row's statistics, then write their
-    span's gradient while it is still in L2. Measured on the H200 (bf16,
-    N = 8192, V = 151,936, reference log-probs, ``policy_loss`` forward +
-    backward, 4096 x 4 warps, 56 registers; device time with the host ahead,
-    ``benchmarks/_harness``): torch 10 spans 1.64 ms, 8 spans 1.69, 13 spans
-    1.68, 6 spans 1.76; the JAX launch 1.65, 1.58, 1.63 and 1.64 (one run
-    each). ``fused_loss_timing.py --sweep`` (``do_bench``, torch): 19 spans
-    1.93, one program per row 2.04 (the gradient sweep then re-reads most of
-    the row from HBM). At 96 registers (a masked gradient loop, the objective
-    inlined) torch took 1.80 with 8 spans and 1.83 with 10. A simplified twin of
-    the kernel (one coefficient per row, no metrics, no other launches)
-    reached 1.566 ms with 13 spans and 1.596 with 8, and 1.78-3.8 ms on a
-    persistent grid (``benchmarks/fused_loss_variants.py``). Holding each
-    span in registers from its read to its gradient (one block load per span,
-    no L2 re-read) was slower: 2.08 ms at best (8192 columns x 4 warps, 154
-    registers, three programs an SM), 2.05 capped at 80 registers, 2.2-3.8
-    with other spans and warps, against 1.63 as here (one run): too few
-    programs fit to keep HBM busy while each waits at the meeting. Without a
-    gradient there is nothing to re-read: enough rows fill the GPU with one
-    program per row (``heuristics.use_split_forward``; JAX primal 0.66 ms,
-    0.71 with a program per span; torch, a row's spans shared by 2, 3 or 5
-    programs: 0.628, 0.636 and 0.659 ms against 0.625 with one, and density
-    0.5 suffers more: 0.355, 0.364, 0.380 against 0.345). The plan is the
-    same on a GPU and in Triton's interpreter.
+    span's gradient while it is still in L2. On the H200 (bf16, N = 8192,
+    V = 151,936) 10 spans of 4096 x 4 warps were the best of the plans tried;
+    one program per row and spans held in registers were slower, and without
+    a gradient one program per row is best once enough rows fill the GPU
+    (``heuristics.use_split_forward``): the measurements are in
+    docs/performance.md ("Experiments retired from benchmarks/"). The plan is
+    the same on a GPU and in Triton's interpreter.
     The spans depend only on ``V`` and the element size and every program
     combines them the same way: no launch changes a bit (batch invariance).
     """

@@ -5,8 +5,8 @@ size -- never on the number of rows or on values -- so a row's reduction
 order, hence its bits, is the same in any batch (batch invariance), and
 jax-triton launches stay valid under CUDA-graph capture.
 
-Measured on the H200 (bf16, N=8192, V=151,936, ``benchmarks/gpu_smoke.py
---sweep``): the forward, which streams two tensors, is fastest with 4 warps
+Measured on the H200 (bf16, N=8192, V=151,936; docs/performance.md, "Experiments
+retired from benchmarks/"): the forward, which streams two tensors, is fastest with 4 warps
 and 64 bytes per thread per tensor and tile (4096 x 4 warps: 1.17 ms, about 94 %
 of the read ceiling in PERF.md; 8 warps: 1.36 ms); the backward (one read, one
 write) is within 2 % across 8-16 warps and 16-64 bytes per thread, best at
