@@ -148,6 +148,7 @@ def test_torch_and_jax_triton_agree():
         torch.testing.assert_close(a, b, rtol=rtol, atol=1e-6, equal_nan=True)
 
 
+@pytest.mark.whole_gpu  # ~25 GB of inputs and gradients: run alone, not beside other workers
 def test_beyond_2_pow_31_elements():
     n, vocab = 16_384, 131_200  # n * vocab = 2.15e9 > 2^31
     policy, ref, ids, mask, old, g_ratio, g_kl = _inputs(n, vocab, "bfloat16", seed=1, garbage=False)
