@@ -200,8 +200,8 @@ def backward_op(terms: Tuple[bool, bool, bool]) -> Callable:
 
 # --- the fused policy loss ----------------------------------------------------------------
 
-#: (has_ref, has_iw, kl_code, has_neg_cap, bound): static.
-Static = Tuple[bool, bool, int, bool, float]
+#: (has_ref, has_iw, kl_code, has_neg_cap, bound, objective code): static.
+Static = Tuple[bool, bool, int, bool, float, int]
 
 
 def _fused_call(static: Static, write_grad: bool, inplace: bool, policy, ref, ids, mask, old,
@@ -222,7 +222,7 @@ def _fused_call(static: Static, write_grad: bool, inplace: bool, policy, ref, id
     ]
     if n_rows == 0:
         return tuple(jnp.zeros(s.shape, s.dtype) for s in shapes)
-    has_ref, has_iw, kl_code, has_neg_cap, bound = static
+    has_ref, has_iw, kl_code, has_neg_cap, bound, objective = static
     plan = launch_plan(vocab, policy.dtype.itemsize, n_rows, write_grad)
     n_counters = plan.counters(n_rows)  # 0: none used, none zeroed (any buffer will do)
     scratch = [jax.ShapeDtypeStruct((n_rows, plan.spans.splits, 4), jnp.float32),
@@ -236,7 +236,7 @@ def _fused_call(static: Static, write_grad: bool, inplace: bool, policy, ref, id
         N=n_rows, V=vocab, stride_pn=vocab, stride_pv=1, stride_rn=vocab, stride_rv=1,
         stride_t=0 if temp.shape[0] == 1 else 1,
         HAS_REF=has_ref, HAS_IW=has_iw, KL_CODE=kl_code, HAS_NEG_CAP=has_neg_cap, BOUND=bound,
-        WRITE_GRAD=write_grad, SPLITS=plan.spans.splits,
+        OBJECTIVE=objective, WRITE_GRAD=write_grad, SPLITS=plan.spans.splits,
         TILES_PER_SPLIT=plan.spans.tiles_per_split, SPANS=plan.spans_per_program,
         BLOCK_V=plan.config.block_v, **aliases,
     )

@@ -205,7 +205,7 @@ def policy_loss(
     has_ref = ref is not None or ref_logps is not None
     static: Static = (
         ref is not None, iw is not None, opts.kl_code if has_ref else 0,
-        opts.neg_cap is not None, opts.log_ratio_bound or 0.0,
+        opts.neg_cap is not None, opts.log_ratio_bound or 0.0, opts.objective_code,
     )
     coefs = stop(jnp.stack([
         jnp.asarray(c, jnp.float32) for c in (

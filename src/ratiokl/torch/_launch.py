@@ -315,7 +315,7 @@ def fused_policy_loss(
     kernels: Callable, policy: Tensor, ref: Optional[Tensor], ids: Tensor, mask: Tensor,
     old: Tensor, ref_logps: Optional[Tensor], temp: Tensor, adv: Tensor, iw: Optional[Tensor],
     w: Tensor, coefs: Tensor, write_grad: bool, kl_code: int, has_neg_cap: bool, bound: float,
-    *, grad_out: Optional[Tensor] = None,
+    objective: int, *, grad_out: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """``(loss, metrics, grad)``: float32 ``[]``, float32 ``[7]`` (``METRIC_NAMES``), and
     ``d loss / d policy`` ``[N, V]`` in the logits' dtype (``[0, V]`` without ``write_grad``).
@@ -324,7 +324,7 @@ def fused_policy_loss(
     ``write_grad``, the gradient of ``sum_t w_t loss_t``) and
     ``policy_metrics_kernel`` (the loss and the metrics). ``coefs``: float32
     ``[4]`` (``kl_coef``, ratio floor, ratio ceiling, negative-advantage cap);
-    ``kl_code`` 0: no reference. ``grad_out``: a row-major ``[N, V]`` buffer
+    ``kl_code`` 0: no reference; ``objective``: ``OBJECTIVES`` code. ``grad_out``: a row-major ``[N, V]`` buffer
     for the gradient (the in-place mode passes ``policy`` itself: every tile is
     read before it is overwritten, by the same program).
     """
@@ -360,7 +360,7 @@ def fused_policy_loss(
         n_rows, vocab, policy.stride(0), policy.stride(1), ref_t.stride(0), ref_t.stride(1),
         _stride(temp),
         HAS_REF=has_ref, HAS_IW=iw is not None, KL_CODE=kl_code, HAS_NEG_CAP=has_neg_cap,
-        BOUND=bound, WRITE_GRAD=write_grad, SPLITS=plan.spans.splits,
+        BOUND=bound, OBJECTIVE=objective, WRITE_GRAD=write_grad, SPLITS=plan.spans.splits,
         TILES_PER_SPLIT=plan.spans.tiles_per_split, SPANS=plan.spans_per_program,
         BLOCK_V=plan.config.block_v, num_warps=plan.config.num_warps,
     )
@@ -392,10 +392,10 @@ def _fused_context(ctx, inputs, output) -> None:
 
 def _fused_backward(ctx, g_loss, *_unused):
     if g_loss is None:
-        return (None,) * 15
+        return (None,) * 16
     grad, mask = ctx.saved_tensors
     SCALE_ROWS.run(ctx.binding, grad, g_loss.to(torch.float32), mask)
-    return (grad,) + (None,) * 14
+    return (grad,) + (None,) * 15
 
 
 def _fused_fake(policy, ref, ids, mask, old, ref_logps, temp, adv, iw, w, coefs, write_grad,

@@ -229,14 +229,14 @@ def ratio_kl(policy_logits, ref_logits, action_ids, mask, old_logps, *, ref_logp
 
 def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantages, *,
                 ref_logps, clip_eps, clip_eps_high, dual_clip, ratio_cap, kl_coef,
-                kl_estimator, loss_agg, loss_normalizer, ratio_level, segment_ids,
+                kl_estimator, loss_agg, loss_normalizer, ratio_level, objective, segment_ids,
                 importance_weights, log_ratio_bound, temperature, backend, check_ids,
                 vocab_group, inplace_grad) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """``ratiokl.torch.loss.policy_loss`` (documented there)."""
     opts = policy_loss_options(
         clip_eps=clip_eps, clip_eps_high=clip_eps_high, dual_clip=dual_clip,
         ratio_cap=ratio_cap, kl_coef=kl_coef, kl_estimator=kl_estimator, loss_agg=loss_agg,
-        ratio_level=ratio_level, log_ratio_bound=log_ratio_bound,
+        ratio_level=ratio_level, log_ratio_bound=log_ratio_bound, objective=objective,
         cached=not torch.compiler.is_compiling(),
     )
     lead = _lead(policy_logits, action_ids)
