@@ -44,14 +44,15 @@ __all__ = ["backend_name", "policy_loss", "ratio_kl", "resolve",
 def _native() -> Backend:
     from ratiokl.jax import _native
 
-    return Backend(_native.selected_logprobs, _native.ratio_kl)
+    return Backend(_native.selected_logprobs, _native.ratio_kl,
+                   logprobs_entropy=_native.logprobs_entropy)
 
 
 def _triton() -> Backend:
     from ratiokl.jax import _triton
 
     return Backend(_triton.selected_logprobs, _triton.ratio_kl, _triton.policy_loss,
-                   _triton.token_weights)
+                   _triton.token_weights, _triton.logprobs_entropy)
 
 
 #: Backend name -> its loader (imported on first use).
@@ -164,12 +165,26 @@ def _rows(logits: jax.Array, lead: Tuple[int, ...], ids: jax.Array, mask, temper
 
 
 def selected_logprobs(logits, action_ids, mask, *, temperature, backend, check_ids,
-                      vocab_axis) -> jax.Array:
+                      vocab_axis, return_entropy=False):
     """``ratiokl.jax.loss.selected_logprobs`` (documented there)."""
     logits, ids, lead = _lead(logits, action_ids)
     rows = _rows(logits, lead, ids, mask, temperature, backend, check_ids, vocab_axis)
+    if return_entropy:
+        logp, ent = _entropy_backend(rows.run, vocab_axis)(
+            rows.logits, rows.ids, rows.mask, rows.temperature)
+        return rows.checked((logp.reshape(lead), ent.reshape(lead)))
     logp = rows.run.selected_logprobs(rows.logits, rows.ids, rows.mask, rows.temperature)
     return rows.checked(logp.reshape(lead))
+
+
+def _entropy_backend(run: Backend, vocab_axis):
+    """The backend's one-pass ``(logp, entropy)``; a clear error where it has none."""
+    if run.logprobs_entropy is None:
+        raise NotImplementedError(
+            "`return_entropy=True` is not available with `vocab_axis` yet (the sharded "
+            "entropy needs its own combine); gather the vocabulary or call without it"
+        )
+    return run.logprobs_entropy
 
 
 def ratio_kl(policy_logits, ref_logits, action_ids, mask, old_logps, *, ref_logps,

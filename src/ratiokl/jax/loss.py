@@ -44,12 +44,20 @@ def selected_logprobs(
     backend: BackendName = "auto",
     check_ids: bool = True,
     vocab_axis: Optional[str] = None,
-) -> jax.Array:
+    return_entropy: bool = False,
+) -> Union[jax.Array, Tuple[jax.Array, jax.Array]]:
     """Log-probability of the sampled action per token: ``logp = z[a] - logsumexp(z)``.
 
     With ``z = logits / T``, computed in float32 whatever the logits' dtype::
 
         logp = logits[..., a] / T - logsumexp(logits / T, axis=-1)
+
+    and, with ``return_entropy``, the entropy of the same distribution ``p = softmax(z)``
+    from the same read of the logits (a running ``sum exp(z - m) * z`` beside the
+    log-sum-exp)::
+
+        entropy = -sum_v p_v log p_v = logsumexp(z) - sum_v p_v z_v
+        d entropy / d logits_v = -p_v (log p_v + entropy) / T
 
     Args:
       logits: ``[..., V]`` float32, float16 or bfloat16.
@@ -72,6 +80,8 @@ def selected_logprobs(
         contiguous equal block and ``action_ids`` are global (see
         docs/vocab_parallel.md). The result is replicated along that axis.
 
+      return_entropy: also return the entropy (not yet with ``vocab_axis``).
+
     Returns:
       ``logp``: float32 ``[...]``; exactly 0 on inactive rows. The gradient
       ``g * (onehot(a) - softmax(z)) / T`` reaches ``logits`` in its dtype, and
@@ -79,11 +89,16 @@ def selected_logprobs(
       A NaN logit on an active row makes that row NaN only; ``-inf`` logits at
       other tokens (vocabulary masking) are valid.
 
+      With ``return_entropy``: ``(logp, entropy)``, ``entropy`` float32 ``[...]``, 0 on
+      inactive rows (its gradient there exactly 0 too); a ``-inf`` logit contributes 0
+      to it and to its gradient (never ``0 * -inf``); a NaN logit makes the row NaN.
+
     See :func:`ratio_kl` for the references.
     """
     return _route.selected_logprobs(
         logits, action_ids, mask, temperature=temperature, backend=backend,
         check_ids=check_ids, vocab_axis=vocab_axis,
+        return_entropy=return_entropy,
     )
 
 

@@ -33,6 +33,8 @@ from ratiokl.spec.policy_loss import (
 from ratiokl.spec.reference import (
     check_action_ids,
     check_temperatures,
+    entropy,
+    entropy_grad,
     kl_dlogp,
     kl_value,
     ratio_kl,
@@ -58,6 +60,8 @@ __all__ = [
     "POLICY_KL_ESTIMATORS",
     "PolicyLossOptions",
     "RATIO_LEVELS",
+    "entropy",
+    "entropy_grad",
     "policy_loss",
     "policy_loss_from_logps",
     "policy_loss_grad",

@@ -29,6 +29,7 @@ from ratiokl._kernels.loss_rows import METRIC_NAMES, token_weights_args
 from ratiokl.spec import PolicyLossOptions
 from ratiokl.torch._launch import (
     BACKWARD,
+    ENTROPY_FORWARD,
     FORWARD,
     POLICY_LOSS,
     SCALE_ROWS,
@@ -88,6 +89,15 @@ def selected_logprobs(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tenso
     """
     temp = kernel_temperature(temperature, logits.device)
     return FORWARD(logits, None, ids, mask, None, None, temp, 0)[0]
+
+
+def logprobs_entropy(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor,
+                     temperature: Temperature) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Float32 ``(logp[N], entropy[N])`` from one read of ``logits[N, V]``: 0 on inactive rows,
+    NaN on poisoned rows. Differentiable w.r.t. ``logits`` through both."""
+    temp = kernel_temperature(temperature, logits.device)
+    logp, ent, _ = ENTROPY_FORWARD(logits, ids, mask, temp)
+    return logp, ent
 
 
 def ratio_kl(policy: torch.Tensor, ref: Optional[torch.Tensor], ids: torch.Tensor,

@@ -38,12 +38,20 @@ def selected_logprobs(
     backend: BackendName = "auto",
     check_ids: bool = True,
     vocab_group: Optional[torch.distributed.ProcessGroup] = None,
-) -> torch.Tensor:
+    return_entropy: bool = False,
+) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Log-probability of the sampled action per token: ``logp = z[a] - logsumexp(z)``.
 
     With ``z = logits / T``, computed in float32 whatever the logits' dtype::
 
         logp = logits[..., a] / T - logsumexp(logits / T, axis=-1)
+
+    and, with ``return_entropy``, the entropy of the same distribution ``p = softmax(z)``
+    from the same read of the logits (a running ``sum exp(z - m) * z`` beside the
+    log-sum-exp)::
+
+        entropy = -sum_v p_v log p_v = logsumexp(z) - sum_v p_v z_v
+        d entropy / d logits_v = -p_v (log p_v + entropy) / T
 
     Args:
       logits: ``[..., V]`` float32, float16 or bfloat16, any strides.
@@ -64,6 +72,8 @@ def selected_logprobs(
         block, in rank order; see docs/vocab_parallel.md). ``action_ids`` are
         global and every input but the logits is identical on every rank.
 
+      return_entropy: also return the entropy (not yet with ``vocab_group``).
+
     Returns:
       ``logp``: float32 ``[...]``; exactly 0 on inactive rows. The gradient
       ``g * (onehot(a) - softmax(z)) / T`` reaches ``logits`` in its dtype, and
@@ -71,11 +81,16 @@ def selected_logprobs(
       A NaN logit on an active row makes that row NaN only; ``-inf`` logits at
       other tokens (vocabulary masking) are valid.
 
+      With ``return_entropy``: ``(logp, entropy)``, ``entropy`` float32 ``[...]``, 0 on
+      inactive rows (its gradient there exactly 0 too); a ``-inf`` logit contributes 0
+      to it and to its gradient (never ``0 * -inf``); a NaN logit makes the row NaN.
+
     See :func:`ratio_kl` for the references.
     """
     return _route.selected_logprobs(
         logits, action_ids, mask, temperature=temperature, backend=backend,
         check_ids=check_ids, vocab_group=vocab_group,
+        return_entropy=return_entropy,
     )
 
 
