@@ -20,6 +20,7 @@ import numpy as np
 from ratiokl import spec
 from ratiokl.conformance import LOGIT_DTYPES, OPS, Case, build_case, round_to_dtype, write_fixtures
 
+import entropy_cases  # noqa: E402 - conformance/ is the script's directory (entropy cases)
 import loss_cases  # noqa: E402 - conformance/ is the script's directory (policy_loss cases)
 
 SEED = 20261130
@@ -293,6 +294,7 @@ def build_cases() -> Iterator[Case]:
                 description=description,
             )
     yield from loss_cases.build_cases()
+    yield from entropy_cases.build_cases()
 
 
 def main(argv: List[str] | None = None) -> None:

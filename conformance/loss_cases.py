@@ -67,7 +67,7 @@ def _thresholds(options) -> Tuple[float, ...]:
     bound = () if opts.log_ratio_bound is None else (
         np.exp(opts.log_ratio_bound), np.exp(-opts.log_ratio_bound))
     caps = (opts.ratio_low, opts.ratio_high, opts.neg_cap) + bound
-    return tuple(t for t in caps if t is not None)
+    return tuple(t for t in caps if t is not None and t > 0)  # a floor of 0 never switches
 
 
 def _keep_off_thresholds(x: Inputs, options, dtype, segments) -> Inputs:
@@ -142,6 +142,35 @@ GROUPS: Dict[str, Tuple[Tuple[str, ...], Dict[str, Any], Tuple[str, ...], Dict[s
                             "no active token: loss 0, zero gradient"),
     "policy_empty_rows": (("float32",), {"loss_agg": "seq-mean-token-sum"}, (),
                           {"lead": (0, T)}, "no rows at all"),
+    # CISPO (MiniMax-M1): clipped, detached weight times logp, with every aggregation.
+    "policy_cispo_token_mean": (("float32", "bfloat16"), {"objective": "cispo",
+                                                          "clip_eps_high": 0.28, "kl_coef": 0.1},
+                                (), {}, "CISPO, token-mean, k3 KL"),
+    "policy_cispo_token_sum": (("float32",), {"objective": "cispo", "loss_agg": "token-sum",
+                                              "clip_eps": 1.0, "clip_eps_high": 0.5},
+                               (), {"per_token_adv": True},
+                               "CISPO without a floor (clip_eps = 1), token-sum, per-token "
+                               "advantages"),
+    "policy_cispo_seq_mean_token_mean": (("float32",), {"objective": "cispo",
+                                                        "loss_agg": "seq-mean-token-mean"},
+                                         (), {}, "CISPO, seq-mean-token-mean"),
+    "policy_cispo_seq_mean_token_sum": (("float32",), {"objective": "cispo",
+                                                       "loss_agg": "seq-mean-token-sum"},
+                                        ("segment_ids",), {"active": 0.9},
+                                        "CISPO, seq-mean-token-sum over packed segments"),
+    "policy_cispo_seq_mean_token_sum_norm": (("float32",), {
+        "objective": "cispo", "loss_agg": "seq-mean-token-sum-norm", "loss_normalizer": 12.0},
+        (), {}, "CISPO, seq-mean-token-sum-norm with a normaliser"),
+    "policy_cispo_ratio_cap_kl_is": (("float32",), {
+        "objective": "cispo", "clip_eps": 0.5, "clip_eps_high": 1.0, "ratio_cap": 1.6,
+        "kl_coef": 0.3, "kl_estimator": "k3-is", "log_ratio_bound": 0.9},
+        ("importance_weights",), {},
+        "CISPO, ceiling min(2, 1.6), ratio-weighted KL, bound 0.9, importance weights"),
+    "policy_cispo_sequence_ratio": (("float32",), {"objective": "cispo",
+                                                   "ratio_level": "sequence",
+                                                   "loss_agg": "seq-mean-token-mean"},
+                                    ("segment_ids",), {"active": 0.9},
+                                    "CISPO weight from the sequence ratio, packed rows"),
     # One tile a row on a GPU (V <= the forward tile): the launch plan of the NaN-gradient bug.
     "policy_vocab_1000": (("float32", "bfloat16"), {"kl_coef": 0.1}, (),
                           {"lead": (2, 3), "vocab": 1000}, "V = 1000: one ragged tile a row"),

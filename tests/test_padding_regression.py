@@ -23,6 +23,7 @@ H = RNG.normal(size=(ROWS, HIDDEN)).astype(np.float32)
 W = RNG.normal(size=(HIDDEN, VOCAB)).astype(np.float32)
 OLD = np.where(ACTIVE, -2.5, np.nan).astype(np.float32)
 REF = np.where(ACTIVE, -2.0, np.nan).astype(np.float32)
+ADV = np.where(ACTIVE, [1.5, 0.0, -0.7, 2.0, 0.0, 0.0], np.nan).astype(np.float32)
 G_OUT = RNG.normal(size=(2, ROWS)).astype(np.float32)  # upstream cotangents (ratio/logp, kl)
 TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -47,6 +48,13 @@ def _torch_grad(target: str, op: str, pad_value: float, strided: bool):
     ids, mask, g = torch.tensor(IDS), torch.tensor(ACTIVE), torch.tensor(G_OUT)
     if op == "selected_logprobs":
         total = (g[0] * loss.selected_logprobs(logits, ids, mask, backend=backend)).sum()
+    elif op == "selected_logprobs_entropy":
+        logp, ent = loss.selected_logprobs(logits, ids, mask, backend=backend,
+                                           return_entropy=True)
+        total = (g[0] * logp + g[1] * ent).sum()
+    elif op == "policy_loss_cispo":
+        total = loss.policy_loss(logits, None, ids, mask, torch.tensor(OLD), torch.tensor(ADV),
+                                 objective="cispo", backend=backend)[0]
     else:
         ratio, kl = loss.ratio_kl(logits, None, ids, mask, torch.tensor(OLD),
                                   ref_logps=torch.tensor(REF), backend=backend)
@@ -68,6 +76,13 @@ def _jax_grad(target: str, op: str, pad_value: float, strided: bool):
         logits = jnp.asarray(H) @ w + jnp.asarray(_pad(pad_value))
         if op == "selected_logprobs":
             return jnp.sum(g[0] * loss.selected_logprobs(logits, ids, mask, backend=backend))
+        if op == "selected_logprobs_entropy":
+            logp, ent = loss.selected_logprobs(logits, ids, mask, backend=backend,
+                                               return_entropy=True)
+            return jnp.sum(g[0] * logp + g[1] * ent)
+        if op == "policy_loss_cispo":
+            return loss.policy_loss(logits, None, ids, mask, jnp.asarray(OLD), jnp.asarray(ADV),
+                                    objective="cispo", backend=backend)[0]
         ratio, kl = loss.ratio_kl(logits, None, ids, mask, jnp.asarray(OLD),
                                   ref_logps=jnp.asarray(REF), backend=backend)
         return jnp.sum(g[0] * ratio + g[1] * kl)
@@ -86,6 +101,13 @@ def _reference_grad(op: str) -> np.ndarray:
     logp = torch.log_softmax(h @ w, dim=-1).gather(-1, ids[:, None])[:, 0]
     if op == "selected_logprobs":
         total = (g[0] * logp).sum()
+    elif op == "selected_logprobs_entropy":
+        log_p = torch.log_softmax(h @ w, dim=-1)
+        total = (g[0] * logp - g[1] * (log_p.exp() * log_p).sum(-1)).sum()
+    elif op == "policy_loss_cispo":  # -sg(clip(r, 0.8, 1.2)) * A * logp, token-mean
+        ratio = torch.exp(logp - torch.tensor(OLD[ACTIVE], dtype=torch.float64)).detach()
+        adv = torch.tensor(ADV[ACTIVE], dtype=torch.float64)
+        total = -(ratio.clamp(0.8, 1.2) * adv * logp).mean()
     else:
         d = torch.tensor(REF[ACTIVE], dtype=torch.float64) - logp
         ratio = torch.exp(logp - torch.tensor(OLD[ACTIVE], dtype=torch.float64))
@@ -96,7 +118,8 @@ def _reference_grad(op: str) -> np.ndarray:
 
 @pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
 @pytest.mark.parametrize("pad_value", [np.nan, -np.inf], ids=["nan", "-inf"])
-@pytest.mark.parametrize("op", ["selected_logprobs", "ratio_kl"])
+@pytest.mark.parametrize("op", ["selected_logprobs", "selected_logprobs_entropy", "ratio_kl",
+                                "policy_loss_cispo"])
 def test_padding_never_reaches_the_weight_gradient(target, op, pad_value, strided) -> None:
     framework = conformance.TARGETS[target].framework
     if strided and framework == "jax":

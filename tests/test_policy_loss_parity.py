@@ -30,6 +30,9 @@ CASES = {
     "gspo_packed": {"ratio_level": "sequence", "loss_agg": "seq-mean-token-mean", "packed": True},
     "ratio_weighted_kl_seq_mean": {"loss_agg": "seq-mean-token-sum", "kl_coef": 0.3,
                                    "kl_estimator": "k3-is", "ratio_cap": 1.4},
+    "cispo_clip_higher_kl_k3": {"objective": "cispo", "clip_eps_high": 0.28, "kl_coef": 0.1},
+    "cispo_gspo_packed": {"objective": "cispo", "ratio_level": "sequence",
+                          "loss_agg": "seq-mean-token-mean", "packed": True},
 }
 
 

@@ -113,3 +113,24 @@ def test_flattened_logits_with_unflattened_ids_name_action_ids(op):
 
     with pytest.raises(ValueError, match="`action_ids` must have the logits' leading shape"):
         getattr(jax_loss, op)(*(jnp.asarray(a) for a in args))
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"objective": "grpo"}, r"`objective` must be one of 'ppo', 'cispo'; got 'grpo'"),
+    ({"objective": "cispo", "dual_clip": 3.0}, r"`dual_clip` has no meaning with objective"),
+])
+def test_bad_objective_options_are_rejected_in_both_frameworks(options, match):
+    from ratiokl.torch import loss as torch_loss
+
+    logits, ids, mask, _ = _inputs(1.0)
+    rows = np.zeros((B, T), np.float32)
+    with pytest.raises(ValueError, match=match):
+        torch_loss.policy_loss(torch.from_numpy(logits), None, torch.from_numpy(ids),
+                               torch.from_numpy(mask), torch.from_numpy(rows),
+                               torch.from_numpy(rows), **options)
+    jnp = pytest.importorskip("jax.numpy")
+    from ratiokl.jax import loss as jax_loss
+
+    with pytest.raises(ValueError, match=match):
+        jax_loss.policy_loss(jnp.asarray(logits), None, jnp.asarray(ids), jnp.asarray(mask),
+                             jnp.asarray(rows), jnp.asarray(rows), **options)

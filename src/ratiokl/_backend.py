@@ -3,6 +3,7 @@
 A :class:`Backend` runs on flattened, validated inputs::
 
     selected_logprobs(logits, ids, mask, temperature) -> logp
+    logprobs_entropy(logits, ids, mask, temperature) -> (logp, entropy)   [or None]
     ratio_kl(policy, ref, ids, mask, old_logps, ref_logps, kl_code, temperature)
         -> (ratio, kl)
     policy_loss(policy, ref, ids, mask, old, ref_logps, adv, iw, weights,
@@ -40,3 +41,4 @@ class Backend:
     ratio_kl: Callable
     policy_loss: Optional[Callable] = None  # fused; None: two passes
     token_weights: Optional[Callable] = None  # one-launch aggregation weights; None: ops
+    logprobs_entropy: Optional[Callable] = None  # (logp, entropy) in one pass; None: none

@@ -185,9 +185,15 @@ def check_grad_inside_body() -> None:
 
 
 def check_policy_loss() -> None:
-    """Sharded ``policy_loss`` (with a KL term on ref logits) equals the unsharded one."""
+    """Sharded ``policy_loss`` (with a KL term on ref logits) equals the unsharded one: the
+    PPO and the CISPO objective."""
+    for objective in (dict(), dict(objective="cispo", clip_eps_high=0.28)):
+        _check_policy_loss(objective)
+
+
+def _check_policy_loss(objective) -> None:
     x = _inputs(2, (4, 5), 48)
-    options = dict(kl_coef=0.1, loss_agg="seq-mean-token-mean", temperature=0.9)
+    options = dict(kl_coef=0.1, loss_agg="seq-mean-token-mean", temperature=0.9, **objective)
 
     def unsharded(policy):
         return loss.policy_loss(policy, x["ref"], x["ids"], x["mask"], x["old"], x["adv"],

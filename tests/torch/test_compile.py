@@ -27,7 +27,11 @@ def _objective(logits, ref, ids, mask, old, temperature):
     logp = loss.selected_logprobs(
         logits, ids, mask, temperature=0.8, backend="native", check_ids=False
     )
-    return (1.5 * ratio - 0.5 * kl + 2.0 * logp).sum(), ratio, kl, logp
+    _, entropy = loss.selected_logprobs(
+        logits, ids, mask, temperature=temperature, backend="native", check_ids=False,
+        return_entropy=True,
+    )
+    return (1.5 * ratio - 0.5 * kl + 2.0 * logp + 0.3 * entropy).sum(), ratio, kl, logp, entropy
 
 
 def _run(fn, logits, *rest):

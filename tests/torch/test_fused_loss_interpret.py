@@ -49,6 +49,12 @@ CASES = {
     "k1_bf16_packed_seq_mean_token_mean": dict(
         kl_coef=0.1, kl_estimator="k1", loss_agg="seq-mean-token-mean", packed=True,
         dtype="bfloat16"),
+    "cispo_clip_higher_k3_is_weights_seq_mean_token_mean_packed": dict(
+        objective="cispo", clip_eps_high=0.28, kl_coef=0.2, kl_estimator="k3-is",
+        loss_agg="seq-mean-token-mean", weights=True, packed=True),
+    "cispo_ratio_cap_ref_logps_small_bound_row_temp": dict(
+        objective="cispo", clip_eps=0.5, clip_eps_high=1.0, ratio_cap=1.5, ref="logps",
+        kl_coef=0.1, log_ratio_bound=1.0, row_temp=True),
 }
 
 

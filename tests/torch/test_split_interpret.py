@@ -67,6 +67,32 @@ def test_split_forward_is_bitwise_the_row_kernel(vocab, max_splits, splits):
     assert torch.isnan(split[0][5]) and split[0][2] == 0.0 and split[1][2] == 1.0
 
 
+def _entropy_forward(policy, ids, mask, temp, max_splits: int, split: bool):
+    with np.errstate(all="ignore"):
+        return _launch._forward_launch(
+            interpreted, policy, None, ids, mask, None, None, temp, 0, True, CONFIG,
+            split_plan(policy.shape[1], CONFIG.block_v, max_splits), split)
+
+
+@pytest.mark.parametrize("vocab, max_splits", [(100, 2), (100, 3), (96, 3)])
+def test_entropy_split_forward_is_bitwise_the_row_kernel_and_the_spec(vocab, max_splits):
+    """ENTROPY mode: the split path's (logp, entropy, lse) are the row kernel's bits, the
+    entropy the spec's (``-inf`` entries add 0, an inactive garbage row gives 0)."""
+    policy, _, ids, mask, _, temp = _inputs(seed=max_splits + 10, vocab=vocab)
+    policy[2] = float("nan")  # inactive garbage: never read
+    policy[3, 90:] = -float("inf")  # masked vocabulary, partly in the tail
+    policy[4, :40] = -float("inf")  # a whole span masked
+    split = _entropy_forward(policy, ids, mask, temp, max_splits, split=True)
+    whole = _entropy_forward(policy, ids, mask, temp, max_splits, split=False)
+    for name, a, b in zip(("logp", "ratio", "entropy", "entropy (dkl)", "lse"), split, whole):
+        np.testing.assert_array_equal(a.view(torch.int32), b.view(torch.int32), err_msg=name)
+    f64 = policy.numpy().astype(np.float64)
+    want = spec.entropy(f64, mask.numpy(), temperature=temp.numpy().astype(np.float64))
+    tol = spec.forward_tolerance(float(np.nanmax(np.abs(f64[np.isfinite(f64)])) / temp.min()))
+    np.testing.assert_allclose(split[2].numpy(), want, rtol=tol.rtol, atol=tol.atol)
+    assert split[2][2] == 0.0
+
+
 def test_split_forward_and_backward_match_spec():
     policy, ref, ids, mask, old, temp = _inputs(seed=5)
     logp, ratio, kl, _, lse = _forward(policy, ref, ids, mask, old, temp, 3, split=True)

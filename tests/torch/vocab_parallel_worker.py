@@ -268,7 +268,13 @@ def check_conformance(world: int, group, names=None, backend: str = "auto") -> i
 
 
 def check_policy_loss(world: int, group) -> None:
-    """Sharded ``policy_loss`` (KL on reference logits) equals the unsharded call, grads too."""
+    """Sharded ``policy_loss`` (KL on reference logits) equals the unsharded call, grads too:
+    the PPO and the CISPO objective."""
+    for options in (dict(), dict(objective="cispo", clip_eps_high=0.28)):
+        _check_policy_loss(world, group, options)
+
+
+def _check_policy_loss(world: int, group, options) -> None:
     vocab = 3 * world + 2
     case = make_case(11, (4, 5), vocab, "float32")
     start, stop = shard_bounds(vocab, world)[dist.get_rank(group)]
@@ -278,7 +284,7 @@ def check_policy_loss(world: int, group) -> None:
     def run(policy, ref, group_arg):
         value, metrics = loss.policy_loss(
             policy, ref, ids, mask, old, adv, kl_coef=0.1, temperature=0.9,
-            loss_agg="seq-mean-token-mean", vocab_group=group_arg)
+            loss_agg="seq-mean-token-mean", vocab_group=group_arg, **options)
         return value, (value, metrics)
 
     results = sharded_and_whole(run, case, "float32", slice(start, stop), group)

@@ -19,7 +19,7 @@ a vocabulary shard that does not own the action needs (``a - vocab_start``).
 import triton
 import triton.language as tl
 
-from ratiokl._kernels.numerics import LOG2E, to_storage
+from ratiokl._kernels.numerics import LN2, LOG2E, to_storage
 
 
 @triton.jit
@@ -33,30 +33,40 @@ def tile_action(a, col0, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
-def _tile_grad(x, cols, a_tile, k, lse2, c):
+def _tile_grad(x, cols, a_tile, k, lse2, c, ce, ent, ENTROPY: tl.constexpr):
     """``c * (onehot - softmax)`` of one float32 tile ``x``: ``c * ([cols == a] - exp2(x k - lse2))``.
 
-    ``cols``: the tile's ``arange``; ``a_tile``: :func:`tile_action`.
+    ``cols``: the tile's ``arange``; ``a_tile``: :func:`tile_action`. ``ENTROPY``: minus
+    ``ce * p * (log p + ent)`` too (the entropy's gradient, ``ce = g_entropy / T``; a
+    ``p = 0`` column, a ``-inf`` logit, adds exactly 0).
     """
-    return c * (tl.where(cols == a_tile, 1.0, 0.0) - tl.exp2(x * k - lse2))
+    if ENTROPY:
+        u = x * k - lse2  # log2 p
+        p = tl.exp2(u)
+        g = c * (tl.where(cols == a_tile, 1.0, 0.0) - p)
+        g = g - ce * tl.where(p > 0.0, p * (u * LN2 + ent), 0.0)
+    else:
+        g = c * (tl.where(cols == a_tile, 1.0, 0.0) - tl.exp2(x * k - lse2))
+    return g
 
 
 @triton.jit
 def _grad_tile(row_ptr, grad_row, cols, a_tile, load_mask, store_mask, k, lse2, c, active,
-               EVICT: tl.constexpr):
+               ce, ent, ENTROPY: tl.constexpr, EVICT: tl.constexpr):
     """Gradient of one masked tile (:func:`_tile_grad`), exact 0 on inactive rows.
 
     ``EVICT``: L2 eviction hint of the load and the store (``""``: none).
     """
     x = tl.load(row_ptr, mask=load_mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
-    g = tl.where(active, _tile_grad(x, cols, a_tile, k, lse2, c), 0.0)
+    g = tl.where(active, _tile_grad(x, cols, a_tile, k, lse2, c, ce, ent, ENTROPY), 0.0)
     tl.store(grad_row, to_storage(g, grad_row.dtype.element_ty), mask=store_mask,
              eviction_policy=EVICT)
 
 
 @triton.jit
 def grad_span(row_ptr, grad_row, V, stride_v, a, k, lse2, c, active, t0, t1, tail_on,
-              REVERSE: tl.constexpr, BLOCK_V: tl.constexpr, EVICT: tl.constexpr):
+              REVERSE: tl.constexpr, BLOCK_V: tl.constexpr, EVICT: tl.constexpr,
+              ce=0.0, ent=0.0, ENTROPY: tl.constexpr = False):
     """Write ``c * (onehot(a) - exp2(x * k - lse2))`` on whole tiles ``[t0, t1)`` of a row.
 
     Plus the masked tail tile (``V % BLOCK_V`` columns) if ``tail_on``.
@@ -66,8 +76,8 @@ def grad_span(row_ptr, grad_row, V, stride_v, a, k, lse2, c, active, t0, t1, tai
     so the main loop's loads carry no mask (a masked loop held 24 more
     registers in the fused loss kernel on sm_90: 96 against 72). ``REVERSE``:
     visit the tiles last to first. ``EVICT``: the L2 hint of the loads and
-    stores (``""``: none). Each element is independent: no order or split
-    changes a bit.
+    stores (``""``: none). ``ENTROPY``: with the entropy's term (:func:`_tile_grad`).
+    Each element is independent: no order or split changes a bit.
     """
     cols = tl.arange(0, BLOCK_V)
     if V % BLOCK_V != 0:
@@ -77,7 +87,7 @@ def grad_span(row_ptr, grad_row, V, stride_v, a, k, lse2, c, active, t0, t1, tai
             tail = offs < V
             _grad_tile(row_ptr + offs * stride_v, grad_row + offs, cols,
                        tile_action(a, col0, BLOCK_V), tail & active, tail, k, lse2, c, active,
-                       EVICT)
+                       ce, ent, ENTROPY, EVICT)
     if active:
         for i in range(t0, t1):
             if REVERSE:
@@ -86,7 +96,7 @@ def grad_span(row_ptr, grad_row, V, stride_v, a, k, lse2, c, active, t0, t1, tai
                 col0 = i * BLOCK_V
             offs = (col0 + cols).to(tl.int64)
             x = tl.load(row_ptr + offs * stride_v, eviction_policy=EVICT).to(tl.float32)
-            g = _tile_grad(x, cols, tile_action(a, col0, BLOCK_V), k, lse2, c)
+            g = _tile_grad(x, cols, tile_action(a, col0, BLOCK_V), k, lse2, c, ce, ent, ENTROPY)
             tl.store(grad_row + offs, to_storage(g, grad_row.dtype.element_ty),
                      eviction_policy=EVICT)
     else:
@@ -131,7 +141,9 @@ def logp_backward_kernel(
     g_ratio_ptr,  # [N] upstream gradient of ratio (stride_gr); read iff HAS_G_RATIO
     ratio_ptr,  # [N] f32 ratio from the forward (contiguous); read iff HAS_G_RATIO
     g_kl_ptr,  # [N] upstream gradient of kl (stride_gk); read iff HAS_G_KL
+    # (ENTROPY: of the entropy)
     dkl_ptr,  # [N] f32 d kl / d logp from the forward (contiguous); read iff HAS_G_KL
+    # (ENTROPY: the entropy)
     # outputs
     grad_ptr,  # [N, V] gradient in the logits' dtype, row-major (row stride V)
     # sizes and strides (elements)
@@ -147,6 +159,7 @@ def logp_backward_kernel(
     HAS_G_LOGP: tl.constexpr,  # which upstream gradients are given (absent: 0)
     HAS_G_RATIO: tl.constexpr,
     HAS_G_KL: tl.constexpr,
+    ENTROPY: tl.constexpr,  # the kl slots hold the entropy: -g_H p (log p + H) / T added
     BLOCK_V: tl.constexpr,  # vocabulary tile (power of two)
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -158,8 +171,15 @@ def logp_backward_kernel(
     lse2 = tl.where(active, tl.load(lse_ptr + row) * LOG2E, 0.0)
     c = upstream_coefficient(
         row, active, g_logp_ptr, g_ratio_ptr, ratio_ptr, g_kl_ptr, dkl_ptr,
-        stride_gl, stride_gr, stride_gk, HAS_G_LOGP, HAS_G_RATIO, HAS_G_KL,
+        stride_gl, stride_gr, stride_gk, HAS_G_LOGP, HAS_G_RATIO, HAS_G_KL and not ENTROPY,
     ) / t
+    ce = 0.0
+    ent = 0.0
+    if ENTROPY:
+        if HAS_G_KL:
+            ce = tl.load(g_kl_ptr + row * stride_gk, mask=active, other=0.0).to(tl.float32)
+            ce = tl.where(active, ce, 0.0) / t
+            ent = tl.load(dkl_ptr + row, mask=active, other=0.0)
     k = LOG2E / t
     # This program's span of whole tiles (grid axis 1 splits a row; 1 program: the whole row).
     n_full = V // BLOCK_V
@@ -167,4 +187,4 @@ def logp_backward_kernel(
     t1 = tl.minimum(t0 + tiles_per_prog, n_full)
     tail_on = (n_full >= t0) & (n_full < t0 + tiles_per_prog)
     grad_span(logits_ptr + row * stride_ln, grad_ptr + row * V, V, stride_lv, a, k, lse2, c,
-              active, t0, t1, tail_on, False, BLOCK_V, "")
+              active, t0, t1, tail_on, False, BLOCK_V, "", ce, ent, ENTROPY)

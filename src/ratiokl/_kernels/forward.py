@@ -28,7 +28,15 @@ whole blocks either way, with one masked tail block.
 import triton
 import triton.language as tl
 
-from ratiokl._kernels.numerics import LN2, LOG2E, kl_and_dkl, lse_step, shift_of
+from ratiokl._kernels.numerics import (
+    LN2,
+    LOG2E,
+    fold_lse2_h,
+    kl_and_dkl,
+    lse_h_step,
+    lse_step,
+    shift_of,
+)
 
 
 @triton.jit
@@ -107,6 +115,29 @@ def span_lse2(
 
 
 @triton.jit
+def span_lse2_h(p_row, V, stride_pv, k, t0, t1, tail_on, BLOCK_V: tl.constexpr):
+    """``(m, s, h)`` of the policy row's whole tiles ``[t0, t1)`` and, if ``tail_on``, the tail.
+
+    :func:`span_lse2` with the entropy's running sum ``h`` (``numerics.lse_h_step``),
+    folded tile by tile from ``(-inf, 0, 0)`` exactly as ``logp_forward_kernel`` folds
+    the same span with ``ENTROPY``.
+    """
+    cols = tl.arange(0, BLOCK_V)
+    m = -float("inf")
+    s = 0.0
+    h = 0.0
+    for b in range(t0, t1):
+        offs = (b * BLOCK_V + cols).to(tl.int64)
+        m, s, h = lse_h_step(tl.load(p_row + offs * stride_pv).to(tl.float32) * k, m, s, h)
+    if V % BLOCK_V != 0:
+        if tail_on:
+            offs = ((V // BLOCK_V) * BLOCK_V + cols).to(tl.int64)
+            x = tl.load(p_row + offs * stride_pv, mask=offs < V, other=-float("inf"))
+            m, s, h = lse_h_step(x.to(tl.float32) * k, m, s, h)
+    return m, s, h
+
+
+@triton.jit
 def split_span(split, V, active, TILES_PER_SPLIT: tl.constexpr, BLOCK_V: tl.constexpr):
     """Whole tiles ``[t0, t1)`` of split ``split``; whether it owns the tail (never if inactive)."""
     n_full = V // BLOCK_V
@@ -142,9 +173,13 @@ def forward_epilogue(
     row, p_row, r_row, ids_ptr, mask_ptr, old_ptr, ref_logps_ptr, temp_ptr,
     logp_ptr, ratio_ptr, kl_ptr, dkl_ptr, lse_ptr,
     V, stride_pv, stride_rv, stride_t, m_p, s_p, m_r, s_r,
-    HAS_REF: tl.constexpr, KL_CODE: tl.constexpr,
+    HAS_REF: tl.constexpr, KL_CODE: tl.constexpr, ENTROPY: tl.constexpr,
 ):
-    """Per-row outputs of the forward from the folded ``(max, sum)`` pairs of policy and ref."""
+    """Per-row outputs of the forward from the folded ``(max, sum)`` pairs of policy and ref.
+
+    ``ENTROPY`` (no reference, ``KL_CODE = 0``): ``m_r`` holds the policy's entropy sum
+    ``h`` and the row's entropy (nats) is written to both ``kl_ptr`` and ``dkl_ptr``.
+    """
     active = tl.load(mask_ptr + row) != 0
     a = tl.load(ids_ptr + row).to(tl.int64)
     bad = active & ((a < 0) | (a >= V))
@@ -163,6 +198,10 @@ def forward_epilogue(
     ratio = 1.0
     kl = 0.0
     dkl = 0.0
+    if ENTROPY:  # entropy = lse - E_p[z] = (lse2 - h / s) ln 2
+        kl = tl.where(bad, nan, (lse2 - m_r / s_p) * LN2)
+        kl = tl.where(active, kl, 0.0)
+        dkl = kl
     if KL_CODE > 0:
         if HAS_REF:
             ref_lse2 = shift_of(m_r) + tl.log2(s_r)
@@ -207,6 +246,7 @@ def logp_forward_kernel(
     # compile-time options
     HAS_REF: tl.constexpr,  # reference logits given (else ref_logps, or none)
     KL_CODE: tl.constexpr,  # 0: log-prob only; 1/2/3: ratio and KL estimator k1/k2/k3
+    ENTROPY: tl.constexpr,  # also the entropy, into kl_ptr and dkl_ptr (no ref, KL_CODE 0)
     TILES_PER_SPLIT: tl.constexpr,  # whole tiles per span (heuristics.split_plan)
     BLOCK_V: tl.constexpr,  # vocabulary tile (power of two)
 ):
@@ -224,31 +264,56 @@ def logp_forward_kernel(
     # split partials, so both paths give the same bits. One loop keeps the loads pipelined.
     mp, sp, mr, sr = ninf, 0.0, ninf, 0.0
     m_p, s_p, m_r, s_r = ninf, 0.0, ninf, 0.0
-    for b in range(0, n_full):
-        offs = (b * BLOCK_V + cols).to(tl.int64)
-        mp, sp = lse_step(tl.load(p_row + offs * stride_pv).to(tl.float32) * k, mp, sp)
-        if HAS_REF:
-            mr, sr = lse_step(tl.load(r_row + offs * stride_rv).to(tl.float32) * k, mr, sr)
-        end = (b % TILES_PER_SPLIT) == TILES_PER_SPLIT - 1
-        fm, fs = fold_lse2(m_p, s_p, mp, sp)
-        m_p, s_p = tl.where(end, fm, m_p), tl.where(end, fs, s_p)
-        mp, sp = tl.where(end, ninf, mp), tl.where(end, 0.0, sp)
-        if HAS_REF:
-            fm, fs = fold_lse2(m_r, s_r, mr, sr)
-            m_r, s_r = tl.where(end, fm, m_r), tl.where(end, fs, s_r)
-            mr, sr = tl.where(end, ninf, mr), tl.where(end, 0.0, sr)
-    # The last span: the tail (if any) joins it; fold it unless it is empty.
-    if V % BLOCK_V != 0:
-        mp, sp, mr, sr = _tail_lse2(
-            p_row, r_row, V, stride_pv, stride_rv, k, active, mp, sp, mr, sr, HAS_REF, BLOCK_V, ""
+    if ENTROPY:  # the same spans and folds with the entropy's sum h (in m_r: no reference)
+        hp, h_p = 0.0, 0.0
+        for b in range(0, n_full):
+            offs = (b * BLOCK_V + cols).to(tl.int64)
+            x = tl.load(p_row + offs * stride_pv).to(tl.float32) * k
+            mp, sp, hp = lse_h_step(x, mp, sp, hp)
+            end = (b % TILES_PER_SPLIT) == TILES_PER_SPLIT - 1
+            fm, fs, fh = fold_lse2_h(m_p, s_p, h_p, mp, sp, hp)
+            m_p, s_p, h_p = tl.where(end, fm, m_p), tl.where(end, fs, s_p), tl.where(end, fh, h_p)
+            mp, sp, hp = tl.where(end, ninf, mp), tl.where(end, 0.0, sp), tl.where(end, 0.0, hp)
+        if V % BLOCK_V != 0:
+            offs = ((V // BLOCK_V) * BLOCK_V + cols).to(tl.int64)
+            x = tl.load(p_row + offs * stride_pv, mask=(offs < V) & active, other=ninf)
+            mp, sp, hp = lse_h_step(x.to(tl.float32) * k, mp, sp, hp)
+        open_span = ((V % BLOCK_V) != 0) | ((n_full % TILES_PER_SPLIT) != 0)
+        fm, fs, fh = fold_lse2_h(m_p, s_p, h_p, mp, sp, hp)
+        m_p, s_p, h_p = tl.where(open_span, fm, m_p), tl.where(open_span, fs, s_p), \
+            tl.where(open_span, fh, h_p)
+        forward_epilogue(
+            row, p_row, r_row, ids_ptr, mask_ptr, old_ptr, ref_logps_ptr, temp_ptr,
+            logp_ptr, ratio_ptr, kl_ptr, dkl_ptr, lse_ptr,
+            V, stride_pv, stride_rv, stride_t, m_p, s_p, h_p, 0.0, False, 0, True,
         )
-    open_span = ((V % BLOCK_V) != 0) | ((n_full % TILES_PER_SPLIT) != 0)
-    fm, fs = fold_lse2(m_p, s_p, mp, sp)
-    m_p, s_p = tl.where(open_span, fm, m_p), tl.where(open_span, fs, s_p)
-    fm, fs = fold_lse2(m_r, s_r, mr, sr)
-    m_r, s_r = tl.where(open_span, fm, m_r), tl.where(open_span, fs, s_r)
-    forward_epilogue(
-        row, p_row, r_row, ids_ptr, mask_ptr, old_ptr, ref_logps_ptr, temp_ptr,
-        logp_ptr, ratio_ptr, kl_ptr, dkl_ptr, lse_ptr,
-        V, stride_pv, stride_rv, stride_t, m_p, s_p, m_r, s_r, HAS_REF, KL_CODE,
-    )
+    else:
+        for b in range(0, n_full):
+            offs = (b * BLOCK_V + cols).to(tl.int64)
+            mp, sp = lse_step(tl.load(p_row + offs * stride_pv).to(tl.float32) * k, mp, sp)
+            if HAS_REF:
+                mr, sr = lse_step(tl.load(r_row + offs * stride_rv).to(tl.float32) * k, mr, sr)
+            end = (b % TILES_PER_SPLIT) == TILES_PER_SPLIT - 1
+            fm, fs = fold_lse2(m_p, s_p, mp, sp)
+            m_p, s_p = tl.where(end, fm, m_p), tl.where(end, fs, s_p)
+            mp, sp = tl.where(end, ninf, mp), tl.where(end, 0.0, sp)
+            if HAS_REF:
+                fm, fs = fold_lse2(m_r, s_r, mr, sr)
+                m_r, s_r = tl.where(end, fm, m_r), tl.where(end, fs, s_r)
+                mr, sr = tl.where(end, ninf, mr), tl.where(end, 0.0, sr)
+        # The last span: the tail (if any) joins it; fold it unless it is empty.
+        if V % BLOCK_V != 0:
+            mp, sp, mr, sr = _tail_lse2(
+                p_row, r_row, V, stride_pv, stride_rv, k, active, mp, sp, mr, sr, HAS_REF,
+                BLOCK_V, "",
+            )
+        open_span = ((V % BLOCK_V) != 0) | ((n_full % TILES_PER_SPLIT) != 0)
+        fm, fs = fold_lse2(m_p, s_p, mp, sp)
+        m_p, s_p = tl.where(open_span, fm, m_p), tl.where(open_span, fs, s_p)
+        fm, fs = fold_lse2(m_r, s_r, mr, sr)
+        m_r, s_r = tl.where(open_span, fm, m_r), tl.where(open_span, fs, s_r)
+        forward_epilogue(
+            row, p_row, r_row, ids_ptr, mask_ptr, old_ptr, ref_logps_ptr, temp_ptr,
+            logp_ptr, ratio_ptr, kl_ptr, dkl_ptr, lse_ptr,
+            V, stride_pv, stride_rv, stride_t, m_p, s_p, m_r, s_r, HAS_REF, KL_CODE, False,
+        )

@@ -238,6 +238,7 @@ def policy_loss_kernel(
     KL_CODE: tl.constexpr,  # 0: no reference (kl = 0); 1..6: POLICY_KL_ESTIMATORS
     HAS_NEG_CAP: tl.constexpr,  # coef_ptr[3] = min(dual_clip, ratio_cap) caps A < 0
     BOUND: tl.constexpr,  # log_ratio_bound; 0: no bound
+    OBJECTIVE: tl.constexpr,  # OBJECTIVES: 0 PPO, 1 CISPO
     WRITE_GRAD: tl.constexpr,  # False: no gradient wanted, the row is read once (forward only)
     SPLITS: tl.constexpr,  # spans of a row (launch_plan)
     TILES_PER_SPLIT: tl.constexpr,  # whole tiles per span
@@ -335,7 +336,7 @@ def policy_loss_kernel(
     neg_cap = tl.load(coef_ptr + 3)
     loss, dloss, r, kl, bits = token_objective(
         logp, old, adv, iw, logp_ref, kl_coef, ratio_low, ratio_high, neg_cap, KL_CODE,
-        HAS_NEG_CAP, BOUND
+        HAS_NEG_CAP, BOUND, OBJECTIVE
     )
     if first == 0:
         tl.store(loss_ptr + row, tl.where(active, w * loss, 0.0))

@@ -40,6 +40,32 @@ def lse_step(x, m, s):
 
 
 @triton.jit
+def lse_h_step(x, m, s, h):
+    """:func:`lse_step` that also folds ``h = sum(exp2(x - shift) * x)`` (for the entropy).
+
+    ``h`` rescales with ``s``; a ``-inf`` entry adds exactly 0 to it (never ``0 * -inf``),
+    a NaN makes ``s`` NaN. With ``p = exp2(x - lse2)`` the entropy in nats is
+    ``(lse2 - h / s) * ln 2``.
+    """
+    m_new = tl.maximum(m, tl.max(x, axis=0))
+    shift = shift_of(m_new)
+    scale = tl.exp2(m - shift)
+    e = tl.exp2(x - shift)
+    s = s * scale + tl.sum(e, axis=0)
+    h = h * scale + tl.sum(tl.where(e > 0.0, e * x, 0.0), axis=0)
+    return m_new, s, h
+
+
+@triton.jit
+def fold_lse2_h(m_acc, s_acc, h_acc, m, s, h):
+    """Fold a span's ``(m, s, h)`` into the running triple (as ``fold_lse2`` folds ``(m, s)``)."""
+    m_new = tl.maximum(m_acc, m)
+    shift = shift_of(m_new)
+    a, b = tl.exp2(m_acc - shift), tl.exp2(m - shift)
+    return m_new, s_acc * a + s * b, h_acc * a + h * b
+
+
+@triton.jit
 def _expm1_tail(d):
     """``(expm1(d) - d) / d^2`` for ``|d| < 0.5`` (Taylor series, error below 1e-8 relative)."""
     c = 1.0 / 40320.0

@@ -8,6 +8,9 @@
   ratio_high]`` by the sign of the advantage ``A`` (and capped at ``neg_cap`` for
   ``A < 0`` when ``HAS_NEG_CAP``: dual clip / ratio cap); a clipped branch carries
   no gradient;
+* with ``OBJECTIVE = 1`` (CISPO) the policy term is ``-A * wc * iw * logp`` instead, with
+  ``wc = clip(r, ratio_low, ratio_high)`` detached (for every advantage): the gradient
+  ``-A * wc * iw`` on every active token (the clip bits say where ``wc`` was clipped);
 * plus ``kl_coef * kl(logp_ref - logp)`` for the chosen estimator
   (``ratiokl.spec.POLICY_KL_ESTIMATORS``); ``kl_coef = 0`` adds nothing (the KL
   is then only logged: ``0 * inf`` would be NaN).
@@ -77,22 +80,31 @@ def token_objective(
     logp, old, adv, iw, logp_ref,
     kl_coef, ratio_low, ratio_high, neg_cap,
     KL_CODE: tl.constexpr, HAS_NEG_CAP: tl.constexpr, BOUND: tl.constexpr,
+    OBJECTIVE: tl.constexpr,
 ):
     """``(loss_t, dloss_t/dlogp, r, kl, clip bits)`` of one active token (spec formulas)."""
     lr = logp - old
     r = tl.exp(_bounded(lr, BOUND))
     dr = _inside(lr, r, BOUND)  # no gradient beyond the bound
-    high = (adv > 0) & (r > ratio_high)
-    low = (adv < 0) & (r < ratio_low)
-    if HAS_NEG_CAP:
-        capped = (adv < 0) & (r > neg_cap)
+    if OBJECTIVE == 1:  # CISPO: clip(r) for every advantage, a detached weight on logp
+        high = r > ratio_high
+        low = r < ratio_low
+        capped = adv < -float("inf")  # never (dual_clip is rejected with CISPO)
+        wc = tl.where(high, ratio_high, tl.where(low, ratio_low, r))
+        loss = -adv * wc * iw * logp
+        dloss = -adv * wc * iw
     else:
-        capped = adv < -float("inf")  # never (NaN included)
-    q = tl.where(high, ratio_high, tl.where(low, ratio_low, tl.where(capped, neg_cap, r)))
-    clipped = high | low | capped
-    loss = -adv * q * iw
-    # A clipped branch carries no gradient (selected, so an infinite dr stays out).
-    dloss = tl.where(clipped, 0.0, -adv * dr * iw)
+        high = (adv > 0) & (r > ratio_high)
+        low = (adv < 0) & (r < ratio_low)
+        if HAS_NEG_CAP:
+            capped = (adv < 0) & (r > neg_cap)
+        else:
+            capped = adv < -float("inf")  # never (NaN included)
+        q = tl.where(high, ratio_high, tl.where(low, ratio_low, tl.where(capped, neg_cap, r)))
+        clipped = high | low | capped
+        loss = -adv * q * iw
+        # A clipped branch carries no gradient (selected, so an infinite dr stays out).
+        dloss = tl.where(clipped, 0.0, -adv * dr * iw)
     kl = 0.0
     if KL_CODE > 0:
         kl, dkl = _policy_kl(logp_ref - logp, r, dr, KL_CODE, BOUND)

@@ -22,10 +22,11 @@ from ratiokl._kernels.forward import (
     fold_lse2,
     forward_epilogue,
     span_lse2,
+    span_lse2_h,
     split_span,
     store_partial,
 )
-from ratiokl._kernels.numerics import LOG2E
+from ratiokl._kernels.numerics import LOG2E, fold_lse2_h
 
 
 @triton.jit
@@ -36,7 +37,8 @@ def lse_partials_kernel(
     mask_ptr,  # [N] bool, nonzero = active row
     temp_ptr,  # [N] f32 temperature at temp_ptr + i * stride_t (stride_t = 0: one scalar)
     # outputs
-    part_ptr,  # [N, SPLITS, 4] f32 (m_policy, s_policy, m_ref, s_ref) per split, base 2
+    part_ptr,  # [N, SPLITS, 4] f32 (m_policy, s_policy, m_ref, s_ref) per split, base 2;
+    # ENTROPY: (m_policy, s_policy, h_policy, 0), h the entropy's sum (no reference)
     # sizes and strides (elements)
     V,
     stride_pn,
@@ -46,6 +48,7 @@ def lse_partials_kernel(
     stride_t,
     # compile-time options
     HAS_REF: tl.constexpr,  # reference logits given
+    ENTROPY: tl.constexpr,  # the entropy's sum too (no reference)
     SPLITS: tl.constexpr,  # splits per row (heuristics.split_plan)
     TILES_PER_SPLIT: tl.constexpr,  # whole tiles per split
     BLOCK_V: tl.constexpr,  # vocabulary tile (power of two)
@@ -55,11 +58,16 @@ def lse_partials_kernel(
     active = tl.load(mask_ptr + row) != 0
     t = tl.where(active, tl.load(temp_ptr + row * stride_t), 1.0)
     t0, t1, tail_on = split_span(split, V, active, TILES_PER_SPLIT, BLOCK_V)
-    m_p, s_p, m_r, s_r = span_lse2(
-        policy_ptr + row * stride_pn, ref_ptr + row * stride_rn, V, stride_pv, stride_rv,
-        LOG2E / t, t0, t1, tail_on, HAS_REF, BLOCK_V, "",
-    )
-    store_partial(part_ptr, row, split, m_p, s_p, m_r, s_r, SPLITS)
+    if ENTROPY:
+        m_p, s_p, h_p = span_lse2_h(policy_ptr + row * stride_pn, V, stride_pv, LOG2E / t,
+                                    t0, t1, tail_on, BLOCK_V)
+        store_partial(part_ptr, row, split, m_p, s_p, h_p, 0.0, SPLITS)
+    else:
+        m_p, s_p, m_r, s_r = span_lse2(
+            policy_ptr + row * stride_pn, ref_ptr + row * stride_rn, V, stride_pv, stride_rv,
+            LOG2E / t, t0, t1, tail_on, HAS_REF, BLOCK_V, "",
+        )
+        store_partial(part_ptr, row, split, m_p, s_p, m_r, s_r, SPLITS)
 
 
 @triton.jit
@@ -89,6 +97,7 @@ def logp_combine_kernel(
     # compile-time options
     HAS_REF: tl.constexpr,
     KL_CODE: tl.constexpr,
+    ENTROPY: tl.constexpr,  # partials hold (m, s, h): the entropy too (no reference)
     SPLITS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -96,12 +105,19 @@ def logp_combine_kernel(
     s_p = 0.0
     m_r = -float("inf")
     s_r = 0.0
-    for split in range(0, SPLITS):
-        part = part_ptr + (row * SPLITS + split) * 4
-        m_p, s_p = fold_lse2(m_p, s_p, tl.load(part), tl.load(part + 1))
-        m_r, s_r = fold_lse2(m_r, s_r, tl.load(part + 2), tl.load(part + 3))
+    if ENTROPY:  # m_r carries the entropy's sum h, folded with (m_p, s_p)
+        m_r = 0.0
+        for split in range(0, SPLITS):
+            part = part_ptr + (row * SPLITS + split) * 4
+            m_p, s_p, m_r = fold_lse2_h(m_p, s_p, m_r, tl.load(part), tl.load(part + 1),
+                                        tl.load(part + 2))
+    else:
+        for split in range(0, SPLITS):
+            part = part_ptr + (row * SPLITS + split) * 4
+            m_p, s_p = fold_lse2(m_p, s_p, tl.load(part), tl.load(part + 1))
+            m_r, s_r = fold_lse2(m_r, s_r, tl.load(part + 2), tl.load(part + 3))
     forward_epilogue(
         row, policy_ptr + row * stride_pn, ref_ptr + row * stride_rn, ids_ptr, mask_ptr,
         old_ptr, ref_logps_ptr, temp_ptr, logp_ptr, ratio_ptr, kl_ptr, dkl_ptr, lse_ptr,
-        V, stride_pv, stride_rv, stride_t, m_p, s_p, m_r, s_r, HAS_REF, KL_CODE,
+        V, stride_pv, stride_rv, stride_t, m_p, s_p, m_r, s_r, HAS_REF, KL_CODE, ENTROPY,
     )

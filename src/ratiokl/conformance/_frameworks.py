@@ -161,7 +161,8 @@ def _call_torch(case: Case, backend: str, strided: bool) -> Outcome:
         return torch.tensor(value, device=device)
 
     positional, keywords = _split_args(case, convert)
-    outputs = op.unpack(getattr(loss, op.name)(*positional, **keywords, backend=backend))
+    outputs = op.unpack(getattr(loss, op.name)(*positional, **keywords, **op.fixed,
+                                               backend=backend))
     cot = [torch.tensor(case.cotangents()[o], device=device) for o in op.cotangents]
     grads = torch.autograd.grad([outputs[o] for o in op.cotangents], leaf, cot, allow_unused=True)
     grad = grads[0] if grads[0] is not None else torch.zeros_like(leaf)
@@ -178,7 +179,7 @@ def _call_torch(case: Case, backend: str, strided: bool) -> Outcome:
 
 
 @functools.lru_cache(maxsize=None)
-def _jax_value_and_grad(op_name: str, backend: str, statics: Tuple[Tuple[str, Any], ...]):
+def _jax_value_and_grad(op_key: str, backend: str, statics: Tuple[Tuple[str, Any], ...]):
     """A jitted ``(args, array_kwargs, cotangents) -> (outputs, grad)``, one per static setup.
 
     Every array is a jit argument (traced, like a training step's inputs), so
@@ -188,13 +189,14 @@ def _jax_value_and_grad(op_name: str, backend: str, statics: Tuple[Tuple[str, An
 
     from ratiokl.jax import loss
 
-    op = OPS[op_name]
+    op = OPS[op_key]
     index = op.positional.index(op.differentiate)
 
     def fn(logits, args, kwargs):
         args = list(args)
         args[index] = logits
-        outputs = op.unpack(getattr(loss, op.name)(*args, **kwargs, **dict(statics), backend=backend))
+        outputs = op.unpack(getattr(loss, op.name)(*args, **kwargs, **dict(statics), **op.fixed,
+                                                   backend=backend))
         return tuple(outputs[o] for o in op.cotangents), outputs
 
     @jax.jit
@@ -230,10 +232,10 @@ def _call_jax(case: Case, backend: str, strided: bool) -> Outcome:
     statics = tuple(sorted((k, v) for k, v in keywords.items() if k not in arrays))
     if case.expect_error is not None:
         # Eager, so the host id check sees concrete values and raises.
-        getattr(loss, op.name)(*positional, **keywords, backend=backend)
+        getattr(loss, op.name)(*positional, **keywords, **op.fixed, backend=backend)
         raise AssertionError(f"{op.name} returned although {case.expect_error} was expected")
     cot = tuple(jnp.asarray(c) for c in case.cotangents().values())
-    outputs, grad = _jax_value_and_grad(op.name, backend, statics)(positional, arrays, cot)
+    outputs, grad = _jax_value_and_grad(case.op, backend, statics)(positional, arrays, cot)
     to_np = lambda x: np.asarray(x).astype(np.float32)
     return Outcome(
         outputs={o: to_np(v) for o, v in outputs.items()},

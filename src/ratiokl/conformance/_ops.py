@@ -53,6 +53,7 @@ class Op:
             ``(arguments, {output: cotangent}) -> array``.
         row_mask: name of the argument holding the row mask (``None``: all rows active).
         tolerances: ``(op, dtype, logit_scale, grad_scale) -> {output|"grad": Tolerance}``.
+        fixed: keyword arguments every call of this entry passes (``return_entropy``).
     """
 
     name: str
@@ -70,6 +71,7 @@ class Op:
     tolerances: Callable[["Op", str, float, float], Dict[str, Tolerance]] = field(
         default=default_tolerances
     )
+    fixed: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def arguments(self) -> Tuple[str, ...]:
@@ -118,12 +120,23 @@ _POLICY_POSITIONAL = (
 _POLICY_KW = (
     "ref_logps", "clip_eps", "clip_eps_high", "dual_clip", "ratio_cap", "kl_coef",
     "kl_estimator", "loss_agg", "loss_normalizer", "ratio_level", "segment_ids",
-    "importance_weights", "log_ratio_bound", "temperature",
+    "importance_weights", "log_ratio_bound", "temperature", "objective",
 )
 _POLICY_METRICS = (
     "clip_fraction", "clip_fraction_low", "clip_fraction_high", "dual_clip_fraction",
     "ratio_mean", "kl_mean", "approx_kl",
 )
+
+
+def _entropy_reference(args: Arrays) -> Dict[str, np.ndarray]:
+    return {**_selected_reference(args),
+            "entropy": spec.entropy(args["logits"], args.get("mask"),
+                                    **_spec_args(args, ("temperature",)))}
+
+
+def _entropy_grad(args: Arrays, cot: Arrays) -> np.ndarray:
+    return _selected_grad(args, cot) + spec.entropy_grad(
+        args["logits"], args.get("mask"), cot["entropy"], **_spec_args(args, ("temperature",)))
 
 
 def _policy_reference(args: Arrays) -> Dict[str, np.ndarray]:
@@ -164,6 +177,20 @@ OPS: Dict[str, Op] = {
         unpack=lambda result: {"logp": result},
         reference=_selected_reference,
         reference_grad=_selected_grad,
+    ),
+    "selected_logprobs_entropy": Op(
+        name="selected_logprobs",
+        positional=("logits", "action_ids", "mask"),
+        keywords=("temperature",),
+        logit_args=("logits",),
+        differentiate="logits",
+        outputs=("logp", "entropy"),
+        cotangents=("logp", "entropy"),
+        neutral={"logp": 0.0, "entropy": 0.0},
+        unpack=lambda result: {"logp": result[0], "entropy": result[1]},
+        reference=_entropy_reference,
+        reference_grad=_entropy_grad,
+        fixed={"return_entropy": True},
     ),
     "policy_loss": Op(
         name="policy_loss",

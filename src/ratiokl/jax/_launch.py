@@ -82,8 +82,12 @@ def triton_call(*args, **kwargs):
 # --- log-probs, ratio and KL -------------------------------------------------------------
 
 
-def _forward_call(kl_code: int, has_ref: bool, policy, ref, ids, mask, old, ref_logps, temp):
+def _forward_call(kl_code: int, has_ref: bool, entropy: bool, policy, ref, ids, mask, old,
+                  ref_logps, temp):
     """``(logp, ratio, kl, dkl, lse)`` float32 ``[N]``: one launch, or partials + combine.
+
+    ``entropy``: the kernels' ``ENTROPY`` mode (no reference, ``kl_code`` 0): ``kl`` and
+    ``dkl`` hold the entropy.
 
     Few rows (``use_split_forward``) run a program per (row, vocabulary
     split) and a per-row combine; the bits are those of the one-launch path.
@@ -96,7 +100,7 @@ def _forward_call(kl_code: int, has_ref: bool, policy, ref, ids, mask, old, ref_
     plan = split_plan(vocab, config.block_v)
     sizes = dict(
         V=vocab, stride_pn=vocab, stride_pv=1, stride_rn=vocab, stride_rv=1,
-        stride_t=0 if temp.shape[0] == 1 else 1, HAS_REF=has_ref,
+        stride_t=0 if temp.shape[0] == 1 else 1, HAS_REF=has_ref, ENTROPY=entropy,
     )
     if not use_split_forward(n_rows, plan):
         return tuple(triton_call(
@@ -119,13 +123,14 @@ def _forward_call(kl_code: int, has_ref: bool, policy, ref, ids, mask, old, ref_
     ))
 
 
-def _backward_call(terms: Tuple[bool, bool, bool], policy, ids, mask, temp, lse, g_logp,
-                   g_ratio, ratio, g_kl, dkl):
+def _backward_call(terms: Tuple[bool, bool, bool], entropy: bool, policy, ids, mask, temp, lse,
+                   g_logp, g_ratio, ratio, g_kl, dkl):
     """Gradient ``[N, V]`` in the logits' dtype; grid ``(N, S)``, ``S = backward_splits``.
 
     The kernel forms ``c = g_logp + g_ratio * ratio + g_kl * dkl`` per row;
     ``terms`` says which of the three are present (an absent one's arrays are
-    placeholders, never read).
+    placeholders, never read). ``entropy``: ``g_kl`` / ``dkl`` are the entropy's
+    upstream gradient and value (the kernel's ``ENTROPY`` term instead of the KL's).
     """
     n_rows, vocab = policy.shape
     if n_rows == 0:
@@ -139,7 +144,8 @@ def _backward_call(terms: Tuple[bool, bool, bool], policy, ids, mask, temp, lse,
         grid=(n_rows, -(-tiles // per_prog)), num_warps=config.num_warps,
         V=vocab, stride_ln=vocab, stride_lv=1, stride_t=0 if temp.shape[0] == 1 else 1,
         stride_gl=1, stride_gr=1, stride_gk=1, tiles_per_prog=per_prog,
-        HAS_G_LOGP=terms[0], HAS_G_RATIO=terms[1], HAS_G_KL=terms[2], BLOCK_V=config.block_v,
+        HAS_G_LOGP=terms[0], HAS_G_RATIO=terms[1], HAS_G_KL=terms[2], ENTROPY=entropy,
+        BLOCK_V=config.block_v,
     )
 
 
@@ -188,20 +194,20 @@ def row_op(call: Callable, temp_index: int, shared: Tuple[int, ...] = ()) -> Cal
 
 
 @functools.lru_cache(maxsize=None)
-def forward_op(kl_code: int, has_ref: bool) -> Callable:
-    return row_op(functools.partial(_forward_call, kl_code, has_ref), temp_index=6)
+def forward_op(kl_code: int, has_ref: bool, entropy: bool = False) -> Callable:
+    return row_op(functools.partial(_forward_call, kl_code, has_ref, entropy), temp_index=6)
 
 
 @functools.lru_cache(maxsize=None)
-def backward_op(terms: Tuple[bool, bool, bool]) -> Callable:
+def backward_op(terms: Tuple[bool, bool, bool], entropy: bool = False) -> Callable:
     """The backward kernel call for these upstream terms (see :func:`_backward_call`)."""
-    return row_op(functools.partial(_backward_call, terms), temp_index=3)
+    return row_op(functools.partial(_backward_call, terms, entropy), temp_index=3)
 
 
 # --- the fused policy loss ----------------------------------------------------------------
 
-#: (has_ref, has_iw, kl_code, has_neg_cap, bound): static.
-Static = Tuple[bool, bool, int, bool, float]
+#: (has_ref, has_iw, kl_code, has_neg_cap, bound, objective code): static.
+Static = Tuple[bool, bool, int, bool, float, int]
 
 
 def _fused_call(static: Static, write_grad: bool, inplace: bool, policy, ref, ids, mask, old,
@@ -222,7 +228,7 @@ def _fused_call(static: Static, write_grad: bool, inplace: bool, policy, ref, id
     ]
     if n_rows == 0:
         return tuple(jnp.zeros(s.shape, s.dtype) for s in shapes)
-    has_ref, has_iw, kl_code, has_neg_cap, bound = static
+    has_ref, has_iw, kl_code, has_neg_cap, bound, objective = static
     plan = launch_plan(vocab, policy.dtype.itemsize, n_rows, write_grad)
     n_counters = plan.counters(n_rows)  # 0: none used, none zeroed (any buffer will do)
     scratch = [jax.ShapeDtypeStruct((n_rows, plan.spans.splits, 4), jnp.float32),
@@ -236,7 +242,7 @@ def _fused_call(static: Static, write_grad: bool, inplace: bool, policy, ref, id
         N=n_rows, V=vocab, stride_pn=vocab, stride_pv=1, stride_rn=vocab, stride_rv=1,
         stride_t=0 if temp.shape[0] == 1 else 1,
         HAS_REF=has_ref, HAS_IW=has_iw, KL_CODE=kl_code, HAS_NEG_CAP=has_neg_cap, BOUND=bound,
-        WRITE_GRAD=write_grad, SPLITS=plan.spans.splits,
+        OBJECTIVE=objective, WRITE_GRAD=write_grad, SPLITS=plan.spans.splits,
         TILES_PER_SPLIT=plan.spans.tiles_per_split, SPANS=plan.spans_per_program,
         BLOCK_V=plan.config.block_v, **aliases,
     )

@@ -32,7 +32,8 @@ from ratiokl.jax import _objective
 from ratiokl.jax._checks import Temperature
 
 __all__ = [
-    "finite_or_zero", "ratio_kl", "row_temperature", "scaled_logits", "selected_logprobs",
+    "finite_or_zero", "logprobs_entropy", "ratio_kl", "row_temperature", "scaled_logits",
+    "selected_logprobs",
 ]
 
 
@@ -125,6 +126,53 @@ def selected_logprobs(
     """
     t = row_temperature(temperature, logits.shape[0])
     return _logp(logits, ids, mask, t)
+
+
+def _entropy_terms(z: jax.Array, lse: jax.Array) -> Tuple[jax.Array, jax.Array]:
+    """``(p, p * log p)`` of rows ``z``; ``p * log p`` exactly 0 where ``p = 0`` (a ``-inf``)."""
+    log_p = z - lse[:, None]
+    p = jnp.exp(log_p)
+    return p, jnp.where(p > 0.0, p * log_p, 0.0)
+
+
+def _entropy_forward(logits, ids, mask, temperature):
+    logp, lse = _forward(logits, ids, mask, temperature)
+    z, _ = scaled_logits(logits, mask, temperature)
+    ent = jnp.where(mask, -jnp.sum(_entropy_terms(z, lse)[1], axis=-1), 0.0)
+    return (logp, ent), (logits, ids, mask, temperature, lse, ent)
+
+
+@jax.custom_vjp
+def _logp_entropy(logits, ids, mask, temperature):
+    return _entropy_forward(logits, ids, mask, temperature)[0]
+
+
+def _logp_entropy_bwd(residuals, cotangents):
+    logits, ids, mask, temperature, lse, ent = residuals
+    g_logp, g_ent = cotangents
+    safe, _ = _safe_ids(ids, mask, logits.shape[-1])
+    z, t = scaled_logits(logits, mask, temperature)
+    p, p_log_p = _entropy_terms(z, lse)
+    onehot = safe[:, None] == jnp.arange(logits.shape[-1])[None, :]
+    c_logp = jnp.where(mask, g_logp, 0.0) / t
+    c_ent = jnp.where(mask, g_ent, 0.0) / t
+    grad = c_logp[:, None] * (onehot - p) - c_ent[:, None] * (p_log_p + p * ent[:, None])
+    grad = jnp.where(mask[:, None], grad, 0.0)
+    return grad.astype(logits.dtype), None, None, jnp.zeros_like(temperature)
+
+
+_logp_entropy.defvjp(_entropy_forward, _logp_entropy_bwd)
+
+
+def logprobs_entropy(
+    logits: jax.Array, ids: jax.Array, mask: jax.Array, temperature: Temperature
+) -> Tuple[jax.Array, jax.Array]:
+    """``(logp, entropy)`` float32 ``[N]`` each; differentiable w.r.t. ``logits`` through both.
+
+    Inactive rows: 0 and exactly zero gradient; ``-inf`` logits contribute 0 to both.
+    """
+    t = row_temperature(temperature, logits.shape[0])
+    return _logp_entropy(logits, ids, mask, t)
 
 
 def ratio_kl(

@@ -44,14 +44,15 @@ __all__ = ["backend_name", "policy_loss", "ratio_kl", "resolve",
 def _native() -> Backend:
     from ratiokl.jax import _native
 
-    return Backend(_native.selected_logprobs, _native.ratio_kl)
+    return Backend(_native.selected_logprobs, _native.ratio_kl,
+                   logprobs_entropy=_native.logprobs_entropy)
 
 
 def _triton() -> Backend:
     from ratiokl.jax import _triton
 
     return Backend(_triton.selected_logprobs, _triton.ratio_kl, _triton.policy_loss,
-                   _triton.token_weights)
+                   _triton.token_weights, _triton.logprobs_entropy)
 
 
 #: Backend name -> its loader (imported on first use).
@@ -164,12 +165,26 @@ def _rows(logits: jax.Array, lead: Tuple[int, ...], ids: jax.Array, mask, temper
 
 
 def selected_logprobs(logits, action_ids, mask, *, temperature, backend, check_ids,
-                      vocab_axis) -> jax.Array:
+                      vocab_axis, return_entropy=False):
     """``ratiokl.jax.loss.selected_logprobs`` (documented there)."""
     logits, ids, lead = _lead(logits, action_ids)
     rows = _rows(logits, lead, ids, mask, temperature, backend, check_ids, vocab_axis)
+    if return_entropy:
+        logp, ent = _entropy_backend(rows.run, vocab_axis)(
+            rows.logits, rows.ids, rows.mask, rows.temperature)
+        return rows.checked((logp.reshape(lead), ent.reshape(lead)))
     logp = rows.run.selected_logprobs(rows.logits, rows.ids, rows.mask, rows.temperature)
     return rows.checked(logp.reshape(lead))
+
+
+def _entropy_backend(run: Backend, vocab_axis):
+    """The backend's one-pass ``(logp, entropy)``; a clear error where it has none."""
+    if run.logprobs_entropy is None:
+        raise NotImplementedError(
+            "`return_entropy=True` is not available with `vocab_axis` yet (the sharded "
+            "entropy needs its own combine); gather the vocabulary or call without it"
+        )
+    return run.logprobs_entropy
 
 
 def ratio_kl(policy_logits, ref_logits, action_ids, mask, old_logps, *, ref_logps,
@@ -189,14 +204,14 @@ def ratio_kl(policy_logits, ref_logits, action_ids, mask, old_logps, *, ref_logp
 
 def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantages, *,
                 ref_logps, clip_eps, clip_eps_high, dual_clip, ratio_cap, kl_coef,
-                kl_estimator, loss_agg, loss_normalizer, ratio_level, segment_ids,
+                kl_estimator, loss_agg, loss_normalizer, ratio_level, objective, segment_ids,
                 importance_weights, log_ratio_bound, temperature, backend, check_ids,
                 vocab_axis, inplace_grad) -> Tuple[jax.Array, Dict[str, jax.Array]]:
     """``ratiokl.jax.loss.policy_loss`` (documented there)."""
     opts = policy_loss_options(
         clip_eps=clip_eps, clip_eps_high=clip_eps_high, dual_clip=dual_clip,
         ratio_cap=ratio_cap, kl_coef=kl_coef, kl_estimator=kl_estimator, loss_agg=loss_agg,
-        ratio_level=ratio_level, log_ratio_bound=log_ratio_bound,
+        ratio_level=ratio_level, log_ratio_bound=log_ratio_bound, objective=objective,
     )
     policy_logits, ids, lead = _lead(policy_logits, action_ids)
     if ref_logits is not None or ref_logps is not None or opts.uses_kl:

@@ -39,8 +39,8 @@ from ratiokl.jax._launch import Static
 from ratiokl.spec import PolicyLossOptions
 from ratiokl.jax._checks import Temperature
 
-__all__ = ["policy_loss", "ratio_kl", "selected_logprobs", "shard_logps", "token_weights",
-           "varies_over"]
+__all__ = ["logprobs_entropy", "policy_loss", "ratio_kl", "selected_logprobs", "shard_logps",
+           "token_weights", "varies_over"]
 
 
 
@@ -100,6 +100,40 @@ def selected_logprobs(
     # Placeholders, never read (KL_CODE = 0): an existing array, so nothing is computed.
     logp, _, _ = _op(logits, logits, ids, mask_k, temp, temp, temp, 0, False)
     return logp
+
+
+@jax.custom_vjp
+def _entropy_op(policy, ids, mask, temp):
+    logp, _, ent, _, _ = _launch.forward_op(0, False, True)(
+        policy, policy, ids, mask, temp, temp, temp)
+    return logp, ent
+
+
+def _entropy_op_fwd(policy, ids, mask, temp):
+    logp, _, ent, _, lse = _launch.forward_op(0, False, True)(
+        policy, policy, ids, mask, temp, temp, temp)
+    return (logp, ent), (policy, ids, mask, temp, lse, ent)
+
+
+def _entropy_op_bwd(residuals, cotangents):
+    policy, ids, mask, temp, lse, ent = residuals
+    g_logp, g_ent = (g.astype(jnp.float32) for g in cotangents)
+    # The entropy's term rides in the kernel's KL slots (ENTROPY): -g_ent p (log p + H) / T.
+    grad = _launch.backward_op((True, False, True), True)(
+        policy, ids, mask, temp, lse, g_logp, lse, lse, g_ent, ent)
+    return grad.astype(policy.dtype), None, None, None
+
+
+_entropy_op.defvjp(_entropy_op_fwd, _entropy_op_bwd)
+
+
+def logprobs_entropy(
+    logits: jax.Array, ids: jax.Array, mask: jax.Array, temperature: Temperature,
+) -> Tuple[jax.Array, jax.Array]:
+    """Float32 ``(logp[N], entropy[N])`` from one read of ``logits[N, V]``; 0 on inactive
+    rows, NaN on bad-id rows. Differentiable w.r.t. ``logits`` through both."""
+    ids, mask_k, temp = _rows(ids, mask, temperature)
+    return _entropy_op(logits, ids, mask_k, temp)
 
 
 def ratio_kl(
@@ -205,7 +239,7 @@ def policy_loss(
     has_ref = ref is not None or ref_logps is not None
     static: Static = (
         ref is not None, iw is not None, opts.kl_code if has_ref else 0,
-        opts.neg_cap is not None, opts.log_ratio_bound or 0.0,
+        opts.neg_cap is not None, opts.log_ratio_bound or 0.0, opts.objective_code,
     )
     coefs = stop(jnp.stack([
         jnp.asarray(c, jnp.float32) for c in (

@@ -18,11 +18,13 @@ __all__ = [
     "Coefficient",
     "KLEstimator",
     "LossAgg",
+    "Objective",
     "PolicyKLEstimator",
     "RatioLevel",
     "DEFAULT_LOG_RATIO_BOUND",
     "KL_ESTIMATORS",
     "LOSS_AGGS",
+    "OBJECTIVES",
     "POLICY_KL_ESTIMATORS",
     "PolicyLossOptions",
     "RATIO_LEVELS",
@@ -38,6 +40,7 @@ PolicyKLEstimator = Literal["k1", "k2", "k3", "k1+", "k3+", "k3-is"]
 LossAgg = Literal["token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum",
                   "seq-mean-token-sum-norm"]
 RatioLevel = Literal["token", "sequence"]
+Objective = Literal["ppo", "cispo"]
 
 #: Schulman's estimators of KL(pi || pi_ref) from ``d = logp_ref - logp``.
 KL_ESTIMATORS: Mapping[str, int] = {name: code for code, name in enumerate(get_args(KLEstimator), 1)}
@@ -79,6 +82,10 @@ LOSS_AGGS: Mapping[str, int] = {name: code for code, name in enumerate(get_args(
 #: Importance-ratio level: per token (PPO/GRPO) or per sequence (GSPO).
 RATIO_LEVELS: Mapping[str, int] = {name: code for code, name in enumerate(get_args(RatioLevel))}
 
+#: The per-token policy term: PPO's clipped surrogate, or CISPO's clipped, detached
+#: importance weight times the log-prob (MiniMax-M1).
+OBJECTIVES: Mapping[str, int] = {name: code for code, name in enumerate(get_args(Objective))}
+
 #: Default bound on ``|log ratio|`` (and on ``|d|`` before k3's ``exp``): verl's
 #: +-20. ``exp(20) ~ 4.9e8`` keeps ``A * ratio`` finite in float32 for any
 #: sane advantage, while a ratio that far from 1 is clipped anyway.
@@ -107,6 +114,12 @@ class PolicyLossOptions:
     agg_code: int  # LOSS_AGGS
     sequence_ratio: bool  # RATIO_LEVELS == "sequence"
     log_ratio_bound: Optional[float]  # None: no bound
+    objective_code: int = 0  # OBJECTIVES
+
+    @property
+    def cispo(self) -> bool:
+        """Whether the policy term is CISPO's ``-sg(clip(r)) * A * logp``."""
+        return self.objective_code == OBJECTIVES["cispo"]
 
     @property
     def uses_kl(self) -> bool:
@@ -178,6 +191,7 @@ def policy_loss_options(
     loss_agg: str,
     ratio_level: str,
     log_ratio_bound: Optional[float],
+    objective: str = "ppo",
     cached: bool = True,
 ) -> PolicyLossOptions:
     """Check ``policy_loss``'s scalar options; errors name the argument and the fix.
@@ -189,7 +203,7 @@ def policy_loss_options(
     ``torch.compile``, which sees through caches, passes False).
     """
     args = (clip_eps, clip_eps_high, dual_clip, ratio_cap, kl_coef, kl_estimator, loss_agg,
-            ratio_level, log_ratio_bound)
+            ratio_level, log_ratio_bound, objective)
     if not cached or any(_is_array(a) for a in args):
         return _policy_loss_options(*args)
     return _cached_policy_loss_options(*args)
@@ -197,11 +211,15 @@ def policy_loss_options(
 
 def _policy_loss_options(clip_eps, clip_eps_high, dual_clip, ratio_cap, kl_coef,
                          kl_estimator, loss_agg, ratio_level,
-                         log_ratio_bound) -> PolicyLossOptions:
+                         log_ratio_bound, objective) -> PolicyLossOptions:
+    objective_code = option_code("objective", objective, OBJECTIVES)
+    cispo = objective_code == OBJECTIVES["cispo"]
     eps_low = _coefficient("clip_eps", clip_eps)
-    if not _is_array(eps_low) and not 0.0 <= eps_low < 1.0:
+    # CISPO's weight may have no floor (clip_eps = 1, MiniMax-M1's setting); PPO's may not.
+    if not _is_array(eps_low) and not (0.0 <= eps_low < 1.0 or (cispo and eps_low == 1.0)):
+        interval = "[0, 1] with objective=\"cispo\"" if cispo else "[0, 1)"
         raise ValueError(
-            f"`clip_eps` must be in [0, 1) (the ratio floor is 1 - clip_eps); got {eps_low}"
+            f"`clip_eps` must be in {interval} (the ratio floor is 1 - clip_eps); got {eps_low}"
         )
     eps_high = eps_low if clip_eps_high is None else _coefficient("clip_eps_high",
                                                                   clip_eps_high)
@@ -225,7 +243,15 @@ def _policy_loss_options(clip_eps, clip_eps_high, dual_clip, ratio_cap, kl_coef,
             f"`kl_coef` must be >= 0 (a negative weight rewards moving away from the "
             f"reference); got {kl_coef}. Pass 0.0 to turn the KL term off"
         )
+    if cispo and dual is not None:
+        raise ValueError(
+            "`dual_clip` has no meaning with objective=\"cispo\" (its weight is already "
+            "clipped to [1 - clip_eps, min(1 + clip_eps_high, ratio_cap)] for every "
+            "advantage); pass dual_clip=None, or ratio_cap= to lower the ceiling"
+        )
     caps = [c for c in (dual, cap) if c is not None]
+    if cispo:
+        caps = []  # CISPO: ratio_cap only lowers the one ceiling (ratio_high)
     return PolicyLossOptions(
         ratio_low=1.0 - eps_low,
         ratio_high=min(1.0 + eps_high, cap) if cap is not None else 1.0 + eps_high,
@@ -235,6 +261,7 @@ def _policy_loss_options(clip_eps, clip_eps_high, dual_clip, ratio_cap, kl_coef,
         agg_code=option_code("loss_agg", loss_agg, LOSS_AGGS),
         sequence_ratio=option_code("ratio_level", ratio_level, RATIO_LEVELS) == 1,
         log_ratio_bound=bound,
+        objective_code=objective_code,
     )
 
 

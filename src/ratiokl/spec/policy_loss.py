@@ -12,7 +12,18 @@ token ``t`` (inactive tokens contribute nothing and get a zero gradient)::
     pg    = -A * q * w                          (w: importance_weights, default 1)
     loss  = pg + kl_coef * kl                   (kl: POLICY_KL_ESTIMATORS on d = logp_ref - logp)
 
-which equals ``max(-A*r, -A*clip(r, 1-eps, 1+eps_high))`` with the dual clip
+With ``objective="cispo"`` (MiniMax-M1's CISPO) the policy term is instead::
+
+    wc    = clip(r, 1 - clip_eps, ratio_high)   (for every advantage; detached)
+    pg    = -A * wc * w * logp                  d pg / d logp = -A * wc * w
+
+so every active token carries a gradient, its size set by the clipped weight;
+``clip_fraction_low`` / ``_high`` count ``r < 1 - clip_eps`` / ``r > ratio_high``
+whatever the sign of ``A``. ``dual_clip`` is rejected (the weight is bounded
+already); with ``ratio_level="sequence"`` ``r`` is the sequence ratio ``s_i``
+(a sequence-level truncated importance weight on each token's log-prob).
+
+The PPO term equals ``max(-A*r, -A*clip(r, 1-eps, 1+eps_high))`` with the dual clip
 ``min(., -A*c)`` for ``A < 0`` (PPO, DAPO clip-higher, dual-clip PPO,
 INTELLECT-2's delta). Gradient with respect to ``logp`` (a clipped or capped
 branch, and a log-ratio outside the bound, carry none)::
@@ -63,7 +74,7 @@ __all__ = [
 POLICY_LOSS_DEFAULTS = dict(
     clip_eps=0.2, clip_eps_high=None, dual_clip=None, ratio_cap=None, kl_coef=0.0,
     kl_estimator="k3", loss_agg="token-mean", ratio_level="token",
-    log_ratio_bound=DEFAULT_LOG_RATIO_BOUND,
+    log_ratio_bound=DEFAULT_LOG_RATIO_BOUND, objective="ppo",
 )
 
 
@@ -131,6 +142,13 @@ def _clipped(r, adv, opts: PolicyLossOptions):
     return q, np.where(high | low | capped, 0.0, 1.0), high, low, capped
 
 
+def _cispo_weight(r, opts: PolicyLossOptions):
+    """CISPO's detached weight ``clip(r, ratio_low, ratio_high)`` and its clip indicators."""
+    high, low = r > opts.ratio_high, r < opts.ratio_low
+    weight = np.where(high, opts.ratio_high, np.where(low, opts.ratio_low, r))
+    return weight, high, low, np.zeros_like(high)
+
+
 def _aggregation(mask, seq, n_seq, opts: PolicyLossOptions, loss_normalizer):
     """Per-token weights ``a`` and the denominator ``D`` of ``sum(a * loss) / D``."""
     n_tok = int(mask.sum())
@@ -185,8 +203,12 @@ def policy_loss_from_logps(
         bound = opts.log_ratio_bound
         r = np.exp(lr if bound is None else np.clip(lr, -bound, bound))
         dr = r if bound is None else np.where(np.abs(lr) <= bound, r, 0.0)
-        q, dq, high, low, capped = _clipped(r, adv, opts)
-        pg, dpg = -adv * q * w, -adv * dq * dr * w
+        if opts.cispo:
+            wc, high, low, capped = _cispo_weight(r, opts)
+            pg, dpg = -adv * wc * w * logp, -adv * wc * w
+        else:
+            q, dq, high, low, capped = _clipped(r, adv, opts)
+            pg, dpg = -adv * q * w, -adv * dq * dr * w
         if logp_ref is None:
             kl, dkl = np.zeros(lead), np.zeros(lead)
         else:

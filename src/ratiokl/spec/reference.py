@@ -22,6 +22,14 @@ Gradient with respect to the policy logits, for an upstream cotangent
 so ``grad_logits[v] = c * (onehot(a)[v] - softmax(z)[v]) / T`` with the
 per-row coefficient ``c = g_ratio * ratio + g_kl * dkl/dlogp``.
 
+The entropy of the row's (temperature-scaled) distribution ``p = softmax(z)``::
+
+    entropy        = -sum_v p[v] log p[v]  = lse - sum_v p[v] z[v]
+    dentropy / dlogits[v] = -p[v] (log p[v] + entropy) / T
+
+where a ``-inf`` logit (vocabulary masking) has ``p[v] = 0`` and contributes 0 to
+both (never ``0 * -inf``).
+
 Inactive rows (``mask`` false) are neutral *by construction*: their inputs
 are replaced before any arithmetic, so whatever they hold (NaN, +-inf,
 out-of-range ids, NaN ``old_logp``) never reaches another value:
@@ -54,6 +62,8 @@ ArrayLike = Union[np.ndarray, float]
 __all__ = [
     "check_action_ids",
     "check_temperatures",
+    "entropy",
+    "entropy_grad",
     "kl_dlogp",
     "kl_value",
     "ratio_kl",
@@ -144,6 +154,55 @@ def selected_logprobs(
         z_sel = np.take_along_axis(z, ids[..., None], axis=-1)[..., 0]
         logp = z_sel - _logsumexp(z)
     return np.where(mask, logp, 0.0)
+
+
+def _softmax_terms(z: np.ndarray):
+    """``(p, p * log p, entropy)`` of rows ``z``; ``p = 0`` entries give exactly 0 terms."""
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        log_p = z - _logsumexp(z)[..., None]
+        p = np.exp(log_p)
+        p_log_p = np.where(p > 0.0, p * log_p, np.where(np.isnan(p), np.nan, 0.0))
+        return p, log_p, -np.sum(p_log_p, axis=-1)
+
+
+def entropy(
+    logits: np.ndarray,
+    mask: Optional[np.ndarray] = None,
+    *,
+    temperature: ArrayLike = 1.0,
+) -> np.ndarray:
+    """``-sum_v p log p`` of ``p = softmax(logits / T)`` per row, float64 ``[...]``; 0 on
+    inactive rows (``-inf`` logits contribute 0; a NaN logit on an active row gives NaN)."""
+    logits = np.asarray(logits, dtype=np.float64)
+    lead = logits.shape[:-1]
+    mask = np.ones(lead, dtype=bool) if mask is None else np.asarray(mask, dtype=bool)
+    z, _, mask, _ = _isolate(logits, np.zeros(lead, np.int64), mask, temperature)
+    return np.where(mask, _softmax_terms(z)[2], 0.0)
+
+
+def entropy_grad(
+    logits: np.ndarray,
+    mask: Optional[np.ndarray],
+    grad_entropy: np.ndarray,
+    *,
+    temperature: ArrayLike = 1.0,
+) -> np.ndarray:
+    """Gradient of ``sum(grad_entropy * entropy)`` w.r.t. ``logits``: float64 ``[..., V]``.
+
+    ``grad[v] = -g * p[v] (log p[v] + entropy) / T``; 0 where ``p[v] = 0`` and exactly 0 on
+    inactive rows.
+    """
+    logits = np.asarray(logits, dtype=np.float64)
+    lead = logits.shape[:-1]
+    mask = np.ones(lead, dtype=bool) if mask is None else np.asarray(mask, dtype=bool)
+    z, _, mask, temp = _isolate(logits, np.zeros(lead, np.int64), mask, temperature)
+    g = np.where(mask, np.asarray(grad_entropy, dtype=np.float64), 0.0)
+    p, log_p, ent = _softmax_terms(z)
+    with np.errstate(invalid="ignore", over="ignore"):
+        terms = np.where(p > 0.0, p * (log_p + ent[..., None]),
+                         np.where(np.isnan(p), np.nan, 0.0))
+        grad = -(g / temp)[..., None] * terms
+    return np.where(mask[..., None], grad, 0.0)
 
 
 def kl_value(d: np.ndarray, kl_estimator: str) -> np.ndarray:

@@ -66,8 +66,8 @@ from ratiokl._kernels.loss_rows import (
 )
 
 __all__ = [
-    "BACKWARD", "FORWARD", "KernelOp", "POLICY_LOSS", "SCALE_ROWS", "SHARD_STATS",
-    "TOKEN_WEIGHTS", "row_backward", "row_forward",
+    "BACKWARD", "ENTROPY_FORWARD", "FORWARD", "KernelOp", "POLICY_LOSS", "SCALE_ROWS",
+    "SHARD_STATS", "TOKEN_WEIGHTS", "row_backward", "row_forward",
 ]
 
 Tensor = torch.Tensor
@@ -203,6 +203,14 @@ def row_forward(
     (``use_split_forward``), else one program per row; both give the same bits.
     ``config``, ``plan`` and ``split`` override the heuristics (tuning sweeps).
     """
+    return _forward_launch(kernels, policy, ref, ids, mask, old, ref_logps, temp, kl_code,
+                           False, config, plan, split)
+
+
+def _forward_launch(kernels, policy, ref, ids, mask, old, ref_logps, temp, kl_code: int,
+                    entropy: bool, config, plan, split) -> Tuple[Tensor, ...]:
+    """The forward's launches (see :func:`row_forward`); ``entropy``: the kernels' ``ENTROPY``
+    mode (no reference, ``kl_code`` 0), the entropy in the ``kl`` and ``dkl`` outputs."""
     n_rows, vocab = policy.shape
     outs = _rows(n_rows, policy.device, 5)
     if n_rows == 0:
@@ -218,19 +226,22 @@ def row_forward(
     if not split:
         kernels(logp_forward_kernel)[(n_rows,)](
             policy, ref_t, *rows, *outs, *sizes,
-            HAS_REF=ref is not None, KL_CODE=kl_code, TILES_PER_SPLIT=plan.tiles_per_split,
-            BLOCK_V=config.block_v, num_warps=config.num_warps,
+            HAS_REF=ref is not None, KL_CODE=kl_code, ENTROPY=entropy,
+            TILES_PER_SPLIT=plan.tiles_per_split, BLOCK_V=config.block_v,
+            num_warps=config.num_warps,
         )
         return outs
     parts = torch.empty((n_rows, plan.splits, 4), dtype=torch.float32, device=policy.device)
     kernels(lse_partials_kernel)[(n_rows, plan.splits)](
         policy, ref_t, mask, temp, parts, *sizes,
-        HAS_REF=ref is not None, SPLITS=plan.splits, TILES_PER_SPLIT=plan.tiles_per_split,
-        BLOCK_V=config.block_v, num_warps=config.num_warps,
+        HAS_REF=ref is not None, ENTROPY=entropy, SPLITS=plan.splits,
+        TILES_PER_SPLIT=plan.tiles_per_split, BLOCK_V=config.block_v,
+        num_warps=config.num_warps,
     )
     kernels(logp_combine_kernel)[(n_rows,)](
         policy, ref_t, *rows, parts, *outs, *sizes,
-        HAS_REF=ref is not None, KL_CODE=kl_code, SPLITS=plan.splits, num_warps=1,
+        HAS_REF=ref is not None, KL_CODE=kl_code, ENTROPY=entropy, SPLITS=plan.splits,
+        num_warps=1,
     )
     return outs
 
@@ -238,14 +249,16 @@ def row_forward(
 def row_backward(
     kernels: Callable, logits: Tensor, ids: Tensor, mask: Tensor, temp: Tensor, lse: Tensor,
     g_logp: Optional[Tensor], g_ratio: Optional[Tensor] = None, ratio: Optional[Tensor] = None,
-    g_kl: Optional[Tensor] = None, dkl: Optional[Tensor] = None, *,
+    g_kl: Optional[Tensor] = None, dkl: Optional[Tensor] = None, entropy: bool = False, *,
     config: Optional[LaunchConfig] = None,
 ) -> Tensor:
     """``c * (onehot(a) - softmax(z)) / T``, ``[N, V]`` in the logits' dtype, row-major.
 
     The kernel forms ``c = g_logp + g_ratio * ratio + g_kl * dkl`` per row (a
     ``None`` upstream gradient is a zero term, never zero-filled), exactly 0 on
-    inactive rows. Grid ``(N, S)`` with ``S = backward_splits(...)`` spans per
+    inactive rows. ``entropy``: ``g_kl`` is the entropy's upstream gradient and ``dkl``
+    the entropy ``H``; the term is ``-g_kl * p * (log p + H) / T`` instead. Grid
+    ``(N, S)`` with ``S = backward_splits(...)`` spans per
     row (no bit depends on ``S``); ``config`` overrides the tile (tuning sweeps).
     """
     n_rows, vocab = logits.shape
@@ -265,7 +278,8 @@ def row_backward(
         vocab, logits.stride(0), logits.stride(1), _stride(temp),
         *(0 if g is None else g.stride(0) for g in upstream), per_prog,
         HAS_G_LOGP=g_logp is not None, HAS_G_RATIO=g_ratio is not None,
-        HAS_G_KL=g_kl is not None, BLOCK_V=config.block_v, num_warps=config.num_warps,
+        HAS_G_KL=g_kl is not None, ENTROPY=entropy, BLOCK_V=config.block_v,
+        num_warps=config.num_warps,
     )
     return grad
 
@@ -295,6 +309,41 @@ FORWARD = KernelOp(
 )
 
 
+def entropy_forward(kernels: Callable, policy: Tensor, ids: Tensor, mask: Tensor,
+                    temp: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    """``(logp, entropy, lse)`` float32 ``[N]`` of ``policy [N, V]``, from the same pass.
+
+    The forward's launches in their ``ENTROPY`` mode (same plans, same bits for ``logp``
+    and ``lse`` as :func:`row_forward`); inactive rows 0.
+    """
+    logp, _, ent, _, lse = _forward_launch(kernels, policy, None, ids, mask, None, None, temp,
+                                           0, True, None, None, None)
+    return logp, ent, lse
+
+
+def _entropy_context(ctx, inputs, output) -> None:
+    policy, ids, mask, temp = inputs
+    _, ent, lse = output
+    ctx.save_for_backward(policy, ids, mask, temp, lse, ent)
+    ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)
+
+
+def _entropy_backward(ctx, g_logp, g_ent, _g_lse):
+    policy, ids, mask, temp, lse, ent = ctx.saved_tensors
+    grad = BACKWARD.run(ctx.binding, policy, ids, mask, temp, lse, g_logp, None, None,
+                        g_ent, ent, True)
+    return grad, None, None, None
+
+
+ENTROPY_FORWARD = KernelOp(
+    entropy_forward,
+    fake=lambda policy, *_: tuple(policy.new_empty(policy.shape[0], dtype=torch.float32)
+                                  for _ in range(3)),
+    setup_context=_entropy_context, backward=_entropy_backward,
+)
+
+
 # --- the fused policy loss: weights before, loss + metrics + stored gradient, scale after -------
 
 
@@ -315,7 +364,7 @@ def fused_policy_loss(
     kernels: Callable, policy: Tensor, ref: Optional[Tensor], ids: Tensor, mask: Tensor,
     old: Tensor, ref_logps: Optional[Tensor], temp: Tensor, adv: Tensor, iw: Optional[Tensor],
     w: Tensor, coefs: Tensor, write_grad: bool, kl_code: int, has_neg_cap: bool, bound: float,
-    *, grad_out: Optional[Tensor] = None,
+    objective: int, *, grad_out: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """``(loss, metrics, grad)``: float32 ``[]``, float32 ``[7]`` (``METRIC_NAMES``), and
     ``d loss / d policy`` ``[N, V]`` in the logits' dtype (``[0, V]`` without ``write_grad``).
@@ -324,7 +373,7 @@ def fused_policy_loss(
     ``write_grad``, the gradient of ``sum_t w_t loss_t``) and
     ``policy_metrics_kernel`` (the loss and the metrics). ``coefs``: float32
     ``[4]`` (``kl_coef``, ratio floor, ratio ceiling, negative-advantage cap);
-    ``kl_code`` 0: no reference. ``grad_out``: a row-major ``[N, V]`` buffer
+    ``kl_code`` 0: no reference; ``objective``: ``OBJECTIVES`` code. ``grad_out``: a row-major ``[N, V]`` buffer
     for the gradient (the in-place mode passes ``policy`` itself: every tile is
     read before it is overwritten, by the same program).
     """
@@ -360,7 +409,7 @@ def fused_policy_loss(
         n_rows, vocab, policy.stride(0), policy.stride(1), ref_t.stride(0), ref_t.stride(1),
         _stride(temp),
         HAS_REF=has_ref, HAS_IW=iw is not None, KL_CODE=kl_code, HAS_NEG_CAP=has_neg_cap,
-        BOUND=bound, WRITE_GRAD=write_grad, SPLITS=plan.spans.splits,
+        BOUND=bound, OBJECTIVE=objective, WRITE_GRAD=write_grad, SPLITS=plan.spans.splits,
         TILES_PER_SPLIT=plan.spans.tiles_per_split, SPANS=plan.spans_per_program,
         BLOCK_V=plan.config.block_v, num_warps=plan.config.num_warps,
     )
@@ -392,10 +441,10 @@ def _fused_context(ctx, inputs, output) -> None:
 
 def _fused_backward(ctx, g_loss, *_unused):
     if g_loss is None:
-        return (None,) * 15
+        return (None,) * 16
     grad, mask = ctx.saved_tensors
     SCALE_ROWS.run(ctx.binding, grad, g_loss.to(torch.float32), mask)
-    return (grad,) + (None,) * 14
+    return (grad,) + (None,) * 15
 
 
 def _fused_fake(policy, ref, ids, mask, old, ref_logps, temp, adv, iw, w, coefs, write_grad,

@@ -152,6 +152,71 @@ def _backward(
     return grad
 
 
+def _entropy_terms(z: torch.Tensor, lse: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(p, p * log p)`` of a chunk's rows, ``p * log p`` exactly 0 where ``p = 0``."""
+    log_p = z - lse[:, None]
+    p = log_p.exp()
+    return p, torch.where(p > 0.0, p * log_p, torch.zeros_like(p))
+
+
+def _entropy_forward(logits, mask, temperature, lse) -> torch.Tensor:
+    """``-sum p log p`` per row, float32 ``[N]``; 0 on inactive rows, NaN where ``lse`` is."""
+    n_rows, vocab = logits.shape
+    ent = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
+    for rows in row_chunks(n_rows, vocab, logits.device):
+        t = temperature[rows] if isinstance(temperature, torch.Tensor) else temperature
+        z = scaled_logits(logits[rows], mask[rows], t)
+        ent[rows] = -_entropy_terms(z, lse[rows])[1].sum(dim=1)
+    return torch.where(mask, ent, torch.zeros_like(ent))
+
+
+def _entropy_backward(logits, ids, mask, temperature, lse, ent, grad_logp,
+                      grad_ent) -> torch.Tensor:
+    """``(g_logp * (onehot - p) - g_ent * p * (log p + H)) / T`` in the logits' dtype
+    ``[N, V]`` (one rounding); an absent upstream term (None) is 0; 0 on inactive rows."""
+    n_rows, vocab = logits.shape
+    grad = torch.empty((n_rows, vocab), dtype=logits.dtype, device=logits.device)
+    zero = torch.zeros((), dtype=torch.float32, device=logits.device)
+
+    def coef(g):
+        return zero.expand(n_rows) if g is None else torch.where(mask, g, zero) / temperature
+
+    c_logp, c_ent = coef(grad_logp), coef(grad_ent)
+    for rows in row_chunks(n_rows, vocab, logits.device):
+        t = temperature[rows] if isinstance(temperature, torch.Tensor) else temperature
+        p, p_log_p = _entropy_terms(scaled_logits(logits[rows], mask[rows], t), lse[rows])
+        d = (p_log_p + p * ent[rows, None]).mul_(-c_ent[rows, None])
+        d.sub_(p * c_logp[rows, None])
+        d.scatter_add_(1, ids[rows, None], c_logp[rows, None].contiguous())
+        grad[rows] = d.masked_fill_(~mask[rows, None], 0.0)
+    return grad
+
+
+class _LogprobEntropy(torch.autograd.Function):
+    """``(logp[N], entropy[N])`` from ``logits[N, V]``; the backward sums both terms."""
+
+    @staticmethod
+    def forward(ctx, logits, ids, mask, temperature, bad):
+        logp, lse = _forward(logits, ids, mask, temperature, bad)
+        ent = _entropy_forward(logits, mask, temperature, lse)
+        saved = (logits, ids, mask, lse, ent)
+        if isinstance(temperature, torch.Tensor):
+            saved = saved + (temperature,)
+        else:
+            ctx.temperature = temperature
+        ctx.save_for_backward(*saved)
+        ctx.set_materialize_grads(False)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_ent):
+        saved = ctx.saved_tensors
+        logits, ids, mask, lse, ent = saved[:5]
+        temperature = saved[5] if len(saved) == 6 else ctx.temperature
+        grad = _entropy_backward(logits, ids, mask, temperature, lse, ent, grad_logp, grad_ent)
+        return grad, None, None, None, None
+
+
 class _SelectedLogprob(torch.autograd.Function):
     """``logp[N]`` from ``logits[N, V]`` with the analytic, chunked backward."""
 
@@ -201,6 +266,17 @@ def selected_logprobs(
     """Float32 ``logp[N]`` of ``logits[N, V]``; differentiable w.r.t. ``logits``."""
     safe_ids, temp, bad = _prepare_rows(ids, mask, temperature, logits.shape[1])
     return _SelectedLogprob.apply(logits, safe_ids, mask, temp, bad)
+
+
+def logprobs_entropy(
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    temperature: Temperature,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Float32 ``(logp[N], entropy[N])`` of ``logits[N, V]``; differentiable w.r.t. ``logits``."""
+    safe_ids, temp, bad = _prepare_rows(ids, mask, temperature, logits.shape[1])
+    return _LogprobEntropy.apply(logits, safe_ids, mask, temp, bad)
 
 
 def ratio_kl(

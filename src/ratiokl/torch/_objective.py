@@ -118,6 +118,14 @@ def _clipped_ratio(ratio, adv, opts: PolicyLossOptions):
     return q, low, high, capped
 
 
+def _cispo_weight(ratio, opts: PolicyLossOptions):
+    """CISPO's weight ``sg(clip(ratio, ratio_low, ratio_high))`` (every advantage) and its
+    low / high / (never) dual-clip indicators."""
+    high, low = ratio > opts.ratio_high, ratio < opts.ratio_low
+    weight = torch.where(high, opts.ratio_high, torch.where(low, opts.ratio_low, ratio))
+    return weight.detach(), low, high, torch.zeros_like(high)
+
+
 def _denominator(agg_code: int, n_tok, n_seq, width: int, loss_normalizer: Normalizer):
     """``D`` of ``sum(a * loss) / D``; a count of 0 becomes 1 (its numerator is 0)."""
     if loss_normalizer is not None:
@@ -182,8 +190,12 @@ def policy_objective(
         # GSPO-token form (verl): value sg(s_i), gradient on the token's own logp.
         log_ratio = torch.where(mask, seq_mean + (logp - logp.detach()), zero)
     ratio = torch.exp(_bounded(log_ratio, opts.log_ratio_bound))
-    q, low, high, capped = _clipped_ratio(ratio, adv, opts)
-    per_token = -adv * q
+    if opts.cispo:  # the gradient goes through logp only, on every active token
+        q, low, high, capped = _cispo_weight(ratio, opts)
+        per_token = -adv * q * logp
+    else:
+        q, low, high, capped = _clipped_ratio(ratio, adv, opts)
+        per_token = -adv * q
     if inputs.importance_weights is not None:
         per_token = per_token * torch.where(mask, inputs.importance_weights, zero)
     kl = zero.expand(mask.shape)

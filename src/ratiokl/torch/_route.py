@@ -42,14 +42,15 @@ __all__ = ["BACKENDS", "backend_name", "policy_loss", "ratio_kl", "resolve",
 def _native() -> Backend:
     from ratiokl.torch import _native
 
-    return Backend(_native.selected_logprobs, _native.ratio_kl)
+    return Backend(_native.selected_logprobs, _native.ratio_kl,
+                   logprobs_entropy=_native.logprobs_entropy)
 
 
 def _triton() -> Backend:
     from ratiokl.torch import _triton
 
     return Backend(_triton.selected_logprobs, _triton.ratio_kl, _triton.policy_loss,
-                   _triton.token_weights)
+                   _triton.token_weights, _triton.logprobs_entropy)
 
 
 #: Backend name -> its loader (plain imports: torch.compile traces through them).
@@ -203,12 +204,26 @@ def _lead(logits: torch.Tensor, action_ids: torch.Tensor) -> Tuple[int, ...]:
 
 
 def selected_logprobs(logits, action_ids, mask, *, temperature, backend, check_ids,
-                      vocab_group) -> torch.Tensor:
+                      vocab_group, return_entropy=False):
     """``ratiokl.torch.loss.selected_logprobs`` (documented there)."""
     lead = _lead(logits, action_ids)
     rows = _rows(logits, lead, action_ids, mask, temperature, backend, check_ids, vocab_group)
+    if return_entropy:
+        logp, ent = _entropy_backend(rows.run, vocab_group)(
+            rows.logits, rows.ids, rows.mask, rows.temperature)
+        return rows.checked((logp.reshape(lead), ent.reshape(lead)))
     logp = rows.run.selected_logprobs(rows.logits, rows.ids, rows.mask, rows.temperature)
     return rows.checked(logp.reshape(lead))
+
+
+def _entropy_backend(run: Backend, vocab_group):
+    """The backend's one-pass ``(logp, entropy)``; a clear error where it has none."""
+    if run.logprobs_entropy is None:
+        raise NotImplementedError(
+            "`return_entropy=True` is not available with `vocab_group` yet (the sharded "
+            "entropy needs its own combine); gather the vocabulary or call without it"
+        )
+    return run.logprobs_entropy
 
 
 def ratio_kl(policy_logits, ref_logits, action_ids, mask, old_logps, *, ref_logps,
@@ -229,14 +244,14 @@ def ratio_kl(policy_logits, ref_logits, action_ids, mask, old_logps, *, ref_logp
 
 def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantages, *,
                 ref_logps, clip_eps, clip_eps_high, dual_clip, ratio_cap, kl_coef,
-                kl_estimator, loss_agg, loss_normalizer, ratio_level, segment_ids,
+                kl_estimator, loss_agg, loss_normalizer, ratio_level, objective, segment_ids,
                 importance_weights, log_ratio_bound, temperature, backend, check_ids,
                 vocab_group, inplace_grad) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """``ratiokl.torch.loss.policy_loss`` (documented there)."""
     opts = policy_loss_options(
         clip_eps=clip_eps, clip_eps_high=clip_eps_high, dual_clip=dual_clip,
         ratio_cap=ratio_cap, kl_coef=kl_coef, kl_estimator=kl_estimator, loss_agg=loss_agg,
-        ratio_level=ratio_level, log_ratio_bound=log_ratio_bound,
+        ratio_level=ratio_level, log_ratio_bound=log_ratio_bound, objective=objective,
         cached=not torch.compiler.is_compiling(),
     )
     lead = _lead(policy_logits, action_ids)

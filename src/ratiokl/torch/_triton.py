@@ -29,6 +29,7 @@ from ratiokl._kernels.loss_rows import METRIC_NAMES, token_weights_args
 from ratiokl.spec import PolicyLossOptions
 from ratiokl.torch._launch import (
     BACKWARD,
+    ENTROPY_FORWARD,
     FORWARD,
     POLICY_LOSS,
     SCALE_ROWS,
@@ -90,6 +91,15 @@ def selected_logprobs(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tenso
     return FORWARD(logits, None, ids, mask, None, None, temp, 0)[0]
 
 
+def logprobs_entropy(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor,
+                     temperature: Temperature) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Float32 ``(logp[N], entropy[N])`` from one read of ``logits[N, V]``: 0 on inactive rows,
+    NaN on poisoned rows. Differentiable w.r.t. ``logits`` through both."""
+    temp = kernel_temperature(temperature, logits.device)
+    logp, ent, _ = ENTROPY_FORWARD(logits, ids, mask, temp)
+    return logp, ent
+
+
 def ratio_kl(policy: torch.Tensor, ref: Optional[torch.Tensor], ids: torch.Tensor,
              mask: torch.Tensor, old_logps: torch.Tensor, ref_logps: Optional[torch.Tensor],
              kl_code: int, temperature: Temperature) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -137,7 +147,7 @@ class _InplaceLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_loss, _g_metrics):
         if g_loss is None:
-            return (None,) * 15
+            return (None,) * 16
         if ctx.grad is None:
             raise RuntimeError(
                 "policy_loss(inplace_grad=True) gives its gradient once: the logits' buffer "
@@ -145,7 +155,7 @@ class _InplaceLoss(torch.autograd.Function):
             )
         SCALE_ROWS.direct(ctx.grad.device, ctx.grad, g_loss.to(torch.float32), ctx.mask)
         grad, ctx.grad = ctx.grad, None  # once: the buffer is the caller's now
-        return (grad,) + (None,) * 14
+        return (grad,) + (None,) * 15
 
 
 def policy_loss(policy: torch.Tensor, ref: Optional[torch.Tensor], ids: torch.Tensor,
@@ -167,7 +177,7 @@ def policy_loss(policy: torch.Tensor, ref: Optional[torch.Tensor], ids: torch.Te
     args = (ref, ids, mask, old, ref_logps, kernel_temperature(temperature, policy.device),
             adv, iw, weights, kernel_coefficients(opts, policy.device), write_grad,
             opts.kl_code if has_ref else 0, opts.neg_cap is not None,
-            opts.log_ratio_bound or 0.0)
+            opts.log_ratio_bound or 0.0, opts.objective_code)
     if inplace_grad and write_grad and binding_for(policy.device) != "compiled":
         loss, metrics = _InplaceLoss.apply(policy, *args)
     else:

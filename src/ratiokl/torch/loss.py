@@ -16,6 +16,7 @@ from ratiokl.spec import (
     BackendName,
     KLEstimator,
     LossAgg,
+    Objective,
     PolicyKLEstimator,
     RatioLevel,
 )
@@ -37,12 +38,20 @@ def selected_logprobs(
     backend: BackendName = "auto",
     check_ids: bool = True,
     vocab_group: Optional[torch.distributed.ProcessGroup] = None,
-) -> torch.Tensor:
+    return_entropy: bool = False,
+) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Log-probability of the sampled action per token: ``logp = z[a] - logsumexp(z)``.
 
     With ``z = logits / T``, computed in float32 whatever the logits' dtype::
 
         logp = logits[..., a] / T - logsumexp(logits / T, axis=-1)
+
+    and, with ``return_entropy``, the entropy of the same distribution ``p = softmax(z)``
+    from the same read of the logits (a running ``sum exp(z - m) * z`` beside the
+    log-sum-exp)::
+
+        entropy = -sum_v p_v log p_v = logsumexp(z) - sum_v p_v z_v
+        d entropy / d logits_v = -p_v (log p_v + entropy) / T
 
     Args:
       logits: ``[..., V]`` float32, float16 or bfloat16, any strides.
@@ -63,6 +72,8 @@ def selected_logprobs(
         block, in rank order; see docs/vocab_parallel.md). ``action_ids`` are
         global and every input but the logits is identical on every rank.
 
+      return_entropy: also return the entropy (not yet with ``vocab_group``).
+
     Returns:
       ``logp``: float32 ``[...]``; exactly 0 on inactive rows. The gradient
       ``g * (onehot(a) - softmax(z)) / T`` reaches ``logits`` in its dtype, and
@@ -70,11 +81,16 @@ def selected_logprobs(
       A NaN logit on an active row makes that row NaN only; ``-inf`` logits at
       other tokens (vocabulary masking) are valid.
 
+      With ``return_entropy``: ``(logp, entropy)``, ``entropy`` float32 ``[...]``, 0 on
+      inactive rows (its gradient there exactly 0 too); a ``-inf`` logit contributes 0
+      to it and to its gradient (never ``0 * -inf``); a NaN logit makes the row NaN.
+
     See :func:`ratio_kl` for the references.
     """
     return _route.selected_logprobs(
         logits, action_ids, mask, temperature=temperature, backend=backend,
         check_ids=check_ids, vocab_group=vocab_group,
+        return_entropy=return_entropy,
     )
 
 
@@ -156,6 +172,7 @@ def policy_loss(
     loss_agg: LossAgg = "token-mean",
     loss_normalizer: Union[None, float, torch.Tensor] = None,
     ratio_level: RatioLevel = "token",
+    objective: Objective = "ppo",
     segment_ids: Optional[torch.Tensor] = None,
     importance_weights: Optional[torch.Tensor] = None,
     log_ratio_bound: Optional[float] = DEFAULT_LOG_RATIO_BOUND,
@@ -174,6 +191,10 @@ def policy_loss(
                then min(pg, -A*dual_clip) for A < 0; ratio_cap caps r likewise
         loss = importance_weight * pg + kl_coef * kl(logp_ref - logp)
 
+    ``objective="cispo"`` (MiniMax-M1) replaces ``pg`` by
+    ``-sg(clip(r, 1-clip_eps, min(1+clip_eps_high, ratio_cap))) * A * logp``: the
+    clipped ratio, detached, weighs every active token's log-prob gradient
+    (``dual_clip`` is rejected with it).
     ``ratio_level="sequence"`` (GSPO) uses the sequence's mean log-ratio for
     ``r`` (value ``sg(s)``, gradient on each token's own ``logp``). The tokens
     are then aggregated by ``loss_agg``. docs/policy_loss.md has every formula
@@ -205,6 +226,9 @@ def policy_loss(
       loss_normalizer: replaces the aggregation's denominator (a global token or
         sequence count, or a constant): a positive number or a 0-d tensor.
       ratio_level: ``"token"`` or ``"sequence"`` (GSPO).
+      objective: ``"ppo"`` (the clipped surrogate above) or ``"cispo"`` (clipped
+        importance-sampling weight on the log-prob); composes with every ``loss_agg``,
+        KL variant and ``ratio_level`` (``"sequence"``: the weight clips ``s``).
       segment_ids: integer ``[...]``; sequences of packed rows (a new one starts
         where the id of consecutive active tokens changes). None: one per row.
       importance_weights: floating ``[...]`` (e.g. truncated IS from the rollout
@@ -237,6 +261,7 @@ def policy_loss(
         ref_logps=ref_logps, clip_eps=clip_eps, clip_eps_high=clip_eps_high,
         dual_clip=dual_clip, ratio_cap=ratio_cap, kl_coef=kl_coef, kl_estimator=kl_estimator,
         loss_agg=loss_agg, loss_normalizer=loss_normalizer, ratio_level=ratio_level,
+        objective=objective,
         segment_ids=segment_ids, importance_weights=importance_weights,
         log_ratio_bound=log_ratio_bound, temperature=temperature, backend=backend,
         check_ids=check_ids, vocab_group=vocab_group, inplace_grad=inplace_grad,

@@ -1,0 +1,72 @@
+"""JAX ``selected_logprobs(return_entropy=True)`` under ``jit`` and ``vmap``, both backends.
+
+The ``"triton"`` backend runs through the interpreter stand-in of
+``jax_triton.triton_call``; a vmapped call folds the batch into rows, so each
+problem's results must be those of its own call, bit for bit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+
+import jax.numpy as jnp  # noqa: E402
+
+from ratiokl.jax import loss  # noqa: E402
+
+B, T, V = 2, 4, 37
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+
+def _backend(name: str, monkeypatch) -> str:
+    if name == "native":
+        return "native"
+    pytest.importorskip("triton")
+    from jax_interpret import interpreted_triton_call
+
+    from ratiokl.jax import _launch, _route
+
+    monkeypatch.setattr(_launch, "triton_call", interpreted_triton_call)
+    monkeypatch.setattr(_route, "backend_name", lambda backend: backend)
+    return "triton"
+
+
+def _problems():
+    rng = np.random.default_rng(3)
+    logits = rng.normal(0.0, 2.0, (2, B, T, V)).astype(np.float32)
+    mask = rng.random((2, B, T)) < 0.7
+    logits[0, 0, 1, :5] = -np.inf  # vocabulary masking on an active row
+    mask[0, 0, 1] = True
+    logits[~mask] = np.nan
+    ids = np.where(mask, rng.integers(5, V, (2, B, T)), -1)
+    temp = rng.uniform(0.5, 1.5, (2, B, T)).astype(np.float32)
+    return tuple(jnp.asarray(a) for a in (logits, ids, mask, temp))
+
+
+@pytest.mark.parametrize("name", ["native", "triton"])
+def test_vmapped_jit_entropy_and_gradient_are_each_problems_own(name, monkeypatch):
+    backend = _backend(name, monkeypatch)
+
+    def value_and_grad(logits, ids, mask, temp):
+        def f(z):
+            logp, ent = loss.selected_logprobs(z, ids, mask, temperature=temp,
+                                               backend=backend, check_ids=False,
+                                               return_entropy=True)
+            return jnp.sum(0.5 * logp - 1.5 * ent), (logp, ent)
+
+        (_, outs), grad = jax.value_and_grad(f, has_aux=True)(logits)
+        return outs, grad
+
+    problems = _problems()
+    (logp, ent), grad = jax.jit(jax.vmap(value_and_grad))(*problems)
+    for i in range(2):
+        (logp_i, ent_i), grad_i = jax.jit(value_and_grad)(*(p[i] for p in problems))
+        for got, want in ((logp[i], logp_i), (ent[i], ent_i), (grad[i], grad_i)):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    mask = np.asarray(problems[2])
+    g = np.asarray(grad)
+    assert np.all(g[~mask] == 0.0) and np.all(np.isfinite(g[mask]))
+    assert np.all(np.asarray(ent)[~mask] == 0.0) and np.all(np.asarray(ent)[mask] > 0.0)
