@@ -117,6 +117,8 @@ def _policy_options(op: str, agg: str, backend: str):
         kw["ratio_level"] = "sequence"
     if op == "policy_inplace":
         kw["inplace_grad"] = backend == "triton"
+    if op == "policy_cispo":
+        kw["objective"] = "cispo"
     return kw, op in ("policy_fwd", "policy_ref_logps")
 
 
@@ -129,6 +131,10 @@ def _torch_ops(x, backend: str, op: str, agg: str = "token-mean"):
     if op == "selected_logprobs":
         logp = loss.selected_logprobs(leaf, x["ids"], x["mask"], **common)
         outs, obj = {"logp": logp}, (logp * x["g1"]).sum()
+    elif op == "selected_logprobs_entropy":
+        logp, ent = loss.selected_logprobs(leaf, x["ids"], x["mask"], return_entropy=True,
+                                           **common)
+        outs, obj = {"logp": logp, "entropy": ent}, (logp * x["g1"] + ent * x["g2"]).sum()
     elif op in ("ratio_kl", "ratio_kl_ref_logps"):
         by_logps = op == "ratio_kl_ref_logps"
         ratio, kl = loss.ratio_kl(leaf, None if by_logps else x["ref"], x["ids"], x["mask"],
@@ -163,6 +169,10 @@ def _jax_ops(x, backend: str, op: str, agg: str = "token-mean"):
         if op == "selected_logprobs":
             logp = loss.selected_logprobs(policy, j["ids"], j["mask"], **common)
             return jnp.sum(logp * j["g1"]), {"logp": logp}
+        if op == "selected_logprobs_entropy":
+            logp, ent = loss.selected_logprobs(policy, j["ids"], j["mask"], return_entropy=True,
+                                               **common)
+            return jnp.sum(logp * j["g1"] + ent * j["g2"]), {"logp": logp, "entropy": ent}
         if op in ("ratio_kl", "ratio_kl_ref_logps"):
             by_logps = op == "ratio_kl_ref_logps"
             ratio, kl = loss.ratio_kl(policy, None if by_logps else j["ref"], j["ids"], j["mask"],
@@ -216,10 +226,13 @@ def _compare(fast, slow, dtype: str, scale: float, n: int, what: str) -> None:
         assert worst <= 0.0, f"{label}: beyond tolerance by {worst:.3g} ({tol})"
 
 
-OPS = ("selected_logprobs", "ratio_kl", "ratio_kl_ref_logps", "policy", "policy_fwd")
-#: Once per (dtype, V), at the row count nearest 128: every aggregation, GSPO, in place.
+OPS = ("selected_logprobs", "selected_logprobs_entropy", "ratio_kl", "ratio_kl_ref_logps",
+       "policy", "policy_fwd")
+#: Once per (dtype, V), at the row count nearest 128: every aggregation, GSPO, in place,
+#: CISPO (token and sequence ratio).
 OPTION_OPS = tuple(("policy_ref_logps", agg) for agg in AGGREGATIONS) + (
-    ("policy_gspo", "seq-mean-token-mean"), ("policy_inplace", "token-mean"))
+    ("policy_gspo", "seq-mean-token-mean"), ("policy_inplace", "token-mean"),
+    ("policy_cispo", "token-mean"), ("policy_cispo", "seq-mean-token-sum"))
 
 
 def _sweep_one(runner, dtype: str, vocab: int, n: int, with_options: bool) -> int:
