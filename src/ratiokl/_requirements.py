@@ -2,9 +2,11 @@
 
 Read by the errors a backend raises when its dependency is missing or too old,
 by ``ratiokl check`` (the reason a target is unavailable) and by the import of
-``ratiokl.torch`` / ``ratiokl.jax``; ``tests/test_requirements.py`` keeps the
-extras in ``pyproject.toml`` and the README's install table in step with it.
-Only installed *distribution metadata* is read here: nothing is imported.
+``ratiokl.torch`` / ``ratiokl.jax``; ``tests/test_requirements.py`` and
+``tests/test_docs.py`` keep the extras in ``pyproject.toml`` and the README's
+install table in step with it. Versions come from installed distribution
+metadata (nothing is imported), except in :func:`import_framework`, which
+imports the framework it checks and reads its ``__version__``.
 """
 
 from __future__ import annotations
