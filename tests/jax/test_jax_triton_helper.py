@@ -33,6 +33,9 @@ def _fake_jax_triton(monkeypatch, versions: dict) -> list:
         if keywords.get("input_output_aliases"):
             warnings.warn("input_output_aliases is deprecated. Pass inputs you want to "
                           "alias as Ref arguments instead", DeprecationWarning, stacklevel=2)
+        if keywords.get("zeroed_outputs"):
+            warnings.warn("zeroed_outputs is deprecated. Zero the buffer explicitly and pass"
+                          " it as a Ref argument instead", DeprecationWarning, stacklevel=2)
         calls.append(keywords)
         return "launched"
 
@@ -50,9 +53,25 @@ def test_triton_call_on_0_4_passes_out_type_and_keeps_aliases_quiet(monkeypatch)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         result = jax_triton_helper.triton_call(1, out_shape="S", grid=(1,),
-                                               input_output_aliases={0: 0})
+                                               input_output_aliases={0: 0}, zeroed_outputs=(0,))
     assert result == "launched"
-    assert calls == [{"out_type": "S", "grid": (1,), "input_output_aliases": {0: 0}}]
+    assert calls == [{"out_type": "S", "grid": (1,), "input_output_aliases": {0: 0},
+                      "zeroed_outputs": (0,)}]
+
+
+def test_triton_call_keeps_other_warnings(monkeypatch):
+    calls = _fake_jax_triton(monkeypatch, {"triton": "3.7.1", "jax-triton": "0.4.1"})
+    module = sys.modules["jax_triton"]
+    inner = module.triton_call
+
+    def noisy(*args, **keywords):
+        warnings.warn("something else", DeprecationWarning, stacklevel=2)
+        return inner(*args, **keywords)
+
+    monkeypatch.setattr(module, "triton_call", noisy)
+    with pytest.warns(DeprecationWarning, match="something else"):
+        jax_triton_helper.triton_call(out_shape="S", grid=(1,))
+    assert calls == [{"out_type": "S", "grid": (1,)}]
 
 
 def test_triton_call_on_0_3_passes_out_shape(monkeypatch):

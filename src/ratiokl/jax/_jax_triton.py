@@ -8,9 +8,10 @@ What differs between the supported releases, and how it is handled here:
 - 0.4 renamed ``triton_call``'s ``out_shape=`` to ``out_type=`` (the old name
   still works there, with a ``DeprecationWarning``): :func:`call_keywords`
   passes the name the installed release expects.
-- 0.4 deprecates ``input_output_aliases=`` in favour of ``jax.Ref`` arguments,
-  which 0.3.1 does not have; ratiokl keeps the one spelling both take and
-  silences that one warning around its own call (:func:`triton_call`).
+- 0.4 deprecates ``input_output_aliases=`` and ``zeroed_outputs=`` in favour of
+  ``jax.Ref`` arguments, which 0.3.1 does not have; ratiokl keeps the one
+  spelling both take and silences those two warnings around its own call
+  (:func:`triton_call`).
 
 Versions are checked against :data:`ratiokl._requirements.REQUIREMENTS`
 before the import, so a missing or too-old release fails with the installed
@@ -31,7 +32,8 @@ __all__ = ["OUT_TYPE_SINCE", "call_keywords", "import_jax_triton", "triton_call"
 #: The first jax-triton release whose ``triton_call`` takes ``out_type=``.
 OUT_TYPE_SINCE: Tuple[int, ...] = (0, 4)
 
-_ALIASES_DEPRECATED = "input_output_aliases is deprecated"
+#: jax-triton 0.4's deprecation messages for the keywords both releases take.
+_DEPRECATED_KEYWORDS = ("input_output_aliases is deprecated", "zeroed_outputs is deprecated")
 
 
 def import_jax_triton() -> ModuleType:
@@ -70,6 +72,6 @@ def triton_call(*args: Any, **keywords: Any) -> Any:
     module = import_jax_triton()
     keywords = call_keywords(installed_version("jax-triton") or "0", keywords)
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=_ALIASES_DEPRECATED,
-                                category=DeprecationWarning)
+        for message in _DEPRECATED_KEYWORDS:
+            warnings.filterwarnings("ignore", message=message, category=DeprecationWarning)
         return module.triton_call(*args, **keywords)
