@@ -99,3 +99,18 @@ def test_framework_too_old_names_the_versions(monkeypatch):
     with pytest.raises(MissingDependency, match=r"jax 0\.4\.30 is installed; ratiokl needs "
                                                 r"jax>=0\.8\.2"):
         _requirements.import_framework("jax", needed_by="ratiokl.jax")
+
+
+def test_triton_found_under_pytorch_triton(monkeypatch):
+    """PyTorch's nightly / container builds install the module as ``pytorch-triton``."""
+    versions = {"pytorch-triton": "3.7.0+git1234"}
+
+    def version(name):
+        if name not in versions:
+            raise _requirements.importlib.metadata.PackageNotFoundError(name)
+        return versions[name]
+
+    monkeypatch.setattr(_requirements.importlib.metadata, "version", version)
+    assert _requirements.installed_version("triton") == "3.7.0+git1234"
+    assert _requirements.unmet("triton") is None
+    assert _requirements.installed_version("jax-triton") is None

@@ -31,6 +31,9 @@ class Requirement:
     minimum: str
     extra: str
     why: str
+    #: Other distribution names that install the same module (PyTorch's nightly and
+    #: container builds ship Triton as ``pytorch-triton``).
+    aliases: Tuple[str, ...] = ()
 
     @property
     def specifier(self) -> str:
@@ -44,7 +47,8 @@ REQUIREMENTS: Dict[str, Requirement] = {
                     "the oldest PyTorch declared (tested: 2.11 on the GPU, 2.13 on the CPU)"),
         Requirement("jax", "0.8.2", "jax", "the oldest JAX the test suite has run on"),
         Requirement("triton", "3.6", "torch-triton",
-                    "the oldest Triton whose compiler and interpreter run every kernel"),
+                    "the oldest Triton whose compiler and interpreter run every kernel",
+                    aliases=("pytorch-triton",)),
         Requirement("jax-triton", "0.3.1", "jax-triton",
                     "the oldest jax-triton whose triton_call takes ratiokl's launches; "
                     "0.3.1 runs on Triton 3.6, 0.4.x needs Python >= 3.12, JAX >= 0.11 "
@@ -67,11 +71,15 @@ def parse_version(text: str) -> Tuple[int, ...]:
 
 
 def installed_version(distribution: str) -> Optional[str]:
-    """The installed version of ``distribution`` (pip name), or ``None`` if not installed."""
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    """The installed version of ``distribution`` (pip name, or one of its aliases in
+    :data:`REQUIREMENTS`), or ``None`` if not installed."""
+    req = REQUIREMENTS.get(distribution)
+    for name in (distribution, *(req.aliases if req else ())):
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 def version_problem(distribution: str, version: Optional[str], *,
