@@ -23,10 +23,6 @@ from ratiokl import spec  # noqa: E402
 from ratiokl._kernels.fused_loss import launch_plan  # noqa: E402
 from ratiokl._kernels.plans import plans, sweep_rows, sweep_vocabularies  # noqa: E402
 
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:Conversion of an array with ndim:DeprecationWarning"
-)
-
 DTYPE = {4: torch.float32, 2: torch.bfloat16}
 
 

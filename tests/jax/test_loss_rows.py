@@ -1,7 +1,7 @@
 """The fused policy loss's row-vector launches in JAX (``ratiokl.jax._launch``), interpreted.
 
 The JAX ``"triton"`` backend launches ``_kernels.loss_rows`` through
-``_launch.triton_call``, here the interpreter (``tests/jax_interpret.py``).
+``_launch.triton_call``, here the interpreter (``tests/helpers/jax_interpret.py``).
 Weights and metrics against the JAX ops of ``ratiokl.jax._objective`` they
 replace: every aggregation, with and without a normaliser (number or
 array), masks with no, some and all rows active, more rows than one block,

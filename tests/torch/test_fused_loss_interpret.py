@@ -24,10 +24,6 @@ from jax_interpret import interpreted_triton_call  # noqa: E402
 from ratiokl import spec  # noqa: E402
 from ratiokl.torch import _launch, _route, _triton, loss  # noqa: E402
 
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:Conversion of an array with ndim:DeprecationWarning"
-)
-
 B, T, V = 3, 4, 37
 #: Native and fused paths round the same float32 math in a different order.
 RTOL, ATOL = 2e-5, 2e-6

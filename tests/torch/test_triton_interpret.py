@@ -26,8 +26,6 @@ from ratiokl import spec  # noqa: E402
 from ratiokl._kernels import forward_config  # noqa: E402
 from ratiokl.torch import _triton  # noqa: E402
 
-# The interpreter turns 1-element arrays into loop bounds with int(); NumPy 2 warns.
-pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 KL_NAMES = {1: "k1", 2: "k2", 3: "k3"}

@@ -1,8 +1,9 @@
 """Vocabulary-parallel ``ratiokl.torch.loss`` over ``gloo``: 2 and 4 CPU processes.
 
-Each test forks WORLD ranks (fork, so no rank re-imports torch) that run
-``vocab_parallel_worker.run_rank`` on a fresh free port; every rank must
-report success. The worker holds the comparisons: sharded vs the float64
+Each test starts WORLD ranks, each a fresh Python process running
+``vocab_parallel_worker.py`` on a fresh free port (not forked: this process
+may hold JAX's threads, and a fork of a multithreaded process can deadlock);
+every rank must exit 0. The worker holds the comparisons: sharded vs the float64
 spec and vs the unsharded call, outputs and each rank's gradient slice, on
 uneven shards, inactive rows poisoned in one shard, vocabulary masking, an
 active NaN, out-of-range ids, empty input and sub-groups (TP inside DP).
@@ -12,10 +13,11 @@ The ``backend="interpret"`` checks (the Triton kernels on each shard) are in
 
 from __future__ import annotations
 
-import importlib.util
-import multiprocessing
-import queue
+import os
 import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -23,14 +25,11 @@ import pytest
 pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 
-
-def _load_worker(stem: str = "vocab_parallel_worker"):
-    """A worker script beside this file, loaded by path (tests are not a package)."""
-    path = Path(__file__).with_name(f"{stem}.py")
-    module_spec = importlib.util.spec_from_file_location(f"_ratiokl_{stem}", path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module
+HERE = Path(__file__).resolve().parent
+SRC = HERE.parents[1] / "src"
+WORKER = HERE / "vocab_parallel_worker.py"
+#: Seconds for all ranks together (each imports torch, then runs its checks).
+TIMEOUT = 300
 
 
 def _free_port() -> int:
@@ -39,32 +38,36 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _run_ranks(world: int, checks=None) -> None:
-    """Fork ``world`` ranks running ``checks(world)`` (default: the native suite); all must pass."""
-    worker = _load_worker()
-    ctx = multiprocessing.get_context("fork")
-    results = ctx.Queue()
+def _run_ranks(world: int, checks: str = "") -> None:
+    """Start ``world`` ranks running ``checks`` (``PATH:FUNCTION``; default the native
+    suite); all must exit 0. A rank that fails reports its traceback; the rest are
+    stopped rather than left waiting in a collective."""
     port = _free_port()
-    extra = () if checks is None else (checks,)
-    procs = [ctx.Process(target=worker.run_rank, args=(rank, world, port, results) + extra)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        filter(None, [str(SRC), os.environ.get("PYTHONPATH")])))
+    extra = [checks] if checks else []
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(rank), str(world), str(port),
+                               *extra], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              text=True, env=env)
              for rank in range(world)]
-    for proc in procs:
-        proc.start()
-    reports = {}
+    deadline = time.monotonic() + TIMEOUT
+    failures = []
     try:
-        for _ in range(world):
-            rank, report = results.get(timeout=120)
-            reports[rank] = report
-    except queue.Empty:
-        reports["timeout"] = f"only ranks {sorted(reports)} reported within 120 s"
+        for rank, proc in enumerate(procs):
+            try:
+                _, err = proc.communicate(timeout=max(deadline - time.monotonic(), 1))
+            except subprocess.TimeoutExpired:
+                failures.append(f"rank {rank} did not finish within {TIMEOUT} s")
+                break
+            if proc.returncode != 0:
+                failures.append(err[-6000:] or f"rank {rank} exited {proc.returncode}")
+                break
     finally:
         for proc in procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
+            if proc.poll() is None:
                 proc.kill()
-    failures = [f"rank {rank}:\n{report}" for rank, report in reports.items() if report]
+                proc.communicate()
     assert not failures, "\n".join(failures)
-    assert sorted(reports) == list(range(world))
 
 
 @pytest.mark.skipif(not dist.is_gloo_available(), reason="torch built without gloo")
@@ -77,4 +80,4 @@ def test_sharded_matches_unsharded(world: int) -> None:
 def test_interpret_backend_sharded_matches_unsharded() -> None:
     """The Triton kernels (interpreted) on 2 gloo ranks' shards."""
     pytest.importorskip("triton")
-    _run_ranks(2, _load_worker("vocab_parallel_interpret_worker").run_interpret)
+    _run_ranks(2, f"{HERE / 'vocab_parallel_interpret_worker.py'}:run_interpret")

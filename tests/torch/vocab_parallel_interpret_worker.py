@@ -1,4 +1,4 @@
-"""The ``backend="interpret"`` checks of one rank, forked by ``test_vocab_parallel.py``.
+"""The ``backend="interpret"`` checks of one rank, run by ``vocab_parallel_worker.py`` on each rank.
 
 The Triton kernels (``shard_stats_kernel``, ``logp_backward_kernel``) through
 Triton's CPU interpreter on each rank's shard, over ``gloo``: sharded vs the

@@ -1,16 +1,24 @@
-"""One rank of the vocabulary-parallel check, forked by ``test_vocab_parallel.py``.
+"""One rank of the vocabulary-parallel check, started by ``test_vocab_parallel.py``.
 
 Every rank builds the same global inputs, keeps its contiguous vocabulary
 shard (uneven when V is not divisible by WORLD), runs the sharded
 ``ratiokl.torch.loss`` calls over a ``gloo`` group and compares outputs and
 its gradient slice with the float64 spec and with the unsharded native call.
-A failed comparison is sent back to the parent as a traceback.
+A failed comparison exits 1 with its traceback on stderr.
+
+    python vocab_parallel_worker.py RANK WORLD PORT [PATH:FUNCTION]
+
+``PATH:FUNCTION`` names other checks to run instead of :func:`run_all`
+(``vocab_parallel_interpret_worker.py:run_interpret``).
 """
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 import traceback
-from typing import Dict, List, Tuple
+from pathlib import Path
+from typing import Callable, Dict, List, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -348,14 +356,30 @@ def run_all(world: int) -> None:
         check_bad_ids(2, pair)
 
 
-def run_rank(rank: int, world: int, port: int, results, checks=run_all) -> None:
-    """Entry point of one forked rank: runs ``checks(world)``, sends ``None`` or the traceback."""
+def _checks(spec_text: str) -> Callable[[int], None]:
+    """``PATH:FUNCTION`` -> that function of the script at PATH (loaded by path)."""
+    path, name = spec_text.rsplit(":", 1)
+    module_spec = importlib.util.spec_from_file_location(f"_ratiokl_{Path(path).stem}", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return getattr(module, name)
+
+
+def main(argv: Sequence[str]) -> int:
+    """One rank: runs the checks on a gloo group of WORLD; 0, or 1 with the traceback."""
+    rank, world, port = (int(a) for a in argv[:3])
+    checks = _checks(argv[3]) if len(argv) > 3 else run_all
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world)
         checks(world)
         dist.destroy_process_group()
-        results.put((rank, None))
     except BaseException:  # report any failure, including assertion errors, to the parent
-        results.put((rank, traceback.format_exc()))
+        print(f"rank {rank}:\n{traceback.format_exc()}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -8,12 +8,12 @@ Each adapter imports its framework lazily, so importing
 from __future__ import annotations
 
 import functools
-import importlib
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import numpy as np
 
+from ratiokl._requirements import MissingDependency, import_framework, unmet
 from ratiokl.conformance._cases import Case
 from ratiokl.conformance._ops import OPS
 
@@ -57,13 +57,17 @@ class Outcome:
     stride_gap_grad: Optional[np.ndarray] = None
 
 
-def _missing(module: str) -> Optional[str]:
+def _framework(name: str) -> Optional[str]:
+    """Why ``ratiokl.<name>`` cannot be used here (framework absent or too old), in full."""
     try:
-        importlib.import_module(module)
-    except ImportError as exc:
-        first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        return f"`{module}` is not importable ({first_line})"
+        import_framework(name, needed_by=f"ratiokl.{name}")
+    except MissingDependency as exc:
+        return str(exc)
     return None
+
+
+def _triton() -> Optional[str]:
+    return unmet("triton")
 
 
 def _torch_cuda() -> Optional[str]:
@@ -73,34 +77,18 @@ def _torch_cuda() -> Optional[str]:
 
 
 def _jax_triton() -> Optional[str]:
-    """Through ratiokl's helper: a bare ``import jax_triton`` empties ``TRITON_CACHE_DIR``
-    for the whole process, and every later Triton compile (torch's too) then fails."""
-    try:
-        from ratiokl.jax._launch import import_jax_triton
+    """The JAX route's own reason (versions, GPU, jax-triton's import), in full."""
+    from ratiokl.jax._route import _jax_triton_error
 
-        import_jax_triton()
-    except ImportError as exc:
-        first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        return f"`jax_triton` is not importable ({first_line})"
-    return None
-
-
-def _jax_gpu() -> Optional[str]:
-    import jax
-
-    try:
-        jax.devices("gpu")
-    except RuntimeError:
-        return "no JAX GPU device"
-    return None
+    return _jax_triton_error() or None
 
 
 _REQUIREMENTS: Dict[str, Tuple[Callable[[], Optional[str]], ...]] = {
-    "torch-native": (lambda: _missing("torch"),),
-    "torch-interpret": (lambda: _missing("torch"), lambda: _missing("triton")),
-    "torch-triton": (lambda: _missing("torch"), lambda: _missing("triton"), _torch_cuda),
-    "jax-native": (lambda: _missing("jax"),),
-    "jax-triton": (lambda: _missing("jax"), _jax_triton, _jax_gpu),
+    "torch-native": (lambda: _framework("torch"),),
+    "torch-interpret": (lambda: _framework("torch"), _triton),
+    "torch-triton": (lambda: _framework("torch"), _triton, _torch_cuda),
+    "jax-native": (lambda: _framework("jax"),),
+    "jax-triton": (lambda: _framework("jax"), _jax_triton),
 }
 
 

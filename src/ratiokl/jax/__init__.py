@@ -3,6 +3,10 @@
 ``loss`` holds the public functions; every other module here is private.
 """
 
-from ratiokl.jax import loss
+from ratiokl._requirements import import_framework
+
+import_framework("jax", needed_by="ratiokl.jax")  # says which extra to install
+
+from ratiokl.jax import loss  # noqa: E402
 
 __all__ = ["loss"]

@@ -12,17 +12,14 @@ autotuning, so CUDA-graph capture works); ``V`` and the strides are passed
 as compile-time constants, which keeps the loads vectorised (jax-triton
 gives runtime integers no alignment facts); the mask travels as bool; a
 scalar temperature is a ``[1]`` array read with stride 0. ``jax_triton`` is
-imported on first launch, restoring ``TRITON_CACHE_DIR`` (jax-triton 0.3.1
-empties it on import, which breaks every later Triton compile in the
-process, PyTorch's included). The kernels clamp ids and poison bad active
+imported on first launch through ``_jax_triton`` (versions checked, the
+differences between 0.3.1 and 0.4 handled there). The kernels clamp ids and poison bad active
 rows with NaN; nothing synchronises with the host.
 """
 
 from __future__ import annotations
 
 import functools
-import os
-from types import ModuleType
 from typing import Callable, Sequence, Tuple
 
 import jax
@@ -49,7 +46,8 @@ from ratiokl._kernels.fused_loss import (
     scale_rows_kernel,
 )
 from ratiokl._kernels.objective import CLIP_CAPPED, CLIP_HIGH, CLIP_LOW
-from ratiokl.jax import _objective
+from ratiokl.jax import _jax_triton, _objective
+from ratiokl.jax._jax_triton import import_jax_triton
 
 __all__ = [
     "Static", "backward_op", "forward_op", "fused_op", "import_jax_triton", "metrics_op",
@@ -57,26 +55,9 @@ __all__ = [
 ]
 
 
-def import_jax_triton() -> ModuleType:
-    """``import jax_triton`` without letting it clear ``TRITON_CACHE_DIR`` for the process.
-
-    An empty value (what jax-triton sets, also when something imported it
-    earlier) is never usable, so it is removed rather than kept.
-    """
-    saved = os.environ.get("TRITON_CACHE_DIR")
-    try:
-        import jax_triton
-    finally:
-        if saved:
-            os.environ["TRITON_CACHE_DIR"] = saved
-        else:
-            os.environ.pop("TRITON_CACHE_DIR", None)
-    return jax_triton
-
-
 def triton_call(*args, **kwargs):
     """``jax_triton.triton_call`` (the one launch point; tests may substitute it)."""
-    return import_jax_triton().triton_call(*args, **kwargs)
+    return _jax_triton.triton_call(*args, **kwargs)
 
 
 # --- log-probs, ratio and KL -------------------------------------------------------------

@@ -32,9 +32,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ratiokl.jax import _checks
-from ratiokl.jax._checks import Temperature
 from ratiokl._backend import Backend
+from ratiokl._requirements import unmet
+from ratiokl.jax import _checks, _jax_triton
+from ratiokl.jax._checks import Temperature
 from ratiokl.spec import BACKENDS, kl_estimator_code, policy_loss_options
 
 __all__ = ["backend_name", "policy_loss", "ratio_kl", "resolve",
@@ -61,17 +62,18 @@ _LOADERS: Dict[str, Callable[[], Backend]] = {"native": _native, "triton": _trit
 
 @functools.lru_cache(maxsize=None)
 def _jax_triton_error() -> str:
-    """Why ``jax_triton`` cannot run here, or ``""`` when it can."""
+    """Why ``jax_triton`` cannot run here, or ``""`` when it can (the full reason: versions
+    first, then the device, then jax-triton's own import)."""
+    for distribution in ("triton", "jax-triton"):
+        reason = unmet(distribution, extra="jax-triton")
+        if reason:
+            return reason
     if jax.default_backend() != "gpu":
         return f"JAX's default backend is {jax.default_backend()!r}, not a GPU"
     try:
-        # Through the launch module's helper: a bare `import jax_triton` empties
-        # TRITON_CACHE_DIR, after which every new Triton compile fails.
-        from ratiokl.jax import _launch
-
-        _launch.import_jax_triton()
+        _jax_triton.import_jax_triton()
     except ImportError as err:
-        return f"`import jax_triton` failed ({err})"
+        return f"`import jax_triton` failed: {err}"
     return ""
 
 
@@ -96,7 +98,7 @@ def backend_name(backend: str) -> str:
         if reason:
             raise RuntimeError(
                 f"backend='triton' cannot run here: {reason}. It needs a CUDA build of "
-                "jaxlib and `pip install ratiokl[jax-triton]`; use backend='native' or 'auto'"
+                "jaxlib and `pip install 'ratiokl[jax-triton]'`; use backend='native' or 'auto'"
             )
     return backend
 

@@ -3,6 +3,10 @@
 ``loss`` holds the public functions; every other module here is private.
 """
 
-from ratiokl.torch import loss
+from ratiokl._requirements import import_framework
+
+import_framework("torch", needed_by="ratiokl.torch")  # says which extra to install
+
+from ratiokl.torch import loss  # noqa: E402
 
 __all__ = ["loss"]

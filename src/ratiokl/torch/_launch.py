@@ -29,6 +29,7 @@ kernels clamp every id and poison (NaN) an active row with an id outside
 from __future__ import annotations
 
 import inspect
+import warnings
 from typing import Callable, Optional, Sequence, Tuple
 
 import numpy as np
@@ -71,6 +72,10 @@ __all__ = [
 ]
 
 Tensor = torch.Tensor
+
+
+#: NumPy's warning when the interpreter converts a one-element array to a scalar.
+_NDIM_CONVERSION = "Conversion of an array with ndim"
 
 
 def _raw(kernel):
@@ -120,8 +125,12 @@ class KernelOp:
     def _bound(launch: Callable, kernels: Callable, schema: inspect.Signature,
                quiet: bool = False) -> Callable:
         def op(*args):
-            if quiet:  # the interpreter: NaN/inf rows are data, not accidents
-                with np.errstate(all="ignore"):
+            if quiet:  # the interpreter: its NumPy noise stays out of the caller's output
+                with np.errstate(all="ignore"), warnings.catch_warnings():
+                    # NaN/inf rows are data, not accidents; and Triton 3.6's interpreter
+                    # turns [1]-arrays into scalars, which NumPy >= 2.x deprecates.
+                    warnings.filterwarnings("ignore", message=_NDIM_CONVERSION,
+                                            category=DeprecationWarning)
                     return launch(kernels, *args)
             return launch(kernels, *args)
 

@@ -25,12 +25,12 @@ per-shard math of either in ``_vocab_parallel``.
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
 import torch
 
 from ratiokl._backend import Backend
+from ratiokl._requirements import unmet
 from ratiokl.spec import BACKENDS, kl_estimator_code, policy_loss_options
 from ratiokl.torch import _checks
 from ratiokl.torch._checks import Temperature
@@ -59,15 +59,17 @@ _LOADERS: Dict[str, Callable[[], Backend]] = {
 }
 _LOADED: Dict[str, Backend] = {}
 
-#: Whether the ``triton`` package is installed (found, not imported: importing it
-#: is left to the backend module, so ``import ratiokl.torch`` stays light).
-_HAS_TRITON = importlib.util.find_spec("triton") is not None
+#: Why the installed ``triton`` cannot serve the Triton backends (not installed, or
+#: older than ``ratiokl._requirements`` allows), or ``None``. Read from package
+#: metadata once, not imported, so ``import ratiokl.torch`` stays light and
+#: ``torch.compile`` never traces the lookup.
+_TRITON_PROBLEM: Optional[str] = unmet("triton")
 
 
 def backend_name(backend: str, device: torch.device) -> str:
     """The concrete backend for ``backend`` on ``device``; raises if it cannot run there."""
     if backend == "auto":
-        return "triton" if device.type == "cuda" and _HAS_TRITON else "native"
+        return "triton" if device.type == "cuda" and _TRITON_PROBLEM is None else "native"
     if backend not in BACKENDS:
         choices = ", ".join(repr(b) for b in BACKENDS)
         raise ValueError(f"`backend` must be one of {choices}; got {backend!r}")
@@ -81,10 +83,9 @@ def backend_name(backend: str, device: torch.device) -> str:
             f"backend='interpret' runs Triton's CPU interpreter and needs CPU tensors; "
             f"the inputs are on {device}. Use backend='triton' or 'native'"
         )
-    if backend in ("triton", "interpret") and not _HAS_TRITON:
+    if backend in ("triton", "interpret") and _TRITON_PROBLEM is not None:
         raise RuntimeError(
-            f"backend={backend!r} needs the `triton` package, which is not installed. "
-            "Install `ratiokl[triton]` or use backend='native'"
+            f"backend={backend!r} cannot run here: {_TRITON_PROBLEM}; or use backend='native'"
         )
     return backend
 

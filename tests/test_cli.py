@@ -1,0 +1,153 @@
+"""The ``ratiokl`` command line: help, version, ``check``'s selection errors, progress and
+summary, and ``bench``'s suite lookup and preset names."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import ratiokl
+from ratiokl import conformance
+from ratiokl._cli import _bench, main
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src"
+
+
+def _python_m(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(SRC),
+                                                                    os.environ.get("PYTHONPATH")])))
+    return subprocess.run([sys.executable, "-m", "ratiokl", *args], capture_output=True,
+                          text=True, env=env, cwd=cwd, timeout=300)
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help_lists_every_command(flag, capsys):
+    assert main([flag]) == 0
+    out = capsys.readouterr().out
+    assert "usage: ratiokl" in out
+    for command, summary in (("check", "conformance fixtures"), ("bench", "benchmark suite")):
+        assert command in out and summary in out
+
+
+@pytest.mark.parametrize("command, words", [
+    ("check", ["--backend", "--case", "--contiguous-only", "strided", "twice", "torch-interpret"]),
+    ("bench", ["--preset", "--out", "--plot", "cpu-smoke", "not in the wheel"]),
+])
+def test_each_command_has_its_help(command, words, capsys):
+    assert main([command, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: ratiokl {command}")
+    for word in words:
+        assert word in out, word
+
+
+def test_version_names_ratiokl_and_dependencies(capsys):
+    assert main(["--version"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"ratiokl {ratiokl.__version__}"
+    names = {line.split()[0] for line in lines[1:]}
+    assert {"Python", "numpy", "torch", "jax", "triton", "jax-triton"} <= names
+
+
+def test_python_m_version():
+    proc = _python_m("--version")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[0] == f"ratiokl {ratiokl.__version__}"
+
+
+def test_bare_command_prints_help_and_fails(capsys):
+    assert main([]) == 2
+    assert "check" in capsys.readouterr().err
+
+
+def test_unknown_command_lists_the_commands(capsys):
+    assert main(["version"]) == 2
+    err = capsys.readouterr().err
+    assert "invalid choice: 'version'" in err and "'check'" in err and "'bench'" in err
+
+
+def test_unknown_backend_lists_the_targets(capsys):
+    assert main(["check", "--backend", "torch-native", "--backend", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert "'nope' matches no target" in err
+    for target in conformance.TARGETS:
+        assert target in err
+
+
+def test_check_empty_case_selection(capsys):
+    assert main(["check", "--case", "no_such_case_*"]) == 2
+    assert "no case matches" in capsys.readouterr().err
+
+
+def test_check_progress_and_strided_summary(tmp_path, capsys):
+    if conformance.target_status("torch-native") is not None:
+        pytest.skip(conformance.target_status("torch-native"))
+    report = tmp_path / "report.json"
+    assert main(["check", "--backend", "torch-native", "--case", "vocab_2_*",
+                 "--json", str(report)]) == 0
+    captured = capsys.readouterr()
+    assert "PyTorch targets run each case twice" in captured.out
+    assert "(3 cases x 2: contiguous + strided)" in captured.out
+    assert "0/6 cases" in captured.err  # the progress bar (stderr)
+    variants = [r["variant"] for r in json.loads(report.read_text())["results"]]
+    assert variants == ["contiguous"] * 3 + ["strided"] * 3
+
+
+def test_check_contiguous_only_runs_one_pass(capsys):
+    if conformance.target_status("torch-native") is not None:
+        pytest.skip(conformance.target_status("torch-native"))
+    assert main(["check", "--backend", "torch-native", "--case", "vocab_2_*",
+                 "--contiguous-only", "--no-progress"]) == 0
+    captured = capsys.readouterr()
+    assert "(3 cases x 1)" in captured.out and "twice" not in captured.out
+    assert captured.err == ""
+
+
+def test_check_prints_unavailable_reasons_in_full(monkeypatch, capsys):
+    reason = "line one of a long reason.\nline two: https://example.invalid/install"
+    real = conformance.target_status
+    monkeypatch.setattr(conformance, "target_status",
+                        lambda t: reason if t == "jax-triton" else real(t))
+    main(["check", "--backend", "jax-triton", "--backend", "torch-native", "--case",
+          "vocab_2_fp32", "--no-progress"])
+    assert f"jax-triton        unavailable: {reason}" in capsys.readouterr().out
+
+
+def test_check_with_nothing_runnable_exits_2(monkeypatch, capsys):
+    monkeypatch.setattr(conformance, "target_status", lambda t: "not here")
+    assert main(["check", "--case", "vocab_2_fp32", "--no-progress"]) == 2
+    assert "none of the selected targets can run here" in capsys.readouterr().err
+
+
+def test_bench_finds_the_checkouts_suite():
+    assert _bench.find_suite() == ROOT / "benchmarks"
+    assert {"cpu-smoke", "headline"} <= set(_bench.presets(ROOT / "benchmarks"))
+    assert _bench.DEFAULT_PRESET in _bench.presets(ROOT / "benchmarks")
+
+
+def test_bench_unknown_preset_lists_the_presets(capsys):
+    assert main(["bench", "--preset", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown --preset 'nope'" in err and "cpu-smoke" in err and "headline" in err
+
+
+def test_bench_without_a_suite_says_it_needs_a_checkout(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("RATIOKL_BENCHMARKS", raising=False)
+    assert main(["bench", "--suite", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "not in the wheel" in err and "--suite" in err
+
+
+def test_bench_plot_only_draws_or_explains(tmp_path):
+    """``--plot-only`` hands an existing results file to benchmarks/plot.py."""
+    results = tmp_path / "r.json"
+    results.write_text(json.dumps({"records": []}))
+    proc = _python_m("bench", "--plot-only", str(results))
+    assert proc.returncode == 0, proc.stderr
+    assert "plot.py" in proc.stdout
