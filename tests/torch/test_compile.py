@@ -104,3 +104,32 @@ def test_new_sequence_lengths_compile_at_most_once_more(dynamic) -> None:
         want = _policy_step(x[0].detach().requires_grad_(), *x[1:])
         torch.testing.assert_close(value, want, rtol=1e-5, atol=1e-6)
     assert len(frames) <= 2, f"{len(frames)} compiles for 10 sequence lengths"
+
+
+@pytest.mark.parametrize("wants_grad", [True, False])
+def test_a_compiled_gradient_takes_the_two_pass_kernels(wants_grad) -> None:
+    """Traced with a gradient, ``policy_loss`` runs the forward and backward kernels (the
+    fused op's in-place backward scale would be a copy of the ``[N, V]`` gradient after
+    functionalization); without one, the fused kernel (one read). Same values as eager."""
+    pytest.importorskip("triton")
+    torch._dynamo.reset()
+    ops = []
+
+    def backend(gm, example_inputs):  # the library ops in the traced graph
+        ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    def step(logits, ids, mask, old, adv):
+        value, _ = loss.policy_loss(logits, None, ids, mask, old, adv, backend="interpret",
+                                    check_ids=False)
+        return value
+
+    logits, ids, mask, old, adv = _step_inputs(6, seed=1)
+    logits.requires_grad_(wants_grad)
+    with torch.set_grad_enabled(wants_grad):
+        value = torch.compile(step, fullgraph=True, backend=backend)(logits, ids, mask, old, adv)
+        eager = step(logits, ids, mask, old, adv)
+    torch.testing.assert_close(value, eager, rtol=1e-5, atol=1e-6)
+    fused = [op for op in ops if "interpret_fused_policy_loss" in op]
+    two_pass = [op for op in ops if "interpret_row_forward" in op]
+    assert (bool(fused), bool(two_pass)) == (not wants_grad, wants_grad), ops

@@ -243,6 +243,19 @@ def ratio_kl(policy_logits, ref_logits, action_ids, mask, old_logps, *, ref_logp
     return rows.checked((ratio.reshape(lead), kl.reshape(lead)))
 
 
+def _compiled_backward(logits: torch.Tensor) -> bool:
+    """Whether ``torch.compile`` traces a gradient of ``logits``: then the two-pass path.
+
+    The fused kernel stores the gradient in the forward and the backward scales it in
+    place; AOTAutograd's backward graph gets the stored gradient as an input, which
+    functionalization copies before the in-place scale (on the H200 the compiled
+    fused step took 1.72x the eager one: an extra read and write of the ``[N, V]``
+    gradient). The two-pass backward writes a new gradient, nothing to copy.
+    """
+    return (torch.compiler.is_compiling() and torch.is_grad_enabled()
+            and logits.requires_grad)
+
+
 def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantages, *,
                 ref_logps, clip_eps, clip_eps_high, dual_clip, ratio_cap, kl_coef,
                 kl_estimator, loss_agg, loss_normalizer, ratio_level, objective, segment_ids,
@@ -272,8 +285,8 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
     )
     ref = None if ref_logits is None else ref_logits.detach().reshape(rows.logits.shape)
     run = rows.run
-    if run.policy_loss is not None and not opts.sequence_ratio:  # one kernel: the loss,
-        # the metrics' row values and the gradient together
+    if run.policy_loss is not None and not opts.sequence_ratio and not _compiled_backward(
+            rows.logits):  # one kernel: the loss, the metrics' row values and the gradient
         mask_rows = _checks.as_rows(rows.mask, lead)
         weights = run.token_weights(rows.mask, opts, inputs.loss_normalizer, mask_rows.shape[-1])
         if weights is None:
