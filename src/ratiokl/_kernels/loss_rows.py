@@ -52,15 +52,15 @@ def token_weights_args(opts: PolicyLossOptions, normalizer: object,
     take the framework's ops. ``normalizer``: ``loss_normalizer`` (None, a Python
     number or an array); ``width``: tokens per sequence ``T``.
     """
-    if opts.agg_code == 2:
+    if opts.loss_agg == "seq-mean-token-mean":
         return None
     if isinstance(normalizer, (int, float)) and not isinstance(normalizer, bool):
         return float(normalizer), False
-    if normalizer is not None or opts.agg_code == 3:
+    if normalizer is not None or opts.loss_agg == "seq-mean-token-sum":
         return None
-    if opts.agg_code == 0:
+    if opts.loss_agg == "token-mean":
         return 1.0, True
-    return (1.0 if opts.agg_code == 1 else float(width)), False
+    return (1.0 if opts.loss_agg == "token-sum" else float(width)), False
 
 
 @triton.jit

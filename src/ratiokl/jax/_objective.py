@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ratiokl.jax._checks import Normalizer, TokenInputs
-from ratiokl.spec import PolicyLossOptions
+from ratiokl.spec import LossAgg, PolicyLossOptions
 
 __all__ = ["aggregation_weights", "policy_objective", "token_metrics", "token_ratio_kl"]
 
@@ -134,15 +134,15 @@ def _cispo_weight(ratio, opts: PolicyLossOptions):
     return lax.stop_gradient(weight), low, high, jnp.zeros_like(high)
 
 
-def _denominator(agg_code: int, n_tok, n_seq, width: int, loss_normalizer: Normalizer):
+def _denominator(loss_agg: LossAgg, n_tok, n_seq, width: int, loss_normalizer: Normalizer):
     """``D`` of ``sum(a * loss) / D``; a count of 0 becomes 1 (its numerator is 0)."""
     if loss_normalizer is not None:
         return loss_normalizer
-    if agg_code == 0:
+    if loss_agg == "token-mean":
         return jnp.maximum(n_tok, 1)
-    if agg_code in (2, 3):
+    if loss_agg in ("seq-mean-token-mean", "seq-mean-token-sum"):
         return jnp.maximum(n_seq, 1)
-    return 1.0 if agg_code == 1 else float(width)
+    return 1.0 if loss_agg == "token-sum" else float(width)
 
 
 def aggregation_weights(mask: jax.Array, inputs: TokenInputs, opts: PolicyLossOptions) -> jax.Array:
@@ -156,12 +156,12 @@ def aggregation_weights(mask: jax.Array, inputs: TokenInputs, opts: PolicyLossOp
     if opts.seq_aggregation:
         first, last, starts = _segments(mask, inputs.segment_ids)
         n_seq = jnp.sum(starts, dtype=jnp.int32)
-        if opts.agg_code == 2:
+        if opts.loss_agg == "seq-mean-token-mean":
             weights = 1.0 / jnp.maximum(
                 _segment_totals(mask.astype(jnp.float32), first, last), 1.0
             )
     n_tok = jnp.sum(mask, dtype=jnp.int32)
-    denom = _denominator(opts.agg_code, n_tok, n_seq, mask.shape[-1], inputs.loss_normalizer)
+    denom = _denominator(opts.loss_agg, n_tok, n_seq, mask.shape[-1], inputs.loss_normalizer)
     return jnp.where(mask, weights / denom, 0.0).astype(jnp.float32)
 
 
@@ -213,11 +213,11 @@ def policy_objective(
             weighted = per_token + opts.kl_coef * kl
             per_token = weighted if isinstance(opts.kl_coef, float) else jnp.where(
                 opts.kl_coef != 0.0, weighted, per_token)
-    if opts.agg_code == 2:
+    if opts.loss_agg == "seq-mean-token-mean":
         per_token = per_token / counts
     n_tok = jnp.sum(mask, dtype=jnp.int32)
     n_seq = jnp.sum(starts, dtype=jnp.int32) if need_segments else None
-    denom = _denominator(opts.agg_code, n_tok, n_seq, mask.shape[-1], inputs.loss_normalizer)
+    denom = _denominator(opts.loss_agg, n_tok, n_seq, mask.shape[-1], inputs.loss_normalizer)
     loss = jnp.sum(jnp.where(mask, per_token, 0.0)) / denom
     metrics = token_metrics(mask, n_tok, low, high, capped, ratio, kl, old - logp)
     return loss.astype(jnp.float32), metrics

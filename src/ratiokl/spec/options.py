@@ -127,10 +127,14 @@ class PolicyLossOptions:
         return not (isinstance(self.kl_coef, float) and self.kl_coef == 0.0)
 
     @property
+    def loss_agg(self) -> LossAgg:
+        """The ``loss_agg`` name of ``agg_code`` (host code compares names; kernels, codes)."""
+        return get_args(LossAgg)[self.agg_code]
+
+    @property
     def seq_aggregation(self) -> bool:
         """Whether ``loss_agg`` averages over sequences (``seq-mean-token-{mean,sum}``)."""
-        return self.agg_code in (LOSS_AGGS["seq-mean-token-mean"],
-                                 LOSS_AGGS["seq-mean-token-sum"])
+        return self.loss_agg in ("seq-mean-token-mean", "seq-mean-token-sum")
 
 
 def _number(name: str, value: object, *, allow_none: bool = False) -> Optional[float]:

@@ -153,11 +153,12 @@ def _aggregation(mask, seq, n_seq, opts: PolicyLossOptions, loss_normalizer):
     """Per-token weights ``a`` and the denominator ``D`` of ``sum(a * loss) / D``."""
     n_tok = int(mask.sum())
     weights = np.where(mask, 1.0, 0.0)
-    if opts.agg_code == 2:
+    if opts.loss_agg == "seq-mean-token-mean":
         counts = np.bincount(seq[mask], minlength=n_seq).astype(np.float64)
         weights[mask] = 1.0 / counts[seq[mask]]
     width = mask.shape[-1] if mask.shape else 1
-    denom = {0: max(n_tok, 1), 1: 1, 2: max(n_seq, 1), 3: max(n_seq, 1), 4: width}[opts.agg_code]
+    denom = {"token-mean": max(n_tok, 1), "token-sum": 1, "seq-mean-token-mean": max(n_seq, 1),
+             "seq-mean-token-sum": max(n_seq, 1), "seq-mean-token-sum-norm": width}[opts.loss_agg]
     return weights, float(denom if loss_normalizer is None else loss_normalizer)
 
 

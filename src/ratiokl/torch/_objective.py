@@ -18,7 +18,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from ratiokl.spec import PolicyLossOptions
+from ratiokl.spec import LossAgg, PolicyLossOptions
 from ratiokl.torch._checks import Normalizer, TokenInputs
 
 __all__ = ["aggregation_weights", "policy_objective", "token_metrics", "token_ratio_kl"]
@@ -126,15 +126,15 @@ def _cispo_weight(ratio, opts: PolicyLossOptions):
     return weight.detach(), low, high, torch.zeros_like(high)
 
 
-def _denominator(agg_code: int, n_tok, n_seq, width: int, loss_normalizer: Normalizer):
+def _denominator(loss_agg: LossAgg, n_tok, n_seq, width: int, loss_normalizer: Normalizer):
     """``D`` of ``sum(a * loss) / D``; a count of 0 becomes 1 (its numerator is 0)."""
     if loss_normalizer is not None:
         return loss_normalizer
-    if agg_code == 0:
+    if loss_agg == "token-mean":
         return n_tok.clamp(min=1)
-    if agg_code in (2, 3):
+    if loss_agg in ("seq-mean-token-mean", "seq-mean-token-sum"):
         return n_seq.clamp(min=1)
-    return 1.0 if agg_code == 1 else float(width)
+    return 1.0 if loss_agg == "token-sum" else float(width)
 
 
 def aggregation_weights(
@@ -151,9 +151,9 @@ def aggregation_weights(
     if opts.seq_aggregation:
         first, last, starts = _segments(mask, inputs.segment_ids)
         n_seq = starts.sum()
-        if opts.agg_code == 2:
+        if opts.loss_agg == "seq-mean-token-mean":
             weights = 1.0 / _segment_totals(mask.float(), first, last).clamp(min=1)
-    denom = _denominator(opts.agg_code, mask.sum(), n_seq, mask.shape[-1], inputs.loss_normalizer)
+    denom = _denominator(opts.loss_agg, mask.sum(), n_seq, mask.shape[-1], inputs.loss_normalizer)
     return torch.where(mask, weights / denom, zero)
 
 
@@ -207,11 +207,11 @@ def policy_objective(
                                     per_token)
         elif opts.uses_kl:
             per_token = per_token + opts.kl_coef * kl
-    if opts.agg_code == 2:
+    if opts.loss_agg == "seq-mean-token-mean":
         per_token = per_token / counts
     n_tok = mask.sum()
     n_seq = starts.sum() if need_segments else None
-    denom = _denominator(opts.agg_code, n_tok, n_seq, mask.shape[-1], inputs.loss_normalizer)
+    denom = _denominator(opts.loss_agg, n_tok, n_seq, mask.shape[-1], inputs.loss_normalizer)
     loss = torch.where(mask, per_token, zero).sum() / denom
     return loss, token_metrics(mask, n_tok, low, high, capped, ratio, kl, old - logp)
 
