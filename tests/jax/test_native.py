@@ -11,6 +11,7 @@ import pytest
 
 from ratiokl import spec
 from ratiokl.jax import loss
+from assertions import assert_close  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
 
@@ -42,10 +43,6 @@ def _scale(logits, temperature=1.0):
     return float(np.max(z[np.isfinite(z)], initial=1.0))
 
 
-def _assert_close(actual, expected, tol):
-    np.testing.assert_allclose(_f64(actual), expected, rtol=tol.rtol, atol=tol.atol)
-
-
 def _ratio_kl_grad(c, temperature=1.0, kl="k3", use_ref_logps=False):
     """``(ratio, kl, d(sum g1*ratio + g2*kl)/dpolicy)`` from the JAX loss."""
     ref_logits = None if use_ref_logps else c["ref"]
@@ -71,10 +68,10 @@ def _check_ratio_kl(c, dtype, temperature=1.0, kl="k3", use_ref_logps=False):
     scale = _scale(c["policy"], temperature)
     assert ratio.dtype == kl_val.dtype == jnp.float32
     assert grad.dtype == jnp.dtype(DTYPES[dtype])
-    _assert_close(ratio, want_ratio, spec.forward_tolerance(scale))
-    _assert_close(kl_val, want_kl, spec.forward_tolerance(scale))
+    assert_close(ratio, want_ratio, spec.forward_tolerance(scale))
+    assert_close(kl_val, want_kl, spec.forward_tolerance(scale))
     gscale = float(np.max(np.abs(want_grad), initial=0.0))
-    _assert_close(grad, want_grad, spec.grad_tolerance(dtype, scale, gscale))
+    assert_close(grad, want_grad, spec.grad_tolerance(dtype, scale, gscale))
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
@@ -91,9 +88,9 @@ def test_selected_logprobs_matches_spec(dtype, lead):
     scale = _scale(c["policy"])
     assert logp.dtype == jnp.float32 and logp.shape == lead
     assert grad.dtype == jnp.dtype(DTYPES[dtype])
-    _assert_close(logp, want, spec.forward_tolerance(scale))
+    assert_close(logp, want, spec.forward_tolerance(scale))
     gscale = float(np.max(np.abs(want_grad)))
-    _assert_close(grad, want_grad, spec.grad_tolerance(dtype, scale, gscale))
+    assert_close(grad, want_grad, spec.grad_tolerance(dtype, scale, gscale))
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
@@ -270,4 +267,4 @@ def test_auto_backend_never_fails_for_want_of_a_gpu():
     c = _case((4, 6), seed=14)
     got = loss.selected_logprobs(c["policy"], c["ids"], c["mask"], backend="auto")
     want = spec.selected_logprobs(c["policy"], c["ids"], c["mask"])
-    _assert_close(got, want, spec.forward_tolerance(_scale(c["policy"])))
+    assert_close(got, want, spec.forward_tolerance(_scale(c["policy"])))

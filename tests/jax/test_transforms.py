@@ -12,6 +12,7 @@ from jax.experimental import checkify
 
 from ratiokl import spec
 from ratiokl.jax import loss
+from assertions import assert_close  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
 
@@ -43,11 +44,6 @@ def _grad_tol(c, want):
     return spec.grad_tolerance("float32", _scale(c), float(np.max(np.abs(want))))
 
 
-def _assert_close(actual, expected, tol):
-    actual = np.asarray(actual, np.float64)
-    np.testing.assert_allclose(actual, expected, rtol=tol.rtol, atol=tol.atol)
-
-
 def _ratio_kl_vjp(policy, ref, ids, mask, old, temperature, g1, g2, kl_estimator="k3"):
     """``(ratio, kl, grad)`` with cotangents ``(g1, g2)``; every option a closed-over value."""
     f = lambda x: loss.ratio_kl(  # noqa: E731
@@ -77,8 +73,8 @@ def test_jit_with_closed_over_options_traces_once():
         ratio, kl = jitted(*(c[k] for k in ARGS))
         want_ratio, want_kl = spec.ratio_kl(*(c[k] for k in ARGS), kl_estimator="k2")
         tol = spec.forward_tolerance(float(np.max(np.abs(c["policy"]))))
-        _assert_close(ratio, want_ratio, tol)
-        _assert_close(kl, want_kl, tol)
+        assert_close(ratio, want_ratio, tol)
+        assert_close(kl, want_kl, tol)
     assert len(traces) == 1
 
 
@@ -94,7 +90,7 @@ def test_jit_of_grad_matches_spec():
     want = spec.ratio_kl_grad(
         *(c[k] for k in ARGS), ones, ones, temperature=c["temperature"]
     )
-    _assert_close(grad, want, _grad_tol(c, want))
+    assert_close(grad, want, _grad_tol(c, want))
 
 
 @pytest.mark.parametrize("kl_estimator", ["k1", "k3"])
@@ -104,9 +100,9 @@ def test_vjp_with_non_unit_cotangents_under_jit(kl_estimator):
     got = run(*(c[k] for k in (*ARGS, "temperature", "g1", "g2")))
     want = _spec_ratio_kl(c, kl_estimator)
     tol = spec.forward_tolerance(_scale(c))
-    _assert_close(got[0], want[0], tol)
-    _assert_close(got[1], want[1], tol)
-    _assert_close(got[2], want[2], _grad_tol(c, want[2]))
+    assert_close(got[0], want[0], tol)
+    assert_close(got[1], want[1], tol)
+    assert_close(got[2], want[2], _grad_tol(c, want[2]))
 
 
 def test_selected_logprobs_vjp_under_jit():
@@ -121,9 +117,9 @@ def test_selected_logprobs_vjp_under_jit():
     logp, grad = run(c["policy"], c["ids"], c["temperature"], c["g1"])
     opts = dict(temperature=c["temperature"])
     tol = spec.forward_tolerance(_scale(c))
-    _assert_close(logp, spec.selected_logprobs(c["policy"], c["ids"], None, **opts), tol)
+    assert_close(logp, spec.selected_logprobs(c["policy"], c["ids"], None, **opts), tol)
     want = spec.selected_logprobs_grad(c["policy"], c["ids"], None, c["g1"], **opts)
-    _assert_close(grad, want, _grad_tol(c, want))
+    assert_close(grad, want, _grad_tol(c, want))
 
 
 def test_vmap_over_an_extra_axis_equals_unbatched():
@@ -135,9 +131,9 @@ def test_vmap_over_an_extra_axis_equals_unbatched():
     for i, c in enumerate(cases):
         ratio, kl, grad = unbatched(*(c[k] for k in keys))
         tol = spec.forward_tolerance(_scale(c))
-        _assert_close(batched[0][i], np.asarray(ratio), tol)
-        _assert_close(batched[1][i], np.asarray(kl), tol)
-        _assert_close(batched[2][i], np.asarray(grad), _grad_tol(c, np.asarray(grad)))
+        assert_close(batched[0][i], np.asarray(ratio), tol)
+        assert_close(batched[1][i], np.asarray(kl), tol)
+        assert_close(batched[2][i], np.asarray(grad), _grad_tol(c, np.asarray(grad)))
 
 
 def _bad_id_case():

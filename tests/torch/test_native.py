@@ -14,6 +14,7 @@ torch = pytest.importorskip("torch")
 
 from ratiokl import spec  # noqa: E402
 from ratiokl.torch import _native, _objective, _route, loss  # noqa: E402
+from assertions import assert_close  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 V = 37
@@ -30,11 +31,6 @@ def _scale(logits: np.ndarray, mask: np.ndarray, temperature=1.0) -> float:
         z = np.abs(logits / np.broadcast_to(np.asarray(temperature), mask.shape)[..., None])
     z = np.where(mask[..., None] & np.isfinite(z), z, 0.0)
     return float(z.max(initial=0.0))
-
-
-def _assert_close(actual: torch.Tensor, expected: np.ndarray, tol: spec.Tolerance) -> None:
-    assert actual.dtype in (torch.float32, torch.float16, torch.bfloat16)
-    np.testing.assert_allclose(_np(actual), expected, rtol=tol.rtol, atol=tol.atol, equal_nan=True)
 
 
 def _case(lead, dtype=torch.float32, seed=0, active=0.7):
@@ -61,12 +57,12 @@ def _check_ratio_kl(logits, ref, ids, mask, old, *, seed=1, **kw):
     exp_grad = spec.ratio_kl_grad(*args, _np(g_ratio), _np(g_kl), **opts)
     scale = _scale(_np(logits), _np(mask), kw.get("temperature", 1.0))
     fwd = spec.forward_tolerance(scale)
-    _assert_close(ratio, exp_ratio, fwd)
-    _assert_close(kl, exp_kl, fwd)
+    assert_close(ratio, exp_ratio, fwd)
+    assert_close(kl, exp_kl, fwd)
     assert grad.dtype == logits.dtype and grad.shape == logits.shape
     grad_scale = float(np.abs(np.nan_to_num(exp_grad)).max(initial=0.0))
     dtype_name = str(logits.dtype).removeprefix("torch.")
-    _assert_close(grad, exp_grad, spec.grad_tolerance(dtype_name, scale, grad_scale))
+    assert_close(grad, exp_grad, spec.grad_tolerance(dtype_name, scale, grad_scale))
     return ratio, kl, grad
 
 
@@ -81,11 +77,11 @@ def test_selected_logprobs_matches_spec(dtype: str, lead) -> None:
     scale = _scale(x, m, 0.7)
     assert logp.dtype == torch.float32 and logp.shape == lead
     expected = spec.selected_logprobs(x, a, m, temperature=0.7)
-    _assert_close(logp, expected, spec.forward_tolerance(scale))
+    assert_close(logp, expected, spec.forward_tolerance(scale))
     exp_grad = spec.selected_logprobs_grad(x, a, m, _np(g), temperature=0.7)
     assert grad.dtype == logits.dtype
     tol = spec.grad_tolerance(dtype, scale, float(np.abs(exp_grad).max()))
-    _assert_close(grad, exp_grad, tol)
+    assert_close(grad, exp_grad, tol)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -218,7 +214,7 @@ def test_check_ids_false_poisons_the_row_without_raising() -> None:
     ok[1, 2] = False
     assert torch.isfinite(ratio[ok]).all() and torch.isfinite(grad[ok]).all()
     exp_ratio, _ = spec.ratio_kl(*(_np(t)[ok] for t in (logits, ref, ids, mask, old)))
-    _assert_close(ratio[ok], exp_ratio, spec.forward_tolerance(_scale(_np(logits), _np(mask))))
+    assert_close(ratio[ok], exp_ratio, spec.forward_tolerance(_scale(_np(logits), _np(mask))))
 
 
 @pytest.mark.parametrize("lead", [(0,), (2, 0)])

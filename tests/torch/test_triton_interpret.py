@@ -25,21 +25,11 @@ from jax_interpret import interpreted_triton_call  # noqa: E402
 from ratiokl import spec  # noqa: E402
 from ratiokl._kernels import forward_config  # noqa: E402
 from ratiokl.torch import _triton  # noqa: E402
+from assertions import assert_close  # noqa: E402
 
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 KL_NAMES = {1: "k1", 2: "k2", 3: "k3"}
-
-
-def _assert_close(actual: np.ndarray, expected: np.ndarray, tol: spec.Tolerance, what: str):
-    """NaN exactly where expected, equal infinities, elementwise ``atol + rtol * |expected|``."""
-    actual = np.asarray(actual, dtype=np.float64)
-    nan = np.isnan(expected)
-    np.testing.assert_array_equal(np.isnan(actual), nan, err_msg=f"{what}: NaN positions")
-    err = np.abs(np.where(nan, 0.0, actual - expected))
-    bound = tol.atol + tol.rtol * np.abs(np.where(nan, 0.0, expected))
-    worst = np.unravel_index(np.argmax(err - bound), err.shape) if err.size else ()
-    assert np.all(err <= bound), f"{what}: |err| {err[worst]} > {bound[worst]} at {worst}"
 
 
 class Case:
@@ -94,12 +84,12 @@ class Case:
         ratio, kl, grad = self.run(use_ref_logits, kl_code, check_ids)
         e_ratio, e_kl, e_grad = self.expected(use_ref_logits, kl_code)
         fwd = spec.forward_tolerance(self.scale())
-        _assert_close(ratio, e_ratio, fwd, "ratio")
-        _assert_close(kl, e_kl, fwd, "kl")
+        assert_close(ratio, e_ratio, fwd, "ratio")
+        assert_close(kl, e_kl, fwd, "kl")
         assert grad.dtype == DTYPES[self.dtype]
         finite = np.isfinite(e_grad)
         grad_scale = np.abs(e_grad[finite]).max(initial=0.0)
-        _assert_close(grad.float().numpy(), e_grad,
+        assert_close(grad.float().numpy(), e_grad,
                       spec.grad_tolerance(self.dtype, self.scale(), grad_scale), "grad")
         return ratio, kl, grad
 
@@ -184,8 +174,8 @@ def test_selected_logprobs_strided_logits(dtype):
     e_logp = spec.selected_logprobs(x, ids.numpy(), mask.numpy(), temperature=0.8)
     e_grad = spec.selected_logprobs_grad(x, ids.numpy(), mask.numpy(), g.numpy(), temperature=0.8)
     scale = np.abs(x).max() / 0.8
-    _assert_close(logp.detach().numpy(), e_logp, spec.forward_tolerance(scale), "logp")
-    _assert_close(leaf.grad.float().numpy(), e_grad,
+    assert_close(logp.detach().numpy(), e_logp, spec.forward_tolerance(scale), "logp")
+    assert_close(leaf.grad.float().numpy(), e_grad,
                   spec.grad_tolerance(dtype, scale, np.abs(e_grad).max()), "grad")
 
 
@@ -221,7 +211,7 @@ def test_through_public_loss_and_torch_compile():
         backend="aot_eager", fullgraph=True,
     )(*args)
     e_ratio, _, _ = case.expected(True, 3)
-    _assert_close(eager[0].reshape(-1).numpy(), e_ratio, spec.forward_tolerance(case.scale()), "ratio")
+    assert_close(eager[0].reshape(-1).numpy(), e_ratio, spec.forward_tolerance(case.scale()), "ratio")
     for a, b in zip(eager, compiled):
         assert torch.equal(a, b)
 
@@ -263,9 +253,9 @@ def test_jax_wrapper_jit_vmap_grad(jax_triton_backend, dtype):
     assert grad.dtype == x.dtype
     e_ratio, e_kl, e_grad = case.expected(True, 3)
     fwd = spec.forward_tolerance(case.scale())
-    _assert_close(np.asarray(ratio).reshape(-1), e_ratio, fwd, "ratio")
-    _assert_close(np.asarray(kl).reshape(-1), e_kl, fwd, "kl")
-    _assert_close(np.asarray(grad, np.float32).reshape(6, 45), e_grad,
+    assert_close(np.asarray(ratio).reshape(-1), e_ratio, fwd, "ratio")
+    assert_close(np.asarray(kl).reshape(-1), e_kl, fwd, "kl")
+    assert_close(np.asarray(grad, np.float32).reshape(6, 45), e_grad,
                   spec.grad_tolerance(dtype, case.scale(), np.abs(e_grad).max()), "grad")
 
 

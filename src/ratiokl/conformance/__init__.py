@@ -27,6 +27,7 @@ from ratiokl.conformance._fixtures import (
 )
 from ratiokl.conformance._frameworks import TARGETS, Outcome, Target, call_target, target_status
 from ratiokl.conformance._ops import OPS, Op
+from ratiokl.conformance._compare import Check, compare_close
 from ratiokl.conformance._runner import CaseResult, judge, run_case
 
 __all__ = [
@@ -36,11 +37,13 @@ __all__ = [
     "TARGETS",
     "Case",
     "CaseResult",
+    "Check",
     "Op",
     "Outcome",
     "Target",
     "build_case",
     "call_target",
+    "compare_close",
     "fixtures_root",
     "judge",
     "list_cases",

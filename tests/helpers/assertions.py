@@ -1,0 +1,31 @@
+"""The tests' one closeness assertion: the conformance harness's own rule.
+
+``assert_close(actual, expected, tol, what)``: NaN exactly where the float64
+``expected`` has NaN, the same infinities, and ``|a - e| <= atol + rtol |e|``
+elsewhere (``ratiokl.conformance.compare_close``, the rule the fixtures are
+judged by). ``actual`` may be a NumPy, PyTorch or JAX array of any float dtype.
+Returns the worst error as a fraction of its tolerance.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ratiokl.conformance import Check, compare_close
+from ratiokl.spec import Tolerance
+
+
+def as_float64(x: Any) -> np.ndarray:
+    """A float64 NumPy copy of a NumPy / PyTorch / JAX array."""
+    if hasattr(x, "detach"):  # torch
+        x = x.detach().float().cpu().numpy()
+    return np.asarray(x, dtype=np.float64)
+
+
+def assert_close(actual: Any, expected: Any, tol: Tolerance, what: str = "value") -> float:
+    check = Check()
+    compare_close(check, what, as_float64(actual), as_float64(expected), tol)
+    assert check.passed, "; ".join(check.failures)
+    return check.worst
