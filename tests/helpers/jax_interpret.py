@@ -68,3 +68,24 @@ def interpreted_triton_call(*args, kernel, out_shape, grid, num_warps=None,
 
     res = jax.pure_callback(host, shapes, *args)
     return res[0] if single else res
+
+
+def use_interpreted_triton(monkeypatch) -> None:
+    """Route ``backend="triton"`` of ``ratiokl.jax`` to :func:`interpreted_triton_call` on
+    this host for one test (``monkeypatch``: pytest's fixture, which undoes it)."""
+    from ratiokl.jax import _launch, _route
+
+    monkeypatch.setattr(_launch, "triton_call", interpreted_triton_call)
+    monkeypatch.setattr(_route, "backend_name", lambda backend: backend)
+
+
+def jax_backend(name: str, monkeypatch) -> str:
+    """The ``backend=`` of a test parametrised over ``"native"`` / ``"triton"``: the Triton
+    one through the interpreter (skipped without Triton)."""
+    if name == "native":
+        return "native"
+    import pytest
+
+    pytest.importorskip("triton")
+    use_interpreted_triton(monkeypatch)
+    return "triton"

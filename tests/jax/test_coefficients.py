@@ -17,6 +17,7 @@ jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
 from ratiokl.jax import loss  # noqa: E402
+from jax_interpret import jax_backend  # noqa: E402
 
 B, T, V = 2, 5, 23
 
@@ -33,22 +34,9 @@ def _inputs(seed: int):
             jnp.asarray(rng.normal(size=(B, T)), jnp.float32))
 
 
-def _backend(name: str, monkeypatch):
-    if name == "native":
-        return "native"
-    pytest.importorskip("triton")
-    from jax_interpret import interpreted_triton_call
-
-    from ratiokl.jax import _launch, _route
-
-    monkeypatch.setattr(_launch, "triton_call", interpreted_triton_call)
-    monkeypatch.setattr(_route, "backend_name", lambda backend: backend)
-    return "triton"
-
-
 @pytest.mark.parametrize("name", ["native", "triton"])
 def test_traced_coefficients_match_numbers_in_one_trace(name: str, monkeypatch) -> None:
-    backend = _backend(name, monkeypatch)
+    backend = jax_backend(name, monkeypatch)
     x = _inputs(0)
     traces = []
 

@@ -15,23 +15,11 @@ jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
 from ratiokl.jax import loss  # noqa: E402
+from jax_interpret import jax_backend  # noqa: E402
 
 B, T, V = 2, 4, 37
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
-
-
-def _backend(name: str, monkeypatch) -> str:
-    if name == "native":
-        return "native"
-    pytest.importorskip("triton")
-    from jax_interpret import interpreted_triton_call
-
-    from ratiokl.jax import _launch, _route
-
-    monkeypatch.setattr(_launch, "triton_call", interpreted_triton_call)
-    monkeypatch.setattr(_route, "backend_name", lambda backend: backend)
-    return "triton"
 
 
 def _problems():
@@ -48,7 +36,7 @@ def _problems():
 
 @pytest.mark.parametrize("name", ["native", "triton"])
 def test_vmapped_jit_entropy_and_gradient_are_each_problems_own(name, monkeypatch):
-    backend = _backend(name, monkeypatch)
+    backend = jax_backend(name, monkeypatch)
 
     def value_and_grad(logits, ids, mask, temp):
         def f(z):

@@ -14,10 +14,9 @@ import pytest
 pytest.importorskip("jax")
 pytest.importorskip("triton")
 
-from jax_interpret import interpreted_triton_call  # noqa: E402
+from jax_interpret import use_interpreted_triton  # noqa: E402
 
 from ratiokl import conformance  # noqa: E402
-from ratiokl.jax import _launch, _route  # noqa: E402
 
 #: Fixture groups of the options whose kernel code is new (the rest: ``ratiokl check``
 #: on a GPU); the interpreter takes seconds a case.
@@ -30,7 +29,6 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
 @pytest.mark.parametrize("case_name", CASES)
 def test_fixture_on_the_interpreted_jax_triton_backend(case_name: str, monkeypatch) -> None:
-    monkeypatch.setattr(_launch, "triton_call", interpreted_triton_call)
-    monkeypatch.setattr(_route, "backend_name", lambda backend: backend)
+    use_interpreted_triton(monkeypatch)
     result = conformance.run_case(conformance.load_case(case_name), "jax-triton")
     assert result.passed, "\n".join(result.failures)
