@@ -9,6 +9,8 @@ and gradient, the other rows untouched) without it and under ``jit`` (where a
 
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 import pytest
 
@@ -134,3 +136,24 @@ def test_bad_objective_options_are_rejected_in_both_frameworks(options, match):
     with pytest.raises(ValueError, match=match):
         jax_loss.policy_loss(jnp.asarray(logits), None, jnp.asarray(ids), jnp.asarray(mask),
                              jnp.asarray(rows), jnp.asarray(rows), **options)
+
+
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+@pytest.mark.parametrize("ratio_level", ["token", "sequence"])
+def test_inplace_grad_where_it_cannot_apply_warns(framework, ratio_level):
+    """``inplace_grad=True`` on the two-pass route (the native backend, GSPO) says it has no
+    effect instead of doing nothing silently; the result is the plain call's."""
+    mod = pytest.importorskip(framework)
+    loss = importlib.import_module(f"ratiokl.{framework}.loss")
+    rng = np.random.default_rng(0)
+    arrays = [rng.normal(size=(2, 3, 7)).astype(np.float32), rng.integers(0, 7, (2, 3)),
+              rng.random((2, 3)) < 0.8, rng.normal(size=(2, 3)).astype(np.float32) - 2,
+              rng.normal(size=2).astype(np.float32)]
+    conv = (lambda a: mod.from_numpy(np.asarray(a))) if framework == "torch" else (
+        lambda a: mod.numpy.asarray(a))
+    logits, ids, mask, old, adv = (conv(a) for a in arrays)
+    kw = dict(backend="native", ratio_level=ratio_level, check_ids=False)
+    with pytest.warns(UserWarning, match=r"inplace_grad=True\) has no effect"):
+        value, _ = loss.policy_loss(logits, None, ids, mask, old, adv, inplace_grad=True, **kw)
+    plain, _ = loss.policy_loss(logits, None, ids, mask, old, adv, **kw)
+    assert float(value) == float(plain)

@@ -27,10 +27,11 @@ mean of the log-ratio before the objective) takes the two-pass route:
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-__all__ = ["Backend"]
+__all__ = ["Backend", "warn_inplace_ignored"]
 
 
 @dataclass(frozen=True)
@@ -42,3 +43,15 @@ class Backend:
     policy_loss: Optional[Callable] = None  # fused; None: two passes
     token_weights: Optional[Callable] = None  # one-launch aggregation weights; None: ops
     logprobs_entropy: Optional[Callable] = None  # (logp, entropy) in one pass; None: none
+
+
+def warn_inplace_ignored(sequence_ratio: bool) -> None:
+    """Say that ``policy_loss(inplace_grad=True)`` takes the two-pass route here, where the
+    gradient is a new array (the one-kernel loss alone writes it into the logits)."""
+    why = ('`ratio_level="sequence"` (GSPO) takes the two-pass route' if sequence_ratio
+           else "this backend has no one-kernel policy loss (backend 'native', or "
+                "vocabulary-sharded logits)")
+    warnings.warn(
+        f"policy_loss(inplace_grad=True) has no effect: {why}, which writes the gradient "
+        "as a new array; pass inplace_grad=False to silence this",
+        UserWarning, stacklevel=4)

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ratiokl._backend import Backend
+from ratiokl._backend import Backend, warn_inplace_ignored
 from ratiokl._requirements import unmet
 from ratiokl.jax import _checks, _jax_triton
 from ratiokl.jax._checks import Temperature
@@ -237,6 +237,8 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
             _flat(inputs.advantages), _flat(inputs.importance_weights), weights,
             rows.temperature, opts, inplace_grad,
         ))
+    if inplace_grad:
+        warn_inplace_ignored(opts.sequence_ratio)
     from ratiokl.jax import _objective
 
     logp = run.selected_logprobs(rows.logits, rows.ids, rows.mask, rows.temperature)

@@ -29,7 +29,7 @@ from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
 import torch
 
-from ratiokl._backend import Backend
+from ratiokl._backend import Backend, warn_inplace_ignored
 from ratiokl._requirements import unmet
 from ratiokl.spec import BACKENDS, kl_estimator_code, policy_loss_options
 from ratiokl.torch import _checks
@@ -300,6 +300,8 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
             _flat(inputs.advantages), _flat(inputs.importance_weights), weights,
             rows.temperature, opts, inplace_grad,
         ))
+    if inplace_grad and not torch.compiler.is_compiling():  # documented: ignored there
+        warn_inplace_ignored(opts.sequence_ratio)
     from ratiokl.torch import _objective
 
     logp = run.selected_logprobs(rows.logits, rows.ids, rows.mask, rows.temperature)
