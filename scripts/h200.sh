@@ -16,8 +16,9 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
 python3 -m ratiokl check --backend torch-native --backend torch-triton --backend jax-native \
   --backend jax-triton --json "$out/check.json"; } 2>&1 | tee "$out/check.log"
-# The launch-plan sweep included; tests that need most of the GPU's memory run alone after.
-{ python3 -m pytest -q -m "gpu and not whole_gpu" -n "${GPU_TEST_WORKERS:-8}" tests/gpu \
+# The launch-plan sweep included (4 workers: at 8 the JAX sweep ran out of GPU memory);
+# tests that need most of the GPU's memory run alone after.
+{ python3 -m pytest -q -m "gpu and not whole_gpu" -n "${GPU_TEST_WORKERS:-4}" tests/gpu \
     -p no:cacheprovider -p no:benchmark
   python3 -m pytest -q -m "gpu and whole_gpu" tests/gpu -p no:cacheprovider -p no:benchmark; } \
   2>&1 | tee "$out/gpu_tests.log"
