@@ -31,7 +31,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-__all__ = ["Backend", "warn_inplace_ignored"]
+__all__ = ["Backend", "logprobs_entropy_of", "warn_inplace_ignored"]
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,17 @@ class Backend:
     policy_loss: Optional[Callable] = None  # fused; None: two passes
     token_weights: Optional[Callable] = None  # one-launch aggregation weights; None: ops
     logprobs_entropy: Optional[Callable] = None  # (logp, entropy) in one pass; None: none
+
+
+def logprobs_entropy_of(run: Backend, sharding_argument: str) -> Callable:
+    """``run``'s one-pass ``(logp, entropy)``; a clear error where it has none (the
+    vocabulary-sharded backends: ``sharding_argument`` names the caller's argument)."""
+    if run.logprobs_entropy is None:
+        raise NotImplementedError(
+            f"`return_entropy=True` is not available with `{sharding_argument}` yet (the "
+            "sharded entropy needs its own combine); gather the vocabulary or call without it"
+        )
+    return run.logprobs_entropy
 
 
 def warn_inplace_ignored(sequence_ratio: bool) -> None:

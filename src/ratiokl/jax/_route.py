@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ratiokl._backend import Backend, warn_inplace_ignored
+from ratiokl._backend import Backend, logprobs_entropy_of, warn_inplace_ignored
 from ratiokl._requirements import unmet
 from ratiokl.jax import _checks, _jax_triton
 from ratiokl.jax._checks import Temperature
@@ -172,21 +172,11 @@ def selected_logprobs(logits, action_ids, mask, *, temperature, backend, check_i
     logits, ids, lead = _lead(logits, action_ids)
     rows = _rows(logits, lead, ids, mask, temperature, backend, check_ids, vocab_axis)
     if return_entropy:
-        logp, ent = _entropy_backend(rows.run, vocab_axis)(
+        logp, ent = logprobs_entropy_of(rows.run, "vocab_axis")(
             rows.logits, rows.ids, rows.mask, rows.temperature)
         return rows.checked((logp.reshape(lead), ent.reshape(lead)))
     logp = rows.run.selected_logprobs(rows.logits, rows.ids, rows.mask, rows.temperature)
     return rows.checked(logp.reshape(lead))
-
-
-def _entropy_backend(run: Backend, vocab_axis):
-    """The backend's one-pass ``(logp, entropy)``; a clear error where it has none."""
-    if run.logprobs_entropy is None:
-        raise NotImplementedError(
-            "`return_entropy=True` is not available with `vocab_axis` yet (the sharded "
-            "entropy needs its own combine); gather the vocabulary or call without it"
-        )
-    return run.logprobs_entropy
 
 
 def ratio_kl(policy_logits, ref_logits, action_ids, mask, old_logps, *, ref_logps,

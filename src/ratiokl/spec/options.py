@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any, Literal, Mapping, Optional, Union, get_args
+from typing import Any, Literal, Mapping, Optional, Tuple, Union, get_args
 
 __all__ = [
     "BACKENDS",
@@ -78,6 +78,8 @@ POLICY_KL_ESTIMATORS: Mapping[str, int] = {
 
 #: How per-token losses become one number (see docs/policy_loss.md for verl/TRL names).
 LOSS_AGGS: Mapping[str, int] = {name: code for code, name in enumerate(get_args(LossAgg))}
+#: ``loss_agg`` names by code (``LOSS_AGGS`` inverted).
+_LOSS_AGG_NAMES: Tuple[LossAgg, ...] = get_args(LossAgg)
 
 #: Importance-ratio level: per token (PPO/GRPO) or per sequence (GSPO).
 RATIO_LEVELS: Mapping[str, int] = {name: code for code, name in enumerate(get_args(RatioLevel))}
@@ -129,7 +131,7 @@ class PolicyLossOptions:
     @property
     def loss_agg(self) -> LossAgg:
         """The ``loss_agg`` name of ``agg_code`` (host code compares names; kernels, codes)."""
-        return get_args(LossAgg)[self.agg_code]
+        return _LOSS_AGG_NAMES[self.agg_code]
 
     @property
     def seq_aggregation(self) -> bool:

@@ -29,7 +29,7 @@ from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
 import torch
 
-from ratiokl._backend import Backend, warn_inplace_ignored
+from ratiokl._backend import Backend, logprobs_entropy_of, warn_inplace_ignored
 from ratiokl._requirements import unmet
 from ratiokl.spec import BACKENDS, kl_estimator_code, policy_loss_options
 from ratiokl.torch import _checks
@@ -210,21 +210,11 @@ def selected_logprobs(logits, action_ids, mask, *, temperature, backend, check_i
     lead = _lead(logits, action_ids)
     rows = _rows(logits, lead, action_ids, mask, temperature, backend, check_ids, vocab_group)
     if return_entropy:
-        logp, ent = _entropy_backend(rows.run, vocab_group)(
+        logp, ent = logprobs_entropy_of(rows.run, "vocab_group")(
             rows.logits, rows.ids, rows.mask, rows.temperature)
         return rows.checked((logp.reshape(lead), ent.reshape(lead)))
     logp = rows.run.selected_logprobs(rows.logits, rows.ids, rows.mask, rows.temperature)
     return rows.checked(logp.reshape(lead))
-
-
-def _entropy_backend(run: Backend, vocab_group):
-    """The backend's one-pass ``(logp, entropy)``; a clear error where it has none."""
-    if run.logprobs_entropy is None:
-        raise NotImplementedError(
-            "`return_entropy=True` is not available with `vocab_group` yet (the sharded "
-            "entropy needs its own combine); gather the vocabulary or call without it"
-        )
-    return run.logprobs_entropy
 
 
 def ratio_kl(policy_logits, ref_logits, action_ids, mask, old_logps, *, ref_logps,
