@@ -65,6 +65,7 @@ from ratiokl._kernels.loss_rows import (
     policy_metrics_kernel,
     token_weights_kernel,
 )
+from ratiokl.torch._cached_launch import cached
 
 __all__ = [
     "BACKWARD", "ENTROPY_FORWARD", "FORWARD", "KernelOp", "POLICY_LOSS", "SCALE_ROWS",
@@ -79,8 +80,9 @@ _NDIM_CONVERSION = "Conversion of an array with ndim"
 
 
 def _raw(kernel):
-    """Eager CUDA: the ``JITFunction`` itself (no tracing wrapper)."""
-    return kernel
+    """Eager CUDA: the kernel launched from its cached compiled handle (no tracing wrapper,
+    no per-call binder: ``_cached_launch``)."""
+    return cached(kernel)
 
 
 def _interpreter(kernel):
