@@ -166,8 +166,9 @@ def _valid_temperature(temperature: torch.Tensor) -> torch.Tensor:
 class ActiveCheck:
     """The host check of active ids and temperatures, queued on the device, read later.
 
-    ``ActiveCheck(ids, mask, V, temperature)`` queues the test (two booleans)
-    and, on a GPU, an asynchronous copy of its result to pinned host memory
+    ``ActiveCheck(ids, mask, V, temperature)`` queues the test (two flags: one
+    launch of ``active_check_kernel`` with ``one_launch``, the Triton backends' way, else
+    framework ops) and, on a GPU, an asynchronous copy of its result to pinned host memory
     behind an event; the caller then queues its kernels and calls
     :meth:`raise_if_bad`, which waits for that event only -- the GPU keeps
     running the kernels queued after it, and the bad rows are NaN in them
@@ -177,19 +178,26 @@ class ActiveCheck:
     """
 
     def __init__(self, ids: torch.Tensor, mask: torch.Tensor, vocab_size: Optional[int],
-                 temperature: Optional[Temperature] = None) -> None:
+                 temperature: Optional[Temperature] = None, *, one_launch: bool = False) -> None:
         self._args = (ids, mask, vocab_size, temperature)
         self._flags = self._event = None
         if ids.device.type != "cuda" or torch.compiler.is_compiling():
             check_active_ids(*self._args)  # nothing to overlap with: check now
             return
-        tests = _bad_rows(*self._args)
-        if tests:
-            flags = torch.stack([b.any() for b in tests.values()])
-            self._flags = torch.empty(flags.shape, dtype=torch.bool, pin_memory=True)
-            self._flags.copy_(flags, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
+        has_temp = isinstance(temperature, torch.Tensor)
+        if vocab_size is None and not has_temp:
+            return  # nothing to test
+        if one_launch:  # the Triton backends: one kernel (ratiokl._kernels.active_check)
+            from ratiokl.torch import _launch
+
+            flags = _launch.active_flags(ids, mask, vocab_size,
+                                         temperature if has_temp else None)
+        else:
+            flags = torch.stack([b.any() for b in _bad_rows(*self._args).values()])
+        self._flags = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+        self._flags.copy_(flags, non_blocking=True)
+        self._event = torch.cuda.Event()
+        self._event.record()
 
     def raise_if_bad(self) -> None:
         """Raise ``ValueError`` if an active id or temperature was bad (else return)."""

@@ -51,6 +51,7 @@ from ratiokl._kernels import (
     split_plan,
     use_split_forward,
 )
+from ratiokl._kernels.active_check import CHECK_BLOCK, CHECK_WARPS, active_check_kernel
 from ratiokl._kernels.fused_loss import (
     SCALE_WARPS,
     launch_plan,
@@ -197,6 +198,33 @@ def _rows(n_rows: int, device: torch.device, count: int) -> Tuple[Tensor, ...]:
 def _stride(t: Tensor) -> int:
     """Row stride of a per-row tensor, 0 for a one-element tensor (one value for every row)."""
     return 0 if t.numel() == 1 else t.stride(0)
+
+
+# --- the check_ids test (eager CUDA; ratiokl.torch._checks.ActiveCheck) ------------------
+
+
+def active_flags(ids: Tensor, mask: Tensor, vocab: Optional[int],
+                 temperature: Optional[Tensor]) -> Tensor:
+    """int32 ``[2]``: (an active id outside ``[0, vocab)``, an active temperature outside
+    ``(0, inf)``), from one launch; ``vocab`` / ``temperature`` None: not tested.
+
+    Inputs of the leading shape, any strides (flattened; a 0-d temperature expanded
+    over the rows is read with stride 0). CUDA tensors launch the kernel, CPU tensors its
+    interpreter twin (tests).
+    """
+    kernels = _raw if ids.device.type == "cuda" else _interpreter
+    ids = ids.reshape(-1).contiguous()
+    mask = mask.reshape(-1).contiguous()
+    flags = torch.empty(2, dtype=torch.int32, device=ids.device)
+    temp = mask if temperature is None else temperature.reshape(-1)
+    if temp.stride(0) not in (0, 1):
+        temp = temp.contiguous()
+    kernels(active_check_kernel)[(1,)](
+        ids, mask, temp, flags, ids.numel(), vocab or 0, _stride(temp),
+        CHECK_IDS=vocab is not None, CHECK_TEMP=temperature is not None, BLOCK=CHECK_BLOCK,
+        num_warps=CHECK_WARPS,
+    )
+    return flags
 
 
 # --- log-probs, ratio and KL: forward and backward of one row's statistics ---------------

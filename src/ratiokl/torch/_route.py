@@ -164,7 +164,7 @@ def _rows(logits: torch.Tensor, lead: Tuple[int, ...], ids: torch.Tensor, mask, 
     check = None
     if check_ids:  # sharded logits: their ids are checked against the global V later
         check = _checks.ActiveCheck(ids, mask, None if vocab_group else logits.shape[-1],
-                                    temperature)
+                                    temperature, one_launch=name == "triton")
     if vocab_group is None:
         run = _loaded(name)
     else:
