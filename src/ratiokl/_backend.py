@@ -29,9 +29,11 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
-__all__ = ["Backend", "logprobs_entropy_of", "warn_inplace_ignored"]
+from ratiokl.spec import PolicyLossOptions
+
+__all__ = ["Backend", "logprobs_entropy_of", "token_weights_args", "warn_inplace_ignored"]
 
 
 @dataclass(frozen=True)
@@ -66,3 +68,26 @@ def warn_inplace_ignored(sequence_ratio: bool) -> None:
         f"policy_loss(inplace_grad=True) has no effect: {why}, which writes the gradient "
         "as a new array; pass inplace_grad=False to silence this",
         UserWarning, stacklevel=4)
+
+
+def token_weights_args(opts: PolicyLossOptions, normalizer: object,
+                       width: int) -> Optional[Tuple[float, bool]]:
+    """``token_weights_kernel``'s ``(denom, COUNT)`` for ``w = mask / D``, or None where the
+    kernel does not apply.
+
+    ``D`` is a number (``COUNT`` False), or the active count (``COUNT`` True:
+    ``token-mean`` without a normaliser; ``denom`` unused). None:
+    ``seq-mean-token-mean`` weighs tokens by their sequence's length, sequence
+    counts need segments, and a normaliser given as an array is device data; those
+    take the framework's ops. ``normalizer``: ``loss_normalizer`` (None, a Python
+    number or an array); ``width``: tokens per sequence ``T``.
+    """
+    if opts.loss_agg == "seq-mean-token-mean":
+        return None
+    if isinstance(normalizer, (int, float)) and not isinstance(normalizer, bool):
+        return float(normalizer), False
+    if normalizer is not None or opts.loss_agg == "seq-mean-token-sum":
+        return None
+    if opts.loss_agg == "token-mean":
+        return 1.0, True
+    return (1.0 if opts.loss_agg == "token-sum" else float(width)), False

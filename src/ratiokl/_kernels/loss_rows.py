@@ -15,18 +15,18 @@ kernel here is one program that streams the ``[N]`` vectors in blocks:
 Sums run in a fixed order (per lane, then one tree reduction), so a launch
 gives the same bits every time. Divisions are rounded to nearest
 (``div_rn``), as the frameworks' own division is. PyTorch
-(``ratiokl.torch._loss_rows``) and JAX (``ratiokl.jax._loss_rows``) launch
-the same two kernels and decide where they apply with
-:func:`token_weights_args`.
+(``ratiokl.torch._launch``) and JAX (``ratiokl.jax._launch``) launch the same
+two kernels and decide where the weights kernel applies with
+``ratiokl._backend.token_weights_args`` (host-side aggregation policy: this
+package imports only Triton).
 """
 
-from typing import Optional, Tuple
+from typing import Tuple
 
 import triton
 import triton.language as tl
 
 from ratiokl._kernels.objective import CLIP_CAPPED, CLIP_HIGH, CLIP_LOW
-from ratiokl.spec import PolicyLossOptions
 
 #: The order of ``policy_metrics_kernel``'s seven means.
 METRIC_NAMES: Tuple[str, ...] = (
@@ -38,29 +38,6 @@ METRIC_NAMES: Tuple[str, ...] = (
 #: blocks; the metrics took 14 us of device time with 1024 rows x 4 warps).
 ROWS_BLOCK = 4096
 ROWS_WARPS = 8
-
-
-def token_weights_args(opts: PolicyLossOptions, normalizer: object,
-                       width: int) -> Optional[Tuple[float, bool]]:
-    """``token_weights_kernel``'s ``(denom, COUNT)`` for ``w = mask / D``, or None where the
-    kernel does not apply.
-
-    ``D`` is a number (``COUNT`` False), or the active count (``COUNT`` True:
-    ``token-mean`` without a normaliser; ``denom`` unused). None:
-    ``seq-mean-token-mean`` weighs tokens by their sequence's length, sequence
-    counts need segments, and a normaliser given as an array is device data; those
-    take the framework's ops. ``normalizer``: ``loss_normalizer`` (None, a Python
-    number or an array); ``width``: tokens per sequence ``T``.
-    """
-    if opts.loss_agg == "seq-mean-token-mean":
-        return None
-    if isinstance(normalizer, (int, float)) and not isinstance(normalizer, bool):
-        return float(normalizer), False
-    if normalizer is not None or opts.loss_agg == "seq-mean-token-sum":
-        return None
-    if opts.loss_agg == "token-mean":
-        return 1.0, True
-    return (1.0 if opts.loss_agg == "token-sum" else float(width)), False
 
 
 @triton.jit

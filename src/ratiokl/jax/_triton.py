@@ -33,7 +33,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ratiokl._kernels.loss_rows import METRIC_NAMES, token_weights_args
+from ratiokl._backend import token_weights_args
+from ratiokl._kernels.loss_rows import METRIC_NAMES
 from ratiokl.jax import _launch, _native
 from ratiokl.jax._launch import Static
 from ratiokl.spec import PolicyLossOptions

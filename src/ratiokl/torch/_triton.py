@@ -25,7 +25,8 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from ratiokl._kernels.loss_rows import METRIC_NAMES, token_weights_args
+from ratiokl._backend import token_weights_args
+from ratiokl._kernels.loss_rows import METRIC_NAMES
 from ratiokl.spec import PolicyLossOptions
 from ratiokl.torch._launch import (
     BACKWARD,
