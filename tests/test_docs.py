@@ -1,9 +1,11 @@
-"""The docs' relative links resolve inside the repository, and the README's tested
-version matrix names the dependency bounds of ``ratiokl._requirements``."""
+"""The docs' relative links resolve inside the repository, every page is in the
+documentation site's navigation (``conf.py``), and the README's tested version matrix
+names the dependency bounds of ``ratiokl._requirements``."""
 
 from __future__ import annotations
 
 import re
+import runpy
 from pathlib import Path
 
 import pytest
@@ -11,7 +13,7 @@ import pytest
 from ratiokl._requirements import REQUIREMENTS
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = [ROOT / "README.md", ROOT / "PERF.md", *sorted((ROOT / "docs").glob("*.md")),
+PAGES = [ROOT / "README.md", ROOT / "PERF.md", *sorted((ROOT / "docs").rglob("*.md")),
          ROOT / "benchmarks" / "README.md", ROOT / "conformance" / "README.md"]
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 
@@ -21,6 +23,18 @@ def test_relative_links_resolve(page):
     missing = [target for target in LINK.findall(page.read_text())
                if not re.match(r"[a-z]+:", target) and not (page.parent / target).exists()]
     assert missing == []
+
+
+def test_every_page_is_in_the_site_navigation():
+    """The site (``conf.py``: the README as home page, then ``NAV``) has every page above,
+    so none is built without a way to reach it, and nothing else."""
+    conf = runpy.run_path(str(ROOT / "conf.py"))
+    nav = [page for _, pages in conf["NAV"] for page in pages]
+    assert len(nav) == len(set(nav)), nav
+    site = {conf["root_doc"], *nav}
+    pages = {str(page.relative_to(ROOT).with_suffix("")) for page in PAGES}
+    assert sorted(pages - site) == [], "pages missing from conf.py's NAV"
+    assert sorted(site - pages) == [], "NAV entries that are no page"
 
 
 def test_markdown_files_the_readme_names_exist():

@@ -207,9 +207,10 @@ def policy_loss(
     (log-probs forward, gradient in the backward), as the native backends do.
 
     Args:
-      policy_logits, ref_logits, action_ids, mask, old_logps, ref_logps,
-        temperature, backend, check_ids, vocab_group: as in :func:`ratio_kl`;
-        ``ref_logits`` and ``ref_logps`` may both be None when ``kl_coef == 0``.
+      policy_logits, ref_logits, action_ids, mask, old_logps, ref_logps: as in
+        :func:`ratio_kl`; ``ref_logits`` and ``ref_logps`` may both be None when
+        ``kl_coef == 0``.
+      temperature, backend, check_ids, vocab_group: as in :func:`ratio_kl`.
       advantages: floating, per token ``[..., T]`` or per sequence ``[...]`` / ``[..., 1]``.
       clip_eps: ratio floor ``1 - clip_eps``; clip_eps_high: ceiling
         ``1 + clip_eps_high`` (DAPO clip-higher; default ``clip_eps``).
