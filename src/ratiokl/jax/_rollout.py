@@ -18,7 +18,7 @@ Python values; the arrays may be traced.
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +35,8 @@ Metrics = Dict[str, jax.Array]
 
 def correct(mask: jax.Array, lead: Tuple[int, ...], inputs: TokenInputs,
             rollout_logps: Optional[jax.Array], rollout_correction: Optional[str],
-            rollout_bounds, log_ratio_bound: Optional[float]) -> Tuple[TokenInputs, Metrics]:
+            rollout_bounds: Sequence[float],
+            log_ratio_bound: Optional[float]) -> Tuple[TokenInputs, Metrics]:
     """``inputs`` with the rollout weight folded into ``importance_weights``, and the
     rollout metrics (``{}`` without ``rollout_logps``; the options are checked either way).
 

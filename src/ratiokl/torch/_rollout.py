@@ -18,7 +18,7 @@ reaches nothing); everything here is detached and never synchronises with the ho
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -34,7 +34,8 @@ Metrics = Dict[str, torch.Tensor]
 
 def correct(run: Backend, mask: torch.Tensor, lead: Tuple[int, ...], inputs: TokenInputs,
             rollout_logps: Optional[torch.Tensor], rollout_correction: Optional[str],
-            rollout_bounds, log_ratio_bound: Optional[float]) -> Tuple[TokenInputs, Metrics]:
+            rollout_bounds: Sequence[float],
+            log_ratio_bound: Optional[float]) -> Tuple[TokenInputs, Metrics]:
     """``inputs`` with the rollout weight folded into ``importance_weights``, and the
     rollout metrics (``{}`` without ``rollout_logps``; the options are checked either way).
 
