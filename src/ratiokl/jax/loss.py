@@ -288,7 +288,9 @@ def policy_loss(
       Schulman et al. (2017) PPO, arXiv:1707.06347; Ye et al. (2019) dual-clip,
       arXiv:1912.09729; Yu et al. (2025) DAPO, arXiv:2503.14476; Liu et al.
       (2025) Dr. GRPO, arXiv:2503.20783; Zheng et al. (2025) GSPO,
-      arXiv:2507.18071; Prime Intellect (2025) INTELLECT-2, arXiv:2505.07291.
+      arXiv:2507.18071; Prime Intellect (2025) INTELLECT-2, arXiv:2505.07291; Yao et al.
+      (2025) truncated importance sampling for the rollout mismatch (TIS); Ling Team (2025)
+      IcePop (Ring-1T).
     """
     return _route.policy_loss(
         policy_logits, ref_logits, action_ids, mask, old_logps, advantages,
