@@ -27,6 +27,7 @@ __all__ = [
     "OPS",
     "PRESETS",
     "Preset",
+    "ROLLOUT_OPS",
     "TIMED_MODES",
     "TIMINGS",
     "Timing",
@@ -45,6 +46,13 @@ OPS: Tuple[str, ...] = (
     "policy_loss",  # reference logits given
     "policy_loss_ref_logps",  # precomputed reference log-probs given
 )
+
+#: ``policy_loss_ref_logps`` with a rollout correction (``rollout_logps`` given), by op; its
+#: target is PERF.md's policy loss with any correction <= 1.02x the same call without.
+ROLLOUT_OPS: Dict[str, str] = {
+    "policy_loss_rollout_token": "token-truncate",
+    "policy_loss_rollout_sequence": "sequence-truncate",
+}
 
 #: The in-situ lm_head step: ``logits = hidden @ W.T`` -> loss -> gradients of hidden and W.
 #: Its cases have ``hidden > 0`` and their own inputs (``_inputs.StepInputs``).
@@ -224,6 +232,9 @@ PRESETS: Dict[str, Preset] = {
             Group(_grid((8192,), (151936,), (1.0,), ("bfloat16",)), _SLOW, ("ratio_kl",)),
             Group(_grid((8192,), (151936,), (0.5,), ("bfloat16",)), _DENSITY),
             Group(_grid((128, 1024), (151936,), (1.0,), ("bfloat16",)), _FAST),
+            # The rollout correction beside the default (policy_loss_ref_logps, above).
+            Group(_grid((8192,), (151936,), (1.0,), ("bfloat16",)), ("ratiokl-torch-triton",),
+                  tuple(ROLLOUT_OPS)),
             _STEP_GROUP,
         ),
         ops=_HEADLINE_OPS,

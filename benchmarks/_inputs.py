@@ -2,7 +2,9 @@
 
 Logits are standard normals times 2 (``ref`` = policy plus small noise), so
 ratios and KL values are those of a policy a few steps from its reference;
-``old_logps`` and ``ref_logps`` are the exact log-probs plus small noise.
+``old_logps`` and ``ref_logps`` are the exact log-probs plus small noise, and the
+engine's ``rollout_logps`` are ``old_logps`` plus smaller noise (a sequence of 1024
+tokens then has a log-weight of about +-0.6, so the sequence-level weights vary).
 Exactly ``case.active`` rows are active, at random positions. JAX sees the
 same buffers through DLPack (zero copy on the GPU).
 
@@ -40,6 +42,7 @@ class TorchInputs:
     advantages: torch.Tensor  # [B] float32, one per sequence
     cot_a: torch.Tensor  # [B, T] float32 upstream gradient (logp / ratio)
     cot_b: torch.Tensor  # [B, T] float32 upstream gradient (kl)
+    rollout_logps: torch.Tensor  # [B, T] float32: the engine's log-probs, old_logps + noise
 
 
 def _exact_logps(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -98,6 +101,7 @@ def _logits_inputs(case: Case, r: _Random) -> TorchInputs:
     mask = r.mask(case)
     old = _exact_logps(policy, ids) + 0.05 * r.randn(*shape[:2])
     ref_lp = _exact_logps(ref, ids)
+    advantages, cot_a, cot_b = r.randn(case.batch), r.randn(*shape[:2]), r.randn(*shape[:2])
     return TorchInputs(
         policy=policy.requires_grad_(True),
         ref=ref,
@@ -105,9 +109,11 @@ def _logits_inputs(case: Case, r: _Random) -> TorchInputs:
         mask=mask,
         old_logps=old,
         ref_logps=ref_lp,
-        advantages=r.randn(case.batch),
-        cot_a=r.randn(*shape[:2]),
-        cot_b=r.randn(*shape[:2]),
+        advantages=advantages,
+        cot_a=cot_a,
+        cot_b=cot_b,
+        # Drawn last: the other inputs are those of the runs before it existed.
+        rollout_logps=old + 0.02 * r.randn(*shape[:2]),
     )
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from _cases import DEVICE, LMHEAD, USER, uses_ref_logits
+from _cases import DEVICE, LMHEAD, ROLLOUT_OPS, USER, uses_ref_logits
 
 __all__ = ["LEGEND", "PEERS", "check_targets", "render", "speedups", "tables"]
 
@@ -153,6 +153,12 @@ def check_targets(records: Sequence[Dict[str, Any]],
         checks.append(_check(
             f"policy_loss_ref_logps fwd+bwd {_TT}-inplace extra peak bytes (O(N))",
             _val(inplace, "peak_extra_bytes"), "<=", _PER_ROW_BYTES * _HEAD["N"] + _SLACK_BYTES))
+    for op in (o for o in ROLLOUT_OPS if has(o)):  # PERF.md: any correction <= 1.02x none
+        checks.append(_check(
+            f"{op} fwd+bwd {_TT} time / policy_loss_ref_logps fwd+bwd time "
+            f"(rollout_correction={ROLLOUT_OPS[op]!r})",
+            _ratio(_get(idx, _TT, op, "fwd+bwd"),
+                   _get(idx, _TT, "policy_loss_ref_logps", "fwd+bwd")), "<=", 1.02))
     if has(LMHEAD, _STEP):
         checks.append(_lmhead_check(idx))
     for op in (o for o in _OPS if has(o)):

@@ -27,7 +27,7 @@ import torch
 
 import _liger
 import _lmhead
-from _cases import CLIP_EPS, FWD, KL_COEF, LMHEAD, USER, TorchOp, uses_ref_logits
+from _cases import CLIP_EPS, FWD, KL_COEF, LMHEAD, ROLLOUT_OPS, USER, TorchOp, uses_ref_logits
 
 __all__ = ["PROVIDERS", "Provider", "eager_op", "ratiokl_op"]
 
@@ -108,6 +108,8 @@ def ratiokl_op(loss: Any, op: str, a: Mapping[str, Any], backend: str, check_ids
     ref, ref_lp = (a["ref"], None) if uses_ref_logits(op) else (None, a["ref_logps"])
     if op.startswith("ratio_kl"):
         return loss.ratio_kl(p, ref, ids, mask, old, ref_logps=ref_lp, **kw), ()
+    if op in ROLLOUT_OPS:  # the engine's log-probs and a correction, beside the default
+        kw.update(rollout_logps=a["rollout_logps"], rollout_correction=ROLLOUT_OPS[op])
     return loss.policy_loss(
         p, ref, ids, mask, old, a["advantages"], ref_logps=ref_lp,
         clip_eps=CLIP_EPS, kl_coef=KL_COEF, inplace_grad=inplace_grad, **kw,

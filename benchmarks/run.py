@@ -31,6 +31,7 @@ from _cases import (  # noqa: E402
     LMHEAD,
     OPS,
     PRESETS,
+    ROLLOUT_OPS,
     TIMED_MODES,
     TIMINGS,
     Case,
@@ -45,8 +46,8 @@ from _summary import LEGEND, check_targets, render, speedups, tables  # noqa: E4
 from providers import PROVIDERS, Provider  # noqa: E402
 
 _START = time.perf_counter()
-#: Every op ``--ops`` may name: the logits-in ops and the lm_head step.
-_ALL_OPS = OPS + (LMHEAD,)
+#: Every op ``--ops`` may name: the logits-in ops, the rollout-correction ones, the lm_head step.
+_ALL_OPS = OPS + tuple(ROLLOUT_OPS) + (LMHEAD,)
 
 
 def _log(msg: str) -> None:

@@ -22,6 +22,7 @@ from ratiokl.conformance import LOGIT_DTYPES, OPS, Case, build_case, round_to_dt
 
 import entropy_cases  # noqa: E402 - conformance/ is the script's directory (entropy cases)
 import loss_cases  # noqa: E402 - conformance/ is the script's directory (policy_loss cases)
+import rollout_cases  # noqa: E402 - conformance/ is the script's directory (rollout correction)
 
 SEED = 20261130
 DTYPE_SUFFIX = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
@@ -294,6 +295,7 @@ def build_cases() -> Iterator[Case]:
                 description=description,
             )
     yield from loss_cases.build_cases()
+    yield from rollout_cases.build_cases()
     yield from entropy_cases.build_cases()
 
 

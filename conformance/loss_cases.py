@@ -11,7 +11,7 @@ thresholds so that float32 rounding cannot flip a clip decision.
 from __future__ import annotations
 
 import zlib
-from typing import Any, Dict, Iterator, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 import numpy as np
 
@@ -181,7 +181,19 @@ GROUPS: Dict[str, Tuple[Tuple[str, ...], Dict[str, Any], Tuple[str, ...], Dict[s
 
 
 def _build(group: str, dtype: str) -> Tuple[Inputs, Dict[str, Any]]:
-    dtypes, options, arrays, kwargs, _ = GROUPS[group]
+    _, options, arrays, kwargs, _ = GROUPS[group]
+    return build_inputs(group, dtype, options, arrays, kwargs), dict(options)
+
+
+#: ``extend(rng, inputs, segments)``: more arrays for a case (``rollout_cases``).
+Extend = Callable[[np.random.Generator, Inputs, Optional[np.ndarray]], Inputs]
+
+
+def build_inputs(group: str, dtype: str, options: Dict[str, Any], arrays: Tuple[str, ...],
+                 kwargs: Dict[str, Any], extend: Optional[Extend] = None) -> Inputs:
+    """A group's inputs: the positional ones and the named ``arrays``, ratios kept off the
+    clip thresholds, inactive tokens poisoned. ``extend`` adds arrays before the poisoning,
+    drawing after every other draw (the base inputs are those of the group without it)."""
     rng = np.random.default_rng([SEED, zlib.crc32(group.encode())])
     x = _inputs(rng, dtype, temperature=options.get("temperature", 1.0), **kwargs)
     segments = x["segment_ids"] if "segment_ids" in arrays else None
@@ -190,9 +202,11 @@ def _build(group: str, dtype: str) -> Tuple[Inputs, Dict[str, Any]]:
         x["ref_logps"] = spec.selected_logprobs(round_to_dtype(x.pop("ref_logits"), dtype),
                                                 x["action_ids"], x["mask"])
         x["ref_logps"][~x["mask"]] = np.nan
+    if extend is not None:
+        x = extend(rng, x, segments)
     x = _poison_inactive(x)
     keep = ("policy_logits", "ref_logits", "action_ids", "mask", "old_logps", "advantages")
-    return {k: v for k, v in x.items() if k in keep + arrays}, dict(options)
+    return {k: v for k, v in x.items() if k in keep + arrays}
 
 
 def build_cases() -> Iterator[Case]:

@@ -200,3 +200,44 @@ def test_policy_loss_targets_against_liger_and_in_situ():
     in_situ = status["lmhead-step (ratiokl - gemm-only) user time / policy_loss_ref_logps "
                      "fwd+bwd device time"]
     assert in_situ[0] == "fail" and abs(in_situ[1] - 1.7 / 1.4) < 1e-9  # 1.21 > 1.15
+
+
+def test_rollout_correction_target_against_the_default_call():
+    """PERF.md: ``policy_loss`` with any ``rollout_correction`` <= 1.02x the call without it
+    (user timing, the headline shape); a correction that did not run is not listed."""
+    tt, base = "ratiokl-torch-triton", "policy_loss_ref_logps"
+    recs = [
+        _record(tt, base, "fwd+bwd", 2.00),
+        _record(tt, "policy_loss_rollout_token", "fwd+bwd", 2.03),
+        _record(tt, "policy_loss_rollout_token", "fwd+bwd", 1.00, timing="device"),
+        _record(tt, "policy_loss_rollout_sequence", "fwd+bwd", 2.05),
+    ]
+    status = {c["target"]: (c["status"], c["value"]) for c in check_targets(recs)}
+    token = status[f"policy_loss_rollout_token fwd+bwd {tt} time / {base} fwd+bwd time "
+                   "(rollout_correction='token-truncate')"]
+    sequence = status[f"policy_loss_rollout_sequence fwd+bwd {tt} time / {base} fwd+bwd time "
+                      "(rollout_correction='sequence-truncate')"]
+    assert token == ("pass", 2.03 / 2.00) and sequence == ("fail", 2.05 / 2.00)
+    headline = PRESETS["headline"]
+    rollout = [g for g in headline.groups if g.ops and set(g.ops) & {
+        "policy_loss_rollout_token", "policy_loss_rollout_sequence"}]
+    assert [(g.providers, [(c.n, c.v) for c in g.cases]) for g in rollout] == [
+        ((tt,), [(8192, 151936)])]
+
+
+def test_rollout_ops_call_the_correction():
+    """The providers' call of the rollout ops passes the engine's log-probs and the mode."""
+    torch = pytest.importorskip("torch")
+    from _cases import ROLLOUT_OPS, Case
+    from _inputs import make_inputs
+    from providers import ratiokl_op
+
+    from ratiokl.torch import loss
+
+    x = vars(make_inputs(Case(64, 256, 0.5, "float32"), torch.device("cpu")))
+    _, plain = ratiokl_op(loss, "policy_loss_ref_logps", x, "native", True)
+    for op in ROLLOUT_OPS:
+        value, metrics = ratiokl_op(loss, op, x, "native", True)
+        assert torch.isfinite(value) and 0.5 < float(metrics["rollout_weight_mean"]) < 2.0
+        assert set(metrics) == set(plain) | {"rollout_weight_mean", "rollout_masked_fraction",
+                                             "rollout_k3"}

@@ -77,3 +77,45 @@ def test_torch_and_jax_agree(op, dtype, lead, vocab, seed, temperature) -> None:
     # Agreement with each other is only meaningful if both agree with the spec.
     for outcome in (torch_out, jax_out):
         assert conformance.judge(case, outcome).passed
+
+
+def _rollout_case(correction: str, dtype: str, seed: int) -> conformance.Case:
+    """A ``policy_loss`` case with the rollout correction on packed rows; poisoned inactive
+    rows (NaN logits, old and rollout log-probs, bad ids)."""
+    rng = np.random.default_rng(seed)
+    lead, vocab = (3, 9), 29
+    mask = rng.random(lead) < 0.7
+    logits = rng.normal(0.0, 2.0, (*lead, vocab))
+    ids = rng.integers(0, vocab, lead)
+    old = np.where(mask, rng.normal(-3.0, 1.0, lead), np.nan)
+    inputs = {"policy_logits": np.where(mask[..., None], logits, np.nan),
+              "ref_logits": logits + rng.normal(0.0, 0.5, logits.shape),
+              "action_ids": np.where(mask, ids, vocab + 3), "mask": mask, "old_logps": old,
+              "advantages": rng.normal(size=lead[:-1]),
+              "rollout_logps": old + rng.normal(0.0, 0.4, lead),
+              "segment_ids": np.sort(rng.integers(0, 3, lead), axis=-1)}
+    options = {"rollout_correction": correction, "rollout_bounds": (0.6, 1.7), "kl_coef": 0.1,
+               "loss_agg": "seq-mean-token-sum"}
+    return conformance.build_case(f"cross_rollout_{seed}", "cross", "policy_loss_rollout", dtype,
+                                  inputs, options=options,
+                                  cotangents={"loss": np.float32(0.5)})
+
+
+@pytest.mark.parametrize("correction, dtype, seed", [
+    ("token-truncate", "float32", 10), ("token-mask", "bfloat16", 11),
+    ("sequence-truncate", "float16", 12), ("sequence-mask", "float32", 13),
+])
+def test_torch_and_jax_agree_on_the_rollout_correction(correction, dtype, seed) -> None:
+    case = _rollout_case(correction, dtype, seed)
+    torch_out, jax_out = (conformance.call_target(case, t) for t in PAIR)
+    check = Check()
+    for out in case.spec.outputs:
+        compare_close(check, out, jax_out.outputs[out],
+                      torch_out.outputs[out].astype(np.float64), case.tolerances[out])
+    compare_close(check, "grad", jax_out.grad, torch_out.grad.astype(np.float64),
+                  case.tolerances["grad"])
+    inactive = ~case.row_mask
+    assert np.all(torch_out.grad[inactive] == 0) and np.all(jax_out.grad[inactive] == 0)
+    assert check.passed, check.failures
+    for outcome in (torch_out, jax_out):
+        assert conformance.judge(case, outcome).passed

@@ -9,6 +9,8 @@ A :class:`Backend` runs on flattened, validated inputs::
     policy_loss(policy, ref, ids, mask, old, ref_logps, adv, iw, weights,
                 temperature, opts, inplace_grad) -> (loss, metrics)   [fused; or None]
     token_weights(mask, opts, normalizer, width) -> weights | None     [or None]
+    rollout_weights(mask, old, rollout, seq, iw, rollout_opts, bound)
+        -> (weights, metrics)                                          [or None]
 
 with ``logits``/``policy``/``ref`` ``[N, V]`` float32 / float16 / bfloat16 (``ref``
 without gradient, or None), ``ids`` ``[N]`` integer (not range-checked: clamped
@@ -22,7 +24,10 @@ exactly 0) whatever they hold; an active row with a bad id or temperature is
 NaN; nothing synchronises with the host. A backend without a fused
 ``policy_loss`` (and GSPO's ``ratio_level="sequence"``, which needs a cross-row
 mean of the log-ratio before the objective) takes the two-pass route:
-``selected_logprobs``, then the framework's ``_objective``.
+``selected_logprobs``, then the framework's ``_objective``. ``rollout_weights`` (the
+rollout correction's weights and metrics in one launch; ``seq`` the sequence
+log-weights ``[R, 1]`` or ``[R, T]``, or None) is optional too: without it the
+framework's ``_rollout`` ops compute the same.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ class Backend:
     policy_loss: Optional[Callable] = None  # fused; None: two passes
     token_weights: Optional[Callable] = None  # one-launch aggregation weights; None: ops
     logprobs_entropy: Optional[Callable] = None  # (logp, entropy) in one pass; None: none
+    rollout_weights: Optional[Callable] = None  # one-launch rollout correction; None: ops
 
 
 def logprobs_entropy_of(run: Backend, sharding_argument: str) -> Callable:

@@ -36,8 +36,10 @@ def test_conformance_fixtures_sharded_over_four_devices() -> None:
 
 
 def test_transforms_policy_loss_and_sharding_modes() -> None:
-    """grad inside the body, check_vma=False, policy_loss, plain jit, dp x tp, bad ids, HLO."""
-    _run("grad_inside_body", "vma_off", "policy_loss", "plain_jit_named_sharding",
+    """grad inside the body, check_vma=False, policy_loss, the rollout fixtures, plain jit,
+    dp x tp, bad ids, HLO."""
+    _run("grad_inside_body", "vma_off", "policy_loss", "rollout_fixtures",
+         "plain_jit_named_sharding",
          "data_and_tensor_parallel", "bad_ids_and_errors", "collectives")
 
 

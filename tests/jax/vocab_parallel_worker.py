@@ -67,7 +67,10 @@ def _with_grad(op, ndim: int, static, check_vma: bool) -> Callable:
     def run(logits, arrays, cotangents):
         outputs, vjp = jax.vjp(lambda x: fn(dict(logits, **{op.differentiate: x}), arrays),
                                logits[op.differentiate])
-        return outputs, vjp(cotangents)[0]
+        # Outputs without a cotangent (policy_loss's metrics) get zeros.
+        full = {o: cotangents[o] if o in cotangents else jnp.zeros_like(v)
+                for o, v in outputs.items()}
+        return outputs, vjp(full)[0]
 
     return jax.jit(run)
 
@@ -140,6 +143,17 @@ def check_fixtures_all() -> None:
     names = [n for n in conformance.list_cases()
              if conformance.load_case(n).op in ("ratio_kl", "selected_logprobs")]
     for name in names:
+        run_fixture(name)
+
+
+#: Rollout-correction fixtures run sharded: token and sequence level, packed segments, bf16.
+ROLLOUT_FIXTURES = ("policy_rollout_token_truncate_bf16", "policy_rollout_icepop_fp32",
+                    "policy_rollout_sequence_mask_packed_fp32", "policy_rollout_gspo_fp32")
+
+
+def check_rollout_fixtures() -> None:
+    """The rollout-correction fixtures (``rollout_logps`` NaN on inactive rows) sharded."""
+    for name in ROLLOUT_FIXTURES:
         run_fixture(name)
 
 
@@ -319,6 +333,7 @@ CHECKS: Dict[str, Callable[[], None]] = {
     "vma_off": check_vma_off,
     "grad_inside_body": check_grad_inside_body,
     "policy_loss": check_policy_loss,
+    "rollout_fixtures": check_rollout_fixtures,
     "plain_jit_named_sharding": check_plain_jit_named_sharding,
     "data_and_tensor_parallel": check_data_and_tensor_parallel,
     "bad_ids_and_errors": check_bad_ids_and_errors,

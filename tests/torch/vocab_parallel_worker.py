@@ -277,8 +277,11 @@ def check_conformance(world: int, group, names=None, backend: str = "auto") -> i
 
 def check_policy_loss(world: int, group) -> None:
     """Sharded ``policy_loss`` (KL on reference logits) equals the unsharded call, grads too:
-    the PPO and the CISPO objective."""
-    for options in (dict(), dict(objective="cispo", clip_eps_high=0.28)):
+    the PPO and the CISPO objective, and the rollout correction (``rollout_logps`` NaN on
+    inactive rows) at token and sequence level."""
+    for options in (dict(), dict(objective="cispo", clip_eps_high=0.28),
+                    dict(rollout_correction="token-truncate", rollout_bounds=(0.0, 1.2)),
+                    dict(rollout_correction="sequence-mask", rollout_bounds=(0.5, 1.5))):
         _check_policy_loss(world, group, options)
 
 
@@ -288,6 +291,10 @@ def _check_policy_loss(world: int, group, options) -> None:
     start, stop = shard_bounds(vocab, world)[dist.get_rank(group)]
     poison_inactive(case, slice(*shard_bounds(vocab, world)[-1]))
     ids, mask, old, adv = tensors(case, "ids", "mask", "old", "g_kl")
+    if "rollout_correction" in options:  # the engine's log-probs: old + N(0, 0.3)
+        rollout = case["old"] + 0.3 * (case["ref_logps"] + 3.0)
+        options = dict(options, rollout_logps=torch.tensor(
+            np.where(case["mask"], rollout, np.nan), dtype=torch.float32))
 
     def run(policy, ref, group_arg):
         value, metrics = loss.policy_loss(
@@ -303,6 +310,20 @@ def _check_policy_loss(world: int, group, options) -> None:
     assert_close("policy loss grad", grad, grad_1[..., start:stop], tol)
     for key, expected in metrics_1.items():
         assert_close(key, metrics[key], expected, tol)
+
+
+#: Rollout-correction fixtures run sharded: token and sequence level, packed segments, bf16.
+ROLLOUT_FIXTURES = ("policy_rollout_token_truncate_bf16", "policy_rollout_icepop_fp32",
+                    "policy_rollout_sequence_mask_packed_fp32", "policy_rollout_gspo_fp32")
+
+
+def check_rollout_fixtures(world: int, group) -> None:
+    """The rollout fixtures on vocabulary shards, judged by ``ratiokl.conformance``."""
+    for name in ROLLOUT_FIXTURES:
+        case = conformance.load_case(name)
+        start, stop = shard_bounds(case.logits.shape[-1], world)[dist.get_rank(group)]
+        check = conformance.judge(case, _conformance_call(case, start, stop, group, "auto"))
+        assert check.passed, (name, check.failures)
 
 
 def check_collective_count(world: int, group, backend: str = "auto") -> None:
@@ -347,6 +368,7 @@ def run_all(world: int) -> None:
     check_empty(group)
     check_collective_count(world, group)
     check_policy_loss(world, group)
+    check_rollout_fixtures(world, group)
     assert check_conformance(world, group) >= 60
     if world == 4:
         # Tensor parallelism inside data parallelism: two groups of two ranks.

@@ -64,9 +64,11 @@ class Case:
         return OPS[self.op]
 
     def arguments(self) -> Dict[str, Any]:
-        """The operator's arguments present in the case: arrays, then scalar options."""
+        """The operator's arguments present in the case: arrays, then scalar options (a
+        JSON list, such as ``rollout_bounds``, back as the tuple it was)."""
         out = {k: self.arrays[k] for k in self.spec.arguments if k in self.arrays}
-        out.update({k: v for k, v in self.options.items() if k in self.spec.arguments})
+        out.update({k: tuple(v) if isinstance(v, list) else v
+                    for k, v in self.options.items() if k in self.spec.arguments})
         return out
 
     @property

@@ -126,6 +126,8 @@ _POLICY_METRICS = (
     "clip_fraction", "clip_fraction_low", "clip_fraction_high", "dual_clip_fraction",
     "ratio_mean", "kl_mean", "approx_kl",
 )
+#: ``policy_loss`` with the rollout correction: its arguments and metrics on top.
+_ROLLOUT_KW = _POLICY_KW + ("rollout_logps", "rollout_correction", "rollout_bounds")
 
 
 def _entropy_reference(args: Arrays) -> Dict[str, np.ndarray]:
@@ -141,13 +143,13 @@ def _entropy_grad(args: Arrays, cot: Arrays) -> np.ndarray:
 
 def _policy_reference(args: Arrays) -> Dict[str, np.ndarray]:
     positional = [args.get(k) for k in _POLICY_POSITIONAL]
-    value, metrics = spec.policy_loss(*positional, **_spec_args(args, _POLICY_KW))
+    value, metrics = spec.policy_loss(*positional, **_spec_args(args, _ROLLOUT_KW))
     return {"loss": np.float64(value), **{k: np.float64(v) for k, v in metrics.items()}}
 
 
 def _policy_grad(args: Arrays, cot: Arrays) -> np.ndarray:
     positional = [args.get(k) for k in _POLICY_POSITIONAL]
-    grad = spec.policy_loss_grad(*positional, **_spec_args(args, _POLICY_KW))
+    grad = spec.policy_loss_grad(*positional, **_spec_args(args, _ROLLOUT_KW))
     return float(cot["loss"]) * grad
 
 
@@ -199,6 +201,19 @@ OPS: Dict[str, Op] = {
         logit_args=("policy_logits", "ref_logits"),
         differentiate="policy_logits",
         outputs=("loss",) + _POLICY_METRICS,
+        cotangents=("loss",),
+        neutral={},
+        unpack=lambda result: {"loss": result[0], **result[1]},
+        reference=_policy_reference,
+        reference_grad=_policy_grad,
+    ),
+    "policy_loss_rollout": Op(
+        name="policy_loss",
+        positional=_POLICY_POSITIONAL,
+        keywords=_ROLLOUT_KW,
+        logit_args=("policy_logits", "ref_logits"),
+        differentiate="policy_logits",
+        outputs=("loss",) + _POLICY_METRICS + spec.ROLLOUT_METRIC_NAMES,
         cotangents=("loss",),
         neutral={},
         unpack=lambda result: {"loss": result[0], **result[1]},

@@ -25,7 +25,8 @@ from jax import lax
 from ratiokl.jax._checks import Normalizer, TokenInputs
 from ratiokl.spec import LossAgg, PolicyLossOptions
 
-__all__ = ["aggregation_weights", "policy_objective", "token_metrics", "token_ratio_kl"]
+__all__ = ["aggregation_weights", "policy_objective", "sequence_totals", "token_metrics",
+           "token_ratio_kl"]
 
 
 def token_ratio_kl(logp: jax.Array, logp_ref: jax.Array, old_logps: jax.Array,
@@ -112,6 +113,17 @@ def _segment_totals(x: jax.Array, first: jax.Array, last: jax.Array) -> jax.Arra
         acc = jnp.where(pos - step >= first, acc + _shift_right(acc, step, 0.0), acc)
         step *= 2
     return jnp.take_along_axis(acc, last, axis=1)
+
+
+def sequence_totals(x: jax.Array, mask: jax.Array,
+                    segment_ids: Optional[jax.Array]) -> jax.Array:
+    """Per token, the sum of ``x`` over its sequence (``loss_agg``'s sequences), ``[R, T]``.
+
+    ``x`` must hold 0 on inactive tokens (they join the sequence before them). Used by
+    the rollout correction's sequence-level log-weight.
+    """
+    first, last, _ = _segments(mask, segment_ids)
+    return _segment_totals(x, first, last)
 
 
 def _clipped_ratio(ratio, adv, opts: PolicyLossOptions):

@@ -34,7 +34,7 @@ from jax import lax
 
 from ratiokl._backend import Backend, logprobs_entropy_of, warn_inplace_ignored
 from ratiokl._requirements import unmet
-from ratiokl.jax import _checks, _jax_triton
+from ratiokl.jax import _checks, _jax_triton, _rollout
 from ratiokl.jax._checks import Temperature
 from ratiokl.spec import BACKENDS, kl_estimator_code, policy_loss_options
 
@@ -198,7 +198,8 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
                 ref_logps, clip_eps, clip_eps_high, dual_clip, ratio_cap, kl_coef,
                 kl_estimator, loss_agg, loss_normalizer, ratio_level, objective, segment_ids,
                 importance_weights, log_ratio_bound, temperature, backend, check_ids,
-                vocab_axis, inplace_grad) -> Tuple[jax.Array, Dict[str, jax.Array]]:
+                vocab_axis, inplace_grad, rollout_logps, rollout_correction,
+                rollout_bounds) -> Tuple[jax.Array, Dict[str, jax.Array]]:
     """``ratiokl.jax.loss.policy_loss`` (documented there)."""
     opts = policy_loss_options(
         clip_eps=clip_eps, clip_eps_high=clip_eps_high, dual_clip=dual_clip,
@@ -214,6 +215,9 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
     ref = None if ref_logits is None else ref_logits.reshape(rows.logits.shape)
     run = rows.run
     as_rows = _checks.as_rows
+    inputs, rollout_metrics = _rollout.correct(rows.mask, lead, inputs, rollout_logps,
+                                               rollout_correction, rollout_bounds,
+                                               opts.log_ratio_bound)
     if run.policy_loss is not None and not opts.sequence_ratio:  # one kernel: the loss,
         # the metrics' row values and the gradient together
         mask_rows = as_rows(rows.mask, lead)
@@ -222,11 +226,11 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
             from ratiokl.jax import _objective
 
             weights = _objective.aggregation_weights(mask_rows, inputs, opts).reshape(-1)
-        return rows.checked(run.policy_loss(
+        return rows.checked(_rollout.with_metrics(run.policy_loss(
             rows.logits, ref, rows.ids, rows.mask, _flat(inputs.old_logps), _flat(ref_logps),
             _flat(inputs.advantages), _flat(inputs.importance_weights), weights,
             rows.temperature, opts, inplace_grad,
-        ))
+        ), rollout_metrics))
     if inplace_grad:
         warn_inplace_ignored(opts.sequence_ratio)
     from ratiokl.jax import _objective
@@ -237,7 +241,7 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
         logp_ref = run.selected_logprobs(lax.stop_gradient(ref), rows.ids, rows.mask,
                                          rows.temperature)
     logp_ref = None if logp_ref is None else lax.stop_gradient(logp_ref)
-    return rows.checked(_objective.policy_objective(
+    return rows.checked(_rollout.with_metrics(_objective.policy_objective(
         as_rows(logp, lead), None if logp_ref is None else as_rows(logp_ref, lead),
         as_rows(rows.mask, lead), inputs, opts,
-    ))
+    ), rollout_metrics))

@@ -21,6 +21,7 @@ __all__ = [
     "Objective",
     "PolicyKLEstimator",
     "RatioLevel",
+    "RolloutCorrection",
     "DEFAULT_LOG_RATIO_BOUND",
     "KL_ESTIMATORS",
     "LOSS_AGGS",
@@ -28,6 +29,7 @@ __all__ = [
     "POLICY_KL_ESTIMATORS",
     "PolicyLossOptions",
     "RATIO_LEVELS",
+    "ROLLOUT_CORRECTIONS",
     "kl_estimator_code",
     "option_code",
     "policy_loss_options",
@@ -41,6 +43,7 @@ LossAgg = Literal["token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-to
                   "seq-mean-token-sum-norm"]
 RatioLevel = Literal["token", "sequence"]
 Objective = Literal["ppo", "cispo"]
+RolloutCorrection = Literal["token-truncate", "token-mask", "sequence-truncate", "sequence-mask"]
 
 #: Schulman's estimators of KL(pi || pi_ref) from ``d = logp_ref - logp``.
 KL_ESTIMATORS: Mapping[str, int] = {name: code for code, name in enumerate(get_args(KLEstimator), 1)}
@@ -87,6 +90,13 @@ RATIO_LEVELS: Mapping[str, int] = {name: code for code, name in enumerate(get_ar
 #: The per-token policy term: PPO's clipped surrogate, or CISPO's clipped, detached
 #: importance weight times the log-prob (MiniMax-M1).
 OBJECTIVES: Mapping[str, int] = {name: code for code, name in enumerate(get_args(Objective))}
+
+#: Rollout correction (``ratiokl.spec.rollout``): the log-weight's level (token or sequence)
+#: and what the bounds do (truncate from above: TIS; mask outside: rejection, IcePop).
+#: Code 0 is no correction (``rollout_correction=None``: metrics only).
+ROLLOUT_CORRECTIONS: Mapping[str, int] = {
+    name: code for code, name in enumerate(get_args(RolloutCorrection), 1)
+}
 
 #: Default bound on ``|log ratio|`` (and on ``|d|`` before k3's ``exp``): verl's
 #: +-20. ``exp(20) ~ 4.9e8`` keeps ``A * ratio`` finite in float32 for any

@@ -12,6 +12,9 @@ token ``t`` (inactive tokens contribute nothing and get a zero gradient)::
     pg    = -A * q * w                          (w: importance_weights, default 1)
     loss  = pg + kl_coef * kl                   (kl: POLICY_KL_ESTIMATORS on d = logp_ref - logp)
 
+With ``rollout_logps`` the rollout correction's detached weight
+(:mod:`ratiokl.spec.rollout`) multiplies ``w``.
+
 With ``objective="cispo"`` (MiniMax-M1's CISPO) the policy term is instead::
 
     wc    = clip(r, 1 - clip_eps, ratio_high)   (for every advantage; detached)
@@ -61,6 +64,7 @@ from ratiokl.spec.options import (
     policy_loss_options,
 )
 from ratiokl.spec.reference import ArrayLike, selected_logprobs, selected_logprobs_grad
+from ratiokl.spec.rollout import DEFAULT_ROLLOUT_BOUNDS, rollout_options, rollout_weights
 
 __all__ = [
     "POLICY_LOSS_DEFAULTS",
@@ -172,6 +176,9 @@ def policy_loss_from_logps(
     loss_normalizer: Optional[float] = None,
     segment_ids: Optional[np.ndarray] = None,
     importance_weights: Optional[np.ndarray] = None,
+    rollout_logps: Optional[np.ndarray] = None,
+    rollout_correction: Optional[str] = None,
+    rollout_bounds: Tuple[float, float] = DEFAULT_ROLLOUT_BOUNDS,
     **options,
 ) -> Tuple[float, np.ndarray, Dict[str, float]]:
     """Policy loss from per-token log-probs ``[...]``: ``(loss, dloss/dlogp, metrics)``.
@@ -180,7 +187,8 @@ def policy_loss_from_logps(
     ``log_ratio_bound``); see the module docstring for the formulas. ``logp_ref``
     may be None when ``kl_coef == 0`` (the KL is then 0). Metrics are means over
     active tokens (0 when there is none): ``clip_fraction`` (= ``_low`` + ``_high``),
-    ``dual_clip_fraction``, ``ratio_mean``, ``kl_mean`` and ``approx_kl``.
+    ``dual_clip_fraction``, ``ratio_mean``, ``kl_mean`` and ``approx_kl``; with
+    ``rollout_logps`` also ``ratiokl.spec.rollout.ROLLOUT_METRIC_NAMES``.
     """
     opts = policy_loss_options(**{**POLICY_LOSS_DEFAULTS, **options})
     mask = np.asarray(mask, dtype=bool)
@@ -194,6 +202,12 @@ def policy_loss_from_logps(
         w = 1.0 if importance_weights is None else np.asarray(importance_weights, np.float64)
         w = np.where(mask, w, 0.0)
         seq, n_seq = sequence_index(mask, segment_ids)
+        rollout = rollout_options(rollout_correction, rollout_bounds, rollout_logps is not None)
+        rollout_metrics = {}
+        if rollout is not None:
+            w_rollout, rollout_metrics = rollout_weights(
+                old, rollout_logps, mask, (seq, n_seq), rollout, opts.log_ratio_bound)
+            w = w * w_rollout
         lr = logp - old
         if opts.sequence_ratio:
             counts = np.bincount(seq[mask], minlength=n_seq)
@@ -233,6 +247,7 @@ def policy_loss_from_logps(
             "ratio_mean": mean(r),
             "kl_mean": mean(kl),
             "approx_kl": mean(old - logp),
+            **rollout_metrics,
         }
         return float(per_token.sum() / denom), grad, metrics
 

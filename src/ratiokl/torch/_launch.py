@@ -29,6 +29,7 @@ kernels clamp every id and poison (NaN) an active row with an id outside
 from __future__ import annotations
 
 import inspect
+import math
 import warnings
 from typing import Callable, Optional, Sequence, Tuple
 
@@ -66,11 +67,12 @@ from ratiokl._kernels.loss_rows import (
     policy_metrics_kernel,
     token_weights_kernel,
 )
+from ratiokl._kernels.rollout import rollout_weights_kernel
 from ratiokl.torch._cached_launch import cached
 
 __all__ = [
-    "BACKWARD", "ENTROPY_FORWARD", "FORWARD", "KernelOp", "POLICY_LOSS", "SCALE_ROWS",
-    "SHARD_STATS", "TOKEN_WEIGHTS", "row_backward", "row_forward",
+    "BACKWARD", "ENTROPY_FORWARD", "FORWARD", "KernelOp", "POLICY_LOSS", "ROLLOUT_WEIGHTS",
+    "SCALE_ROWS", "SHARD_STATS", "TOKEN_WEIGHTS", "row_backward", "row_forward",
 ]
 
 Tensor = torch.Tensor
@@ -526,3 +528,35 @@ def shard_stats(kernels: Callable, policy: Tensor, ref: Optional[Tensor], mask: 
 
 SHARD_STATS = KernelOp(shard_stats, fake=lambda policy, *_: tuple(
     policy.new_empty(policy.shape[0], dtype=torch.float32) for _ in range(2)))
+
+
+# --- the rollout correction's weights (before the policy loss) ---------------------------------
+
+
+def rollout_weights(kernels: Callable, mask: Tensor, old: Tensor, rollout: Tensor,
+                    seq: Optional[Tensor], iw: Optional[Tensor], seq_width: int, low: float,
+                    high: float, bound: float, correct: int) -> Tuple[Tensor, Tensor]:
+    """``(w * iw, metrics)``: float32 ``[N]`` (0 on inactive rows) and float32 ``[3]``
+    (``ratiokl.spec.ROLLOUT_METRIC_NAMES``) from ``rollout_weights_kernel``.
+
+    ``seq``: the sequence log-weights, one per ``seq_width`` rows (None: token level);
+    ``iw``: importance weights or None; ``high`` may be inf (no ceiling, mask modes);
+    ``bound``: ``log_ratio_bound`` (0: none); ``correct``: the kernel's ``CORRECT``.
+    """
+    w = torch.empty(mask.shape, dtype=torch.float32, device=mask.device)
+    metrics = torch.empty(3, dtype=torch.float32, device=mask.device)
+    if not mask.numel():
+        return w, metrics.zero_()
+    finite = high < math.inf
+    kernels(rollout_weights_kernel)[(1,)](
+        mask, old, rollout, old if seq is None else seq, old if iw is None else iw, w, metrics,
+        mask.numel(), seq_width,
+        LOW=low, HIGH=high if finite else 0.0, HAS_HIGH=finite, BOUND=bound, CORRECT=correct,
+        SEQUENCE=seq is not None, HAS_IW=iw is not None, BLOCK=ROWS_BLOCK,
+        num_warps=ROWS_WARPS,
+    )
+    return w, metrics
+
+
+ROLLOUT_WEIGHTS = KernelOp(rollout_weights, fake=lambda mask, *_: (
+    mask.new_empty(mask.shape, dtype=torch.float32), mask.new_empty(3, dtype=torch.float32)))

@@ -21,7 +21,8 @@ import torch
 from ratiokl.spec import LossAgg, PolicyLossOptions
 from ratiokl.torch._checks import Normalizer, TokenInputs
 
-__all__ = ["aggregation_weights", "policy_objective", "token_metrics", "token_ratio_kl"]
+__all__ = ["aggregation_weights", "policy_objective", "sequence_totals", "token_metrics",
+           "token_ratio_kl"]
 
 
 def token_ratio_kl(logp: torch.Tensor, logp_ref: torch.Tensor, old_logps: torch.Tensor,
@@ -104,6 +105,17 @@ def _segment_totals(x: torch.Tensor, first: torch.Tensor, last: torch.Tensor) ->
         acc = torch.where(pos - step >= first, acc + shifted, acc)
         step *= 2
     return torch.gather(acc, -1, last)
+
+
+def sequence_totals(x: torch.Tensor, mask: torch.Tensor,
+                    segment_ids: Optional[torch.Tensor]) -> torch.Tensor:
+    """Per token, the sum of ``x`` over its sequence (``loss_agg``'s sequences), ``[R, T]``.
+
+    ``x`` must hold 0 on inactive tokens (they join the sequence before them). Used by
+    the rollout correction's sequence-level log-weight.
+    """
+    first, last, _ = _segments(mask, segment_ids)
+    return _segment_totals(x, first, last)
 
 
 def _clipped_ratio(ratio, adv, opts: PolicyLossOptions):

@@ -32,7 +32,7 @@ import torch
 from ratiokl._backend import Backend, logprobs_entropy_of, warn_inplace_ignored
 from ratiokl._requirements import unmet
 from ratiokl.spec import BACKENDS, kl_estimator_code, policy_loss_options
-from ratiokl.torch import _checks
+from ratiokl.torch import _checks, _rollout
 from ratiokl.torch._checks import Temperature
 
 __all__ = ["BACKENDS", "backend_name", "policy_loss", "ratio_kl", "resolve",
@@ -50,7 +50,8 @@ def _triton() -> Backend:
     from ratiokl.torch import _triton
 
     return Backend(_triton.selected_logprobs, _triton.ratio_kl, _triton.policy_loss,
-                   _triton.token_weights, _triton.logprobs_entropy)
+                   _triton.token_weights, _triton.logprobs_entropy,
+                   rollout_weights=_triton.rollout_weights)
 
 
 #: Backend name -> its loader (plain imports: torch.compile traces through them).
@@ -250,7 +251,8 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
                 ref_logps, clip_eps, clip_eps_high, dual_clip, ratio_cap, kl_coef,
                 kl_estimator, loss_agg, loss_normalizer, ratio_level, objective, segment_ids,
                 importance_weights, log_ratio_bound, temperature, backend, check_ids,
-                vocab_group, inplace_grad) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+                vocab_group, inplace_grad, rollout_logps, rollout_correction,
+                rollout_bounds) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """``ratiokl.torch.loss.policy_loss`` (documented there)."""
     opts = policy_loss_options(
         clip_eps=clip_eps, clip_eps_high=clip_eps_high, dual_clip=dual_clip,
@@ -275,6 +277,9 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
     )
     ref = None if ref_logits is None else ref_logits.detach().reshape(rows.logits.shape)
     run = rows.run
+    inputs, rollout_metrics = _rollout.correct(run, rows.mask, lead, inputs, rollout_logps,
+                                               rollout_correction, rollout_bounds,
+                                               opts.log_ratio_bound)
     if run.policy_loss is not None and not opts.sequence_ratio and not _compiled_backward(
             rows.logits):  # one kernel: the loss, the metrics' row values and the gradient
         mask_rows = _checks.as_rows(rows.mask, lead)
@@ -285,11 +290,11 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
             weights = _objective.aggregation_weights(mask_rows, inputs, opts).reshape(-1)
         if inplace_grad:  # the launch consumes the logits: check before it
             rows.checked(None)
-        return rows.checked(run.policy_loss(
+        return rows.checked(_rollout.with_metrics(run.policy_loss(
             rows.logits, ref, rows.ids, rows.mask, _flat(inputs.old_logps), _flat(ref_logps),
             _flat(inputs.advantages), _flat(inputs.importance_weights), weights,
             rows.temperature, opts, inplace_grad,
-        ))
+        ), rollout_metrics))
     if inplace_grad and not torch.compiler.is_compiling():  # documented: ignored there
         warn_inplace_ignored(opts.sequence_ratio)
     from ratiokl.torch import _objective
@@ -300,7 +305,7 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
         with torch.no_grad():
             logp_ref = run.selected_logprobs(ref, rows.ids, rows.mask, rows.temperature)
     as_rows = _checks.as_rows
-    return rows.checked(_objective.policy_objective(
+    return rows.checked(_rollout.with_metrics(_objective.policy_objective(
         as_rows(logp, lead), None if logp_ref is None else as_rows(logp_ref, lead),
         as_rows(rows.mask, lead), inputs, opts,
-    ))
+    ), rollout_metrics))

@@ -26,13 +26,15 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from ratiokl._backend import token_weights_args
+from ratiokl._kernels import rollout as rollout_kernel
 from ratiokl._kernels.loss_rows import METRIC_NAMES
-from ratiokl.spec import PolicyLossOptions
+from ratiokl.spec import ROLLOUT_METRIC_NAMES, PolicyLossOptions, RolloutOptions
 from ratiokl.torch._launch import (
     BACKWARD,
     ENTROPY_FORWARD,
     FORWARD,
     POLICY_LOSS,
+    ROLLOUT_WEIGHTS,
     SCALE_ROWS,
     SHARD_STATS,
     TOKEN_WEIGHTS,
@@ -42,7 +44,7 @@ from ratiokl.torch._checks import Temperature
 
 __all__ = [
     "kernel_coefficients", "kernel_temperature", "policy_loss", "ratio_kl",
-    "selected_logprobs", "shard_grad", "shard_lse", "token_weights",
+    "rollout_weights", "selected_logprobs", "shard_grad", "shard_lse", "token_weights",
 ]
 
 
@@ -124,6 +126,30 @@ def token_weights(mask: torch.Tensor, opts: PolicyLossOptions, normalizer: objec
     """
     args = token_weights_args(opts, normalizer, width)
     return None if args is None else TOKEN_WEIGHTS(mask, *args)
+
+
+def rollout_weights(mask: torch.Tensor, old: torch.Tensor, rollout: torch.Tensor,
+                    seq: Optional[torch.Tensor], iw: Optional[torch.Tensor],
+                    opts: RolloutOptions, bound: Optional[float],
+                    ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """The rollout correction's ``w * iw`` (float32 ``[N]``, 0 on inactive rows) and its
+    metrics, in one launch (``ratiokl.spec.rollout`` has the formulas).
+
+    ``mask``, ``old``, ``rollout`` and ``iw`` (or None) are ``[N]``; ``seq`` (sequence
+    modes) the sequence log-weights, ``[R, 1]`` (one per row) or ``[R, T]`` (per token).
+    """
+    width = 1 if seq is None else mask.numel() // max(seq.numel(), 1)
+    w, metrics = ROLLOUT_WEIGHTS(mask, old, rollout, None if seq is None else seq.reshape(-1),
+                                 iw, width, opts.low, opts.high, bound or 0.0,
+                                 _correction_code(opts))
+    return w, dict(zip(ROLLOUT_METRIC_NAMES, metrics.unbind()))
+
+
+def _correction_code(opts: RolloutOptions) -> int:
+    """``rollout_weights_kernel``'s ``CORRECT`` for ``opts``: ``NONE``, ``TRUNCATE`` or ``MASK``."""
+    code = (rollout_kernel.MASK if opts.masks else rollout_kernel.TRUNCATE if opts.corrects
+            else rollout_kernel.NONE)
+    return code.value
 
 
 class _InplaceLoss(torch.autograd.Function):

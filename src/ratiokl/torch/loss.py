@@ -13,12 +13,14 @@ import torch
 
 from ratiokl.spec import (
     DEFAULT_LOG_RATIO_BOUND,
+    DEFAULT_ROLLOUT_BOUNDS,
     BackendName,
     KLEstimator,
     LossAgg,
     Objective,
     PolicyKLEstimator,
     RatioLevel,
+    RolloutCorrection,
 )
 from ratiokl.torch import _route
 from ratiokl.torch._checks import Temperature
@@ -175,6 +177,9 @@ def policy_loss(
     objective: Objective = "ppo",
     segment_ids: Optional[torch.Tensor] = None,
     importance_weights: Optional[torch.Tensor] = None,
+    rollout_logps: Optional[torch.Tensor] = None,
+    rollout_correction: Optional[RolloutCorrection] = None,
+    rollout_bounds: Tuple[float, float] = DEFAULT_ROLLOUT_BOUNDS,
     log_ratio_bound: Optional[float] = DEFAULT_LOG_RATIO_BOUND,
     temperature: Temperature = 1.0,
     backend: BackendName = "auto",
@@ -189,7 +194,12 @@ def policy_loss(
         r    = exp(clip(logp - old_logp, -b, b))        (b = log_ratio_bound)
         pg   = max(-A*r, -A*clip(r, 1-clip_eps, 1+clip_eps_high))
                then min(pg, -A*dual_clip) for A < 0; ratio_cap caps r likewise
-        loss = importance_weight * pg + kl_coef * kl(logp_ref - logp)
+        loss = w * importance_weight * pg + kl_coef * kl(logp_ref - logp)
+
+    where ``w`` is the rollout correction's weight (1 without ``rollout_correction``)::
+
+        lw = old_logp - rollout_logp   (token), or its sum over the sequence (sequence)
+        e  = exp(clip(lw, -b, b));  w = min(e, hi) (truncate)  |  e if lo <= e <= hi else 0 (mask)
 
     ``objective="cispo"`` (MiniMax-M1) replaces ``pg`` by
     ``-sg(clip(r, 1-clip_eps, min(1+clip_eps_high, ratio_cap))) * A * logp``: the
@@ -234,6 +244,20 @@ def policy_loss(
         where the id of consecutive active tokens changes). None: one per row.
       importance_weights: floating ``[...]`` (e.g. truncated IS from the rollout
         engine), multiplied into the policy term, detached.
+      rollout_logps: floating ``[...]``, the sampled tokens' log-probs under the inference
+        engine that generated them (anything on inactive tokens, NaN included: never
+        read). Given, the metrics gain ``rollout_weight_mean``, ``rollout_masked_fraction``
+        and ``rollout_k3`` (the k3 estimate of KL(engine || old) over active tokens).
+      rollout_correction: ``None`` (no weight: the metrics only), ``"token-truncate"``,
+        ``"token-mask"``, ``"sequence-truncate"`` or ``"sequence-mask"``: the level of
+        ``lw`` (a sequence is what ``loss_agg`` calls one: a row, or a segment of
+        ``segment_ids``) and what the bounds do. Needs ``rollout_logps``. The weight is
+        detached, multiplies the policy term only (with ``importance_weights``), and a
+        token of weight 0 stays in the aggregation's denominator.
+      rollout_bounds: ``(lo, hi)`` Python numbers, ``0 <= lo <= hi``: truncate caps ``e`` at
+        ``hi`` (finite); mask zeroes the weight outside ``[lo, hi]`` (``hi`` may be inf).
+        IcePop is ``"token-mask"`` with ``(0.5, 5.0)``; docs/policy_loss.md maps verl's and
+        TRL's options.
       log_ratio_bound: bound on ``|log ratio|`` (and on ``|d|`` before k3's exp)
         applied before ``exp``, zero gradient beyond it; None: no bound.
       inplace_grad: opt-in, fused path in eager mode only (elsewhere a UserWarning
@@ -248,7 +272,8 @@ def policy_loss(
       ``(loss, metrics)``: a float32 0-d tensor, and detached float32 0-d tensors
       ``clip_fraction`` (= ``_low`` + ``_high``), ``clip_fraction_low``,
       ``clip_fraction_high``, ``dual_clip_fraction``, ``ratio_mean``, ``kl_mean``
-      and ``approx_kl`` (mean of ``old_logp - logp``), means over active tokens.
+      and ``approx_kl`` (mean of ``old_logp - logp``), means over active tokens; with
+      ``rollout_logps``, also the three rollout metrics above.
       Inactive tokens contribute nothing and get exactly zero gradient whatever
       they hold; no active token gives loss 0 and zero metrics, never NaN.
 
@@ -256,7 +281,9 @@ def policy_loss(
       Schulman et al. (2017) PPO, arXiv:1707.06347; Ye et al. (2019) dual-clip,
       arXiv:1912.09729; Yu et al. (2025) DAPO, arXiv:2503.14476; Liu et al.
       (2025) Dr. GRPO, arXiv:2503.20783; Zheng et al. (2025) GSPO,
-      arXiv:2507.18071; Prime Intellect (2025) INTELLECT-2, arXiv:2505.07291.
+      arXiv:2507.18071; Prime Intellect (2025) INTELLECT-2, arXiv:2505.07291; Yao et al.
+      (2025) truncated importance sampling for the rollout mismatch (TIS); Ling Team (2025)
+      IcePop (Ring-1T).
     """
     return _route.policy_loss(
         policy_logits, ref_logits, action_ids, mask, old_logps, advantages,
@@ -267,4 +294,6 @@ def policy_loss(
         segment_ids=segment_ids, importance_weights=importance_weights,
         log_ratio_bound=log_ratio_bound, temperature=temperature, backend=backend,
         check_ids=check_ids, vocab_group=vocab_group, inplace_grad=inplace_grad,
+        rollout_logps=rollout_logps, rollout_correction=rollout_correction,
+        rollout_bounds=rollout_bounds,
     )

@@ -1,0 +1,211 @@
+"""Rollout correction: its options, checked once per set, and its float64 reference.
+
+The engine that sampled the tokens (vLLM, SGLang, ...) reports log-probs
+``rollout_logps`` that differ from the trainer's ``old_logps`` (other kernels,
+precision, a stale copy of the weights). Per active token ``t``::
+
+    lw_t = old_logp_t - rollout_logp_t                  token log-weight
+    lw   = lw_t                                         "token-*"
+         = sum of lw_u over the active tokens u of      "sequence-*" (the sequences of
+           t's sequence                                  loss_agg: rows, or segment_ids)
+    e    = exp(clip(lw, -b, b))                         b = log_ratio_bound (None: no bound)
+    w    = min(e, hi)                                   "*-truncate" (truncated IS, TIS)
+         = e if lo <= e <= hi, else 0                   "*-mask" (rejection; IcePop)
+
+with ``(lo, hi) = rollout_bounds`` (``lo`` is read by the mask modes only). ``w``
+is detached and multiplies the per-token policy term together with
+``importance_weights`` (never the KL term): ``loss_t = w * iw * pg + kl_coef * kl``.
+A weight of 0 keeps its token in the aggregation's denominator. A NaN ``lw`` on
+an active token gives ``w = NaN`` in every mode (NaN is neither above ``hi`` nor
+outside ``[lo, hi]``): an invalid log-prob stays visible. Inactive tokens' log-probs
+are never read (``where``, not a product).
+
+``rollout_correction=None`` with ``rollout_logps`` given applies no weight (``w = 1``)
+and reports the metrics only. Metrics, means over active tokens (0 when there is none):
+
+    rollout_weight_mean       w
+    rollout_masked_fraction   tokens the mask modes set to 0 (0 with the truncate modes)
+    rollout_k3                exp(d) - d - 1 with d = clip(lw_t, -b, b): Schulman's k3
+                              estimate of KL(engine || old) from the engine's samples
+
+References:
+    Yao et al., "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training"
+    (2025, truncated importance sampling, TIS); Liu, Li et al., "When Speed Kills
+    Stability: Demystifying RL Collapse from the Training-Inference Mismatch" (2025,
+    token / sequence IS and rejection); Ling Team, "IcePop" (Ring-1T, 2025, token
+    masking outside [0.5, 5]); Schulman, "Approximating KL Divergence" (2020).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Dict, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ratiokl.spec.options import ROLLOUT_CORRECTIONS, option_code
+
+__all__ = [
+    "DEFAULT_ROLLOUT_BOUNDS",
+    "ROLLOUT_METRIC_NAMES",
+    "RolloutOptions",
+    "rollout_options",
+    "rollout_weights",
+]
+
+#: ``rollout_bounds``' default ``(lo, hi)``: verl's ``rollout_is_threshold`` (2.0).
+DEFAULT_ROLLOUT_BOUNDS: Tuple[float, float] = (0.0, 2.0)
+
+#: The metrics ``policy_loss`` adds when ``rollout_logps`` is given, in this order.
+ROLLOUT_METRIC_NAMES: Tuple[str, ...] = (
+    "rollout_weight_mean", "rollout_masked_fraction", "rollout_k3",
+)
+
+
+#: Codes of the sequence-level and of the masking corrections.
+_SEQUENCE_CODES = (ROLLOUT_CORRECTIONS["sequence-truncate"], ROLLOUT_CORRECTIONS["sequence-mask"])
+_MASK_CODES = (ROLLOUT_CORRECTIONS["token-mask"], ROLLOUT_CORRECTIONS["sequence-mask"])
+
+
+@dataclass(frozen=True)
+class RolloutOptions:
+    """Validated rollout-correction options (shared by both frameworks)."""
+
+    code: int  # ROLLOUT_CORRECTIONS; 0: no correction (metrics only)
+    low: float  # lo: the mask modes' floor of exp(lw)
+    high: float  # hi: the truncate modes' cap, the mask modes' ceiling (may be inf there)
+
+    @property
+    def corrects(self) -> bool:
+        """Whether a weight is applied (``rollout_correction`` is not None)."""
+        return self.code != 0
+
+    @property
+    def sequence(self) -> bool:
+        """Whether the log-weight is the sequence's sum (``"sequence-*"``)."""
+        return self.code in _SEQUENCE_CODES
+
+    @property
+    def masks(self) -> bool:
+        """Whether tokens outside ``[lo, hi]`` get weight 0 (``"*-mask"``; else truncate)."""
+        return self.code in _MASK_CODES
+
+
+def rollout_options(
+    rollout_correction: Optional[str],
+    rollout_bounds: Sequence[float],
+    logps_given: bool,
+    *,
+    cached: bool = True,
+) -> Optional[RolloutOptions]:
+    """Check the rollout options; None when there is nothing to do (no ``rollout_logps``).
+
+    ``logps_given``: whether ``rollout_logps`` was passed (a correction needs it).
+    Errors name the argument and the fix. With ``cached`` the checks run once per
+    distinct option set (``torch.compile``, which sees through caches, passes False).
+    """
+    bounds = _bounds_key(rollout_bounds)
+    check = _cached_rollout_options if cached else _rollout_options
+    return check(rollout_correction, bounds, bool(logps_given))
+
+
+def _bounds_key(bounds: object) -> Tuple[object, ...]:
+    """``rollout_bounds`` as a tuple (hashable, for the cache); its values are checked later."""
+    if isinstance(bounds, (tuple, list)):
+        return tuple(bounds)
+    raise TypeError(
+        f"`rollout_bounds` must be a pair (lo, hi) of Python numbers, e.g. (0.0, 2.0); got "
+        f"{type(bounds).__name__}"
+    )
+
+
+def _rollout_options(correction, bounds, logps_given) -> Optional[RolloutOptions]:
+    code = 0 if correction is None else option_code("rollout_correction", correction,
+                                                    ROLLOUT_CORRECTIONS)
+    low, high = _checked_bounds(bounds, truncates=code != 0 and code not in _MASK_CODES)
+    if not logps_given:
+        if code:
+            raise ValueError(
+                f"`rollout_correction={correction!r}` needs `rollout_logps` (the sampled "
+                "tokens' log-probs under the inference engine, shape [...]); pass them, or "
+                "rollout_correction=None"
+            )
+        return None
+    return RolloutOptions(code=code, low=low, high=high)
+
+
+def _checked_bounds(bounds: Tuple[object, ...], truncates: bool) -> Tuple[float, float]:
+    """``(lo, hi)`` with ``0 <= lo <= hi``, ``lo`` finite, and ``hi`` finite to truncate."""
+    if len(bounds) != 2 or any(isinstance(b, bool) or not isinstance(b, (int, float))
+                               for b in bounds):
+        raise TypeError(
+            f"`rollout_bounds` must be a pair (lo, hi) of Python numbers, e.g. (0.0, 2.0); "
+            f"got {bounds!r}"
+        )
+    low, high = float(bounds[0]), float(bounds[1])
+    # Comparisons, not math.isfinite: they also trace under torch.compile(dynamic=True).
+    if not (0.0 <= low < math.inf and low <= high):
+        raise ValueError(
+            f"`rollout_bounds` must be (lo, hi) with 0 <= lo <= hi and lo finite; got "
+            f"{bounds!r}"
+        )
+    if truncates and not high < math.inf:
+        raise ValueError(
+            "`rollout_bounds`' hi is the truncate modes' cap min(exp(lw), hi) and must be "
+            f"finite; got {bounds!r}. Pass e.g. (0.0, 2.0)"
+        )
+    return low, high
+
+
+#: Python-valued option sets, checked once each (typed: ``True`` is not ``1``).
+_cached_rollout_options = functools.lru_cache(maxsize=64, typed=True)(_rollout_options)
+
+
+def rollout_weights(
+    old_logps: np.ndarray,
+    rollout_logps: np.ndarray,
+    mask: np.ndarray,
+    sequences: Tuple[np.ndarray, int],
+    opts: RolloutOptions,
+    log_ratio_bound: Optional[float],
+) -> Tuple[np.ndarray, Dict[str, float]]:
+    """Float64 ``(w, metrics)``: the weight of every token ``[...]`` (0 on inactive ones)
+    and the three metrics (the module docstring has the formulas).
+
+    ``sequences``: ``ratiokl.spec.sequence_index(mask, segment_ids)``, the sequence of
+    every active token and their count.
+    """
+    mask = np.asarray(mask, dtype=bool)
+    with np.errstate(invalid="ignore", over="ignore"):
+        lw_tok = np.where(mask, np.asarray(old_logps, np.float64), 0.0) - np.where(
+            mask, np.asarray(rollout_logps, np.float64), 0.0)
+        lw = lw_tok
+        if opts.sequence:
+            seq, n_seq = sequences
+            sums = np.bincount(seq[mask], weights=lw_tok[mask], minlength=n_seq)
+            lw = np.where(mask, np.append(sums, 0.0)[seq], 0.0)  # slot -1: inactive tokens
+
+        def bounded(x):
+            return x if log_ratio_bound is None else np.clip(x, -log_ratio_bound,
+                                                             log_ratio_bound)
+
+        e = np.exp(bounded(lw))
+        outside = np.zeros(mask.shape, bool)
+        w = np.ones(mask.shape)
+        if opts.masks:
+            outside = (e < opts.low) | (e > opts.high)
+            w = np.where(outside, 0.0, e)
+        elif opts.corrects:
+            w = np.where(e > opts.high, opts.high, e)
+        d = bounded(lw_tok)
+        k3 = np.expm1(d) - d
+    n_tok = max(int(mask.sum()), 1)
+
+    def mean(x) -> float:
+        return float(np.where(mask, x, 0.0).sum() / n_tok)
+
+    metrics = {"rollout_weight_mean": mean(w), "rollout_masked_fraction": mean(outside),
+               "rollout_k3": mean(k3)}
+    return np.where(mask, w, 0.0), metrics
