@@ -327,28 +327,71 @@ def check_rollout_fixtures(world: int, group) -> None:
 
 
 def check_collective_count(world: int, group, backend: str = "auto") -> None:
-    """``ratio_kl`` with ref logits: 2 all-reduces forward, no collective in the backward."""
+    """``ratio_kl`` with ref logits: the shape agreement (``check_ids``, a ``[world, 10]``
+    table), then 2 ``[k, N]`` all-reduces forward; no collective in the backward."""
     case = make_case(13, (3, 4), 8 * world, "float32")
-    start, stop = shard_bounds(8 * world, world)[dist.get_rank(group)]
+    start, stop = shard_bounds(8 * world, world)[dist.get_rank()]
     calls = []
     real = dist.all_reduce
 
     def counting(*args, **kwargs):
-        calls.append(args[0].shape)
+        calls.append(tuple(args[0].shape))
         return real(*args, **kwargs)
 
     dist.all_reduce = counting
     try:
-        policy = torch.tensor(case["policy"][..., start:stop], dtype=torch.float32,
-                              requires_grad=True)
-        ref = torch.tensor(case["ref"][..., start:stop], dtype=torch.float32)
-        ratio, kl_val = loss.ratio_kl(policy, ref, *tensors(case, "ids", "mask", "old"),
-                                      vocab_group=group, backend=backend)
-        assert len(calls) == 2, calls
-        (ratio + kl_val).sum().backward()
-        assert len(calls) == 2, calls
+        for check_ids, agreement in ((True, [(world, 10)]), (False, [])):
+            calls.clear()
+            policy = torch.tensor(case["policy"][..., start:stop], dtype=torch.float32,
+                                  requires_grad=True)
+            ref = torch.tensor(case["ref"][..., start:stop], dtype=torch.float32)
+            ratio, kl_val = loss.ratio_kl(policy, ref, *tensors(case, "ids", "mask", "old"),
+                                          vocab_group=group, backend=backend,
+                                          check_ids=check_ids)
+            assert calls == agreement + [(2 * 12 + world,), (4, 12)], calls
+            (ratio + kl_val).sum().backward()
+            assert len(calls) == len(agreement) + 2, calls
     finally:
         dist.all_reduce = real
+
+
+def check_shape_disagreement(world: int, group) -> None:
+    """A rank whose inputs differ in shape (fewer rows; no ref logits; another leading
+    shape of as many rows) makes every rank raise the same ValueError naming it, instead
+    of entering all-reduces of another length; the group still works afterwards."""
+    rank, last = dist.get_rank(group), world - 1
+    vocab = 5 * world
+    start, stop = shard_bounds(vocab, world)[rank]
+    case = make_case(17, (4, 6), vocab, "float32")
+
+    def call(lead, with_ref=True, check_ids=True):
+        rows = int(np.prod(lead))
+        policy = torch.tensor(case["policy"].reshape(24, vocab)[:rows, start:stop],
+                              dtype=torch.float32)
+        policy = policy.reshape(lead + (stop - start,)).requires_grad_(True)
+        ids, mask, old = (t.reshape(-1)[:rows].reshape(lead)
+                          for t in tensors(case, "ids", "mask", "old"))
+        return loss.ratio_kl(policy, policy.detach() if with_ref else None, ids, mask, old,
+                             ref_logps=None if with_ref else old, vocab_group=group,
+                             check_ids=check_ids)
+
+    widths = [b - a for a, b in shard_bounds(vocab, world)]
+    for lead, with_ref, named in (
+            ((4, 5), True, f"[4, 5, {widths[last]}] (20 rows) and ref_logits"),
+            ((4, 6), False, f"[4, 6, {widths[last]}] (24 rows), no ref_logits"),
+            ((6, 4), True, f"[6, 4, {widths[last]}] (24 rows) and ref_logits")):
+        mine = (lead, with_ref) if rank == last else ((4, 6), True)
+        try:
+            call(*mine)
+        except ValueError as err:
+            text = str(err)
+            assert f"rank(s) {last} passed inputs whose shapes differ" in text, text
+            assert f"rank {last}: logits {named}" in text, text
+            assert f"rank 0: logits [4, 6, {widths[0]}] (24 rows) and ref_logits" in text, text
+        else:
+            raise AssertionError(f"rank {rank}: shapes {mine} were accepted")
+    ratio, _ = call((4, 6))  # nothing left half-done: the group runs the next call
+    assert ratio.shape == (4, 6)
 
 
 def run_all(world: int) -> None:
@@ -367,6 +410,7 @@ def run_all(world: int) -> None:
     check_bad_ids(world, group)
     check_empty(group)
     check_collective_count(world, group)
+    check_shape_disagreement(world, group)
     check_policy_loss(world, group)
     check_rollout_fixtures(world, group)
     assert check_conformance(world, group) >= 60

@@ -24,6 +24,17 @@ The collectives are plain ``torch.distributed.all_reduce`` calls on detached
 tensors, never a differentiable all-reduce (whose backward all-reduce would
 multiply the replicated loss's gradient by the group size).
 
+With ``check_ids=True`` (the default) a call first makes sure the ranks agree
+(:meth:`VocabParallel._agree`): one small SUM all-reduce of a ``[world, 10]``
+integer table, each rank's row its call's shape (leading shape, number of
+shard tensors, ``V_r``), read on the host together with the active-id check
+against the global ``V`` (the call's one synchronisation). A rank whose
+shapes differ would otherwise enter all-reduces of another length, which
+NCCL does not detect (the ranks hang until its watchdog's timeout) and gloo
+reports as a mismatch on one rank only; instead every rank raises the same
+``ValueError`` naming the ranks and their shapes. ``check_ids=False`` skips
+the agreement with the synchronisation (the shapes must agree).
+
 The per-shard math runs on the backend that ``backend`` resolves to for
 the logits' device (as unsharded: ``"auto"`` is ``"triton"`` on CUDA):
 ``"native"`` (framework ops) or the Triton kernels, ``"triton"`` on CUDA and
@@ -35,6 +46,7 @@ collectives are the same for every backend.
 
 from __future__ import annotations
 
+import math
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -45,6 +57,41 @@ from ratiokl.torch import _checks, _native, _objective
 from ratiokl.torch._checks import Temperature
 
 __all__ = ["VocabParallel", "backend"]
+
+#: Leading dimensions that the shape agreement compares one by one (``N`` covers the rest).
+_LEAD_DIMS = 6
+
+
+def _signature(lead: Tuple[int, ...], n_shards: int, local_vocab: int) -> List[int]:
+    """This rank's call as integers: ``[shard tensors, V_r, N, len(lead), lead dims...]``
+    (1 shard tensor: the policy; 2: with the reference), the dims zero-padded."""
+    dims = list(lead[:_LEAD_DIMS])
+    return [n_shards, local_vocab, math.prod(lead), len(lead), *dims,
+            *[0] * (_LEAD_DIMS - len(dims))]
+
+
+def _describe(row: Sequence[int]) -> str:
+    """One rank's :func:`_signature` as the shapes the caller passed."""
+    n_shards, local_vocab, n_rows, ndim, *dims = row
+    lead = [str(d) for d in dims[:ndim]] + (["..."] if ndim > _LEAD_DIMS else [])
+    text = f"logits [{', '.join(lead + [str(local_vocab)])}] ({n_rows} rows)"
+    return text + (" and ref_logits" if n_shards == 2 else ", no ref_logits")
+
+
+def _disagreement(table: Sequence[Sequence[int]]) -> Optional[str]:
+    """The error message when the ranks' signatures differ in more than ``V_r``, else None."""
+    same = lambda row: [row[0], *row[2:]]  # noqa: E731 - V_r (column 1) may differ
+    differ = [r for r, row in enumerate(table) if same(row) != same(table[0])]
+    if not differ:
+        return None
+    shapes = "; ".join(f"rank {r}: {_describe(row)}" for r, row in enumerate(table))
+    return (
+        f"`vocab_group`: rank(s) {', '.join(map(str, differ))} passed inputs whose shapes "
+        "differ from rank 0's. Every rank of the group must pass the same leading shape "
+        "(action_ids, mask and the per-token inputs are global) and the same logit "
+        "arguments; only the logits' last dimension, the rank's vocabulary block, may "
+        f"differ. Shapes by rank: {shapes}"
+    )
 
 
 
@@ -164,9 +211,11 @@ def _shard_grad(logits, lse, local_ids, owned, mask, temperature, grad_logp) -> 
 class VocabParallel:
     """The backend interface of ``ratiokl.torch._route`` over a vocabulary-sharded group.
 
-    ``check_ids=True`` here means: range-check active ids against the global
-    vocabulary on the host (one sync, after the first collective), raising
-    ``ValueError`` with the position in the leading shape ``lead``.
+    ``check_ids=True`` here means: before any other collective, make sure every
+    rank passed the same shapes and range-check active ids against the global
+    vocabulary (:meth:`_agree`: one small all-reduce and one host read), raising
+    ``ValueError`` on every rank (naming the ranks' shapes, or the position of a
+    bad id in the leading shape ``lead``).
     """
 
     def __init__(self, group: dist.ProcessGroup, lead: Tuple[int, ...], kernels: bool,
@@ -219,6 +268,8 @@ class VocabParallel:
         ``logp`` is differentiable w.r.t. ``policy``; ``logp_ref`` (None when
         ``ref`` is None) is detached. One MAX and one SUM all-reduce in all.
         """
+        if self.check_ids:  # before any other collective (the empty case too)
+            self._agree(1 if ref is None else 2, policy.shape[1], ids, mask)
         if isinstance(temperature, torch.Tensor):
             temperature = torch.where(mask, temperature, torch.ones_like(temperature))
         kernels = self.kernels
@@ -257,8 +308,6 @@ class VocabParallel:
         dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=self.group)
         sizes = maxima[len(shards) * n_rows :].long()
         start, vocab = sizes[: self.rank].sum(), sizes.sum()
-        if self.check_ids:
-            self._check_ids(ids, mask, vocab)
         bad = mask & ((ids < 0) | (ids >= vocab))
         local = ids.long() - start
         owned = mask & (local >= 0) & (local < local_vocab)
@@ -275,7 +324,23 @@ class VocabParallel:
         lse = [torch.where(bad, nan, shift[k] + torch.log(sums[2 * k])) for k in range(len(shards))]
         return [sums[2 * k + 1] for k in range(len(shards))], lse, local_ids, owned
 
-    def _check_ids(self, ids: torch.Tensor, mask: torch.Tensor, vocab: torch.Tensor) -> None:
-        """Host check of active ids against the global vocabulary (identical on every rank)."""
-        if bool((mask & ((ids < 0) | (ids >= vocab))).any()):
-            _checks.check_active_ids(ids.reshape(self.lead), mask.reshape(self.lead), int(vocab))
+    def _agree(self, n_shards: int, local_vocab: int, ids: torch.Tensor,
+               mask: torch.Tensor) -> None:
+        """Raise ``ValueError`` on every rank unless all ranks' shapes agree, then check the
+        active ids against the global ``V``: one SUM all-reduce of a ``[world, 10]`` table
+        (the rows of the other ranks zero: an all-gather) and one host read of it and the
+        id flag together. The table is identical on every rank, so is the outcome."""
+        row = _signature(self.lead, n_shards, local_vocab)
+        table = torch.zeros((self.world, len(row)), dtype=torch.int64, device=ids.device)
+        table[self.rank] = torch.tensor(row, dtype=torch.int64)
+        dist.all_reduce(table, op=dist.ReduceOp.SUM, group=self.group)
+        vocab = table[:, 1].sum()
+        bad = (mask & ((ids < 0) | (ids >= vocab))).any()
+        *host, any_bad = torch.cat([table.reshape(-1), bad.reshape(1).long()]).tolist()
+        message = _disagreement([host[r * len(row):(r + 1) * len(row)]
+                                 for r in range(self.world)])
+        if message is not None:
+            raise ValueError(message)
+        if any_bad:
+            vocab = sum(host[1::len(row)])
+            _checks.check_active_ids(ids.reshape(self.lead), mask.reshape(self.lead), vocab)
