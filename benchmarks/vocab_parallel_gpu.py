@@ -450,6 +450,15 @@ class _TorchRank:
                 "collectives": [[list(s), str(d).replace("torch.", ""), str(op)]
                                 for s, d, op in calls]}
 
+    def facts(self) -> Dict[str, Any]:
+        """What the run learnt besides the cases: the rank's peak memory over all of it."""
+        cuda = self.torch.cuda
+        return {"rank": self.rank,
+                "max_memory_allocated_bytes": cuda.max_memory_allocated() if self.cuda else None}
+
+    def close(self) -> None:
+        self.dist.destroy_process_group()
+
     def fault_check(self) -> Dict[str, Any]:
         """The last rank passes one row fewer: this rank's outcome, then a normal call."""
         from ratiokl.torch import loss
@@ -476,43 +485,21 @@ class _TorchRank:
         return result
 
 
-def _torch_rank_main(cfg: Config, rank: int, port: int, out_path: Path) -> int:
-    """One rank: every case, then the fault check; writes its JSON after each step."""
+def _start_torch_rank(cfg: Config, rank: int, port: int) -> _TorchRank:
+    """Join the process group (NCCL on GPUs, gloo on the CPU), then build the rank's state."""
     import torch
     import torch.distributed as dist
 
-    result: Dict[str, Any] = {"rank": rank, "cases": {}}
-
-    def write() -> None:
-        out_path.write_text(json.dumps(result))
-
-    try:
-        cuda = not cfg.cpu
-        if cuda:
-            torch.cuda.set_device(rank)
-        else:
-            torch.set_num_threads(1)
-        dist.init_process_group(
-            "nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-            world_size=cfg.tp, timeout=datetime.timedelta(seconds=cfg.collective_timeout_s),
-            device_id=torch.device("cuda", rank) if cuda else None)
-        state = _TorchRank(cfg, rank)
-        for case in selected(cfg):
-            if rank == 0:
-                _progress(f"torch tp={cfg.tp}: {case.name}")
-            result["cases"][case.name] = state.run_case(case)
-            write()
-        result["fault_check"] = state.fault_check()
-        if cuda:
-            result["max_memory_allocated_bytes"] = torch.cuda.max_memory_allocated()
-        write()
-        dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - the traceback goes into the results
-        result["error"] = traceback.format_exc()[-6000:]
-        write()
-        print(f"rank {rank}:\n{result['error']}", file=sys.stderr, flush=True)
-        return 1
-    return 0
+    cuda = not cfg.cpu
+    if cuda:
+        torch.cuda.set_device(rank)
+    else:
+        torch.set_num_threads(1)
+    dist.init_process_group(
+        "nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+        world_size=cfg.tp, timeout=datetime.timedelta(seconds=cfg.collective_timeout_s),
+        device_id=torch.device("cuda", rank) if cuda else None)
+    return _TorchRank(cfg, rank)
 
 
 # ----------------------------------------------------------------------------- JAX part
@@ -645,6 +632,12 @@ class _JaxRun:
         return {"status": "ok", "checks": checks, "ms": ms, "memory": memory,
                 "collectives": shapes}
 
+    def facts(self) -> Dict[str, Any]:
+        return {"devices": [str(d) for d in self.devices]}
+
+    def close(self) -> None:
+        pass
+
     def fault_check(self) -> Dict[str, Any]:
         """The mismatches a caller can make with one program for the whole mesh: per-token
         inputs of another N than the logits, and a vocabulary that the mesh cannot split."""
@@ -696,27 +689,30 @@ def xla_peak_bytes(compiled: Any) -> Optional[int]:
                + stats.output_size_in_bytes - stats.alias_size_in_bytes)
 
 
-def _jax_main(cfg: Config, out_path: Path) -> int:
-    """The JAX part: every case, then the fault check; writes its JSON after each step."""
+def _child_main(out_path: Path, label: str, start: Callable[[], Any], verbose: bool) -> int:
+    """A child's work, for either framework: ``start()`` builds the part's state
+    (:class:`_TorchRank` or :class:`_JaxRun`), then every case and the fault check run, the
+    JSON at ``out_path`` rewritten after each; a failure's traceback goes into it (exit 1)."""
     result: Dict[str, Any] = {"cases": {}}
 
     def write() -> None:
         out_path.write_text(json.dumps(result))
 
     try:
-        run = _JaxRun(cfg)
-        result["devices"] = [str(d) for d in run.devices]
-        for case in selected(cfg):
-            _progress(f"jax tp={cfg.tp}: {case.name}")
-            raw = run.run_case(case)
-            result["cases"][case.name] = raw
+        state = start()
+        for case in selected(state.cfg):
+            if verbose:
+                _progress(f"{label}: {case.name}")
+            result["cases"][case.name] = state.run_case(case)
             write()
-        result["fault_check"] = run.fault_check()
+        result["fault_check"] = state.fault_check()
+        result.update(state.facts())
         write()
+        state.close()
     except BaseException:  # noqa: BLE001 - the traceback goes into the results
         result["error"] = traceback.format_exc()[-6000:]
         write()
-        print(result["error"], file=sys.stderr, flush=True)
+        print(f"{label}:\n{result['error']}", file=sys.stderr, flush=True)
         return 1
     return 0
 
@@ -1031,8 +1027,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         cfg.parts = tuple(cfg.parts)
         if args.child[0] == "torch":
             rank, port, path = args.child[1:]
-            return _torch_rank_main(cfg, int(rank), int(port), Path(path))
-        return _jax_main(cfg, Path(args.child[1]))
+            return _child_main(Path(path), f"torch rank {rank}", lambda: _start_torch_rank(
+                cfg, int(rank), int(port)), verbose=rank == "0")
+        return _child_main(Path(args.child[1]), "jax", lambda: _JaxRun(cfg), verbose=True)
     cfg = _config(args)
     selected(cfg)  # unknown names fail here, before any process starts
     out = args.out or RESULTS
