@@ -3,7 +3,7 @@
 A :class:`Backend` runs on flattened, validated inputs::
 
     selected_logprobs(logits, ids, mask, temperature) -> logp
-    logprobs_entropy(logits, ids, mask, temperature) -> (logp, entropy)   [or None]
+    logprobs_entropy(logits, ids, mask, temperature) -> (logp, entropy)   [one pass]
     ratio_kl(policy, ref, ids, mask, old_logps, ref_logps, kl_code, temperature)
         -> (ratio, kl)
     policy_loss(policy, ref, ids, mask, old, ref_logps, adv, iw, weights,
@@ -22,7 +22,8 @@ exactly 0) whatever they hold; an active row with a bad id or temperature is
 NaN; nothing synchronises with the host. A backend without a fused
 ``policy_loss`` (and GSPO's ``ratio_level="sequence"``, which needs a cross-row
 mean of the log-ratio before the objective) takes the two-pass route:
-``selected_logprobs``, then the framework's ``_objective``.
+``logprobs_entropy`` (the entropy for ``entropy_mean`` and ``entropy_coef`` from the
+same read of the logits), then the framework's ``_objective``.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-__all__ = ["Backend", "logprobs_entropy_of", "warn_inplace_ignored"]
+__all__ = ["Backend", "warn_inplace_ignored"]
 
 
 @dataclass(frozen=True)
@@ -40,20 +41,9 @@ class Backend:
 
     selected_logprobs: Callable
     ratio_kl: Callable
+    logprobs_entropy: Callable  # (logp, entropy) in one pass
     policy_loss: Optional[Callable] = None  # fused; None: two passes
     token_weights: Optional[Callable] = None  # one-launch aggregation weights; None: ops
-    logprobs_entropy: Optional[Callable] = None  # (logp, entropy) in one pass; None: none
-
-
-def logprobs_entropy_of(run: Backend, sharding_argument: str) -> Callable:
-    """``run``'s one-pass ``(logp, entropy)``; a clear error where it has none (the
-    vocabulary-sharded backends: ``sharding_argument`` names the caller's argument)."""
-    if run.logprobs_entropy is None:
-        raise NotImplementedError(
-            f"`return_entropy=True` is not available with `{sharding_argument}` yet (the "
-            "sharded entropy needs its own combine); gather the vocabulary or call without it"
-        )
-    return run.logprobs_entropy
 
 
 def warn_inplace_ignored(sequence_ratio: bool) -> None:

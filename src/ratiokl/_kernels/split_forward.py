@@ -22,7 +22,7 @@ from ratiokl._kernels.forward import (
     fold_lse2,
     forward_epilogue,
     span_lse2,
-    span_lse2_h,
+    span_stats,
     split_span,
     store_partial,
 )
@@ -59,8 +59,8 @@ def lse_partials_kernel(
     t = tl.where(active, tl.load(temp_ptr + row * stride_t), 1.0)
     t0, t1, tail_on = split_span(split, V, active, TILES_PER_SPLIT, BLOCK_V)
     if ENTROPY:
-        m_p, s_p, h_p = span_lse2_h(policy_ptr + row * stride_pn, V, stride_pv, LOG2E / t,
-                                    t0, t1, tail_on, BLOCK_V)
+        m_p, s_p, h_p, _, _ = span_stats(policy_ptr + row * stride_pn, policy_ptr, V, stride_pv,
+                                         0, LOG2E / t, t0, t1, tail_on, False, True, BLOCK_V, "")
         store_partial(part_ptr, row, split, m_p, s_p, h_p, 0.0, SPLITS)
     else:
         m_p, s_p, m_r, s_r = span_lse2(
