@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from _cases import DEVICE, LMHEAD, USER, uses_ref_logits
+from _cases import DEVICE, ENTROPY_COEF, ENTROPY_OP, LMHEAD, USER, uses_ref_logits
 
 __all__ = ["LEGEND", "PEERS", "check_targets", "render", "speedups", "tables"]
 
@@ -153,6 +153,8 @@ def check_targets(records: Sequence[Dict[str, Any]],
         checks.append(_check(
             f"policy_loss_ref_logps fwd+bwd {_TT}-inplace extra peak bytes (O(N))",
             _val(inplace, "peak_extra_bytes"), "<=", _PER_ROW_BYTES * _HEAD["N"] + _SLACK_BYTES))
+    if has(ENTROPY_OP):
+        checks += _entropy_checks(idx)
     if has(LMHEAD, _STEP):
         checks.append(_lmhead_check(idx))
     for op in (o for o in _OPS if has(o)):
@@ -205,6 +207,17 @@ def _head_checks(idx: Index, op: str) -> List[Dict[str, Any]]:
                           _val(_get(idx, prov, op, "fwd+bwd"), "peak_extra_bytes"), "<=",
                           grad + o_n))
     return out
+
+
+def _entropy_checks(idx: Index) -> List[Dict[str, Any]]:
+    """The entropy bonus's cost: fwd+bwd with ``entropy_coef`` > 0 <= 1.05x the same call
+    without (user timing, the target; device timing beside it, labelled)."""
+    return [_check(f"{ENTROPY_OP} fwd+bwd {_TT} time / policy_loss_ref_logps fwd+bwd time "
+                   f"(entropy_coef={ENTROPY_COEF:g}, {timing} timing)",
+                   _ratio(_get(idx, _TT, ENTROPY_OP, "fwd+bwd", timing=timing),
+                          _get(idx, _TT, "policy_loss_ref_logps", "fwd+bwd", timing=timing)),
+                   "<=", 1.05)
+            for timing in (USER, DEVICE)]
 
 
 def _lmhead_check(idx: Index) -> Dict[str, Any]:
