@@ -301,6 +301,25 @@ def test_gspo_falls_back_to_two_pass_and_matches_spec():
     np.testing.assert_allclose(f_grad.numpy(), e_grad, rtol=1e-4, atol=1e-6)
 
 
+def test_two_pass_backward_has_an_entropy_term_only_with_a_coefficient(monkeypatch):
+    """GSPO's two-pass route always computes the entropy (``entropy_mean``); nothing
+    differentiates it without a coefficient, so its backward kernel has no entropy term."""
+    flags = []
+    run = _launch.BACKWARD.run
+    monkeypatch.setattr(_launch.BACKWARD, "run",
+                        lambda *a: flags.append(a[-1] is True) or run(*a))
+    for coef in (0.0, 0.2):
+        flags.clear()
+        case = dict(ratio_level="sequence", loss_agg="seq-mean-token-mean", entropy_coef=coef)
+        x = _inputs(47, case)
+        f_loss, f_metrics, f_grad = _torch(x, case, "interpret", 1.0)
+        e_loss, e_metrics, e_grad = _spec(x, case)
+        assert flags == [coef != 0.0], (coef, flags)
+        np.testing.assert_allclose(f_grad.numpy(), e_grad, rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(f_metrics["entropy_mean"], e_metrics["entropy_mean"],
+                                   rtol=1e-5)
+
+
 # --- the JAX launch, with jax_triton.triton_call replaced by the interpreter -----------------
 
 

@@ -135,17 +135,6 @@ def span_stats(
 
 
 @triton.jit
-def span_lse2(
-    p_row, r_row, V, stride_pv, stride_rv, k, t0, t1, tail_on,
-    HAS_REF: tl.constexpr, BLOCK_V: tl.constexpr, EVICT: tl.constexpr,
-):
-    """``(m_p, s_p, m_r, s_r)``: :func:`span_stats` without the entropy."""
-    m_p, s_p, _, m_r, s_r = span_stats(p_row, r_row, V, stride_pv, stride_rv, k, t0, t1,
-                                       tail_on, HAS_REF, False, BLOCK_V, EVICT)
-    return m_p, s_p, m_r, s_r
-
-
-@triton.jit
 def split_span(split, V, active, TILES_PER_SPLIT: tl.constexpr, BLOCK_V: tl.constexpr):
     """Whole tiles ``[t0, t1)`` of split ``split``; whether it owns the tail (never if inactive)."""
     n_full = V // BLOCK_V
@@ -267,7 +256,7 @@ def logp_forward_kernel(
     cols = tl.arange(0, BLOCK_V)
     n_full = tl.where(active, V // BLOCK_V, 0)  # inactive rows: no iteration
     ninf = -float("inf")
-    # (m, s): the open span, folded from (-inf, 0) tile by tile as span_lse2 does; at the
+    # (m, s): the open span, folded from (-inf, 0) tile by tile as span_stats does; at the
     # end of each span it is folded into the row's (M, S) as logp_combine_kernel folds the
     # split partials, so both paths give the same bits. One loop keeps the loads pipelined.
     mp, sp, mr, sr = ninf, 0.0, ninf, 0.0

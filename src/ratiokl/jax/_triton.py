@@ -33,6 +33,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.custom_derivatives import SymbolicZero
 
 from ratiokl._kernels.loss_rows import METRIC_NAMES, token_weights_args
 from ratiokl.jax import _launch, _native
@@ -110,7 +111,9 @@ def _entropy_op(policy, ids, mask, temp):
     return logp, ent
 
 
-def _entropy_op_fwd(policy, ids, mask, temp):
+def _entropy_op_fwd(*primals):
+    # symbolic_zeros: each argument comes as a CustomVJPPrimal (its value, whether perturbed).
+    policy, ids, mask, temp = (p.value for p in primals)
     logp, _, ent, _, lse = _launch.forward_op(0, False, True)(
         policy, policy, ids, mask, temp, temp, temp)
     return (logp, ent), (policy, ids, mask, temp, lse, ent)
@@ -118,14 +121,21 @@ def _entropy_op_fwd(policy, ids, mask, temp):
 
 def _entropy_op_bwd(residuals, cotangents):
     policy, ids, mask, temp, lse, ent = residuals
-    g_logp, g_ent = (g.astype(jnp.float32) for g in cotangents)
+    # A symbolic-zero cotangent (an output nothing differentiates: the entropy of
+    # policy_loss with entropy_coef=0) is a term the kernel leaves out.
+    g_logp, g_ent = (None if isinstance(g, SymbolicZero) else g.astype(jnp.float32)
+                     for g in cotangents)
+    if g_logp is None and g_ent is None:
+        return jnp.zeros_like(policy), None, None, None
     # The entropy's term rides in the kernel's KL slots (ENTROPY): -g_ent p (log p + H) / T.
-    grad = _launch.backward_op((True, False, True), True)(
-        policy, ids, mask, temp, lse, g_logp, lse, lse, g_ent, ent)
+    grad = _launch.backward_op((g_logp is not None, False, g_ent is not None),
+                               g_ent is not None)(
+        policy, ids, mask, temp, lse, lse if g_logp is None else g_logp, lse, lse,
+        lse if g_ent is None else g_ent, ent)
     return grad.astype(policy.dtype), None, None, None
 
 
-_entropy_op.defvjp(_entropy_op_fwd, _entropy_op_bwd)
+_entropy_op.defvjp(_entropy_op_fwd, _entropy_op_bwd, symbolic_zeros=True)
 
 
 def logprobs_entropy(

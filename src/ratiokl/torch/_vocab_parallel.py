@@ -87,7 +87,7 @@ def _shard_stats(logits: torch.Tensor, mask: torch.Tensor, temperature: Temperat
         z = _native.scaled_logits(logits[rows], mask[rows], t)
         m[rows] = z.amax(dim=1)
         shift = _native.finite_shift(m[rows])[:, None]
-        e = (z - shift).exp()
+        e = (z - shift).exp_()
         s[rows] = e.sum(dim=1)
         if entropy:  # E[z] = shift + sum e (z - shift) / s; a -inf logit (e = 0) adds 0
             h = torch.where(e > 0.0, e * (z - shift), torch.zeros_like(e)).sum(dim=1)
@@ -144,7 +144,6 @@ class _AttachGrad(torch.autograd.Function):
         ctx.temperature = None if isinstance(temperature, torch.Tensor) else temperature
         saved = (logits, lse, local_ids, owned, mask)
         saved += (lse if ent is None else ent,)  # a placeholder without the entropy
-        ctx.has_entropy = ent is not None
         ctx.save_for_backward(*saved, *([temperature] if ctx.temperature is None else []))
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None
         zero = torch.zeros_like(lse)
