@@ -1,8 +1,8 @@
 """PyTorch and JAX give the same answers on the same inputs.
 
 Random inputs (with poisoned inactive rows) go through ``torch-native`` and
-``jax-native`` (``policy_loss`` with an entropy bonus on a masked vocabulary too); outputs and policy-logit gradients must agree within the
-case's tolerance, NaN in the same places, and inactive rows must hold
+``jax-native`` (``policy_loss`` with an entropy bonus on a masked vocabulary too);
+outputs and policy-logit gradients must agree within the case's tolerance, NaN in the same places, and inactive rows must hold
 bit-identical neutral values with a zero gradient in both.
 """
 

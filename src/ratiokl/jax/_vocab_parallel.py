@@ -22,8 +22,8 @@ one ``jax.custom_vjp`` (``_shard_sums``) whose backward is local: it saves
 nothing but its inputs and writes the block's
 ``g_s * exp(z - shift) + g_h * exp(z - shift) (1 + z - shift) + g_z * onehot``
 (one-hot on the owning device only), which with the psum's cotangents is the block
-of ``g * (onehot(a) - softmax(z)) / T`` (and of ``-g_H p (log p + H) / T``). The psum stays outside the custom rule
-so JAX transposes it itself: with ``check_vma=True`` (the default) into a
+of ``g * (onehot(a) - softmax(z)) / T`` (and of ``-g_H p (log p + H) / T``). The psum
+stays outside the custom rule so JAX transposes it itself: with ``check_vma=True`` (the default) into a
 no-op ``pvary``, so the backward has no collective; with ``check_vma=False``
 into a psum of the ``[N]`` cotangents, which cancels the ``1/axis_size``
 JAX gives each device's cotangent of a replicated output. A gradient taken

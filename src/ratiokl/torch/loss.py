@@ -217,8 +217,8 @@ def policy_loss(
       advantages: floating, per token ``[..., T]`` or per sequence ``[...]`` / ``[..., 1]``.
       clip_eps: ratio floor ``1 - clip_eps``; clip_eps_high: ceiling
         ``1 + clip_eps_high`` (DAPO clip-higher; default ``clip_eps``).
-        ``clip_eps``, ``clip_eps_high``, ``kl_coef`` and ``entropy_coef`` may be 0-d float tensors on
-        the logits' device (a schedule or an adaptive KL controller: traced by
+        ``clip_eps``, ``clip_eps_high``, ``kl_coef`` and ``entropy_coef`` may be 0-d float
+        tensors on the logits' device (a schedule or an adaptive KL controller: traced by
         ``torch.compile``, no recompile per value; not range-checked, as reading
         them would synchronise).
       dual_clip: ``c > 1`` caps the loss of ``A < 0`` tokens at ``-A*c``; None: off.
