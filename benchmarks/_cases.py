@@ -19,6 +19,8 @@ __all__ = [
     "CLIP_EPS",
     "Case",
     "DEVICE",
+    "ENTROPY_COEF",
+    "ENTROPY_OP",
     "FWD",
     "FWD_BWD",
     "Group",
@@ -45,7 +47,11 @@ OPS: Tuple[str, ...] = (
     "ratio_kl_ref_logps",  # precomputed reference log-probs given
     "policy_loss",  # reference logits given
     "policy_loss_ref_logps",  # precomputed reference log-probs given
+    "policy_loss_ref_logps_entropy",  # the same with the entropy bonus (ENTROPY_COEF)
 )
+#: The policy loss with an entropy bonus: against ``policy_loss_ref_logps`` (PERF.md's
+#: target: fwd+bwd <= 1.05x without).
+ENTROPY_OP = "policy_loss_ref_logps_entropy"
 
 #: ``policy_loss_ref_logps`` with a rollout correction (``rollout_logps`` given), by op; its
 #: target is PERF.md's policy loss with any correction <= 1.02x the same call without.
@@ -69,9 +75,11 @@ TIMED_MODES: Tuple[str, ...] = (FWD, FWD_BWD)
 USER, DEVICE = "user", "device"
 TIMINGS: Tuple[str, ...] = (USER, DEVICE)
 
-#: Policy-loss hyperparameters shared by every provider (PPO clip, KL weight).
+#: Policy-loss hyperparameters shared by every provider (PPO clip, KL weight; the entropy
+#: bonus of ``ENTROPY_OP``).
 CLIP_EPS = 0.2
 KL_COEF = 0.04
+ENTROPY_COEF = 0.01
 
 #: Bytes per element of the logits dtypes the suite runs.
 _ITEMSIZE: Dict[str, int] = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -225,16 +233,19 @@ PRESETS: Dict[str, Preset] = {
     # and Liger; density 0.5 for the density target; eager and torch.compile on
     # ratio_kl only (their column in PERF.md; minutes of compilation otherwise); the
     # few-rows shapes (N = 128 and 1024, against the CUDA graph) for ratiokl and the
-    # cheap peers; the lm_head step.
+    # cheap peers; the lm_head step; the policy loss with an entropy bonus and with each
+    # rollout correction (one case each, the torch Triton provider: the cost against the
+    # same call without).
     "headline": Preset(
         groups=(
             Group(_grid((8192,), (151936,), (1.0,), ("bfloat16",)), _GPU),
+            # The entropy bonus and the rollout correction beside the default
+            # (policy_loss_ref_logps, above).
+            Group(_grid((8192,), (151936,), (1.0,), ("bfloat16",)), ("ratiokl-torch-triton",),
+                  (ENTROPY_OP, *ROLLOUT_OPS)),
             Group(_grid((8192,), (151936,), (1.0,), ("bfloat16",)), _SLOW, ("ratio_kl",)),
             Group(_grid((8192,), (151936,), (0.5,), ("bfloat16",)), _DENSITY),
             Group(_grid((128, 1024), (151936,), (1.0,), ("bfloat16",)), _FAST),
-            # The rollout correction beside the default (policy_loss_ref_logps, above).
-            Group(_grid((8192,), (151936,), (1.0,), ("bfloat16",)), ("ratiokl-torch-triton",),
-                  tuple(ROLLOUT_OPS)),
             _STEP_GROUP,
         ),
         ops=_HEADLINE_OPS,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from _cases import DEVICE, LMHEAD, ROLLOUT_OPS, USER, uses_ref_logits
+from _cases import DEVICE, ENTROPY_COEF, ENTROPY_OP, LMHEAD, ROLLOUT_OPS, USER, uses_ref_logits
 
 __all__ = ["LEGEND", "PEERS", "check_targets", "render", "speedups", "tables"]
 
@@ -159,6 +159,8 @@ def check_targets(records: Sequence[Dict[str, Any]],
             f"(rollout_correction={ROLLOUT_OPS[op]!r})",
             _ratio(_get(idx, _TT, op, "fwd+bwd"),
                    _get(idx, _TT, "policy_loss_ref_logps", "fwd+bwd")), "<=", 1.02))
+    if has(ENTROPY_OP):
+        checks += _entropy_checks(idx)
     if has(LMHEAD, _STEP):
         checks.append(_lmhead_check(idx))
     for op in (o for o in _OPS if has(o)):
@@ -211,6 +213,17 @@ def _head_checks(idx: Index, op: str) -> List[Dict[str, Any]]:
                           _val(_get(idx, prov, op, "fwd+bwd"), "peak_extra_bytes"), "<=",
                           grad + o_n))
     return out
+
+
+def _entropy_checks(idx: Index) -> List[Dict[str, Any]]:
+    """The entropy bonus's cost: fwd+bwd with ``entropy_coef`` > 0 <= 1.05x the same call
+    without (user timing, the target; device timing beside it, labelled)."""
+    return [_check(f"{ENTROPY_OP} fwd+bwd {_TT} time / policy_loss_ref_logps fwd+bwd time "
+                   f"(entropy_coef={ENTROPY_COEF:g}, {timing} timing)",
+                   _ratio(_get(idx, _TT, ENTROPY_OP, "fwd+bwd", timing=timing),
+                          _get(idx, _TT, "policy_loss_ref_logps", "fwd+bwd", timing=timing)),
+                   "<=", 1.05)
+            for timing in (USER, DEVICE)]
 
 
 def _lmhead_check(idx: Index) -> Dict[str, Any]:

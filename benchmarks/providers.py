@@ -27,7 +27,18 @@ import torch
 
 import _liger
 import _lmhead
-from _cases import CLIP_EPS, FWD, KL_COEF, LMHEAD, ROLLOUT_OPS, USER, TorchOp, uses_ref_logits
+from _cases import (
+    CLIP_EPS,
+    ENTROPY_COEF,
+    ENTROPY_OP,
+    FWD,
+    KL_COEF,
+    LMHEAD,
+    ROLLOUT_OPS,
+    USER,
+    TorchOp,
+    uses_ref_logits,
+)
 
 __all__ = ["PROVIDERS", "Provider", "eager_op", "ratiokl_op"]
 
@@ -110,6 +121,8 @@ def ratiokl_op(loss: Any, op: str, a: Mapping[str, Any], backend: str, check_ids
         return loss.ratio_kl(p, ref, ids, mask, old, ref_logps=ref_lp, **kw), ()
     if op in ROLLOUT_OPS:  # the engine's log-probs and a correction, beside the default
         kw.update(rollout_logps=a["rollout_logps"], rollout_correction=ROLLOUT_OPS[op])
+    if op == ENTROPY_OP:
+        kw["entropy_coef"] = ENTROPY_COEF
     return loss.policy_loss(
         p, ref, ids, mask, old, a["advantages"], ref_logps=ref_lp,
         clip_eps=CLIP_EPS, kl_coef=KL_COEF, inplace_grad=inplace_grad, **kw,
@@ -168,16 +181,22 @@ def _ratiokl_jax(backend: str) -> Callable[[str, bool], Callable[..., Any]]:
     return build
 
 
-def _eager_logps(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The trainer's per-token log-prob: fp32 upcast, log_softmax, gather, mask."""
-    logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
-    return torch.where(mask, logp, 0.0)
+def _eager_logps(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor,
+                 entropy: bool = False) -> Any:
+    """The trainer's per-token log-prob: fp32 upcast, log_softmax, gather, mask; with
+    ``entropy``, also ``-sum p log p`` of the same log_softmax (``(logp, entropy)``)."""
+    log_p = torch.log_softmax(logits.float(), dim=-1)
+    logp = torch.where(mask, log_p.gather(-1, ids.unsqueeze(-1)).squeeze(-1), 0.0)
+    if not entropy:
+        return logp
+    return logp, torch.where(mask, -(log_p.exp() * log_p).sum(-1), 0.0)
 
 
 def eager_op(op: str, p: torch.Tensor, ref: torch.Tensor, ids: torch.Tensor,
              mask: torch.Tensor, old: torch.Tensor, ref_lp: torch.Tensor,
              adv: torch.Tensor) -> Any:
-    """The eager PyTorch reference of ``op`` (T = 1, k3 KL, token-mean loss).
+    """The eager PyTorch reference of ``op`` (T = 1, k3 KL, token-mean loss; the entropy
+    bonus for ``ENTROPY_OP``).
 
     Shapes: logits ``p``, ``ref`` ``[B, T, V]``; ``ids``, ``mask``, ``old``,
     ``ref_lp`` ``[B, T]``; ``adv`` ``[B]``. Returns ``(diff, aux)`` as the
@@ -185,7 +204,11 @@ def eager_op(op: str, p: torch.Tensor, ref: torch.Tensor, ids: torch.Tensor,
     ``kl = 0`` (their forward values only: like trainers' code, it computes
     them and masks afterwards).
     """
-    logp = _eager_logps(p, ids, mask)
+    ent = None
+    if op == ENTROPY_OP:
+        logp, ent = _eager_logps(p, ids, mask, entropy=True)
+    else:
+        logp = _eager_logps(p, ids, mask)
     if op == "selected_logprobs":
         return logp, ()
     if uses_ref_logits(op):
@@ -199,6 +222,8 @@ def eager_op(op: str, p: torch.Tensor, ref: torch.Tensor, ids: torch.Tensor,
     a = adv.unsqueeze(-1)
     clipped = torch.clamp(ratio, 1.0 - CLIP_EPS, 1.0 + CLIP_EPS)
     per_token = torch.maximum(-a * ratio, -a * clipped) + KL_COEF * kl
+    if ent is not None:
+        per_token = per_token - ENTROPY_COEF * ent
     active = mask.float()
     count = active.sum().clamp(min=1.0)
     loss = (per_token * active).sum() / count
@@ -222,6 +247,8 @@ def _eager(compile_it: bool) -> Callable[[str, Any, Optional[bool]], TorchOp]:
 
 
 def _liger_unsupported(op: str, mode: str) -> Optional[str]:
+    if op == ENTROPY_OP:
+        return "Liger's GRPO loss has no entropy bonus"
     if op.startswith("policy_loss") or op == LMHEAD or mode == FWD:
         return None
     return "Liger has no differentiable equivalent (forward-only comparison)"

@@ -5,7 +5,11 @@ case has poisoned inactive rows (NaN logits, NaN old log-probs / advantages /
 weights, out-of-range ids) unless its name says otherwise, float64
 expectations from ``ratiokl.spec.policy_loss`` and a scalar upstream
 cotangent on the loss. Behaviour log-probs are kept away from the clip
-thresholds so that float32 rounding cannot flip a clip decision.
+thresholds so that float32 rounding cannot flip a clip decision. The
+``policy_entropy_*`` groups pin ``entropy_coef`` down on logits shaped for the
+entropy: flat (``H = log V``, where its gradient cancels), peaked (``H ~ 0``),
+masked with ``-inf`` (``p = 0`` columns; a row allowing only its action) and a
+per-row temperature, with several aggregations, CISPO and GSPO.
 """
 
 from __future__ import annotations
@@ -27,17 +31,50 @@ MARGIN = 1e-3
 Inputs = Dict[str, Any]
 
 
+def _shaped(rng, logits, ids, mask, shape: str):
+    """Logits for the entropy groups: ``"flat"`` (half the rows exactly equal, the rest
+    within 1e-3), ``"peaked"`` (one logit 30 above the rest, the action's in half the
+    rows), ``"masked"`` (``-inf`` at about half of an active row's other tokens; the
+    first active row allows only its action). ``"normal"``: as drawn."""
+    if shape == "flat":
+        logits = 7.0 + rng.normal(0.0, 1e-3, logits.shape)
+        logits[: logits.shape[0] // 2] = 7.0
+    elif shape == "peaked":
+        logits = rng.normal(0.0, 1.0, logits.shape)
+        peak = np.where(rng.random(ids.shape) < 0.5, ids, rng.integers(0, logits.shape[-1],
+                                                                      ids.shape))
+        np.put_along_axis(logits, peak[..., None], 30.0, axis=-1)
+    elif shape == "masked":
+        drop = rng.random(logits.shape) < 0.5
+        first = tuple(np.argwhere(mask)[0])
+        drop[first] = True
+        np.put_along_axis(drop, ids[..., None], False, axis=-1)
+        logits = np.where(drop, -np.inf, logits)
+    return logits
+
+
 def _inputs(rng, dtype, *, lead=(B, T), vocab=V, active=0.75, per_token_adv=False,
-            temperature=1.0):
-    """Policy/reference logits, ids, mask, behaviour log-probs, advantages, weights, segments."""
-    logits = rng.normal(0.0, 2.0, (*lead, vocab))
+            temperature=1.0, logits="normal", row_temperature=False):
+    """Policy/reference logits, ids, mask, behaviour log-probs, advantages, weights, segments.
+
+    ``logits``: their shape (:func:`_shaped`); ``row_temperature``: a per-row
+    temperature in ``[0.4, 1.8]`` (``temperature`` in the result; 0 on inactive rows).
+    """
+    policy = rng.normal(0.0, 2.0, (*lead, vocab))
     mask = rng.random(lead) < active
     ids = rng.integers(0, vocab, lead)
-    logp = spec.selected_logprobs(round_to_dtype(logits, dtype), ids, mask, temperature=temperature)
+    extra = {}
+    if logits != "normal":  # (the other groups draw nothing more: their inputs stay)
+        policy = _shaped(rng, policy, ids, mask, logits)
+    if row_temperature:
+        temperature = np.where(mask, rng.uniform(0.4, 1.8, lead), 0.0).astype(np.float32)
+        extra["temperature"] = temperature
+    logp = spec.selected_logprobs(round_to_dtype(policy, dtype), ids, mask, temperature=temperature)
     adv = rng.normal(0.0, 1.0, lead if per_token_adv else lead[:-1])
     return {
-        "policy_logits": logits,
-        "ref_logits": logits + rng.normal(0.0, 0.6, logits.shape),
+        **extra,
+        "policy_logits": policy,
+        "ref_logits": policy + rng.normal(0.0, 0.6, policy.shape),
         "action_ids": ids,
         "mask": mask,
         "old_logps": logp + rng.normal(0.0, 0.5, lead),
@@ -73,8 +110,9 @@ def _thresholds(options) -> Tuple[float, ...]:
 def _keep_off_thresholds(x: Inputs, options, dtype, segments) -> Inputs:
     """Shift ``old_logps`` of tokens whose ratio sits within ``MARGIN`` of a threshold."""
     mask = x["mask"]
+    temperature = x.get("temperature", options.get("temperature", 1.0))
     logp = spec.selected_logprobs(round_to_dtype(x["policy_logits"], dtype), x["action_ids"],
-                                  mask, temperature=options.get("temperature", 1.0))
+                                  mask, temperature=temperature)
     seq, n = spec.sequence_index(mask, segments)
     counts = np.maximum(np.bincount(seq[mask], minlength=n), 1)
     for _ in range(4):
@@ -177,6 +215,42 @@ GROUPS: Dict[str, Tuple[Tuple[str, ...], Dict[str, Any], Tuple[str, ...], Dict[s
     "policy_vocab_4096": (("bfloat16",), {"kl_coef": 0.1, "loss_agg": "seq-mean-token-mean"},
                           ("ref_logps",), {"lead": (2, 3), "vocab": 4096},
                           "V = 4096: exactly one whole bf16 tile a row"),
+    # entropy_coef: - entropy_coef * H in every token's loss, aggregated as the policy term.
+    "policy_entropy_token_mean": (LOGIT_DTYPES, {"entropy_coef": 0.3, "kl_coef": 0.1}, (), {},
+                                  "entropy bonus 0.3, k3 KL, token-mean"),
+    "policy_entropy_flat": (LOGIT_DTYPES, {"entropy_coef": 0.3}, (), {"logits": "flat"},
+                            "(nearly) equal logits: H = log V, its gradient cancels"),
+    "policy_entropy_peaked": (LOGIT_DTYPES, {"entropy_coef": 0.3,
+                                             "loss_agg": "seq-mean-token-mean"},
+                              (), {"logits": "peaked"},
+                              "one logit 30 above the rest: H ~ 0, seq-mean-token-mean"),
+    "policy_entropy_masked_vocab": (LOGIT_DTYPES, {"entropy_coef": 0.3, "loss_agg": "token-sum"},
+                                    (), {"logits": "masked"},
+                                    "-inf logits add 0 to H and get a finite gradient; a row "
+                                    "allowing only its action (H = 0), token-sum"),
+    "policy_entropy_temperature_per_row": (("float32", "bfloat16"), {
+        "entropy_coef": 0.3, "kl_coef": 0.2, "loss_agg": "seq-mean-token-sum"},
+        ("temperature",), {"row_temperature": True},
+        "per-row temperature (0 on inactive rows): H of softmax(z / T), gradient / T"),
+    "policy_entropy_penalty_sum_norm": (("float32",), {
+        "entropy_coef": -0.2, "loss_agg": "seq-mean-token-sum-norm", "loss_normalizer": 12.0},
+        (), {}, "a negative coefficient (an entropy penalty), seq-mean-token-sum-norm"),
+    "policy_entropy_packed_weights": (("float32",), {"entropy_coef": 0.3,
+                                                     "loss_agg": "seq-mean-token-mean"},
+                                      ("segment_ids", "importance_weights"), {"active": 0.9},
+                                      "packed sequences, importance weights (on pg only)"),
+    "policy_entropy_cispo": (("float32", "bfloat16"), {
+        "objective": "cispo", "clip_eps_high": 0.28, "kl_coef": 0.1, "entropy_coef": 0.3},
+        (), {}, "CISPO with the entropy bonus"),
+    "policy_entropy_gspo": (("float32",), {"ratio_level": "sequence",
+                                           "loss_agg": "seq-mean-token-mean",
+                                           "entropy_coef": 0.3}, (), {},
+                            "GSPO (the two-pass path) with the entropy bonus"),
+    "policy_entropy_all_inactive": (("float32",), {"entropy_coef": 0.3}, (), {"active": 0.0},
+                                    "no active token: loss 0, entropy_mean 0, zero gradient"),
+    "policy_entropy_vocab_4096": (("bfloat16",), {"entropy_coef": 0.01, "kl_coef": 0.1},
+                                  ("ref_logps",), {"lead": (2, 3), "vocab": 4096},
+                                  "entropy_coef 0.01 on rows of one whole bf16 tile"),
 }
 
 

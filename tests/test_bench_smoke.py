@@ -241,3 +241,21 @@ def test_rollout_ops_call_the_correction():
         assert torch.isfinite(value) and 0.5 < float(metrics["rollout_weight_mean"]) < 2.0
         assert set(metrics) == set(plain) | {"rollout_weight_mean", "rollout_masked_fraction",
                                              "rollout_k3"}
+
+
+def test_entropy_bonus_target_against_the_same_call_without():
+    tt, op = "ratiokl-torch-triton", "policy_loss_ref_logps"
+    recs = [
+        _record(tt, op, "fwd+bwd", 1.60),
+        _record(tt, f"{op}_entropy", "fwd+bwd", 1.66),  # 1.0375: within 1.05
+        _record(tt, op, "fwd+bwd", 1.40, timing="device"),
+        _record(tt, f"{op}_entropy", "fwd+bwd", 1.50, timing="device"),  # 1.071
+    ]
+    status = {c["target"]: (c["status"], c["value"]) for c in check_targets(recs)}
+    user, device = (status[f"{op}_entropy fwd+bwd {tt} time / {op} fwd+bwd time "
+                           f"(entropy_coef=0.01, {t} timing)"] for t in ("user", "device"))
+    assert user[0] == "pass" and abs(user[1] - 1.66 / 1.60) < 1e-12
+    assert device[0] == "fail" and abs(device[1] - 1.50 / 1.40) < 1e-12
+    without = {c["target"] for c in check_targets(recs[:1] + recs[2:3])}
+    assert not any("entropy" in t for t in without)  # no entropy records: no entropy target
+    assert "policy_loss_ref_logps_entropy" in PRESETS["headline"].groups[1].ops

@@ -1,8 +1,8 @@
 """PyTorch and JAX give the same answers on the same inputs.
 
 Random inputs (with poisoned inactive rows) go through ``torch-native`` and
-``jax-native``; outputs and policy-logit gradients must agree within the
-case's tolerance, NaN in the same places, and inactive rows must hold
+``jax-native`` (``policy_loss`` with an entropy bonus on a masked vocabulary too);
+outputs and policy-logit gradients must agree within the case's tolerance, NaN in the same places, and inactive rows must hold
 bit-identical neutral values with a zero gradient in both.
 """
 
@@ -37,6 +37,14 @@ def _case(op: str, dtype: str, lead, vocab: int, seed: int, temperature) -> conf
     options = {} if per_row else {"temperature": temperature}
     if op == "selected_logprobs":
         inputs = {"logits": logits, "action_ids": ids, "mask": mask}
+    elif op == "policy_loss":  # with the entropy bonus, on a masked (-inf) vocabulary
+        active = np.argwhere(mask)
+        logits[tuple(active[0])][1::2] = -np.inf
+        ids[tuple(active[0])] = 0
+        inputs = {"policy_logits": logits, "action_ids": ids, "mask": mask,
+                  "old_logps": np.where(mask, rng.normal(-3.0, 1.0, lead), np.nan),
+                  "advantages": rng.normal(size=lead)}
+        options.update(entropy_coef=0.2, loss_agg=("token-mean", "seq-mean-token-mean")[seed % 2])
     else:
         ref = logits + rng.normal(0.0, 0.5, logits.shape)
         old = np.where(mask, rng.normal(-3.0, 1.0, lead), np.nan)
@@ -45,7 +53,8 @@ def _case(op: str, dtype: str, lead, vocab: int, seed: int, temperature) -> conf
         options["kl_estimator"] = ("k1", "k2", "k3")[seed % 3]
     if per_row:
         inputs["temperature"] = temperature
-    cot = {o: rng.normal(size=lead) for o in conformance.OPS[op].cotangents}
+    size = () if op == "policy_loss" else lead  # the loss is 0-d
+    cot = {o: rng.normal(size=size) for o in conformance.OPS[op].cotangents}
     return conformance.build_case(f"cross_{op}_{seed}", "cross", op, dtype, inputs,
                                   options=options, cotangents=cot)
 
@@ -59,6 +68,8 @@ def _case(op: str, dtype: str, lead, vocab: int, seed: int, temperature) -> conf
         ("selected_logprobs", "float32", (2, 3, 4), 17, 3, "per-row"),
         ("selected_logprobs", "float16", (7,), 33, 4, 1.0),
         ("selected_logprobs", "bfloat16", (3, 5), 128, 5, 0.7),
+        ("policy_loss", "float32", (3, 5), 33, 6, 0.8),
+        ("policy_loss", "bfloat16", (2, 4), 64, 7, "per-row"),
     ],
 )
 def test_torch_and_jax_agree(op, dtype, lead, vocab, seed, temperature) -> None:
@@ -69,7 +80,8 @@ def test_torch_and_jax_agree(op, dtype, lead, vocab, seed, temperature) -> None:
     for out in case.spec.outputs:
         a, b = torch_out.outputs[out], jax_out.outputs[out]
         compare_close(check, out, b, a.astype(np.float64), case.tolerances[out])
-        assert a[inactive].tobytes() == b[inactive].tobytes(), f"{out}: inactive rows differ"
+        if a.ndim:  # per-row outputs (a loss and its metrics are 0-d)
+            assert a[inactive].tobytes() == b[inactive].tobytes(), f"{out}: inactive rows differ"
     compare_close(check, "grad", jax_out.grad, torch_out.grad.astype(np.float64), case.tolerances["grad"])
     assert torch_out.grad_dtype == jax_out.grad_dtype == dtype
     assert np.all(torch_out.grad[inactive] == 0) and np.all(jax_out.grad[inactive] == 0)

@@ -6,7 +6,10 @@ the cheapest sweep shape of every plan the sweep reaches is run through the
 ``"interpret"`` backend -- which takes the GPU's plan, the span meeting
 included -- and compared with the native path; a plan the sweep reaches that
 no chosen shape takes fails the test. The JAX launch of the fused kernel is run
-on its meeting plan through the interpreter stand-in of ``jax_triton``.
+on its meeting plan through the interpreter stand-in of ``jax_triton``. The fused
+kernel runs with and without an entropy bonus (``entropy_coef``: another
+compile of pass 2), on rows whose last one masks half its vocabulary with
+``-inf``.
 """
 
 from __future__ import annotations
@@ -69,6 +72,9 @@ def _inputs(n: int, vocab: int, dtype: torch.dtype, seed: int):
     if n >= 3:  # an inactive row of garbage
         mask[1], ids[1] = False, -3
         policy[1] = float("nan")
+    if vocab > 2:  # vocabulary masking on the last (active) row: -inf at even columns
+        mask[-1], ids[-1] = True, 1
+        policy[-1, ::2] = -float("inf")
     old = torch.randn(n, generator=g) * 0.3 - np.log(vocab) - 1.0
     return policy, ids, mask, old, torch.randn(n, generator=g), torch.randn(n, generator=g)
 
@@ -83,17 +89,20 @@ def _run(backend, kernels, policy, ids, mask, old, adv, g):
         (logp * g).sum().backward()
         outs.update(logp=logp.detach(), logp_grad=leaf.grad)
     if ("fused", "grad") in kernels:
-        leaf = policy.clone().requires_grad_(True)
-        value, metrics = loss.policy_loss(leaf, None, ids, mask, old, adv, backend=backend,
-                                          check_ids=False)
-        (value * -1.5).backward()
-        outs.update(loss=value.detach(), ratio_mean=metrics["ratio_mean"],
-                    loss_grad=leaf.grad)
+        for name, coef in (("loss", 0.0), ("entropy_loss", 0.05)):
+            leaf = policy.clone().requires_grad_(True)
+            value, metrics = loss.policy_loss(leaf, None, ids, mask, old, adv, backend=backend,
+                                              check_ids=False, entropy_coef=coef)
+            (value * -1.5).backward()
+            outs.update({name: value.detach(), f"{name}_ratio_mean": metrics["ratio_mean"],
+                         f"{name}_entropy_mean": metrics["entropy_mean"],
+                         f"{name}_grad": leaf.grad})
     if ("fused", "no-grad") in kernels:
         with torch.no_grad():
             value, metrics = loss.policy_loss(policy, None, ids, mask, old, adv, backend=backend,
                                               check_ids=False)
-        outs.update(primal=value, primal_ratio_mean=metrics["ratio_mean"])
+        outs.update(primal=value, primal_ratio_mean=metrics["ratio_mean"],
+                    primal_entropy_mean=metrics["entropy_mean"])
     return {k: v.float().numpy().astype(np.float64) for k, v in outs.items()}
 
 
@@ -107,12 +116,14 @@ def test_plan_runs_on_the_interpreter(shape, kernels):
     with np.errstate(all="ignore"):
         fast = _run("interpret", kernels, *x)
     slow = _run("native", kernels, *x)
-    scale = float(x[0][x[2]].float().abs().max())
+    active = x[0][x[2]].float()
+    scale = float(active[torch.isfinite(active)].abs().max())
     fwd = spec.forward_tolerance(scale)
     dtype = "float32" if itemsize == 4 else "bfloat16"
     for name, expected in slow.items():
         got = fast[name]
         np.testing.assert_array_equal(np.isnan(got), np.isnan(expected), err_msg=name)
+        np.testing.assert_array_equal(np.isfinite(got), np.isfinite(expected), err_msg=name)
         if name.endswith("grad"):
             tol = spec.grad_tolerance(dtype, scale, np.abs(expected).max())
             assert np.all(got[~x[2].numpy()] == 0.0), f"{name}: inactive rows"
@@ -122,7 +133,8 @@ def test_plan_runs_on_the_interpreter(shape, kernels):
 
 
 def test_jax_fused_meeting_plan_on_the_interpreter(monkeypatch):
-    """The JAX launch of the span meeting (a program per span) matches the PyTorch one."""
+    """The JAX launch of the span meeting (a program per span) matches the PyTorch one, with
+    an entropy bonus (its partials ride in the meeting's scratch)."""
     jax = pytest.importorskip("jax")
     import jax.numpy as jnp
     from jax_interpret import interpreted_triton_call
@@ -140,12 +152,12 @@ def test_jax_fused_meeting_plan_on_the_interpreter(monkeypatch):
     leaf = policy.clone().requires_grad_(True)
     with np.errstate(all="ignore"):
         t_value, _ = loss.policy_loss(leaf, None, ids, mask, old, adv, backend="interpret",
-                                      check_ids=False)
+                                      check_ids=False, entropy_coef=0.05)
         t_value.backward()
         t_value = t_value.detach()
         j = [jnp.asarray(t.numpy()) for t in (policy, ids, mask, old, adv)]
         objective = lambda p: jax_loss.policy_loss(p, None, *j[1:], backend="triton",  # noqa: E731
-                                                   check_ids=False)[0]
+                                                   check_ids=False, entropy_coef=0.05)[0]
         j_value, j_grad = jax.value_and_grad(objective)(j[0])
     np.testing.assert_allclose(float(j_value), t_value.item(), rtol=1e-6)
     np.testing.assert_allclose(np.asarray(j_grad), leaf.grad.numpy(), rtol=1e-5, atol=1e-9)

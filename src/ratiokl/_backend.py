@@ -3,7 +3,7 @@
 A :class:`Backend` runs on flattened, validated inputs::
 
     selected_logprobs(logits, ids, mask, temperature) -> logp
-    logprobs_entropy(logits, ids, mask, temperature) -> (logp, entropy)   [or None]
+    logprobs_entropy(logits, ids, mask, temperature) -> (logp, entropy)   [one pass]
     ratio_kl(policy, ref, ids, mask, old_logps, ref_logps, kl_code, temperature)
         -> (ratio, kl)
     policy_loss(policy, ref, ids, mask, old, ref_logps, adv, iw, weights,
@@ -24,9 +24,10 @@ exactly 0) whatever they hold; an active row with a bad id or temperature is
 NaN; nothing synchronises with the host. A backend without a fused
 ``policy_loss`` (and GSPO's ``ratio_level="sequence"``, which needs a cross-row
 mean of the log-ratio before the objective) takes the two-pass route:
-``selected_logprobs``, then the framework's ``_objective``. ``rollout_weights`` (the
+``logprobs_entropy`` (the entropy for ``entropy_mean`` and ``entropy_coef`` from the
+same read of the logits), then the framework's ``_objective``. ``rollout_weights`` (the
 rollout correction's weights and metrics in one launch; ``seq`` the sequence
-log-weights ``[R, 1]`` or ``[R, T]``, or None) is optional too: without it the
+log-weights ``[R, 1]`` or ``[R, T]``, or None) is optional: without it the
 framework's ``_rollout`` ops compute the same.
 """
 
@@ -38,7 +39,7 @@ from typing import Callable, Optional, Tuple
 
 from ratiokl.spec import PolicyLossOptions
 
-__all__ = ["Backend", "logprobs_entropy_of", "token_weights_args", "warn_inplace_ignored"]
+__all__ = ["Backend", "token_weights_args", "warn_inplace_ignored"]
 
 
 @dataclass(frozen=True)
@@ -47,21 +48,10 @@ class Backend:
 
     selected_logprobs: Callable
     ratio_kl: Callable
+    logprobs_entropy: Callable  # (logp, entropy) in one pass
     policy_loss: Optional[Callable] = None  # fused; None: two passes
     token_weights: Optional[Callable] = None  # one-launch aggregation weights; None: ops
-    logprobs_entropy: Optional[Callable] = None  # (logp, entropy) in one pass; None: none
     rollout_weights: Optional[Callable] = None  # one-launch rollout correction; None: ops
-
-
-def logprobs_entropy_of(run: Backend, sharding_argument: str) -> Callable:
-    """``run``'s one-pass ``(logp, entropy)``; a clear error where it has none (the
-    vocabulary-sharded backends: ``sharding_argument`` names the caller's argument)."""
-    if run.logprobs_entropy is None:
-        raise NotImplementedError(
-            f"`return_entropy=True` is not available with `{sharding_argument}` yet (the "
-            "sharded entropy needs its own combine); gather the vocabulary or call without it"
-        )
-    return run.logprobs_entropy
 
 
 def warn_inplace_ignored(sequence_ratio: bool) -> None:

@@ -30,6 +30,8 @@ OPTIONS = {
     "dapo_dual_clip_k3_is_seq_mean_ref_logps": dict(
         clip_eps_high=0.28, dual_clip=3.0, kl_coef=0.2, kl_estimator="k3-is",
         loss_agg="seq-mean-token-mean", ref="logps"),
+    "cispo_entropy_bonus_token_sum_ref_logps": dict(
+        objective="cispo", entropy_coef=0.05, kl_coef=0.1, loss_agg="token-sum", ref="logps"),
 }
 
 
@@ -189,7 +191,8 @@ def test_jax_inplace_grad_with_donated_logits_matches_and_aliases():
 
 @pytest.mark.parametrize("write_grad", [True, False], ids=["grad", "no_grad"])
 def test_torch_fused_spans_meeting_gives_the_bits_of_one_program_per_row(monkeypatch, write_grad):
-    """A program per span meeting at the row's counter == one program taking every span."""
+    """A program per span meeting at the row's counter == one program taking every span
+    (the entropy's partials included)."""
     from ratiokl.torch import _launch
 
     x = _inputs(torch.bfloat16, seed=9)
@@ -199,7 +202,7 @@ def test_torch_fused_spans_meeting_gives_the_bits_of_one_program_per_row(monkeyp
         leaf = x["policy"].detach().clone().requires_grad_(write_grad)
         value, metrics = loss.policy_loss(
             leaf, x["ref"], x["ids"], x["mask"], x["old"], x["adv"], backend="triton",
-            check_ids=False, kl_coef=0.1)
+            check_ids=False, kl_coef=0.1, entropy_coef=0.05)
         grad = torch.autograd.grad(value * -1.7, leaf)[0] if write_grad else None
         return value.detach(), metrics, grad
 

@@ -110,16 +110,23 @@ def _scale(x) -> float:
 # Each runner returns {name: float32 CUDA tensor}: the op's outputs and its policy-logit gradient.
 
 
-def _policy_options(op: str, agg: str, backend: str):
-    """``policy_loss`` keyword options of a sweep op, and whether it takes ``ref_logps``."""
+def _policy_options(op: str, agg: str, backend: str, coefficient):
+    """``policy_loss`` keyword options of a sweep op, and whether it takes ``ref_logps``.
+
+    The op's name says them: ``gspo``, ``inplace``, ``cispo``, ``entropy`` (an entropy
+    bonus of 0.05; ``entropy_tensor``: as a 0-d array, ``coefficient(0.05)``), a
+    ``ref_logps`` ending; ``policy_fwd`` takes no gradient.
+    """
     kw = dict(kl_coef=0.1, loss_agg=agg)
-    if op == "policy_gspo":
+    if "gspo" in op:
         kw["ratio_level"] = "sequence"
-    if op == "policy_inplace":
+    if "inplace" in op:
         kw["inplace_grad"] = backend == "triton"
-    if op == "policy_cispo":
+    if "cispo" in op:
         kw["objective"] = "cispo"
-    return kw, op in ("policy_fwd", "policy_ref_logps")
+    if "entropy" in op:
+        kw["entropy_coef"] = coefficient(0.05) if "tensor" in op else 0.05
+    return kw, op == "policy_fwd" or op.endswith("ref_logps")
 
 
 def _torch_ops(x, backend: str, op: str, agg: str = "token-mean"):
@@ -142,7 +149,8 @@ def _torch_ops(x, backend: str, op: str, agg: str = "token-mean"):
                                   **common)
         outs, obj = {"ratio": ratio, "kl": kl}, (ratio * x["g1"] + kl * x["g2"]).sum()
     else:
-        kw, by_logps = _policy_options(op, agg, backend)
+        kw, by_logps = _policy_options(op, agg, backend,
+                                       lambda v: torch.tensor(v, device="cuda"))
         value, metrics = loss.policy_loss(
             leaf.view(*lead, -1), None if by_logps else x["ref"].view(*lead, -1),
             x["ids"].view(lead), x["mask"].view(lead), x["old"].view(lead), x["adv"].view(lead),
@@ -179,7 +187,7 @@ def _jax_ops(x, backend: str, op: str, agg: str = "token-mean"):
                                       j["old"], ref_logps=j["ref_logps"] if by_logps else None,
                                       **common)
             return jnp.sum(ratio * j["g1"] + kl * j["g2"]), {"ratio": ratio, "kl": kl}
-        kw, by_logps = _policy_options(op, agg, backend)
+        kw, by_logps = _policy_options(op, agg, backend, jnp.float32)
         r = lambda a: a.reshape(lead)  # noqa: E731
         value, metrics = loss.policy_loss(
             policy.reshape(*lead, -1), None if by_logps else j["ref"].reshape(*lead, -1),
@@ -226,13 +234,20 @@ def _compare(fast, slow, dtype: str, scale: float, n: int, what: str) -> None:
         assert worst <= 0.0, f"{label}: beyond tolerance by {worst:.3g} ({tol})"
 
 
+#: Every (V, N) of the sweep: ``policy_entropy`` is the fused kernel with its entropy term
+#: (``entropy_coef`` 0.05) in pass 2, at every launch plan.
 OPS = ("selected_logprobs", "selected_logprobs_entropy", "ratio_kl", "ratio_kl_ref_logps",
-       "policy", "policy_fwd")
+       "policy", "policy_fwd", "policy_entropy")
 #: Once per (dtype, V), at the row count nearest 128: every aggregation, GSPO, in place,
-#: CISPO (token and sequence ratio).
+#: CISPO (token and sequence ratio), and the entropy bonus with each of them (a 0-d tensor
+#: coefficient once).
 OPTION_OPS = tuple(("policy_ref_logps", agg) for agg in AGGREGATIONS) + (
     ("policy_gspo", "seq-mean-token-mean"), ("policy_inplace", "token-mean"),
-    ("policy_cispo", "token-mean"), ("policy_cispo", "seq-mean-token-sum"))
+    ("policy_cispo", "token-mean"), ("policy_cispo", "seq-mean-token-sum"),
+    ("policy_entropy_ref_logps", "seq-mean-token-mean"),
+    ("policy_entropy_ref_logps", "seq-mean-token-sum-norm"),
+    ("policy_entropy_tensor", "token-sum"), ("policy_entropy_gspo", "seq-mean-token-mean"),
+    ("policy_entropy_inplace", "token-mean"), ("policy_entropy_cispo", "seq-mean-token-sum"))
 
 
 def _sweep_one(runner, dtype: str, vocab: int, n: int, with_options: bool) -> int:

@@ -1,7 +1,7 @@
 """JAX ``policy_loss`` coefficients as traced 0-d arrays: the numbers' bits, one trace.
 
-An adaptive KL controller hands ``kl_coef`` (and a schedule the clip bounds)
-to a jitted step as an array: new values must neither retrace nor change
+An adaptive KL controller hands ``kl_coef`` (and a schedule the clip bounds or
+``entropy_coef``) to a jitted step as an array: new values must neither retrace nor change
 what a Python number gives. On the ``"triton"`` backend the fused kernel reads
 them as run-time data (here through the interpreter stand-in of
 ``jax_triton.triton_call``).
@@ -40,20 +40,22 @@ def test_traced_coefficients_match_numbers_in_one_trace(name: str, monkeypatch) 
     x = _inputs(0)
     traces = []
 
-    def step(logits, ref, ids, mask, old, adv, kl_coef, clip_eps):
+    def step(logits, ref, ids, mask, old, adv, kl_coef, clip_eps, entropy_coef):
         traces.append(1)
         value, metrics = loss.policy_loss(logits, ref, ids, mask, old, adv, kl_coef=kl_coef,
-                                          clip_eps=clip_eps, dual_clip=3.0, backend=backend,
+                                          clip_eps=clip_eps, dual_clip=3.0,
+                                          entropy_coef=entropy_coef, backend=backend,
                                           check_ids=False)
-        return value, metrics["clip_fraction"]
+        return value, (metrics["clip_fraction"], metrics["entropy_mean"])
 
     grad_step = jax.jit(jax.value_and_grad(step, has_aux=True))
-    for kl_coef, clip_eps in ((0.0, 0.2), (0.05, 0.1), (0.3, 0.25)):
-        (value, clip), grad = grad_step(*x, jnp.float32(kl_coef), jnp.float32(clip_eps))
-        (want, want_clip), want_grad = jax.value_and_grad(
-            lambda p: step(p, *x[1:], kl_coef, clip_eps), has_aux=True)(x[0])
+    for coefs in ((0.0, 0.2, 0.0), (0.05, 0.1, 0.01), (0.3, 0.25, -0.2)):
+        (value, (clip, ent)), grad = grad_step(*x, *map(jnp.float32, coefs))
+        (want, (want_clip, want_ent)), want_grad = jax.value_and_grad(
+            lambda p: step(p, *x[1:], *coefs), has_aux=True)(x[0])
         np.testing.assert_allclose(float(value), float(want), rtol=1e-6, atol=1e-7)
-        assert float(clip) == float(want_clip)
+        assert float(clip) == float(want_clip) and float(want_ent) > 0
+        np.testing.assert_allclose(float(ent), float(want_ent), rtol=1e-6)  # jit: XLA's order
         np.testing.assert_allclose(np.asarray(grad), np.asarray(want_grad), rtol=1e-5,
                                    atol=1e-7)
     assert len(traces) == 1 + 3  # one trace of the jitted step, one per eager reference
@@ -63,3 +65,5 @@ def test_a_coefficient_must_be_0d() -> None:
     x = _inputs(1)
     with pytest.raises(TypeError, match="`kl_coef` must be a Python number or a 0-d"):
         loss.policy_loss(*x, kl_coef=jnp.ones(2), backend="native")
+    with pytest.raises(TypeError, match="`entropy_coef` must be a Python number or a 0-d"):
+        loss.policy_loss(*x, entropy_coef=jnp.ones(2), backend="native")

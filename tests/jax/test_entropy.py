@@ -58,3 +58,51 @@ def test_vmapped_jit_entropy_and_gradient_are_each_problems_own(name, monkeypatc
     g = np.asarray(grad)
     assert np.all(g[~mask] == 0.0) and np.all(np.isfinite(g[mask]))
     assert np.all(np.asarray(ent)[~mask] == 0.0) and np.all(np.asarray(ent)[mask] > 0.0)
+
+
+def test_the_backward_has_an_entropy_term_only_where_the_entropy_is_differentiated(
+        monkeypatch):
+    """Two-pass ``policy_loss`` (GSPO) always computes the entropy for ``entropy_mean``; its
+    backward kernel gets the entropy term only with a coefficient (a symbolic-zero
+    cotangent otherwise), and ``selected_logprobs`` differentiated through the entropy alone
+    drops the log-prob term. Gradients match the spec either way."""
+    pytest.importorskip("triton")
+    from jax_interpret import interpreted_triton_call, use_interpreted_triton
+
+    from ratiokl import spec
+    from ratiokl.jax import _launch
+
+    use_interpreted_triton(monkeypatch)
+    flags = []
+
+    def spy(*args, **kwargs):
+        if kwargs["kernel"].__name__ == "logp_backward_kernel":
+            flags.append((kwargs["HAS_G_LOGP"], kwargs["ENTROPY"]))
+        return interpreted_triton_call(*args, **kwargs)
+
+    monkeypatch.setattr(_launch, "triton_call", spy)
+    logits, ids, mask, temp = (p[0] for p in _problems())
+    rng = np.random.default_rng(5)
+    old = jnp.asarray(rng.normal(-3.0, 0.5, mask.shape), jnp.float32)
+    adv = jnp.asarray(rng.normal(size=mask.shape), jnp.float32)
+    x = {k: np.asarray(v) for k, v in dict(logits=logits, ids=ids, mask=mask, old=old,
+                                           adv=adv).items()}
+    for coef in (0.0, 0.2):
+        flags.clear()
+        options = dict(ratio_level="sequence", loss_agg="seq-mean-token-mean",
+                       entropy_coef=coef)
+        grad = jax.grad(lambda z: loss.policy_loss(z, None, ids, mask, old, adv,
+                                                   backend="triton", check_ids=False,
+                                                   **options)[0])(logits)
+        assert flags == [(True, coef != 0.0)], (coef, flags)
+        want = spec.policy_loss_grad(x["logits"], None, x["ids"], x["mask"], x["old"],
+                                     x["adv"], **options)
+        np.testing.assert_allclose(np.asarray(grad), want, rtol=1e-4, atol=1e-6)
+    flags.clear()
+    grad = jax.grad(lambda z: jnp.sum(loss.selected_logprobs(
+        z, ids, mask, temperature=temp, backend="triton", check_ids=False,
+        return_entropy=True)[1]))(logits)
+    assert flags == [(False, True)], flags
+    want = spec.entropy_grad(x["logits"], x["mask"], np.ones(mask.shape),
+                             temperature=np.asarray(temp))
+    np.testing.assert_allclose(np.asarray(grad), want, rtol=1e-4, atol=1e-6)

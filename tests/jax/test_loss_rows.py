@@ -79,22 +79,23 @@ def _rows(n: int, density: float):
     # Garbage where rows are inactive: it must stay out of every mean.
     ratio = np.where(mask, rng.random(n) * 2, np.inf).astype(np.float32)
     kl = np.where(mask, rng.random(n), 0.0).astype(np.float32)
+    ent = np.where(mask, rng.random(n) * 3, np.nan).astype(np.float32)
     bits = np.where(mask, rng.integers(0, 8, n), 7).astype(np.int32)
     old = np.where(mask, -rng.random(n) * 5, np.nan).astype(np.float32)
     loss_rows = np.where(mask, rng.normal(size=n), 0.0).astype(np.float32)
-    return tuple(jnp.asarray(a) for a in (loss_rows, mask, logp, ratio, kl, bits, old))
+    return tuple(jnp.asarray(a) for a in (loss_rows, mask, logp, ratio, kl, ent, bits, old))
 
 
-def _loss_and_metrics(loss_rows, mask, logp, ratio, kl, bits, old):
+def _loss_and_metrics(loss_rows, mask, logp, ratio, kl, ent, bits, old):
     """``(loss, metrics)`` from the metrics launch that ends the fused loss."""
-    means, total = _launch.metrics_op(mask, logp, ratio, kl, bits, old, loss_rows)
+    means, total = _launch.metrics_op(mask, logp, ratio, kl, ent, bits, old, loss_rows)
     return total, {name: means[i] for i, name in enumerate(METRIC_NAMES)}
 
 
-def _objective_metrics(mask, logp, ratio, kl, bits, old):
+def _objective_metrics(mask, logp, ratio, kl, ent, bits, old):
     return _objective.token_metrics(
         mask, jnp.sum(mask), (bits & CLIP_LOW.value) != 0, (bits & CLIP_HIGH.value) != 0,
-        (bits & CLIP_CAPPED.value) != 0, ratio, kl, jnp.where(mask, old, 0.0) - logp,
+        (bits & CLIP_CAPPED.value) != 0, ratio, kl, jnp.where(mask, old, 0.0) - logp, ent,
     )
 
 

@@ -47,6 +47,12 @@ OPTIONS = {
     "log_ratio_bound_active": {"log_ratio_bound": 0.3, "kl_coef": 0.5},
     "no_log_ratio_bound": {"log_ratio_bound": None, "dual_clip": 3.0},
     "temperature": {"temperature": 0.7, "kl_coef": 0.1},
+    "entropy_bonus": {"entropy_coef": 0.2, "kl_coef": 0.1},
+    "entropy_penalty_seq_mean_token_mean": {"entropy_coef": -0.1,
+                                            "loss_agg": "seq-mean-token-mean"},
+    "entropy_gspo": {"ratio_level": "sequence", "loss_agg": "seq-mean-token-mean",
+                     "entropy_coef": 0.2},
+    "entropy_cispo_temperature": {"objective": "cispo", "entropy_coef": 0.2, "temperature": 0.7},
 }
 #: Options that read packed-row segments.
 PACKED = {
@@ -234,6 +240,8 @@ def test_loss_normalizer_traced_equals_float():
         ({"ratio_level": "seq"}, ValueError, "ratio_level"),
         ({"dual_clip": 0.9}, ValueError, "dual_clip"),
         ({"clip_eps": 1.5}, ValueError, "clip_eps"),
+        ({"entropy_coef": float("nan")}, ValueError, "`entropy_coef` must be finite"),
+        ({"entropy_coef": "0.01"}, TypeError, "`entropy_coef` must be a Python number"),
         ({"loss_normalizer": 0.0}, ValueError, "loss_normalizer"),
         ({"advantages": np.zeros(T, np.float32)}, ValueError, "advantages"),
         ({"segment_ids": np.zeros((B, T), np.float32)}, TypeError, "segment_ids"),

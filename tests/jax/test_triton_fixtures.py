@@ -20,7 +20,7 @@ from ratiokl import conformance  # noqa: E402
 
 #: Fixture groups of the options whose kernel code is new (the rest: ``ratiokl check``
 #: on a GPU); the interpreter takes seconds a case.
-GROUPS = ("policy_cispo_*", "entropy_*", "policy_rollout_*")
+GROUPS = ("policy_cispo_*", "policy_entropy_*", "entropy_*", "policy_rollout_*")
 CASES = [name for name in conformance.list_cases()
          if any(fnmatch.fnmatch(name, g) for g in GROUPS)]
 

@@ -79,7 +79,8 @@ def check_fixtures() -> None:
     for name in ("kl_k3_fp32", "inactive_rows_nan_logits_bf16", "active_row_nan_logit_fp32",
                  "active_rows_masked_vocab_fp16", "active_id_out_of_range_fp32",
                  "empty_rows_fp32", "ref_logps_given_fp32",
-                 "selected_logprobs_temperature_per_row_fp16"):
+                 "selected_logprobs_temperature_per_row_fp16", "entropy_masked_vocab_fp32",
+                 "policy_entropy_masked_vocab_fp32", "policy_entropy_temperature_per_row_fp32"):
         WORKER.run_fixture(name)
     assert LAUNCHES.get("shard_stats_kernel") and LAUNCHES.get("logp_backward_kernel"), LAUNCHES
 
@@ -104,9 +105,15 @@ def check_vma_off() -> None:
 
 
 def check_policy_loss() -> None:
-    """Sharded ``policy_loss`` on the Triton path equals the unsharded native one, grads too."""
+    """Sharded ``policy_loss`` on the Triton path equals the unsharded native one, grads too,
+    with and without an entropy bonus."""
+    for extra in (dict(), dict(entropy_coef=0.2)):
+        _check_policy_loss(extra)
+
+
+def _check_policy_loss(extra) -> None:
     x = WORKER._inputs(2, (4, 5), 48)
-    options = dict(kl_coef=0.1, loss_agg="seq-mean-token-mean", temperature=0.9)
+    options = dict(kl_coef=0.1, loss_agg="seq-mean-token-mean", temperature=0.9, **extra)
     rows = (x["ids"], x["mask"], x["old"], x["adv"])
 
     def body(policy, ref, ids, mask, old, adv):

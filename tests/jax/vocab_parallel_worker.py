@@ -50,7 +50,8 @@ def _sharded(op, ndim: int, static, check_vma: bool) -> Callable:
         call = dict(static, **arrays, **logits)
         positional = [call.get(k) for k in op.positional]
         keywords = {k: call[k] for k in op.keywords if k in call}
-        return op.unpack(getattr(loss, op.name)(*positional, **keywords, vocab_axis="tp"))
+        return op.unpack(getattr(loss, op.name)(*positional, **keywords, **op.fixed,
+                                                vocab_axis="tp"))
 
     def run(logits, arrays):
         specs = ({k: vocab_spec for k in logits}, P())
@@ -65,12 +66,12 @@ def _with_grad(op, ndim: int, static, check_vma: bool) -> Callable:
     fn = _sharded(op, ndim, static, check_vma)
 
     def run(logits, arrays, cotangents):
-        outputs, vjp = jax.vjp(lambda x: fn(dict(logits, **{op.differentiate: x}), arrays),
-                               logits[op.differentiate])
-        # Outputs without a cotangent (policy_loss's metrics) get zeros.
-        full = {o: cotangents[o] if o in cotangents else jnp.zeros_like(v)
-                for o, v in outputs.items()}
-        return outputs, vjp(full)[0]
+        def outputs_of(x):  # (the outputs with a cotangent, all outputs)
+            out = fn(dict(logits, **{op.differentiate: x}), arrays)
+            return {o: out[o] for o in op.cotangents}, out
+
+        _, vjp, outputs = jax.vjp(outputs_of, logits[op.differentiate], has_aux=True)
+        return outputs, vjp(cotangents)[0]
 
     return jax.jit(run)
 
@@ -129,6 +130,9 @@ CI_FIXTURES = (
     "all_inactive_fp32", "empty_rows_fp32", "temperature_per_row_bf16", "ref_logps_given_fp32",
     "selected_logprobs_inactive_rows_fp32", "selected_logprobs_temperature_per_row_fp16",
     "vocab_20011_fp32", "extreme_magnitude_fp32",
+    "entropy_masked_vocab_fp32", "entropy_temperature_per_row_bf16", "entropy_peaked_fp16",
+    "policy_entropy_masked_vocab_fp32", "policy_entropy_temperature_per_row_fp32",
+    "policy_entropy_cispo_bf16", "policy_grpo_kl_k3_fp32",
 )
 
 
@@ -139,10 +143,8 @@ def check_fixtures() -> None:
 
 
 def check_fixtures_all() -> None:
-    """Every ratio_kl / selected_logprobs fixture (slow: one compilation per case)."""
-    names = [n for n in conformance.list_cases()
-             if conformance.load_case(n).op in ("ratio_kl", "selected_logprobs")]
-    for name in names:
+    """Every fixture (slow: one compilation per case)."""
+    for name in conformance.list_cases():
         run_fixture(name)
 
 
@@ -201,7 +203,8 @@ def check_grad_inside_body() -> None:
 def check_policy_loss() -> None:
     """Sharded ``policy_loss`` (with a KL term on ref logits) equals the unsharded one: the
     PPO and the CISPO objective."""
-    for objective in (dict(), dict(objective="cispo", clip_eps_high=0.28)):
+    for objective in (dict(), dict(objective="cispo", clip_eps_high=0.28),
+                      dict(entropy_coef=0.2), dict(entropy_coef=-0.1, ratio_level="sequence")):
         _check_policy_loss(objective)
 
 
@@ -280,7 +283,8 @@ def check_data_and_tensor_parallel() -> None:
 
 
 def check_collectives() -> None:
-    """Compiled fwd+bwd of ratio_kl: one pmax and one psum all-reduce, none in the backward."""
+    """Compiled fwd+bwd of ratio_kl: one pmax and one psum all-reduce, none in the backward;
+    policy_loss with an entropy bonus: as many as without."""
     x = _inputs(6, (2, 8), 64)
     fn = jax.shard_map(
         lambda p, r: sum(jnp.sum(o) for o in loss.ratio_kl(p, r, x["ids"], x["mask"], x["old"],
@@ -291,6 +295,18 @@ def check_collectives() -> None:
                or "all-reduce-start(" in line]
     assert len(reduces) == 2, reduces
     assert "all-gather" not in text
+    # policy_loss: the entropy (always taken for entropy_mean, and in the loss with a
+    # coefficient) adds a term to the policy's psum, not an all-reduce of its own.
+    counts = []
+    for coef in (0.0, 0.1):
+        step = jax.shard_map(
+            lambda p, r: loss.policy_loss(p, r, x["ids"], x["mask"], x["old"], x["adv"],
+                                          kl_coef=0.1, entropy_coef=coef, vocab_axis="tp")[0],
+            mesh=MESH, in_specs=(P(None, None, "tp"),) * 2, out_specs=P())
+        text = jax.jit(jax.value_and_grad(step)).lower(x["policy"], x["ref"]).compile().as_text()
+        counts.append(sum(" all-reduce(" in line or "all-reduce-start(" in line
+                          for line in text.splitlines()))
+    assert counts[0] == counts[1] <= 4, counts
 
 
 def check_bad_ids_and_errors() -> None:

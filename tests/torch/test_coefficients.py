@@ -1,9 +1,10 @@
 """Coefficients as 0-d tensors, per-row inputs with any strides, and check_ids under compile.
 
-* ``kl_coef``, ``clip_eps`` and ``clip_eps_high`` given as 0-d tensors give the
-  bits of the same Python numbers on every backend (the fused kernel reads
-  them as run-time data), a tensor ``kl_coef = 0`` keeps an infinite KL out
-  (``0 * inf``), and ``torch.compile`` traces them: new values, no recompile;
+* ``kl_coef``, ``clip_eps``, ``clip_eps_high`` and ``entropy_coef`` given as 0-d
+  tensors give the bits of the same Python numbers on every backend (the fused
+  kernel reads them as run-time data), a tensor ``kl_coef = 0`` keeps an infinite
+  KL out (``0 * inf``), a tensor ``entropy_coef = 0`` gives the fused kernel's bits
+  of the number 0, and ``torch.compile`` traces them: new values, no recompile;
 * per-row inputs that flatten to a stride-0 view (per-sequence advantages of
   one sequence, expanded masks / ids / old log-probs) reach the kernels as
   contiguous rows;
@@ -50,9 +51,10 @@ def _loss_and_grad(x, backend: str, **options):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_tensor_coefficients_give_the_bits_of_numbers(backend: str) -> None:
     x = _inputs(0)
-    numbers = dict(kl_coef=0.05, clip_eps=0.1, clip_eps_high=0.15, dual_clip=3.0)
+    numbers = dict(kl_coef=0.05, clip_eps=0.1, clip_eps_high=0.15, dual_clip=3.0,
+                   entropy_coef=0.02)
     tensors = dict(numbers, kl_coef=torch.tensor(0.05), clip_eps=torch.tensor(0.1),
-                   clip_eps_high=torch.tensor(0.15))
+                   clip_eps_high=torch.tensor(0.15), entropy_coef=torch.tensor(0.02))
     want, want_metrics, want_grad = _loss_and_grad(x, backend, **numbers)
     got, got_metrics, got_grad = _loss_and_grad(x, backend, **tensors)
     assert torch.equal(got, want) and torch.equal(got_grad, want_grad)
@@ -73,6 +75,25 @@ def test_a_zero_tensor_kl_coef_keeps_an_infinite_kl_out(backend: str) -> None:
     assert torch.isfinite(grad).all() and torch.equal(grad, want_grad)
 
 
+def test_a_zero_tensor_entropy_coef_gives_the_fused_bits_of_the_number_zero() -> None:
+    """The kernel compiled for a tensor coefficient (it may be non-zero) adds exactly
+    nothing at 0: the loss, the metrics and the gradient of ``entropy_coef=0.0``."""
+    pytest.importorskip("triton")
+    x = _inputs(6)
+    x["logits"][0, 0, ::2] = -float("inf")  # masked vocabulary: p = 0 columns
+    x["mask"][0, 0] = True
+    x["ids"][0, 0] = 1
+    want, want_metrics, want_grad = _loss_and_grad(x, "interpret", entropy_coef=0.0)
+    got, got_metrics, got_grad = _loss_and_grad(x, "interpret",
+                                                entropy_coef=torch.tensor(0.0))
+    assert torch.equal(got, want) and torch.equal(got_grad, want_grad)
+    assert got_metrics == want_metrics and want_metrics["entropy_mean"] > 0
+    bonus, _, bonus_grad = _loss_and_grad(x, "interpret", entropy_coef=torch.tensor(0.5))
+    assert not torch.equal(bonus_grad, want_grad) and torch.isfinite(bonus_grad).all()
+    np.testing.assert_allclose(bonus.item(), want.item() - 0.5 * want_metrics["entropy_mean"],
+                               rtol=1e-5, atol=1e-6)  # token-mean: agg(H) = entropy_mean
+
+
 def test_a_coefficient_must_be_a_number_or_a_0d_float_tensor() -> None:
     x = _inputs(2)
     with pytest.raises(TypeError, match="`kl_coef` must be a Python number or a 0-d"):
@@ -84,6 +105,9 @@ def test_a_coefficient_must_be_a_number_or_a_0d_float_tensor() -> None:
     with pytest.raises(TypeError, match="`clip_eps` must be a Python number or a 0-d"):
         loss.policy_loss(x["logits"], x["ref"], x["ids"], x["mask"], x["old"], x["adv"],
                          clip_eps=torch.tensor(1), backend="native")
+    with pytest.raises(TypeError, match="`entropy_coef` must be a Python number or a 0-d"):
+        loss.policy_loss(x["logits"], x["ref"], x["ids"], x["mask"], x["old"], x["adv"],
+                         entropy_coef=torch.tensor(1), backend="native")
     with pytest.raises(ValueError, match="`ratio_cap` needs Python-number clip bounds"):
         loss.policy_loss(x["logits"], x["ref"], x["ids"], x["mask"], x["old"], x["adv"],
                          clip_eps_high=torch.tensor(0.2), ratio_cap=3.0, backend="native")
@@ -110,6 +134,43 @@ def test_compiled_step_traces_kl_coef_without_recompiling() -> None:
         want = step(x["logits"], x["ref"], x["ids"], x["mask"], x["old"], x["adv"], coef)
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
     assert len(frames) == 1, f"{len(frames)} compiles for 4 values of kl_coef"
+
+
+@pytest.mark.parametrize("backend, grad", [("native", True)] + (
+    [("interpret", False), ("interpret", True)] if HAS_TRITON else []),
+    ids=lambda v: str(v))
+def test_compiled_step_traces_entropy_coef_without_recompiling(backend: str, grad: bool) -> None:
+    """A schedule of ``entropy_coef`` as a 0-d tensor: one graph for every value, on the
+    two-pass route (a gradient) and the fused kernel (no gradient: the forward alone)."""
+    torch._dynamo.reset()
+    frames = []
+
+    def count(gm, example_inputs):
+        frames.append(gm)
+        return gm.forward
+
+    def step(logits, ref, ids, mask, old, adv, entropy_coef):
+        value, metrics = loss.policy_loss(logits, ref, ids, mask, old, adv, kl_coef=0.1,
+                                          entropy_coef=entropy_coef, backend=backend,
+                                          check_ids=False)
+        return value, metrics["entropy_mean"]
+
+    compiled = torch.compile(step, fullgraph=True, backend=count)
+    x = _inputs(7)
+    rows = (x["ref"], x["ids"], x["mask"], x["old"], x["adv"])
+    for coef in (0.0, 0.001, 0.01, -0.05):
+        logits = x["logits"].clone().requires_grad_(grad)
+        with torch.set_grad_enabled(grad):
+            got = compiled(logits, *rows, torch.tensor(coef))
+            want = step(x["logits"].clone().requires_grad_(grad), *rows, coef)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        if grad:
+            (g_got,) = torch.autograd.grad(got[0], logits)
+            leaf = x["logits"].clone().requires_grad_()
+            (g_want,) = torch.autograd.grad(step(leaf, *rows, coef)[0], leaf)
+            torch.testing.assert_close(g_got, g_want, rtol=1e-5, atol=1e-7)
+    assert len(frames) == 1, f"{len(frames)} compiles for 4 values of entropy_coef"
 
 
 def test_check_ids_under_compile_says_to_pass_false() -> None:

@@ -131,5 +131,6 @@ def test_a_compiled_gradient_takes_the_two_pass_kernels(wants_grad) -> None:
         eager = step(logits, ids, mask, old, adv)
     torch.testing.assert_close(value, eager, rtol=1e-5, atol=1e-6)
     fused = [op for op in ops if "interpret_fused_policy_loss" in op]
-    two_pass = [op for op in ops if "interpret_row_forward" in op]
+    # The two-pass forward: the policy's log-probs and entropies in one launch.
+    two_pass = [op for op in ops if "interpret_entropy_forward" in op]
     assert (bool(fused), bool(two_pass)) == (not wants_grad, wants_grad), ops

@@ -6,7 +6,9 @@ is checked against the float64 spec (``ratiokl.spec.policy_loss``) and
 against the two-pass native path (loss, every metric, the policy-logit
 gradient) across clip modes, KL variants, aggregations, packed rows, bf16,
 all-inactive input, garbage (NaN, bad ids) in inactive rows and upstream
-gradients of 1 (the device-side skip) and not 1. The JAX launch
+gradients of 1 (the device-side skip) and not 1, and the entropy bonus
+(``entropy_coef``: on masked ``-inf`` vocabularies, per-row temperatures,
+negative, with CISPO). The JAX launch
 (``ratiokl.jax._triton.policy_loss``) runs with ``jax_triton.triton_call`` replaced
 by the interpreter behind ``jax.pure_callback``. Sizes are small: the
 interpreter is slow.
@@ -51,11 +53,23 @@ CASES = {
     "cispo_ratio_cap_ref_logps_small_bound_row_temp": dict(
         objective="cispo", clip_eps=0.5, clip_eps_high=1.0, ratio_cap=1.5, ref="logps",
         kl_coef=0.1, log_ratio_bound=1.0, row_temp=True),
+    "entropy_bonus_k3_token_mean_masked_vocab": dict(
+        entropy_coef=0.3, kl_coef=0.1, masked=True),
+    "entropy_penalty_seq_mean_token_mean_row_temp_bf16": dict(
+        entropy_coef=-0.2, loss_agg="seq-mean-token-mean", row_temp=True, masked=True,
+        dtype="bfloat16"),
+    "cispo_entropy_ref_logps_token_sum_packed": dict(
+        objective="cispo", entropy_coef=0.25, ref="logps", kl_coef=0.1, loss_agg="token-sum",
+        packed=True),
 }
 
 
 def _inputs(seed: int, case: dict):
-    """NumPy inputs; inactive rows hold NaN logits, NaN per-token values and bad ids."""
+    """NumPy inputs; inactive rows hold NaN logits, NaN per-token values and bad ids.
+
+    ``masked``: ``-inf`` at every third logit of active rows (never the action; row
+    ``[0, 0]`` allows its action alone) and ``+-inf`` rows among the inactive ones.
+    """
     rng = np.random.default_rng(seed)
     logits = rng.normal(0.0, 2.0, (B, T, V)).astype(np.float32)
     mask = rng.random((B, T)) < 0.75
@@ -80,13 +94,21 @@ def _inputs(seed: int, case: dict):
         x["importance_weights"] = nan_off(rng.uniform(0.5, 1.5, (B, T)))
     if case.get("row_temp"):
         x["temperature"] = rng.uniform(0.7, 1.4, (B, T)).astype(np.float32)
+    if case.get("masked"):
+        drop = np.zeros(logits.shape, bool)
+        drop[..., ::3] = True
+        drop[0, 0] = True
+        np.put_along_axis(drop, np.maximum(x["action_ids"], 0)[..., None], False, axis=-1)
+        logits[drop & mask[..., None]] = -np.inf
+        for n, row in enumerate(map(tuple, np.argwhere(~mask)[:2])):
+            logits[row] = (np.inf, -np.inf)[n]
     if case.get("dtype") == "bfloat16":  # exactly representable, so the spec sees the same
         x["policy_logits"] = torch.from_numpy(logits).bfloat16().float().numpy()
         x["ref_logits"] = torch.from_numpy(x["ref_logits"]).bfloat16().float().numpy()
     return x
 
 
-_FLAGS = ("ref", "per_seq_adv", "packed", "weights", "row_temp", "dtype")
+_FLAGS = ("ref", "per_seq_adv", "packed", "weights", "row_temp", "dtype", "masked")
 
 
 def _options(case: dict) -> dict:
@@ -175,6 +197,8 @@ def test_fused_matches_spec_and_native(name, tiles, monkeypatch):
     assert f_grad.dtype == n_grad.dtype
     inactive = ~x["mask"]
     assert np.all(fused[inactive] == 0.0), "inactive rows must get exactly 0"
+    assert np.all(np.isfinite(fused)), "masked (-inf) logits keep the gradient finite"
+    assert np.isfinite(f_loss) and f_metrics["entropy_mean"] > 0
 
 
 def test_all_inactive_gives_zero_loss_metrics_and_grad():
@@ -243,7 +267,8 @@ def test_unchecked_bad_active_id_poisons_only_its_row():
 
 
 def test_route_fuses_every_option_but_gspo(monkeypatch):
-    """The fused kernel runs for every option set but GSPO's; the native backend has none."""
+    """The fused kernel runs for every option set but GSPO's (``entropy_coef`` included);
+    the native backend has none."""
     backend = _route.resolve("interpret", torch.device("cpu"))
     assert backend.policy_loss is _triton.policy_loss
     assert _route.resolve("native", torch.device("cpu")).policy_loss is None
@@ -257,7 +282,10 @@ def test_route_fuses_every_option_but_gspo(monkeypatch):
             t["advantages"])
     for options, fuses in ((dict(kl_coef=0.1, dual_clip=2.0, kl_estimator="k3-is"), True),
                            (dict(loss_agg="seq-mean-token-mean"), True),
-                           (dict(ratio_level="sequence"), False)):
+                           (dict(entropy_coef=0.01), True),
+                           (dict(entropy_coef=torch.tensor(0.01), objective="cispo"), True),
+                           (dict(ratio_level="sequence"), False),
+                           (dict(ratio_level="sequence", entropy_coef=0.01), False)):
         launches.clear()
         loss.policy_loss(*args, ref_logps=t["old_logps"] + 0.1, backend="interpret",
                          **options)
@@ -273,6 +301,25 @@ def test_gspo_falls_back_to_two_pass_and_matches_spec():
     np.testing.assert_allclose(f_grad.numpy(), e_grad, rtol=1e-4, atol=1e-6)
 
 
+def test_two_pass_backward_has_an_entropy_term_only_with_a_coefficient(monkeypatch):
+    """GSPO's two-pass route always computes the entropy (``entropy_mean``); nothing
+    differentiates it without a coefficient, so its backward kernel has no entropy term."""
+    flags = []
+    run = _launch.BACKWARD.run
+    monkeypatch.setattr(_launch.BACKWARD, "run",
+                        lambda *a: flags.append(a[-1] is True) or run(*a))
+    for coef in (0.0, 0.2):
+        flags.clear()
+        case = dict(ratio_level="sequence", loss_agg="seq-mean-token-mean", entropy_coef=coef)
+        x = _inputs(47, case)
+        f_loss, f_metrics, f_grad = _torch(x, case, "interpret", 1.0)
+        e_loss, e_metrics, e_grad = _spec(x, case)
+        assert flags == [coef != 0.0], (coef, flags)
+        np.testing.assert_allclose(f_grad.numpy(), e_grad, rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(f_metrics["entropy_mean"], e_metrics["entropy_mean"],
+                                   rtol=1e-5)
+
+
 # --- the JAX launch, with jax_triton.triton_call replaced by the interpreter -----------------
 
 
@@ -286,7 +333,7 @@ def test_jax_fused_launch_matches_torch_under_jit_grad_vmap(monkeypatch):
 
     monkeypatch.setattr(jax_launch, "triton_call", interpreted_triton_call)
     monkeypatch.setattr(jax_dispatch, "backend_name", lambda backend: backend)
-    case = dict(clip_eps_high=0.28, dual_clip=3.0, kl_coef=0.1,
+    case = dict(clip_eps_high=0.28, dual_clip=3.0, kl_coef=0.1, entropy_coef=0.1,
                 loss_agg="seq-mean-token-mean", packed=True)
     x = _inputs(13, case)
     options = _options(case)
@@ -314,7 +361,8 @@ def test_jax_fused_launch_matches_torch_under_jit_grad_vmap(monkeypatch):
 
 
 def test_a_rows_results_do_not_depend_on_the_batch():
-    case = dict(kl_coef=0.1, loss_agg="token-sum")  # w = 1: each row's gradient is its own
+    # w = 1: each row's gradient is its own (the entropy term's too).
+    case = dict(kl_coef=0.1, loss_agg="token-sum", entropy_coef=0.1)
     x = _inputs(17, case)
     full = _torch(x, case, "interpret", -1.5)
     part = _torch({k: v[:2] for k, v in x.items()}, case, "interpret", -1.5)
@@ -473,6 +521,6 @@ def test_jax_inplace_grad_aliases_the_logits_and_matches(monkeypatch):
     want = jax.jit(jax.value_and_grad(lambda p: objective(p, False)))(j["policy_logits"])
     got = jax.jit(jax.value_and_grad(lambda p: objective(p, True)), donate_argnums=0)(
         jnp.array(j["policy_logits"]))
-    assert aliases == [None, {0: 5}]
+    assert aliases == [None, {0: 6}]  # the gradient: after the six per-row outputs
     assert float(got[0]) == float(want[0])
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))

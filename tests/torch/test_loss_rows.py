@@ -72,6 +72,7 @@ def test_metrics_match_objective_ops(shape, density):
     logp = torch.where(mask, -torch.rand(n, generator=g) * 5, 0.0)
     ratio = torch.where(mask, torch.rand(n, generator=g) * 2, 1.0)
     kl = torch.where(mask, torch.rand(n, generator=g), 0.0)
+    ent = torch.where(mask, torch.rand(n, generator=g) * 3, torch.tensor(float("nan")))
     bits = torch.randint(0, 8, (n,), generator=g, dtype=torch.int32)
     old = -torch.rand(n, generator=g) * 5
     # Garbage where rows are inactive: it must stay out of every mean.
@@ -83,13 +84,13 @@ def test_metrics_match_objective_ops(shape, density):
     total = torch.tensor(float("nan"))
     with np.errstate(all="ignore"):
         interpreted(policy_metrics_kernel)[(1,)](
-            mask, logp, ratio, kl, bits, old, loss_rows.detach(), out, total, n,
+            mask, logp, ratio, kl, ent, bits, old, loss_rows.detach(), out, total, n,
             BLOCK=ROWS_BLOCK, num_warps=ROWS_WARPS)
     torch.testing.assert_close(total, loss_rows.detach().sum(), rtol=1e-5, atol=1e-6)
     got = dict(zip(METRIC_NAMES, out.unbind()))
     want = _objective.token_metrics(
         mask, mask.sum(), (bits & CLIP_LOW.value) != 0, (bits & CLIP_HIGH.value) != 0,
-        (bits & CLIP_CAPPED.value) != 0, ratio, kl, torch.where(mask, old, 0.0) - logp,
+        (bits & CLIP_CAPPED.value) != 0, ratio, kl, torch.where(mask, old, 0.0) - logp, ent,
     )
     assert set(got) == set(want)
     for name in want:

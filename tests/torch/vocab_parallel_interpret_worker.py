@@ -4,8 +4,9 @@ The Triton kernels (``shard_stats_kernel``, ``logp_backward_kernel``) through
 Triton's CPU interpreter on each rank's shard, over ``gloo``: sharded vs the
 float64 spec and vs the unsharded native call, outputs and gradient slices,
 with NaN/inf inactive rows inside one shard, uneven shards, a whole shard
-of ``-inf`` in an active row, an active NaN in one shard, a few conformance
-fixtures and the collective count. Kept small: the interpreter
+of ``-inf`` in an active row, an active NaN in one shard, the entropy (its
+``mu`` from the shard kernel, its gradient from the backward kernel's entropy
+term), a few conformance fixtures and the collective count. Kept small: the interpreter
 runs one Python program per row.
 """
 
@@ -39,6 +40,11 @@ FIXTURES = (
     "temperature_per_row_fp32",
     "selected_logprobs_inactive_rows_fp32",
     "vocab_2_bf16",
+    "entropy_masked_vocab_fp32",
+    "entropy_temperature_per_row_bf16",
+    "policy_entropy_masked_vocab_fp32",
+    "policy_entropy_temperature_per_row_fp32",
+    "policy_entropy_gspo_fp32",
 )
 
 
@@ -56,6 +62,7 @@ def run_interpret(world: int) -> None:
         worker.check_ratio_kl(case, dtype, bounds, group, with_ref=with_ref,
                               per_row_t=per_row_t, kl=kl, backend="interpret")
     worker.check_masking_and_nan(world, group, backend="interpret")
+    worker.check_entropy(world, group, backend="interpret")
     worker.check_collective_count(world, group, backend="interpret")
     ran = worker.check_conformance(world, group, names=FIXTURES, backend="interpret")
     assert ran == len(FIXTURES), ran

@@ -160,6 +160,44 @@ def check_selected(case, dtype: str, bounds, group, backend: str = "auto"):
     return logp, policy.grad
 
 
+def check_entropy(world: int, group, backend: str = "auto") -> None:
+    """Sharded ``selected_logprobs(return_entropy=True)`` (per-row T) vs the spec: -inf over
+    a whole shard of an active row, -inf inside another, poisoned inactive rows; the entropy
+    and both gradient terms, on uneven shards."""
+    vocab = 5 * world + 3
+    case = make_case(17, (3, 5), vocab, "float32")
+    bounds = shard_bounds(vocab, world)
+    start, stop = bounds[dist.get_rank(group)]
+    case["mask"][0, :2] = True
+    case["policy"][0, 0, slice(*bounds[0])] = -np.inf  # the whole first shard masked
+    case["ids"][0, 0] = bounds[-1][0]
+    case["policy"][0, 1, 1::2] = -np.inf
+    case["ids"][0, 1] = 0
+    poison_inactive(case, slice(*bounds[-1]))
+    temp = np.where(case["mask"], case["temperature"], 0.0)  # padding may carry T = 0
+    policy = torch.tensor(case["policy"][..., start:stop], dtype=torch.float32,
+                          requires_grad=True)
+    ids, mask, t, g_logp, g_ent = tensors(dict(case, temperature=temp), "ids", "mask",
+                                          "temperature", "g_ratio", "g_kl")
+    logp, ent = loss.selected_logprobs(policy, ids, mask, temperature=t, vocab_group=group,
+                                       backend=backend, return_entropy=True)
+    (logp * g_logp + ent * g_ent).sum().backward()
+    args = (case["policy"], case["ids"], case["mask"])
+    exp_ent = spec.entropy(case["policy"], case["mask"], temperature=temp)
+    exp_grad = (spec.selected_logprobs_grad(*args, case["g_ratio"], temperature=temp)
+                + spec.entropy_grad(case["policy"], case["mask"], case["g_kl"],
+                                    temperature=temp))[..., start:stop]
+    finite = case["policy"][np.isfinite(case["policy"])]
+    scale = float(np.max(np.abs(finite))) / float(temp[case["mask"]].min())
+    assert_close("logp", logp, spec.selected_logprobs(*args, temperature=temp),
+                 spec.forward_tolerance(scale))
+    assert_close("entropy", ent, exp_ent, spec.forward_tolerance(scale))
+    grad_tol = spec.grad_tolerance("float32", scale, float(np.abs(exp_grad).max()))
+    assert_close("entropy grad", policy.grad, exp_grad, grad_tol)
+    assert bool(torch.isfinite(ent).all()) and bool(torch.isfinite(policy.grad).all())
+    assert bool((policy.grad[~mask] == 0).all()) and bool((ent[~mask] == 0).all())
+
+
 def check_masking_and_nan(world: int, group, backend: str = "auto") -> None:
     """-inf over a whole shard of a row is valid; an active NaN in one shard poisons its row."""
     case = make_case(3, (3, 4), 29, "float32")
@@ -232,8 +270,8 @@ def _conformance_call(case, start: int, stop: int, group, backend: str):
     leaf = args[op.differentiate].requires_grad_(True)
     positional = [args.get(k) for k in op.positional]
     keywords = {k: args[k] for k in op.keywords if k in args}
-    outputs = op.unpack(getattr(loss, op.name)(*positional, **keywords, vocab_group=group,
-                                               backend=backend))
+    outputs = op.unpack(getattr(loss, op.name)(*positional, **keywords, **op.fixed,
+                                               vocab_group=group, backend=backend))
     cot = case.cotangents()
     grad = torch.autograd.grad([outputs[o] for o in op.cotangents], leaf,
                                [torch.from_numpy(cot[o]) for o in op.cotangents],
@@ -252,14 +290,15 @@ def _conformance_call(case, start: int, stop: int, group, backend: str):
 
 
 def check_conformance(world: int, group, names=None, backend: str = "auto") -> int:
-    """Every ratio_kl / selected_logprobs fixture (or those in ``names``) with ``V >= world``.
+    """Every fixture (or those in ``names``) with ``V >= world``: ratio_kl, selected_logprobs
+    with and without the entropy, policy_loss (the entropy's psum term included).
 
     Returns the count run.
     """
     ran = 0
     for name in conformance.list_cases() if names is None else names:
         case = conformance.load_case(name)
-        if case.op not in ("ratio_kl", "selected_logprobs") or case.logits.shape[-1] < world:
+        if case.logits.shape[-1] < world:
             continue
         start, stop = shard_bounds(case.logits.shape[-1], world)[dist.get_rank(group)]
         try:
@@ -277,11 +316,13 @@ def check_conformance(world: int, group, names=None, backend: str = "auto") -> i
 
 def check_policy_loss(world: int, group) -> None:
     """Sharded ``policy_loss`` (KL on reference logits) equals the unsharded call, grads too:
-    the PPO and the CISPO objective, and the rollout correction (``rollout_logps`` NaN on
-    inactive rows) at token and sequence level."""
+    the PPO and the CISPO objective, the rollout correction (``rollout_logps`` NaN on
+    inactive rows) at token and sequence level, and the entropy bonus."""
     for options in (dict(), dict(objective="cispo", clip_eps_high=0.28),
                     dict(rollout_correction="token-truncate", rollout_bounds=(0.0, 1.2)),
-                    dict(rollout_correction="sequence-mask", rollout_bounds=(0.5, 1.5))):
+                    dict(rollout_correction="sequence-mask", rollout_bounds=(0.5, 1.5)),
+                    dict(entropy_coef=0.2), dict(entropy_coef=torch.tensor(-0.1),
+                                                 ratio_level="sequence")):
         _check_policy_loss(world, group, options)
 
 
@@ -328,7 +369,9 @@ def check_rollout_fixtures(world: int, group) -> None:
 
 def check_collective_count(world: int, group, backend: str = "auto") -> None:
     """``ratio_kl`` with ref logits: the shape agreement (``check_ids``, a ``[world, 10]``
-    table), then 2 ``[k, N]`` all-reduces forward; no collective in the backward."""
+    table), then 2 ``[k, N]`` all-reduces forward; no collective in the backward;
+    ``policy_loss`` with an entropy bonus as many as without (the entropy's ``[N]`` term
+    rides in the policy's SUM all-reduce)."""
     case = make_case(13, (3, 4), 8 * world, "float32")
     start, stop = shard_bounds(8 * world, world)[dist.get_rank()]
     calls = []
@@ -351,6 +394,16 @@ def check_collective_count(world: int, group, backend: str = "auto") -> None:
             assert calls == agreement + [(2 * 12 + world,), (4, 12)], calls
             (ratio + kl_val).sum().backward()
             assert len(calls) == len(agreement) + 2, calls
+        counts = []
+        for coef in (0.0, 0.1):
+            calls.clear()
+            value, _ = loss.policy_loss(policy, ref, *tensors(case, "ids", "mask", "old", "g_kl"),
+                                        kl_coef=0.1, entropy_coef=coef, vocab_group=group,
+                                        backend=backend, check_ids=False)
+            value.backward()
+            counts.append(list(calls))
+        assert counts[0] == counts[1], counts  # the entropy adds no collective
+        assert len(counts[0]) == 4, counts  # (MAX, SUM) policy, then ref
     finally:
         dist.all_reduce = real
 
@@ -407,13 +460,14 @@ def run_all(world: int) -> None:
         poison_inactive(case, slice(*bounds[seed % world]))
         check_ratio_kl(case, dtype, bounds, group, with_ref=with_ref, per_row_t=per_row_t, kl=kl)
     check_masking_and_nan(world, group)
+    check_entropy(world, group)
     check_bad_ids(world, group)
     check_empty(group)
     check_collective_count(world, group)
     check_shape_disagreement(world, group)
     check_policy_loss(world, group)
     check_rollout_fixtures(world, group)
-    assert check_conformance(world, group) >= 60
+    assert check_conformance(world, group) >= 140
     if world == 4:
         # Tensor parallelism inside data parallelism: two groups of two ranks.
         pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]

@@ -38,13 +38,15 @@ def _tile_grad(x, cols, a_tile, k, lse2, c, ce, ent, ENTROPY: tl.constexpr):
 
     ``cols``: the tile's ``arange``; ``a_tile``: :func:`tile_action`. ``ENTROPY``: minus
     ``ce * p * (log p + ent)`` too (the entropy's gradient, ``ce = g_entropy / T``; a
-    ``p = 0`` column, a ``-inf`` logit, adds exactly 0).
+    ``p = 0`` column, a ``-inf`` logit, adds exactly 0), as ``p * (ce ent + ce ln2 u)``
+    with ``u = log2 p``: two row constants, one FMA, one product and the ``p > 0`` select
+    per element. ``ce = 0`` with a finite ``ent`` adds exactly 0.
     """
     if ENTROPY:
         u = x * k - lse2  # log2 p
         p = tl.exp2(u)
         g = c * (tl.where(cols == a_tile, 1.0, 0.0) - p)
-        g = g - ce * tl.where(p > 0.0, p * (u * LN2 + ent), 0.0)
+        g = g - tl.where(p > 0.0, p * (ce * ent + (ce * LN2) * u), 0.0)
     else:
         g = c * (tl.where(cols == a_tile, 1.0, 0.0) - tl.exp2(x * k - lse2))
     return g

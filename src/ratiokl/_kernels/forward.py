@@ -42,20 +42,26 @@ from ratiokl._kernels.numerics import (
 @triton.jit
 def _rows_lse2(
     p_row, r_row, V, stride_pv, stride_rv, k, n_full, active,
-    HAS_REF: tl.constexpr, BLOCK_V: tl.constexpr,
+    HAS_REF: tl.constexpr, ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    """Base-2 log-sum-exp of ``p_row * k`` and ``r_row * k`` (``k = log2(e) / T``), one pass.
+    """Base-2 ``(lse2, ref_lse2, mean2)`` of ``p_row * k`` and ``r_row * k`` in one pass.
 
-    One running pair over the whole row, no spans (the shard statistics):
-    ``span_lse2`` over all ``n_full`` whole tiles plus the tail.
+    ``k = log2(e) / T``. One running pair over the whole row, no spans (the shard
+    statistics): ``span_stats`` over all ``n_full`` whole tiles plus the tail.
     Both rows advance through the same tiles, so their loads are in flight
-    together; without ``HAS_REF`` the reference result is ``-inf``. Inactive
-    rows pass ``n_full = 0`` and ``active = False``: nothing is read.
+    together; without ``HAS_REF`` the reference result is ``-inf``. With ``ENTROPY``,
+    ``mean2`` is the mean of ``p_row * k`` under the row's softmax (0 where the row has
+    no mass, ``s = 0``); else 0. Inactive rows pass ``n_full = 0`` and
+    ``active = False``: nothing is read.
     """
-    m_p, s_p, m_r, s_r = span_lse2(
-        p_row, r_row, V, stride_pv, stride_rv, k, 0, n_full, active, HAS_REF, BLOCK_V, ""
+    m_p, s_p, h_p, m_r, s_r = span_stats(
+        p_row, r_row, V, stride_pv, stride_rv, k, 0, n_full, active, HAS_REF, ENTROPY, BLOCK_V,
+        ""
     )
-    return shift_of(m_p) + tl.log2(s_p), shift_of(m_r) + tl.log2(s_r)
+    mean2 = 0.0
+    if ENTROPY:
+        mean2 = tl.where(s_p > 0.0, h_p / s_p, 0.0)
+    return shift_of(m_p) + tl.log2(s_p), shift_of(m_r) + tl.log2(s_r), mean2
 
 
 @triton.jit
@@ -66,75 +72,66 @@ def _selected(row_ptr, a, stride_v, t, lse2, active):
 
 
 @triton.jit
-def _tail_lse2(p_row, r_row, V, stride_pv, stride_rv, k, on, m_p, s_p, m_r, s_r,
-               HAS_REF: tl.constexpr, BLOCK_V: tl.constexpr, EVICT: tl.constexpr):
+def _fold_tile(x, m, s, h, ENTROPY: tl.constexpr):
+    """One tile into the running ``(m, s)`` and, with ``ENTROPY``, the entropy's sum ``h``."""
+    if ENTROPY:
+        m, s, h = lse_h_step(x, m, s, h)
+    else:
+        m, s = lse_step(x, m, s)
+    return m, s, h
+
+
+@triton.jit
+def _tail_lse2(p_row, r_row, V, stride_pv, stride_rv, k, on, m_p, s_p, h_p, m_r, s_r,
+               HAS_REF: tl.constexpr, ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr,
+               EVICT: tl.constexpr):
     """Fold the masked tail tile (``V % BLOCK_V`` columns; none read unless ``on``)."""
     offs = ((V // BLOCK_V) * BLOCK_V + tl.arange(0, BLOCK_V)).to(tl.int64)
     tail = (offs < V) & on
     x = tl.load(p_row + offs * stride_pv, mask=tail, other=-float("inf"), eviction_policy=EVICT)
-    m_p, s_p = lse_step(x.to(tl.float32) * k, m_p, s_p)
+    m_p, s_p, h_p = _fold_tile(x.to(tl.float32) * k, m_p, s_p, h_p, ENTROPY)
     if HAS_REF:
         y = tl.load(r_row + offs * stride_rv, mask=tail, other=-float("inf"),
                     eviction_policy=EVICT)
         m_r, s_r = lse_step(y.to(tl.float32) * k, m_r, s_r)
-    return m_p, s_p, m_r, s_r
+    return m_p, s_p, h_p, m_r, s_r
 
 
 @triton.jit
-def span_lse2(
+def span_stats(
     p_row, r_row, V, stride_pv, stride_rv, k, t0, t1, tail_on,
-    HAS_REF: tl.constexpr, BLOCK_V: tl.constexpr, EVICT: tl.constexpr,
+    HAS_REF: tl.constexpr, ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr, EVICT: tl.constexpr,
 ):
-    """``(m_p, s_p, m_r, s_r)`` of whole tiles ``[t0, t1)`` and, if ``tail_on``, the tail.
+    """``(m_p, s_p, h_p, m_r, s_r)`` of whole tiles ``[t0, t1)`` and, if ``tail_on``, the tail.
 
-    A split's partial base-2 log-sum-exp (see ``heuristics.split_plan``),
-    folded tile by tile from ``(-inf, 0)`` exactly as ``logp_forward_kernel``
-    folds the same span, so the partial's bits do not depend on the kernel.
-    ``EVICT``: the loads' L2 eviction hint (``""``: none; the fused loss keeps
-    the rows it is about to re-read with ``"evict_last"``).
+    A split's partial base-2 log-sum-exp of the policy row (and of the reference row,
+    with ``HAS_REF``; else ``(-inf, 0)``) and, with ``ENTROPY``, the policy's entropy sum
+    ``h_p = sum exp2(x - shift) x`` (``numerics.lse_h_step``; else 0), folded tile by
+    tile from ``(-inf, 0, 0)`` exactly as ``logp_forward_kernel`` folds the same span,
+    so the partial's bits do not depend on the kernel. ``(m_p, s_p)`` have the same bits
+    with or without ``ENTROPY``. ``EVICT``: the loads' L2 eviction hint (``""``: none;
+    the fused loss keeps the rows it is about to re-read with ``"evict_last"``).
     """
     cols = tl.arange(0, BLOCK_V)
     m_p = -float("inf")
     s_p = 0.0
+    h_p = 0.0
     m_r = -float("inf")
     s_r = 0.0
     for b in range(t0, t1):
         offs = (b * BLOCK_V + cols).to(tl.int64)
         x = tl.load(p_row + offs * stride_pv, eviction_policy=EVICT).to(tl.float32) * k
-        m_p, s_p = lse_step(x, m_p, s_p)
+        m_p, s_p, h_p = _fold_tile(x, m_p, s_p, h_p, ENTROPY)
         if HAS_REF:
             y = tl.load(r_row + offs * stride_rv, eviction_policy=EVICT).to(tl.float32) * k
             m_r, s_r = lse_step(y, m_r, s_r)
     if V % BLOCK_V != 0:
         if tail_on:
-            m_p, s_p, m_r, s_r = _tail_lse2(
-                p_row, r_row, V, stride_pv, stride_rv, k, tail_on, m_p, s_p, m_r, s_r,
-                HAS_REF, BLOCK_V, EVICT,
+            m_p, s_p, h_p, m_r, s_r = _tail_lse2(
+                p_row, r_row, V, stride_pv, stride_rv, k, tail_on, m_p, s_p, h_p, m_r, s_r,
+                HAS_REF, ENTROPY, BLOCK_V, EVICT,
             )
-    return m_p, s_p, m_r, s_r
-
-
-@triton.jit
-def span_lse2_h(p_row, V, stride_pv, k, t0, t1, tail_on, BLOCK_V: tl.constexpr):
-    """``(m, s, h)`` of the policy row's whole tiles ``[t0, t1)`` and, if ``tail_on``, the tail.
-
-    :func:`span_lse2` with the entropy's running sum ``h`` (``numerics.lse_h_step``),
-    folded tile by tile from ``(-inf, 0, 0)`` exactly as ``logp_forward_kernel`` folds
-    the same span with ``ENTROPY``.
-    """
-    cols = tl.arange(0, BLOCK_V)
-    m = -float("inf")
-    s = 0.0
-    h = 0.0
-    for b in range(t0, t1):
-        offs = (b * BLOCK_V + cols).to(tl.int64)
-        m, s, h = lse_h_step(tl.load(p_row + offs * stride_pv).to(tl.float32) * k, m, s, h)
-    if V % BLOCK_V != 0:
-        if tail_on:
-            offs = ((V // BLOCK_V) * BLOCK_V + cols).to(tl.int64)
-            x = tl.load(p_row + offs * stride_pv, mask=offs < V, other=-float("inf"))
-            m, s, h = lse_h_step(x.to(tl.float32) * k, m, s, h)
-    return m, s, h
+    return m_p, s_p, h_p, m_r, s_r
 
 
 @triton.jit
@@ -259,7 +256,7 @@ def logp_forward_kernel(
     cols = tl.arange(0, BLOCK_V)
     n_full = tl.where(active, V // BLOCK_V, 0)  # inactive rows: no iteration
     ninf = -float("inf")
-    # (m, s): the open span, folded from (-inf, 0) tile by tile as span_lse2 does; at the
+    # (m, s): the open span, folded from (-inf, 0) tile by tile as span_stats does; at the
     # end of each span it is folded into the row's (M, S) as logp_combine_kernel folds the
     # split partials, so both paths give the same bits. One loop keeps the loads pipelined.
     mp, sp, mr, sr = ninf, 0.0, ninf, 0.0
@@ -275,9 +272,8 @@ def logp_forward_kernel(
             m_p, s_p, h_p = tl.where(end, fm, m_p), tl.where(end, fs, s_p), tl.where(end, fh, h_p)
             mp, sp, hp = tl.where(end, ninf, mp), tl.where(end, 0.0, sp), tl.where(end, 0.0, hp)
         if V % BLOCK_V != 0:
-            offs = ((V // BLOCK_V) * BLOCK_V + cols).to(tl.int64)
-            x = tl.load(p_row + offs * stride_pv, mask=(offs < V) & active, other=ninf)
-            mp, sp, hp = lse_h_step(x.to(tl.float32) * k, mp, sp, hp)
+            mp, sp, hp, _, _ = _tail_lse2(p_row, r_row, V, stride_pv, stride_rv, k, active,
+                                          mp, sp, hp, ninf, 0.0, False, True, BLOCK_V, "")
         open_span = ((V % BLOCK_V) != 0) | ((n_full % TILES_PER_SPLIT) != 0)
         fm, fs, fh = fold_lse2_h(m_p, s_p, h_p, mp, sp, hp)
         m_p, s_p, h_p = tl.where(open_span, fm, m_p), tl.where(open_span, fs, s_p), \
@@ -303,9 +299,9 @@ def logp_forward_kernel(
                 mr, sr = tl.where(end, ninf, mr), tl.where(end, 0.0, sr)
         # The last span: the tail (if any) joins it; fold it unless it is empty.
         if V % BLOCK_V != 0:
-            mp, sp, mr, sr = _tail_lse2(
-                p_row, r_row, V, stride_pv, stride_rv, k, active, mp, sp, mr, sr, HAS_REF,
-                BLOCK_V, "",
+            mp, sp, _, mr, sr = _tail_lse2(
+                p_row, r_row, V, stride_pv, stride_rv, k, active, mp, sp, 0.0, mr, sr,
+                HAS_REF, False, BLOCK_V, "",
             )
         open_span = ((V % BLOCK_V) != 0) | ((n_full % TILES_PER_SPLIT) != 0)
         fm, fs = fold_lse2(m_p, s_p, mp, sp)

@@ -5,18 +5,23 @@ spans of whole tiles (:func:`launch_plan`); on a GPU each span has its own
 program, which
 
 1. reads its span once for the partial log-sum-exp (the policy's, and the
-   reference's in the same pass when reference logits are given) -- the
-   forward kernel's ``span_lse2`` -- and publishes it;
+   reference's in the same pass when reference logits are given) and the
+   policy's entropy sum ``h = sum 2^(x - m) x`` (one more FMA per element, no
+   more bytes) -- the forward kernel's ``span_stats`` -- and publishes them;
 2. meets the row's other programs at a device-side counter and combines
-   the ``SPLITS`` partials (``_meet``), all programs the same way;
+   the ``SPLITS`` partials (``_meet``), all programs the same way, into the
+   row's log-sum-exp and entropy ``H = lse - E_p[x / T]``;
 3. computes the per-token objective of ``ratiokl.spec.policy_loss``
    (token-level ratio, ``objective.token_objective``) and its derivative
-   ``dL/dlogp`` in registers;
+   ``dL/dlogp`` in registers, and with ``ENTROPY_GRAD`` the entropy bonus
+   ``- entropy_coef * H``;
 4. right away, while its span is still in L2, writes
-   ``grad = w * dL/dlogp * (onehot(a) - softmax(x / T)) / T`` on the span in
-   the logits' dtype, where ``w`` is the row's aggregation weight ``a_t / D``
-   -- unless ``WRITE_GRAD`` is off (no gradient wanted: the row is read once
-   and the forward's memory is O(N)).
+   ``grad = w * dL/dlogp * (onehot(a) - p) / T + e * p * (log p + H)`` on the
+   span in the logits' dtype, where ``p = softmax(x / T)``, ``w`` is the row's
+   aggregation weight ``a_t / D`` and ``e = entropy_coef * w / T`` (the second
+   term only with ``ENTROPY_GRAD``: ``dH/dx = -p (log p + H) / T``) -- unless
+   ``WRITE_GRAD`` is off (no gradient wanted: the row is read once and the
+   forward's memory is O(N)).
 
 Spans are small so that the spans in flight fit in L2 and the second read
 comes from L2 rather than HBM (on the H200 the kernel takes 1.60 ms against
@@ -37,8 +42,8 @@ whose upstream value is exactly 1 (the usual ``loss.backward()``) and
 inactive rows.
 
 Inactive rows read nothing, write the neutral per-row values
-(``loss = logp = kl = 0``, ``ratio = 1``, no clip bits) and an exact-zero
-gradient row. An active row with an id outside ``[0, V)`` reads the clamped
+(``loss = logp = kl = entropy = 0``, ``ratio = 1``, no clip bits) and an
+exact-zero gradient row. An active row with an id outside ``[0, V)`` reads the clamped
 id and is poisoned (NaN loss, metrics pieces and gradient), like the
 forward kernel.
 """
@@ -50,7 +55,7 @@ import triton
 import triton.language as tl
 
 from ratiokl._kernels.backward import grad_span
-from ratiokl._kernels.forward import span_lse2, split_span, store_partial
+from ratiokl._kernels.forward import span_stats, split_span
 from ratiokl._kernels.heuristics import (
     LaunchConfig,
     SplitPlan,
@@ -63,6 +68,9 @@ from ratiokl._kernels.objective import token_objective
 
 #: Spans of a row in the fused kernel (fewer when the row has fewer tiles).
 _SPLITS = 10
+#: Fields of a span's partial in the scratch ``part_ptr`` ``[N, SPLITS, PARTIAL_FIELDS]``:
+#: the policy's ``(m, s)``, the reference's ``(m, s)``, the policy's entropy sum ``h``.
+PARTIAL_FIELDS = tl.constexpr(5)
 
 
 class FusedPlan(NamedTuple):
@@ -119,14 +127,32 @@ def scale_block(vocab: int) -> int:
 
 
 @triton.jit
-def _combine(ms, ss):
-    """``log2(sum_k s_k * 2^m_k)`` of a row's span partials ``(m_k, s_k)`` (vectors over spans).
+def _combine(ms, ss, hs, ENTROPY: tl.constexpr):
+    """``(lse2, mean2)`` of a row's span partials ``(m_k, s_k, h_k)`` (vectors over spans).
 
-    One max and one sum over the spans, in a fixed order for a given launch
-    configuration; unused lanes hold ``(-inf, 0)``.
+    ``lse2 = log2(sum_k s_k 2^m_k)`` and, with ``ENTROPY``, ``mean2 = sum_k h_k 2^m_k /
+    sum_k s_k 2^m_k``, the mean of ``x`` (base-2 units) under the row's softmax (else 0):
+    the entropy is ``(lse2 - mean2) ln 2``. One max and one sum (two) over the spans, in a
+    fixed order for a given launch configuration; unused lanes hold ``(-inf, 0, 0)``.
     """
     shift = shift_of(tl.max(ms, axis=0))
-    return shift + tl.log2(tl.sum(ss * tl.exp2(ms - shift), axis=0))
+    scale = tl.exp2(ms - shift)
+    total = tl.sum(ss * scale, axis=0)
+    mean2 = 0.0
+    if ENTROPY:
+        mean2 = tl.sum(hs * scale, axis=0) / total
+    return shift + tl.log2(total), mean2
+
+
+@triton.jit
+def _publish(part_ptr, row, span, m_p, s_p, h_p, m_r, s_r, SPLITS: tl.constexpr):
+    """Store span ``span``'s partial at ``part[row, span]`` (``PARTIAL_FIELDS`` floats)."""
+    part = part_ptr + (row * SPLITS + span) * PARTIAL_FIELDS
+    tl.store(part, m_p)
+    tl.store(part + 1, s_p)
+    tl.store(part + 2, m_r)
+    tl.store(part + 3, s_r)
+    tl.store(part + 4, h_p)
 
 
 @triton.jit
@@ -135,7 +161,7 @@ def _meet(part_ptr, count_ptr, row, active, wait, HAS_REF: tl.constexpr,
     """Publish this program's ``SPANS`` partials, wait for the row's ``SPLITS``, combine them.
 
     For rows shared by several programs (``SPANS < SPLITS``). The partials
-    ``part[row, s] = (m_p, s_p, m_r, s_r)`` were stored just before; a barrier
+    ``part[row, s] = (m_p, s_p, m_r, s_r, h_p)`` were stored just before; a barrier
     orders every thread's stores before the release of the row's counter,
     which counts the spans published, and the program waits until all
     ``SPLITS`` are (acquire). The partials are read back with ``.cg`` (from
@@ -143,7 +169,7 @@ def _meet(part_ptr, count_ptr, row, active, wait, HAS_REF: tl.constexpr,
     values the same way, so all get the same bits, whichever program computed
     which span. Inactive rows publish nothing and wait for nothing; a program
     that does not ``wait`` (it needs no statistics) only publishes, and its
-    combination is not used.
+    combination is not used. Returns ``(lse2, mean2, ref_lse2)`` (:func:`_combine`).
     """
     if active:
         tl.debug_barrier()  # every thread's partial stores precede the release
@@ -155,15 +181,17 @@ def _meet(part_ptr, count_ptr, row, active, wait, HAS_REF: tl.constexpr,
             while seen < SPLITS:
                 seen = tl.atomic_add(count_ptr + row, 0, sem="acquire")
     spans = tl.arange(0, triton.next_power_of_2(SPLITS))
-    part = part_ptr + (row * SPLITS + spans) * 4
+    part = part_ptr + (row * SPLITS + spans) * PARTIAL_FIELDS
     ok = (spans < SPLITS) & active
     ref_lse2 = -float("inf")
     if HAS_REF:
-        ref_lse2 = _combine(tl.load(part + 2, mask=ok, other=-float("inf"), cache_modifier=".cg"),
-                            tl.load(part + 3, mask=ok, other=0.0, cache_modifier=".cg"))
-    lse2 = _combine(tl.load(part, mask=ok, other=-float("inf"), cache_modifier=".cg"),
-                    tl.load(part + 1, mask=ok, other=0.0, cache_modifier=".cg"))
-    return lse2, ref_lse2
+        ms_r = tl.load(part + 2, mask=ok, other=-float("inf"), cache_modifier=".cg")
+        ss_r = tl.load(part + 3, mask=ok, other=0.0, cache_modifier=".cg")
+        ref_lse2, _ = _combine(ms_r, ss_r, ss_r, False)
+    lse2, mean2 = _combine(tl.load(part, mask=ok, other=-float("inf"), cache_modifier=".cg"),
+                           tl.load(part + 1, mask=ok, other=0.0, cache_modifier=".cg"),
+                           tl.load(part + 4, mask=ok, other=0.0, cache_modifier=".cg"), True)
+    return lse2, mean2, ref_lse2
 
 
 @triton.jit
@@ -192,9 +220,10 @@ def _stand_in_meeting(p_row, r_row, part_ptr, count_ptr, row, own, a, active, k,
         for s in range(0, SPLITS):
             if (s < first) | (s >= first + SPANS):
                 t0, t1, tail_on = split_span(s, V, active, TILES_PER_SPLIT, BLOCK_V)
-                m_p, s_p, m_r, s_r = span_lse2(p_row, r_row, V, stride_pv, stride_rv, k, t0,
-                                               t1, tail_on, HAS_REF, BLOCK_V, "")
-                store_partial(part_ptr, row, s, m_p, s_p, m_r, s_r, SPLITS)
+                m_p, s_p, h_p, m_r, s_r = span_stats(p_row, r_row, V, stride_pv, stride_rv,
+                                                     k, t0, t1, tail_on, HAS_REF, True,
+                                                     BLOCK_V, "")
+                _publish(part_ptr, row, s, m_p, s_p, h_p, m_r, s_r, SPLITS)
         tl.atomic_add(count_ptr + row, SPLITS - SPANS)
     return first
 
@@ -212,16 +241,18 @@ def policy_loss_kernel(
     adv_ptr,  # [N] f32 advantages
     iw_ptr,  # [N] f32 importance weights; read iff HAS_IW
     w_ptr,  # [N] f32 aggregation weight a_t / D (0 on inactive rows)
-    coef_ptr,  # [4] f32 (kl_coef, 1 - clip_eps, min(1 + clip_eps_high, ratio_cap), neg_cap)
+    coef_ptr,  # [5] f32 (kl_coef, 1 - clip_eps, min(1 + clip_eps_high, ratio_cap), neg_cap,
+    # entropy_coef); entropy_coef read iff ENTROPY_GRAD
     # outputs
     loss_ptr,  # [N] f32 w * loss_t (the loss is their sum)
     logp_ptr,  # [N] f32 log-prob of the action under the policy
     ratio_ptr,  # [N] f32 r = exp(bounded logp - old)
     kl_ptr,  # [N] f32 KL value of the chosen variant (0 when KL_CODE == 0)
+    ent_ptr,  # [N] f32 entropy H of the row's softmax(x / T) (nats)
     clip_ptr,  # [N] int32 clip bits (CLIP_LOW | CLIP_HIGH | CLIP_CAPPED)
     grad_ptr,  # [N, V] d(sum of loss_ptr)/d policy, logits' dtype, row-major (row stride V);
     # written iff WRITE_GRAD (may be policy_ptr itself: each tile is read before it is written)
-    part_ptr,  # [N, SPLITS, 4] f32 scratch: each span's (m_p, s_p, m_r, s_r)
+    part_ptr,  # [N, SPLITS, PARTIAL_FIELDS] f32 scratch: each span's (m_p, s_p, m_r, s_r, h_p)
     count_ptr,  # [N + 1] int32, zero at launch: spans published per row; [N]: work taken
     # (never touched with one program per row: any int32 buffer)
     # sizes and strides (elements)
@@ -239,6 +270,7 @@ def policy_loss_kernel(
     HAS_NEG_CAP: tl.constexpr,  # coef_ptr[3] = min(dual_clip, ratio_cap) caps A < 0
     BOUND: tl.constexpr,  # log_ratio_bound; 0: no bound
     OBJECTIVE: tl.constexpr,  # OBJECTIVES: 0 PPO, 1 CISPO
+    ENTROPY_GRAD: tl.constexpr,  # entropy_coef may be non-zero: - coef * H in loss and gradient
     WRITE_GRAD: tl.constexpr,  # False: no gradient wanted, the row is read once (forward only)
     SPLITS: tl.constexpr,  # spans of a row (launch_plan)
     TILES_PER_SPLIT: tl.constexpr,  # whole tiles per span
@@ -288,40 +320,48 @@ def policy_loss_kernel(
     if HAS_IW:
         iw = tl.load(iw_ptr + row)
     w = tl.load(w_ptr + row)
-    # Pass 1: this program's spans of the row's log-sum-exp(s), kept in L2 if re-read soon.
-    # A program that owns its row keeps the partials in registers (lanes of one vector per
-    # field); a shared row publishes them for the meeting. Either way the same vectors reach
-    # the same _combine: the same bits.
+    # Pass 1: this program's spans of the row's log-sum-exp(s) and entropy sum, kept in L2
+    # if re-read soon. A program that owns its row keeps the partials in registers (lanes of
+    # one vector per field); a shared row publishes them for the meeting. Either way the
+    # same vectors reach the same _combine: the same bits.
     EVICT_1: tl.constexpr = "evict_last" if WRITE_GRAD else ""
     spans = tl.arange(0, triton.next_power_of_2(SPLITS))
     ms_p = tl.full(spans.shape, -float("inf"), tl.float32)
     ss_p = tl.zeros(spans.shape, tl.float32)
+    hs_p = tl.zeros(spans.shape, tl.float32)
     ms_r = tl.full(spans.shape, -float("inf"), tl.float32)
     ss_r = tl.zeros(spans.shape, tl.float32)
     for j in range(0, SPANS):
         t0, t1, tail_on = split_span(first + j, V, active, TILES_PER_SPLIT, BLOCK_V)
-        m_p, s_p, m_r, s_r = span_lse2(
-            p_row, r_row, V, stride_pv, stride_rv, k, t0, t1, tail_on, HAS_REF, BLOCK_V, EVICT_1
+        m_p, s_p, h_p, m_r, s_r = span_stats(
+            p_row, r_row, V, stride_pv, stride_rv, k, t0, t1, tail_on, HAS_REF, True, BLOCK_V,
+            EVICT_1
         )
         if ROW_PROGRAMS == 1:
             here = spans == j
             ms_p, ss_p = tl.where(here, m_p, ms_p), tl.where(here, s_p, ss_p)
+            hs_p = tl.where(here, h_p, hs_p)
             ms_r, ss_r = tl.where(here, m_r, ms_r), tl.where(here, s_r, ss_r)
         else:
-            store_partial(part_ptr, row, first + j, m_p, s_p, m_r, s_r, SPLITS)
+            _publish(part_ptr, row, first + j, m_p, s_p, h_p, m_r, s_r, SPLITS)
     if ROW_PROGRAMS == 1:
-        lse2 = _combine(ms_p, ss_p)
+        lse2, mean2 = _combine(ms_p, ss_p, hs_p, True)
         ref_lse2 = -float("inf")
         if HAS_REF:
-            ref_lse2 = _combine(ms_r, ss_r)
+            ref_lse2, _ = _combine(ms_r, ss_r, ss_r, False)
     else:
         # Without a gradient only the row's first program (which stores the row's values)
         # waits.
-        lse2, ref_lse2 = _meet(part_ptr, count_ptr, row, active, WRITE_GRAD or (first == 0),
-                               HAS_REF, SPLITS, SPANS)
+        lse2, mean2, ref_lse2 = _meet(part_ptr, count_ptr, row, active,
+                                      WRITE_GRAD or (first == 0), HAS_REF, SPLITS, SPANS)
     nan = float("nan")
     lse2 = tl.where(bad, nan, lse2)
     logp = x_a / t - lse2 * LN2
+    # The entropy H = lse - E_p[x / T] (NaN on a poisoned row), stored at once: without
+    # ENTROPY_GRAD nothing keeps it live past here.
+    ent = (lse2 - mean2) * LN2
+    if first == 0:
+        tl.store(ent_ptr + row, tl.where(active, ent, 0.0))
 
     # Epilogue: the token's objective and dL/dlogp, in registers (every program of the
     # row computes the same values; the first stores them).
@@ -338,6 +378,9 @@ def policy_loss_kernel(
         logp, old, adv, iw, logp_ref, kl_coef, ratio_low, ratio_high, neg_cap, KL_CODE,
         HAS_NEG_CAP, BOUND, OBJECTIVE
     )
+    if ENTROPY_GRAD:  # the entropy bonus; a zero coefficient (a tensor's) adds nothing
+        ent_coef = tl.load(coef_ptr + 4)
+        loss = tl.where(ent_coef != 0.0, loss - ent_coef * ent, loss)
     if first == 0:
         tl.store(loss_ptr + row, tl.where(active, w * loss, 0.0))
         tl.store(logp_ptr + row, tl.where(active, logp, 0.0))
@@ -345,18 +388,24 @@ def policy_loss_kernel(
         tl.store(kl_ptr + row, tl.where(active, kl, 0.0))
         tl.store(clip_ptr + row, tl.where(active, bits, 0))
 
-    # Pass 2 (this program's spans, still in L2): grad = c * (onehot - softmax),
-    # c = w * dL/dlogp / T; streamed out with eviction-first hints.
+    # Pass 2 (this program's spans, still in L2): grad = c * (onehot - softmax), c = w *
+    # dL/dlogp / T, minus ce * p * (log p + H) with ce = dL/dH * w / T = -entropy_coef * w / T
+    # (ENTROPY_GRAD); streamed out with eviction-first hints.
     if WRITE_GRAD:
         c = tl.where(active, w * dloss / t, 0.0)
         lse2 = tl.where(active, lse2, 0.0)
+        ce = 0.0
+        ent_g = 0.0
+        if ENTROPY_GRAD:  # ce = 0 (a zero coefficient, an inactive row): H stays out too
+            ce = tl.where(active & (ent_coef != 0.0), -ent_coef * w / t, 0.0)
+            ent_g = tl.where(ce != 0.0, ent, 0.0)
         # This program's tiles (an inactive row's too: they get exact zeros, nothing read).
         t0 = first * TILES_PER_SPLIT
         t1 = tl.minimum(t0 + SPANS * TILES_PER_SPLIT, V // BLOCK_V)
         tail_on = ((V // BLOCK_V) >= t0) & ((V // BLOCK_V) < t0 + SPANS * TILES_PER_SPLIT)
         # Last tile first: the tiles pass 1 read most recently are the likeliest in L2.
         grad_span(p_row, grad_ptr + row * V, V, stride_pv, a, k, lse2, c, active, t0, t1,
-                  tail_on, True, BLOCK_V, "evict_first")
+                  tail_on, True, BLOCK_V, "evict_first", ce, ent_g, ENTROPY_GRAD)
 
 
 @triton.jit

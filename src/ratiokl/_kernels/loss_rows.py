@@ -8,7 +8,7 @@ kernel here is one program that streams the ``[N]`` vectors in blocks:
 
 * ``token_weights_kernel`` -- ``w_t = mask_t / D`` for the token-level
   aggregations (``D`` = the active count clamped at 1, or a given number);
-* ``policy_metrics_kernel`` -- the seven means over active rows of
+* ``policy_metrics_kernel`` -- the eight means over active rows of
   ``ratiokl.spec.policy_loss``'s metrics, and the loss (the sum of the
   kernel's weighted per-row losses: no separate sum launch).
 
@@ -28,10 +28,10 @@ import triton.language as tl
 
 from ratiokl._kernels.objective import CLIP_CAPPED, CLIP_HIGH, CLIP_LOW
 
-#: The order of ``policy_metrics_kernel``'s seven means.
+#: The order of ``policy_metrics_kernel``'s eight means.
 METRIC_NAMES: Tuple[str, ...] = (
     "clip_fraction", "clip_fraction_low", "clip_fraction_high", "dual_clip_fraction",
-    "ratio_mean", "kl_mean", "approx_kl",
+    "ratio_mean", "kl_mean", "approx_kl", "entropy_mean",
 )
 
 #: Rows per block of the one-program loops, and the program's warps (N = 8192: two
@@ -72,16 +72,18 @@ def policy_metrics_kernel(
     logp_ptr,  # [N] f32 policy log-prob (0 on inactive rows)
     ratio_ptr,  # [N] f32 ratio
     kl_ptr,  # [N] f32 KL value
+    ent_ptr,  # [N] f32 entropy
     clip_ptr,  # [N] int32 clip bits (objective.CLIP_*)
     old_ptr,  # [N] f32 behaviour log-probs (anything on inactive rows)
     loss_ptr,  # [N] f32 weighted per-row losses w_t * loss_t (0 on inactive rows)
-    out_ptr,  # [7] f32 output: the means below
+    out_ptr,  # [8] f32 output: the means below
     total_ptr,  # [] f32 output: the loss
     N,
     BLOCK: tl.constexpr,
 ):
     """Means over active rows, 0 when none is: ``out = (clip_fraction, clip_fraction_low,
-    clip_fraction_high, dual_clip_fraction, ratio_mean, kl_mean, approx_kl)``; ``total``
+    clip_fraction_high, dual_clip_fraction, ratio_mean, kl_mean, approx_kl,
+    entropy_mean)``; ``total``
     is the loss, the sum of ``loss_ptr`` over active rows.
 
     ``clip_fraction`` counts rows clipped low or high; ``approx_kl`` is the
@@ -97,6 +99,7 @@ def policy_metrics_kernel(
     ratio = tl.zeros([BLOCK], tl.float32)
     kl = tl.zeros([BLOCK], tl.float32)
     approx = tl.zeros([BLOCK], tl.float32)
+    ent = tl.zeros([BLOCK], tl.float32)
     total = tl.zeros([BLOCK], tl.float32)
     for start in range(0, N, BLOCK):
         offs = start + cols
@@ -115,6 +118,7 @@ def policy_metrics_kernel(
         gap = tl.load(old_ptr + offs, mask=inside, other=0.0) - tl.load(
             logp_ptr + offs, mask=inside, other=0.0)
         approx += tl.where(active, gap, 0.0)
+        ent += tl.where(active, tl.load(ent_ptr + offs, mask=inside, other=0.0), 0.0)
         total += tl.where(active, tl.load(loss_ptr + offs, mask=inside, other=0.0), 0.0)
     n = tl.maximum(tl.sum(count, axis=0), 1).to(tl.float32)
     tl.store(out_ptr, tl.div_rn(tl.sum(n_clip, axis=0).to(tl.float32), n))
@@ -124,4 +128,5 @@ def policy_metrics_kernel(
     tl.store(out_ptr + 4, tl.div_rn(tl.sum(ratio, axis=0), n))
     tl.store(out_ptr + 5, tl.div_rn(tl.sum(kl, axis=0), n))
     tl.store(out_ptr + 6, tl.div_rn(tl.sum(approx, axis=0), n))
+    tl.store(out_ptr + 7, tl.div_rn(tl.sum(ent, axis=0), n))
     tl.store(total_ptr, tl.sum(total, axis=0))

@@ -39,20 +39,26 @@ def lse_step(x, m, s):
     return m_new, s
 
 
+#: Largest finite float32: a ``-inf`` logit is raised to ``-FLT_MAX`` where it multiplies 0.
+FLT_MAX = tl.constexpr(3.4028234663852886e38)
+
+
 @triton.jit
 def lse_h_step(x, m, s, h):
     """:func:`lse_step` that also folds ``h = sum(exp2(x - shift) * x)`` (for the entropy).
 
-    ``h`` rescales with ``s``; a ``-inf`` entry adds exactly 0 to it (never ``0 * -inf``),
-    a NaN makes ``s`` NaN. With ``p = exp2(x - lse2)`` the entropy in nats is
-    ``(lse2 - h / s) * ln 2``.
+    ``h`` rescales with ``s``; a ``-inf`` entry adds exactly 0 to it: its ``e = 0``
+    multiplies ``max(x, -FLT_MAX)``, never ``-inf`` (one ``max`` and one FMA per element;
+    every ``x`` with ``e > 0`` is finite, so nothing else changes). A NaN makes ``s`` NaN.
+    The ``(m, s)`` it returns are :func:`lse_step`'s, bit for bit. With
+    ``p = exp2(x - lse2)`` the entropy in nats is ``(lse2 - h / s) * ln 2``.
     """
     m_new = tl.maximum(m, tl.max(x, axis=0))
     shift = shift_of(m_new)
     scale = tl.exp2(m - shift)
     e = tl.exp2(x - shift)
     s = s * scale + tl.sum(e, axis=0)
-    h = h * scale + tl.sum(tl.where(e > 0.0, e * x, 0.0), axis=0)
+    h = h * scale + tl.sum(e * tl.maximum(x, -FLT_MAX), axis=0)
     return m_new, s, h
 
 

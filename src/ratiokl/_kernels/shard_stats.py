@@ -11,7 +11,11 @@ shard's partial statistics, which the caller combines across ranks:
   whose row is all ``-inf``; ``+inf`` / NaN when the shard holds ``+inf`` / NaN.
 * with ``SELECT``, the selected logit ``x[a - start] / T`` when the global
   action id ``a`` lies in this shard, else 0 (the owning rank contributes it,
-  the others add 0).
+  the others add 0);
+* with ``ENTROPY``, ``mu_r = sum_v p_r[v] x[v] / T``, the mean scaled logit under
+  the shard's own softmax ``p_r`` (0 on a shard row of no mass): with the shards'
+  weights ``W_r = exp(lse_r - lse)`` the row's entropy is ``lse - sum_r W_r mu_r``
+  (one more ``[N]`` term in the caller's sum all-reduce).
 
 The same for the reference logits with ``HAS_REF``, in the same pass. The
 log-sum-exp loop is the forward kernel's (``_rows_lse2``), so every byte of an
@@ -48,6 +52,7 @@ def shard_stats_kernel(
     ref_lse_ptr,  # [N] f32 the same for the reference; 0 without HAS_REF
     sel_ptr,  # [N] f32 policy[a - start] / T on owned rows, else 0; written iff SELECT
     ref_sel_ptr,  # [N] f32 the same for the reference (0 without HAS_REF); iff SELECT
+    mean_ptr,  # [N] f32 mu_r, the policy's mean x / T under the shard softmax; iff ENTROPY
     # sizes and strides (elements)
     V,
     stride_pn,
@@ -58,6 +63,7 @@ def shard_stats_kernel(
     # compile-time options
     HAS_REF: tl.constexpr,  # reference logits given
     SELECT: tl.constexpr,  # also write the selected logits (needs ids and start)
+    ENTROPY: tl.constexpr,  # also write mu_r (the entropy's shard term)
     BLOCK_V: tl.constexpr,  # vocabulary tile (power of two)
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -67,14 +73,17 @@ def shard_stats_kernel(
     p_row = policy_ptr + row * stride_pn
     r_row = ref_ptr + row * stride_rn
     # The forward's one-pass loop: inactive rows run no iteration and a fully masked tail.
-    lse2, ref_lse2 = _rows_lse2(
-        p_row, r_row, V, stride_pv, stride_rv, LOG2E / t, n_full, active, HAS_REF, BLOCK_V
+    lse2, ref_lse2, mean2 = _rows_lse2(
+        p_row, r_row, V, stride_pv, stride_rv, LOG2E / t, n_full, active, HAS_REF, ENTROPY,
+        BLOCK_V
     )
     tl.store(lse_ptr + row, tl.where(active, lse2 * LN2, 0.0))
     ref_lse = 0.0
     if HAS_REF:
         ref_lse = tl.where(active, ref_lse2 * LN2, 0.0)
     tl.store(ref_lse_ptr + row, ref_lse)
+    if ENTROPY:  # base 2 -> natural units: mean2 = E[x k] = E[x / T] log2(e)
+        tl.store(mean_ptr + row, tl.where(active, mean2 * LN2, 0.0))
     if SELECT:
         a_local = tl.load(ids_ptr + row).to(tl.int64) - tl.load(start_ptr).to(tl.int64)
         owned = active & (a_local >= 0) & (a_local < V)

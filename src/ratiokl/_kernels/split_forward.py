@@ -7,7 +7,7 @@ streams split ``c`` of row ``i`` (whole tiles of policy and reference,
 ``logp_combine_kernel`` (grid ``N``) folds the ``SPLITS`` partials of a row
 in order and writes the very outputs of ``logp_forward_kernel``.
 
-Both kernels use the helpers of ``forward`` (``span_lse2``, ``split_span``,
+Both kernels use the helpers of ``forward`` (``span_stats``, ``split_span``,
 ``fold_lse2``, ``forward_epilogue``) with the spans of ``split_plan``, which
 depends on ``V`` and the element size only; the one-program-per-row kernel
 folds the same partials in the same order, so a row's bits are the same on
@@ -21,8 +21,7 @@ import triton.language as tl
 from ratiokl._kernels.forward import (
     fold_lse2,
     forward_epilogue,
-    span_lse2,
-    span_lse2_h,
+    span_stats,
     split_span,
     store_partial,
 )
@@ -58,15 +57,13 @@ def lse_partials_kernel(
     active = tl.load(mask_ptr + row) != 0
     t = tl.where(active, tl.load(temp_ptr + row * stride_t), 1.0)
     t0, t1, tail_on = split_span(split, V, active, TILES_PER_SPLIT, BLOCK_V)
-    if ENTROPY:
-        m_p, s_p, h_p = span_lse2_h(policy_ptr + row * stride_pn, V, stride_pv, LOG2E / t,
-                                    t0, t1, tail_on, BLOCK_V)
+    m_p, s_p, h_p, m_r, s_r = span_stats(
+        policy_ptr + row * stride_pn, ref_ptr + row * stride_rn, V, stride_pv, stride_rv,
+        LOG2E / t, t0, t1, tail_on, HAS_REF, ENTROPY, BLOCK_V, "",
+    )
+    if ENTROPY:  # no reference: h takes its slot
         store_partial(part_ptr, row, split, m_p, s_p, h_p, 0.0, SPLITS)
     else:
-        m_p, s_p, m_r, s_r = span_lse2(
-            policy_ptr + row * stride_pn, ref_ptr + row * stride_rn, V, stride_pv, stride_rv,
-            LOG2E / t, t0, t1, tail_on, HAS_REF, BLOCK_V, "",
-        )
         store_partial(part_ptr, row, split, m_p, s_p, m_r, s_r, SPLITS)
 
 

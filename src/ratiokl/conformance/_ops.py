@@ -120,11 +120,11 @@ _POLICY_POSITIONAL = (
 _POLICY_KW = (
     "ref_logps", "clip_eps", "clip_eps_high", "dual_clip", "ratio_cap", "kl_coef",
     "kl_estimator", "loss_agg", "loss_normalizer", "ratio_level", "segment_ids",
-    "importance_weights", "log_ratio_bound", "temperature", "objective",
+    "importance_weights", "log_ratio_bound", "temperature", "objective", "entropy_coef",
 )
 _POLICY_METRICS = (
     "clip_fraction", "clip_fraction_low", "clip_fraction_high", "dual_clip_fraction",
-    "ratio_mean", "kl_mean", "approx_kl",
+    "ratio_mean", "kl_mean", "approx_kl", "entropy_mean",
 )
 #: ``policy_loss`` with the rollout correction: its arguments and metrics on top.
 _ROLLOUT_KW = _POLICY_KW + ("rollout_logps", "rollout_correction", "rollout_bounds")

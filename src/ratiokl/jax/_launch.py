@@ -39,6 +39,7 @@ from ratiokl._kernels import (
 )
 from ratiokl._kernels import loss_rows as row_kernels
 from ratiokl._kernels.fused_loss import (
+    PARTIAL_FIELDS,
     SCALE_WARPS,
     launch_plan,
     policy_loss_kernel,
@@ -187,13 +188,13 @@ def backward_op(terms: Tuple[bool, bool, bool], entropy: bool = False) -> Callab
 
 # --- the fused policy loss ----------------------------------------------------------------
 
-#: (has_ref, has_iw, kl_code, has_neg_cap, bound, objective code): static.
-Static = Tuple[bool, bool, int, bool, float, int]
+#: (has_ref, has_iw, kl_code, has_neg_cap, bound, objective code, entropy_grad): static.
+Static = Tuple[bool, bool, int, bool, float, int, bool]
 
 
 def _fused_call(static: Static, write_grad: bool, inplace: bool, policy, ref, ids, mask, old,
                 ref_lp, temp, adv, iw, w, coefs):
-    """``(loss_rows, logp, ratio, kl, clip_bits, grad)`` from one launch.
+    """``(loss_rows, logp, ratio, kl, entropy, clip_bits, grad)`` from one launch.
 
     Without ``write_grad`` (the primal, no derivative taken) the kernel reads
     each row once and ``grad`` is an unwritten ``[N, 1]`` placeholder.
@@ -203,31 +204,33 @@ def _fused_call(static: Static, write_grad: bool, inplace: bool, policy, ref, id
     """
     n_rows, vocab = policy.shape
     row = jax.ShapeDtypeStruct((n_rows,), jnp.float32)
-    shapes = [row] * 4 + [
+    shapes = [row] * 5 + [
         jax.ShapeDtypeStruct((n_rows,), jnp.int32),
         jax.ShapeDtypeStruct((n_rows, vocab if write_grad else 1), policy.dtype),
     ]
     if n_rows == 0:
         return tuple(jnp.zeros(s.shape, s.dtype) for s in shapes)
-    has_ref, has_iw, kl_code, has_neg_cap, bound, objective = static
+    has_ref, has_iw, kl_code, has_neg_cap, bound, objective, entropy_grad = static
     plan = launch_plan(vocab, policy.dtype.itemsize, n_rows, write_grad)
     n_counters = plan.counters(n_rows)  # 0: none used, none zeroed (any buffer will do)
-    scratch = [jax.ShapeDtypeStruct((n_rows, plan.spans.splits, 4), jnp.float32),
+    scratch = [jax.ShapeDtypeStruct((n_rows, plan.spans.splits, PARTIAL_FIELDS.value),
+                                    jnp.float32),
                jax.ShapeDtypeStruct((n_counters or 1,), jnp.int32)]  # partials; counters
-    aliases = {"input_output_aliases": {0: 5}} if inplace and write_grad else {}
+    grad_out, counters_out = len(shapes) - 1, len(shapes) + 1
+    aliases = {"input_output_aliases": {0: grad_out}} if inplace and write_grad else {}
     outs = triton_call(
         policy, ref, ids, mask, old, ref_lp, temp, adv, iw, w, coefs,
         kernel=policy_loss_kernel, out_shape=shapes + scratch,
-        zeroed_outputs=(7,) if n_counters else (),
+        zeroed_outputs=(counters_out,) if n_counters else (),
         grid=(plan.programs(n_rows),), num_warps=plan.config.num_warps,
         N=n_rows, V=vocab, stride_pn=vocab, stride_pv=1, stride_rn=vocab, stride_rv=1,
         stride_t=0 if temp.shape[0] == 1 else 1,
         HAS_REF=has_ref, HAS_IW=has_iw, KL_CODE=kl_code, HAS_NEG_CAP=has_neg_cap, BOUND=bound,
-        OBJECTIVE=objective, WRITE_GRAD=write_grad, SPLITS=plan.spans.splits,
-        TILES_PER_SPLIT=plan.spans.tiles_per_split, SPANS=plan.spans_per_program,
-        BLOCK_V=plan.config.block_v, **aliases,
+        OBJECTIVE=objective, ENTROPY_GRAD=entropy_grad, WRITE_GRAD=write_grad,
+        SPLITS=plan.spans.splits, TILES_PER_SPLIT=plan.spans.tiles_per_split,
+        SPANS=plan.spans_per_program, BLOCK_V=plan.config.block_v, **aliases,
     )
-    return tuple(outs[:6])
+    return tuple(outs[:len(shapes)])
 
 
 def _scale_call(grad, g, mask):
@@ -291,24 +294,27 @@ def weights_op(denom: float, count: bool):
     return op
 
 
-def _native_metrics(mask, logp, ratio, kl, bits, old, loss_rows) -> Tuple[jax.Array, jax.Array]:
-    """``policy_metrics_kernel``'s outputs (the ``[7]`` means, the loss) from
+def _native_metrics(mask, logp, ratio, kl, ent, bits, old,
+                    loss_rows) -> Tuple[jax.Array, jax.Array]:
+    """``policy_metrics_kernel``'s outputs (the ``[8]`` means, the loss) from
     ``_objective.token_metrics``."""
     metrics = _objective.token_metrics(
         mask, jnp.sum(mask, dtype=jnp.int32), (bits & CLIP_LOW.value) != 0,
         (bits & CLIP_HIGH.value) != 0, (bits & CLIP_CAPPED.value) != 0, ratio, kl,
-        jnp.where(mask, old, 0.0) - logp,
+        jnp.where(mask, old, 0.0) - logp, ent,
     )
     total = jnp.sum(jnp.where(mask, loss_rows, 0.0))
     return jnp.stack([metrics[name] for name in row_kernels.METRIC_NAMES]), total
 
 
-def _metrics_call(mask, logp, ratio, kl, bits, old, loss_rows) -> Tuple[jax.Array, jax.Array]:
+def _metrics_call(mask, logp, ratio, kl, ent, bits, old,
+                  loss_rows) -> Tuple[jax.Array, jax.Array]:
     n_metrics = len(row_kernels.METRIC_NAMES)
     if not mask.shape[0]:
         return jnp.zeros((n_metrics,), jnp.float32), jnp.zeros((), jnp.float32)
     means, total = triton_call(
-        mask, logp, ratio, kl, bits, old, loss_rows, kernel=row_kernels.policy_metrics_kernel,
+        mask, logp, ratio, kl, ent, bits, old, loss_rows,
+        kernel=row_kernels.policy_metrics_kernel,
         out_shape=[jax.ShapeDtypeStruct((n_metrics,), jnp.float32),
                    jax.ShapeDtypeStruct((), jnp.float32)], grid=(1,),
         num_warps=row_kernels.ROWS_WARPS, N=mask.shape[0], BLOCK=row_kernels.ROWS_BLOCK,
@@ -323,25 +329,26 @@ metrics_op.def_vmap(functools.partial(_vmapped, _native_metrics))
 # --- one vocabulary shard (vocab-parallel) -----------------------------------------------------
 
 
-def _stats_call(has_ref: bool, policy, ref, ids, mask, temp, start):
-    """``(lse, ref_lse, z_a, ref_z_a)`` float32 ``[N]`` from one ``shard_stats_kernel`` launch."""
+def _stats_call(has_ref: bool, entropy: bool, policy, ref, ids, mask, temp, start):
+    """``(lse, ref_lse, z_a, ref_z_a, mu)`` float32 ``[N]`` from one ``shard_stats_kernel``
+    launch (``mu``, the mean ``z`` under the block's softmax, only with ``entropy``)."""
     n_rows, vocab = policy.shape
     if n_rows == 0:
-        return tuple(jnp.zeros((0,), jnp.float32) for _ in range(4))
+        return tuple(jnp.zeros((0,), jnp.float32) for _ in range(5))
     row = jax.ShapeDtypeStruct((n_rows,), jnp.float32)
     config = forward_config(vocab, policy.dtype.itemsize)
     return tuple(triton_call(
         policy, ref, ids, mask, temp, start,
-        kernel=shard_stats_kernel, out_shape=[row] * 4, grid=(n_rows,),
+        kernel=shard_stats_kernel, out_shape=[row] * 5, grid=(n_rows,),
         num_warps=config.num_warps,
         V=vocab, stride_pn=vocab, stride_pv=1, stride_rn=vocab, stride_rv=1,
         stride_t=0 if temp.shape[0] == 1 else 1,
-        HAS_REF=has_ref, SELECT=True, BLOCK_V=config.block_v,
+        HAS_REF=has_ref, SELECT=True, ENTROPY=entropy, BLOCK_V=config.block_v,
     ))
 
 
 @functools.lru_cache(maxsize=None)
-def stats_op(has_ref: bool):
-    return row_op(functools.partial(_stats_call, has_ref), temp_index=4)
+def stats_op(has_ref: bool, entropy: bool = False):
+    return row_op(functools.partial(_stats_call, has_ref, entropy), temp_index=4)
 
 

@@ -27,6 +27,7 @@ from typing import Optional, Tuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.custom_derivatives import SymbolicZero
 
 from ratiokl.jax import _objective
 from ratiokl.jax._checks import Temperature
@@ -147,9 +148,18 @@ def _logp_entropy(logits, ids, mask, temperature):
     return _entropy_forward(logits, ids, mask, temperature)[0]
 
 
+def _logp_entropy_fwd(*primals):
+    # symbolic_zeros: each argument comes as a CustomVJPPrimal (its value, whether perturbed).
+    return _entropy_forward(*(p.value for p in primals))
+
+
 def _logp_entropy_bwd(residuals, cotangents):
     logits, ids, mask, temperature, lse, ent = residuals
     g_logp, g_ent = cotangents
+    if isinstance(g_logp, SymbolicZero):
+        g_logp = jnp.zeros_like(lse)
+    if isinstance(g_ent, SymbolicZero):  # the entropy only logged (policy_loss's entropy_mean)
+        return _logp_bwd((logits, ids, mask, temperature, lse), g_logp)
     safe, _ = _safe_ids(ids, mask, logits.shape[-1])
     z, t = scaled_logits(logits, mask, temperature)
     p, p_log_p = _entropy_terms(z, lse)
@@ -161,7 +171,9 @@ def _logp_entropy_bwd(residuals, cotangents):
     return grad.astype(logits.dtype), None, None, jnp.zeros_like(temperature)
 
 
-_logp_entropy.defvjp(_entropy_forward, _logp_entropy_bwd)
+# Symbolic zeros: a cotangent nothing produced (the entropy of policy_loss with
+# entropy_coef=0, only averaged under stop_gradient) drops its backward term.
+_logp_entropy.defvjp(_logp_entropy_fwd, _logp_entropy_bwd, symbolic_zeros=True)
 
 
 def logprobs_entropy(

@@ -1,8 +1,8 @@
 """The PPO/GRPO objective on per-token log-probs: ``[R, T]``-sized ``jnp`` ops.
 
-The two-pass ``policy_loss`` (``ratiokl.jax._route``) gets ``logp`` from a
-backend's differentiable ``selected_logprobs`` and hands it here with the
-other per-token inputs laid out as ``R`` rows of ``T`` tokens; JAX's autodiff
+The two-pass ``policy_loss`` (``ratiokl.jax._route``) gets ``logp`` and the
+entropy from a backend's differentiable ``logprobs_entropy`` and hands them here
+with the other per-token inputs laid out as ``R`` rows of ``T`` tokens; JAX's autodiff
 differentiates the result. :func:`token_ratio_kl` is the same epilogue for
 ``ratio_kl`` (``[N]``). The math is ``ratiokl.spec.policy_loss``'s and the
 code mirrors ``ratiokl.torch._objective`` line for line.
@@ -183,15 +183,19 @@ def policy_objective(
     mask: jax.Array,
     inputs: TokenInputs,
     opts: PolicyLossOptions,
+    entropy: jax.Array,
 ) -> Tuple[jax.Array, Dict[str, jax.Array]]:
     """``(loss, metrics)`` from per-token inputs laid out ``[R, T]``.
 
     Args:
-      logp: float32 ``[R, T]``, differentiable (the only input that is).
+      logp: float32 ``[R, T]``, differentiable.
       logp_ref: float32 ``[R, T]`` (stop-gradient), or None (then the KL is 0).
       mask: bool ``[R, T]``.
       inputs: the other per-token inputs (:func:`token_inputs`).
       opts: validated options (``ratiokl.spec.policy_loss_options``).
+      entropy: float32 ``[R, T]``, the tokens' entropies; differentiated only when
+        ``opts.entropy_coef`` may be non-zero (``- entropy_coef * H`` joins each token's
+        loss before the aggregation), else only averaged into ``entropy_mean``.
 
     Returns:
       The float32 0-d loss and a dict of float32 0-d metrics (stop-gradient).
@@ -225,17 +229,23 @@ def policy_objective(
             weighted = per_token + opts.kl_coef * kl
             per_token = weighted if isinstance(opts.kl_coef, float) else jnp.where(
                 opts.kl_coef != 0.0, weighted, per_token)
+    entropy = jnp.where(mask, entropy, 0.0)
+    if opts.uses_entropy:  # entropy_coef = 0: only logged, as the KL's
+        bonus = per_token - opts.entropy_coef * entropy
+        per_token = bonus if isinstance(opts.entropy_coef, float) else jnp.where(
+            opts.entropy_coef != 0.0, bonus, per_token)
     if opts.loss_agg == "seq-mean-token-mean":
         per_token = per_token / counts
     n_tok = jnp.sum(mask, dtype=jnp.int32)
     n_seq = jnp.sum(starts, dtype=jnp.int32) if need_segments else None
     denom = _denominator(opts.loss_agg, n_tok, n_seq, mask.shape[-1], inputs.loss_normalizer)
     loss = jnp.sum(jnp.where(mask, per_token, 0.0)) / denom
-    metrics = token_metrics(mask, n_tok, low, high, capped, ratio, kl, old - logp)
+    metrics = token_metrics(mask, n_tok, low, high, capped, ratio, kl, old - logp, entropy)
     return loss.astype(jnp.float32), metrics
 
 
-def token_metrics(mask, n_tok, low, high, capped, ratio, kl, approx_kl) -> Dict[str, jax.Array]:
+def token_metrics(mask, n_tok, low, high, capped, ratio, kl, approx_kl,
+                  entropy) -> Dict[str, jax.Array]:
     """Means over active tokens (0 when there is none), under stop-gradient; any shape."""
     count = jnp.maximum(n_tok, 1).astype(jnp.float32)
 
@@ -251,4 +261,5 @@ def token_metrics(mask, n_tok, low, high, capped, ratio, kl, approx_kl) -> Dict[
         "ratio_mean": mean(ratio),
         "kl_mean": mean(kl),
         "approx_kl": mean(approx_kl),
+        "entropy_mean": mean(entropy),
     }

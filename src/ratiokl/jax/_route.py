@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ratiokl._backend import Backend, logprobs_entropy_of, warn_inplace_ignored
+from ratiokl._backend import Backend, warn_inplace_ignored
 from ratiokl._requirements import unmet
 from ratiokl.jax import _checks, _jax_triton, _rollout
 from ratiokl.jax._checks import Temperature
@@ -45,15 +45,14 @@ __all__ = ["backend_name", "policy_loss", "ratio_kl", "resolve",
 def _native() -> Backend:
     from ratiokl.jax import _native
 
-    return Backend(_native.selected_logprobs, _native.ratio_kl,
-                   logprobs_entropy=_native.logprobs_entropy)
+    return Backend(_native.selected_logprobs, _native.ratio_kl, _native.logprobs_entropy)
 
 
 def _triton() -> Backend:
     from ratiokl.jax import _triton
 
-    return Backend(_triton.selected_logprobs, _triton.ratio_kl, _triton.policy_loss,
-                   _triton.token_weights, _triton.logprobs_entropy)
+    return Backend(_triton.selected_logprobs, _triton.ratio_kl, _triton.logprobs_entropy,
+                   _triton.policy_loss, _triton.token_weights)
 
 
 #: Backend name -> its loader (imported on first use).
@@ -172,8 +171,8 @@ def selected_logprobs(logits, action_ids, mask, *, temperature, backend, check_i
     logits, ids, lead = _lead(logits, action_ids)
     rows = _rows(logits, lead, ids, mask, temperature, backend, check_ids, vocab_axis)
     if return_entropy:
-        logp, ent = logprobs_entropy_of(rows.run, "vocab_axis")(
-            rows.logits, rows.ids, rows.mask, rows.temperature)
+        logp, ent = rows.run.logprobs_entropy(rows.logits, rows.ids, rows.mask,
+                                              rows.temperature)
         return rows.checked((logp.reshape(lead), ent.reshape(lead)))
     logp = rows.run.selected_logprobs(rows.logits, rows.ids, rows.mask, rows.temperature)
     return rows.checked(logp.reshape(lead))
@@ -196,15 +195,16 @@ def ratio_kl(policy_logits, ref_logits, action_ids, mask, old_logps, *, ref_logp
 
 def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantages, *,
                 ref_logps, clip_eps, clip_eps_high, dual_clip, ratio_cap, kl_coef,
-                kl_estimator, loss_agg, loss_normalizer, ratio_level, objective, segment_ids,
-                importance_weights, log_ratio_bound, temperature, backend, check_ids,
-                vocab_axis, inplace_grad, rollout_logps, rollout_correction,
+                kl_estimator, loss_agg, loss_normalizer, ratio_level, objective, entropy_coef,
+                segment_ids, importance_weights, log_ratio_bound, temperature, backend,
+                check_ids, vocab_axis, inplace_grad, rollout_logps, rollout_correction,
                 rollout_bounds) -> Tuple[jax.Array, Dict[str, jax.Array]]:
     """``ratiokl.jax.loss.policy_loss`` (documented there)."""
     opts = policy_loss_options(
         clip_eps=clip_eps, clip_eps_high=clip_eps_high, dual_clip=dual_clip,
         ratio_cap=ratio_cap, kl_coef=kl_coef, kl_estimator=kl_estimator, loss_agg=loss_agg,
         ratio_level=ratio_level, log_ratio_bound=log_ratio_bound, objective=objective,
+        entropy_coef=entropy_coef,
     )
     policy_logits, ids, lead = _lead(policy_logits, action_ids)
     if ref_logits is not None or ref_logps is not None or opts.uses_kl:
@@ -235,7 +235,9 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
         warn_inplace_ignored(opts.sequence_ratio)
     from ratiokl.jax import _objective
 
-    logp = run.selected_logprobs(rows.logits, rows.ids, rows.mask, rows.temperature)
+    # The entropy from the same read of the logits (entropy_mean always; in the loss with
+    # entropy_coef).
+    logp, entropy = run.logprobs_entropy(rows.logits, rows.ids, rows.mask, rows.temperature)
     logp_ref = _flat(ref_logps)
     if ref is not None:
         logp_ref = run.selected_logprobs(lax.stop_gradient(ref), rows.ids, rows.mask,
@@ -243,5 +245,5 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
     logp_ref = None if logp_ref is None else lax.stop_gradient(logp_ref)
     return rows.checked(_rollout.with_metrics(_objective.policy_objective(
         as_rows(logp, lead), None if logp_ref is None else as_rows(logp_ref, lead),
-        as_rows(rows.mask, lead), inputs, opts,
+        as_rows(rows.mask, lead), inputs, opts, as_rows(entropy, lead),
     ), rollout_metrics))

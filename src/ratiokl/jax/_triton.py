@@ -15,7 +15,8 @@ and ``[N]`` per-row arrays, on the very kernels ``ratiokl.torch`` launches
   its backward scales it by the cotangent (``scale_rows_kernel``, aliased in
   place, skipped on the device where the cotangent is 1). The primal (no
   derivative taken) skips the gradient sweep: one read of each row. The
-  coefficients (``kl_coef``, the clip bounds) are a run-time ``[4]`` array;
+  coefficients (``kl_coef``, the clip bounds, ``entropy_coef``) are a run-time
+  ``[5]`` array;
 * ``shard_logps`` (``vocab_axis=``, inside ``shard_map``): a block's
   statistics from ``shard_stats_kernel``, one ``pmax`` and one ``psum``, and
   the block's gradient from ``logp_backward_kernel`` with the global ``lse``.
@@ -32,6 +33,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.custom_derivatives import SymbolicZero
 
 from ratiokl._backend import token_weights_args
 from ratiokl._kernels.loss_rows import METRIC_NAMES
@@ -110,7 +112,9 @@ def _entropy_op(policy, ids, mask, temp):
     return logp, ent
 
 
-def _entropy_op_fwd(policy, ids, mask, temp):
+def _entropy_op_fwd(*primals):
+    # symbolic_zeros: each argument comes as a CustomVJPPrimal (its value, whether perturbed).
+    policy, ids, mask, temp = (p.value for p in primals)
     logp, _, ent, _, lse = _launch.forward_op(0, False, True)(
         policy, policy, ids, mask, temp, temp, temp)
     return (logp, ent), (policy, ids, mask, temp, lse, ent)
@@ -118,14 +122,21 @@ def _entropy_op_fwd(policy, ids, mask, temp):
 
 def _entropy_op_bwd(residuals, cotangents):
     policy, ids, mask, temp, lse, ent = residuals
-    g_logp, g_ent = (g.astype(jnp.float32) for g in cotangents)
+    # A symbolic-zero cotangent (an output nothing differentiates: the entropy of
+    # policy_loss with entropy_coef=0) is a term the kernel leaves out.
+    g_logp, g_ent = (None if isinstance(g, SymbolicZero) else g.astype(jnp.float32)
+                     for g in cotangents)
+    if g_logp is None and g_ent is None:
+        return jnp.zeros_like(policy), None, None, None
     # The entropy's term rides in the kernel's KL slots (ENTROPY): -g_ent p (log p + H) / T.
-    grad = _launch.backward_op((True, False, True), True)(
-        policy, ids, mask, temp, lse, g_logp, lse, lse, g_ent, ent)
+    grad = _launch.backward_op((g_logp is not None, False, g_ent is not None),
+                               g_ent is not None)(
+        policy, ids, mask, temp, lse, lse if g_logp is None else g_logp, lse, lse,
+        lse if g_ent is None else g_ent, ent)
     return grad.astype(policy.dtype), None, None, None
 
 
-_entropy_op.defvjp(_entropy_op_fwd, _entropy_op_bwd)
+_entropy_op.defvjp(_entropy_op_fwd, _entropy_op_bwd, symbolic_zeros=True)
 
 
 def logprobs_entropy(
@@ -165,13 +176,13 @@ def ratio_kl(
 def _fused(policy, ref, ids, mask, old, ref_lp, temp, adv, iw, w, coefs, static: Static,
            inplace: bool):
     return _launch.fused_op(static, False)(policy, ref, ids, mask, old, ref_lp, temp, adv, iw,
-                                           w, coefs)[:5]
+                                           w, coefs)[:-1]
 
 
 def _fused_fwd(policy, ref, ids, mask, old, ref_lp, temp, adv, iw, w, coefs, static, inplace):
     outs = _launch.fused_op(static, True, inplace)(policy, ref, ids, mask, old, ref_lp, temp,
                                                    adv, iw, w, coefs)
-    return outs[:5], (outs[5], mask)
+    return outs[:-1], (outs[-1], mask)
 
 
 def _fused_bwd(static, inplace, residuals, cotangents):
@@ -241,19 +252,20 @@ def policy_loss(
     static: Static = (
         ref is not None, iw is not None, opts.kl_code if has_ref else 0,
         opts.neg_cap is not None, opts.log_ratio_bound or 0.0, opts.objective_code,
+        opts.uses_entropy,
     )
     coefs = stop(jnp.stack([
         jnp.asarray(c, jnp.float32) for c in (
             opts.kl_coef, opts.ratio_low, opts.ratio_high,
-            jnp.inf if opts.neg_cap is None else opts.neg_cap)
+            jnp.inf if opts.neg_cap is None else opts.neg_cap, opts.entropy_coef)
     ]))
     ref_in = policy if ref is None else stop(ref)  # placeholder, never read
     ref_lp = weights if ref_logps is None else stop(ref_logps)
-    loss_rows, logp, ratio, kl, bits = _fused(
+    loss_rows, logp, ratio, kl, ent, bits = _fused(
         policy, ref_in, ids, mask_k, old, ref_lp, temp, adv,
         weights if iw is None else stop(iw), weights, coefs, static, inplace_grad,
     )
-    rows = (mask_k, logp, ratio, kl, bits, old, loss_rows)
+    rows = (mask_k, logp, ratio, kl, ent, bits, old, loss_rows)
     means, total = _launch.metrics_op(*(stop(x) for x in rows))  # no derivative: none asked
     loss = _rows_total(loss_rows.shape[0], loss_rows, total)
     return loss, {name: means[i] for i, name in enumerate(METRIC_NAMES)}
@@ -276,26 +288,34 @@ def _varying(x: jax.Array, axis: str) -> jax.Array:
     return x if varies_over(x, axis) else lax.pcast(x, axis, to="varying")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _attach(policy, z_a, lse, local_ids, mask_k, temp, axis: str):
-    """``logp = z_a - lse`` (0 on inactive rows), differentiable w.r.t. this block ``policy``."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _attach(policy, z_a, lse, ent, local_ids, mask_k, temp, axis: str, entropy: bool):
+    """``(logp,)``, or ``(logp, H)`` with ``entropy`` (0 on inactive rows), differentiable
+    w.r.t. this block ``policy`` (``ent``: the global entropy; a placeholder without it)."""
     del policy, local_ids, temp, axis
-    return jnp.where(mask_k != 0, z_a - lse, 0.0)
+    active = mask_k != 0
+    logp = jnp.where(active, z_a - lse, 0.0)
+    return (logp, jnp.where(active, ent, 0.0)) if entropy else (logp,)
 
 
-def _attach_fwd(policy, z_a, lse, local_ids, mask_k, temp, axis):
-    return _attach(policy, z_a, lse, local_ids, mask_k, temp, axis), (
-        policy, local_ids, mask_k, temp, lse
+def _attach_fwd(policy, z_a, lse, ent, local_ids, mask_k, temp, axis, entropy):
+    return _attach(policy, z_a, lse, ent, local_ids, mask_k, temp, axis, entropy), (
+        policy, local_ids, mask_k, temp, lse, ent
     )
 
 
-def _attach_bwd(axis, residuals, g):
-    policy, local_ids, mask_k, temp, lse = residuals
+def _attach_bwd(axis, entropy, residuals, g):
+    policy, local_ids, mask_k, temp, lse, ent = residuals
     # The kernel selects 0 on inactive rows (a NaN cotangent there stays out).
-    coef = g.astype(jnp.float32)
-    grad = _launch.backward_op((True, False, False))(
-        policy, local_ids, mask_k, temp, lse, coef, lse, lse, lse, lse)
-    return _varying(grad.astype(policy.dtype), axis), None, None, None, None, None
+    coef = g[0].astype(jnp.float32)
+    if entropy:  # the entropy's term rides in the kernel's KL slots (ENTROPY)
+        grad = _launch.backward_op((True, False, True), True)(
+            policy, local_ids, mask_k, temp, lse, coef, lse, lse, g[1].astype(jnp.float32),
+            ent)
+    else:
+        grad = _launch.backward_op((True, False, False))(
+            policy, local_ids, mask_k, temp, lse, coef, lse, lse, lse, lse)
+    return _varying(grad.astype(policy.dtype), axis), None, None, None, None, None, None
 
 
 _attach.defvjp(_attach_fwd, _attach_bwd)
@@ -303,16 +323,19 @@ _attach.defvjp(_attach_fwd, _attach_bwd)
 
 def shard_logps(
     shards: Sequence[jax.Array], ids: jax.Array, mask: jax.Array, temperature: Temperature,
-    axis: str,
-) -> List[jax.Array]:
-    """``logp`` float32 ``[N]`` per block in ``shards`` (policy, then optionally reference).
+    axis: str, entropy: bool = False,
+) -> Tuple[List[jax.Array], Optional[jax.Array]]:
+    """``logp`` float32 ``[N]`` per block in ``shards`` (policy, then optionally reference),
+    and with ``entropy`` the policy's entropy ``[N]`` (else None).
 
     ``shards``: this device's ``[N, V_local]`` blocks; ``ids`` global, ``mask``
     bool, ``temperature`` a float or float32 ``[N]``, all replicated along
-    ``axis``. The policy's ``logp`` is differentiable (the gradient is this
-    block's slice of the unsharded one); the reference's is not. Inactive rows
-    are 0 with a zero gradient; an active id outside the global ``[0, V)``
-    gives NaN (value and gradient). One ``pmax`` and one ``psum`` in all.
+    ``axis``. The policy's ``logp`` and entropy are differentiable (the gradient is
+    this block's slice of the unsharded one); the reference's is not. Inactive rows
+    are 0 with a zero gradient; an active id outside the global ``[0, V)`` gives NaN
+    (value and gradient). One ``pmax`` and one ``psum`` in all: the entropy adds one
+    ``[N]`` term to the psum, ``W_k (mu_k - shift)`` (``W_k = exp(lse_k - shift)``,
+    ``mu_k`` the block's mean ``z``), so ``H = log(S) - sum_k W_k (mu_k - shift) / S``.
     """
     if not varies_over(shards[0], axis):
         raise ValueError(
@@ -326,21 +349,28 @@ def shard_logps(
     start = lax.axis_index(axis) * local_vocab
     has_ref = len(shards) > 1
     blocks = [lax.stop_gradient(x) for x in shards]
-    stats = _launch.stats_op(has_ref)(
+    stats = _launch.stats_op(has_ref, entropy)(
         blocks[0], blocks[-1], ids_k, mask_k, temp, jnp.full((1,), start, ids_k.dtype)
     )
-    lse_k, ref_lse_k, z_a, ref_z_a = (_varying(o, axis) for o in stats)
+    lse_k, ref_lse_k, z_a, ref_z_a, mu = (_varying(o, axis) for o in stats)
     m = jnp.stack([lse_k, ref_lse_k][: len(shards)])
     shift = _native.finite_or_zero(lax.pmax(m, axis))
     # A block's log-sum-exp is its (m, s) = (lse_k, 1).
-    s, z_sel = lax.psum((jnp.exp(m - shift), jnp.stack([z_a, ref_z_a][: len(shards)])), axis)
+    weights = jnp.exp(m - shift)
+    terms = (weights, jnp.stack([z_a, ref_z_a][: len(shards)]))
+    if entropy:
+        terms += (weights[0] * (mu - shift[0]),)
+    s, z_sel, *h = lax.psum(terms, axis)
     bad = mask & ((ids < 0) | (ids >= local_vocab * lax.axis_size(axis)))
     # An out-of-range active id poisons its row; the NaN lse makes its gradient NaN too.
     lse = jnp.where(bad[None], jnp.nan, shift + jnp.log(s))
+    ent = jnp.where(bad, jnp.nan, jnp.log(s[0]) - h[0] / s[0]) if entropy else lse[0]
     local = ids_k - start
     owned = mask & (local >= 0) & (local < local_vocab)
     local_ids = jnp.where(owned, local, -1).astype(ids_k.dtype)
-    out = [_attach(shards[0], z_sel[0], lse[0], local_ids, mask_k, temp, axis)]
+    policy_out = _attach(shards[0], z_sel[0], lse[0], ent, local_ids, mask_k, temp, axis,
+                         entropy)
+    out = [policy_out[0]]
     if has_ref:
         out.append(jnp.where(mask, z_sel[1] - lse[1], 0.0))
-    return out
+    return out, policy_out[1] if entropy else None

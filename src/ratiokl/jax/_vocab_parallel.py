@@ -14,13 +14,16 @@ same log-sum-exp), then one ``lax.psum`` of the stacked per-block sums
     z_a = psum(z_a on the owning device, 0 elsewhere)
     logp = z_a - shift(M) - log(S)
 
-so ``logp`` is the same on every device of the axis. The per-block sums are
+so ``logp`` is the same on every device of the axis. The entropy
+(``logprobs_entropy``: ``policy_loss``'s ``entropy_mean`` and ``entropy_coef``) adds
+one ``[N]`` sum to the same psum, ``h = sum exp(z - shift) (z - shift)``, and
+``H = log(S) - h / S`` (``= lse - E_p[z]``). The per-block sums are
 one ``jax.custom_vjp`` (``_shard_sums``) whose backward is local: it saves
 nothing but its inputs and writes the block's
-``g_s * exp(z - shift) + g_z * onehot`` (one-hot on the owning device only),
-which with ``g_s = -g / S`` from the psum is the block of
-``g * (onehot(a) - softmax(z)) / T``. The psum stays outside the custom rule
-so JAX transposes it itself: with ``check_vma=True`` (the default) into a
+``g_s * exp(z - shift) + g_h * exp(z - shift) (1 + z - shift) + g_z * onehot``
+(one-hot on the owning device only), which with the psum's cotangents is the block
+of ``g * (onehot(a) - softmax(z)) / T`` (and of ``-g_H p (log p + H) / T``). The psum
+stays outside the custom rule so JAX transposes it itself: with ``check_vma=True`` (the default) into a
 no-op ``pvary``, so the backward has no collective; with ``check_vma=False``
 into a psum of the ``[N]`` cotangents, which cancels the ``1/axis_size``
 JAX gives each device's cotangent of a replicated output. A gradient taken
@@ -37,6 +40,7 @@ psum (``ratiokl.jax._triton.shard_logps``); it needs ``check_vma=True``.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Tuple
 
 import jax
@@ -74,7 +78,7 @@ def backend(name: str, axis: str, explicit: bool) -> Backend:
     """
     _axis_size(axis)
     parallel = VocabParallel(axis, name, explicit)
-    return Backend(parallel.selected_logprobs, parallel.ratio_kl)
+    return Backend(parallel.selected_logprobs, parallel.ratio_kl, parallel.logprobs_entropy)
 
 
 def _ownership(ids: jax.Array, mask: jax.Array, local_vocab: int, axis: str):
@@ -85,25 +89,34 @@ def _ownership(ids: jax.Array, mask: jax.Array, local_vocab: int, axis: str):
     return jnp.where(owned, local, 0), owned, bad
 
 
-def _shard_sums_fwd(logits, local_ids, owned, mask, temperature, shift):
+def _shard_sums_fwd(logits, local_ids, owned, mask, temperature, shift, entropy):
     z, _ = _native.scaled_logits(logits, mask, temperature)
-    s = jnp.sum(jnp.exp(z - shift[:, None]), axis=-1)
+    e = jnp.exp(z - shift[:, None])
+    s = jnp.sum(e, axis=-1)
     z_a = jnp.where(owned, jnp.take_along_axis(z, local_ids[:, None], axis=-1)[:, 0], 0.0)
-    return (s, z_a), (logits, local_ids, owned, mask, temperature, shift)
+    sums = (s, z_a)
+    if entropy:  # a -inf logit (e = 0) adds exactly 0
+        sums += (jnp.sum(jnp.where(e > 0.0, e * (z - shift[:, None]), 0.0), axis=-1),)
+    return sums, (logits, local_ids, owned, mask, temperature, shift)
 
 
-@jax.custom_vjp
-def _shard_sums(logits, local_ids, owned, mask, temperature, shift):
-    """This block's ``s = sum exp(z - shift)`` and owned ``z_a`` (0 elsewhere), float32 ``[N]``."""
-    return _shard_sums_fwd(logits, local_ids, owned, mask, temperature, shift)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _shard_sums(logits, local_ids, owned, mask, temperature, shift, entropy: bool):
+    """This block's ``s = sum exp(z - shift)``, owned ``z_a`` (0 elsewhere) and, with
+    ``entropy``, ``h = sum exp(z - shift) (z - shift)``: float32 ``[N]`` each."""
+    return _shard_sums_fwd(logits, local_ids, owned, mask, temperature, shift, entropy)[0]
 
 
-def _shard_sums_bwd(residuals, cotangents):
+def _shard_sums_bwd(entropy, residuals, cotangents):
     logits, local_ids, owned, mask, temperature, shift = residuals
-    g_s, g_z = cotangents
+    g_s, g_z = cotangents[:2]
     z, t = _native.scaled_logits(logits, mask, temperature)
+    e = jnp.exp(z - shift[:, None])
     onehot = owned[:, None] & (local_ids[:, None] == jnp.arange(logits.shape[-1])[None, :])
-    grad = g_s[:, None] * jnp.exp(z - shift[:, None]) + jnp.where(onehot, g_z[:, None], 0.0)
+    grad = g_s[:, None] * e + jnp.where(onehot, g_z[:, None], 0.0)
+    if entropy:  # d/dz of e (z - shift) = e (1 + z - shift); 0 where e = 0 (a -inf logit)
+        grad = grad + jnp.where(e > 0.0, cotangents[2][:, None] * e * (1.0 + z - shift[:, None]),
+                                0.0)
     grad = jnp.where(mask[:, None], grad / t[:, None], 0.0)
     # Nothing flows to the temperature or the (stop-gradient) shift.
     return grad.astype(logits.dtype), None, None, None, jnp.zeros_like(temperature), None
@@ -112,18 +125,22 @@ def _shard_sums_bwd(residuals, cotangents):
 _shard_sums.defvjp(_shard_sums_fwd, _shard_sums_bwd)
 
 
-def _logps(shards, ids, mask, temperature, axis):
-    """``logp`` float32 ``[N]`` per block in ``shards``; one pmax and one psum in all."""
+def _logps(shards, ids, mask, temperature, axis, entropy=False):
+    """``logp`` float32 ``[N]`` per block in ``shards`` and, with ``entropy``, the policy's
+    entropy (else None); one pmax and one psum in all."""
     local_ids, owned, bad = _ownership(ids, mask, shards[0].shape[-1], axis)
     z = [_native.scaled_logits(lax.stop_gradient(x), mask, temperature)[0] for x in shards]
     m = jnp.stack([jnp.max(zk, axis=-1) for zk in z])
     shift = lax.stop_gradient(_native.finite_or_zero(lax.pmax(m, axis)))
-    sums = [_shard_sums(x, local_ids, owned, mask, temperature, shift[k])
+    sums = [_shard_sums(x, local_ids, owned, mask, temperature, shift[k], entropy and k == 0)
             for k, x in enumerate(shards)]
-    s, z_a = lax.psum((jnp.stack([s for s, _ in sums]), jnp.stack([z for _, z in sums])), axis)
+    terms = (jnp.stack([t[0] for t in sums]), jnp.stack([t[1] for t in sums]))
+    s, z_a, *h = lax.psum(terms + sums[0][2:], axis)
     # An out-of-range active id poisons its row, value and gradient (NaN is added, not selected).
     s = s + jnp.where(bad, jnp.nan, 0.0)
-    return [jnp.where(mask, z_a[k] - shift[k] - jnp.log(s[k]), 0.0) for k in range(len(shards))]
+    logps = [jnp.where(mask, z_a[k] - shift[k] - jnp.log(s[k]), 0.0) for k in range(len(shards))]
+    ent = jnp.where(mask, jnp.log(s[0]) - h[0] / s[0], 0.0) if entropy else None
+    return logps, ent
 
 
 class VocabParallel:
@@ -140,15 +157,16 @@ class VocabParallel:
         self.backend = backend
         self.explicit = explicit
 
-    def _logps(self, shards, ids, mask, temperature):
+    def _logps(self, shards, ids, mask, temperature, entropy=False):
+        """``([logp per block], entropy or None)``: the Triton or the native math."""
         # No rows: nothing to launch (the native math on [0, V] is free).
         if self.backend == "triton" and shards[0].shape[0] > 0:
             from ratiokl.jax import _triton  # imports triton; jax_triton on first launch
 
             if self.explicit or _triton.varies_over(shards[0], self.axis):
-                return _triton.shard_logps(shards, ids, mask, temperature, self.axis)
+                return _triton.shard_logps(shards, ids, mask, temperature, self.axis, entropy)
         t = _native.row_temperature(temperature, shards[0].shape[0])
-        return _logps(shards, ids, mask, t, self.axis)
+        return _logps(shards, ids, mask, t, self.axis, entropy)
 
     def selected_logprobs(
         self,
@@ -158,7 +176,19 @@ class VocabParallel:
         temperature: Temperature,
     ) -> jax.Array:
         """Float32 ``logp[N]`` from this device's block ``logits[N, V_local]``."""
-        return self._logps([logits], ids, mask, temperature)[0]
+        return self._logps([logits], ids, mask, temperature)[0][0]
+
+    def logprobs_entropy(
+        self,
+        logits: jax.Array,
+        ids: jax.Array,
+        mask: jax.Array,
+        temperature: Temperature,
+    ) -> Tuple[jax.Array, jax.Array]:
+        """Float32 ``(logp[N], entropy[N])`` from this device's block, both differentiable;
+        the entropy adds one ``[N]`` term to the psum."""
+        (logp,), ent = self._logps([logits], ids, mask, temperature, entropy=True)
+        return logp, ent
 
     def ratio_kl(
         self,
@@ -173,9 +203,10 @@ class VocabParallel:
     ) -> Tuple[jax.Array, jax.Array]:
         """Float32 ``(ratio[N], kl[N])``; one pmax and one psum for policy and reference."""
         if ref is None:
-            (logp,), logp_ref = self._logps([policy], ids, mask, temperature), ref_logps
+            (logp,), logp_ref = self._logps([policy], ids, mask, temperature)[0], ref_logps
         else:
-            logp, logp_ref = self._logps([policy, lax.stop_gradient(ref)], ids, mask, temperature)
+            logp, logp_ref = self._logps([policy, lax.stop_gradient(ref)], ids, mask,
+                                         temperature)[0]
         return _objective.token_ratio_kl(
             logp, lax.stop_gradient(logp_ref), lax.stop_gradient(old_logps), mask, kl_code
         )

@@ -183,6 +183,7 @@ def policy_loss(
     loss_normalizer: Union[None, float, jax.Array] = None,
     ratio_level: RatioLevel = "token",
     objective: Objective = "ppo",
+    entropy_coef: Coefficient = 0.0,
     segment_ids: Optional[jax.Array] = None,
     importance_weights: Optional[jax.Array] = None,
     rollout_logps: Optional[jax.Array] = None,
@@ -202,9 +203,11 @@ def policy_loss(
         r    = exp(clip(logp - old_logp, -b, b))        (b = log_ratio_bound)
         pg   = max(-A*r, -A*clip(r, 1-clip_eps, 1+clip_eps_high))
                then min(pg, -A*dual_clip) for A < 0; ratio_cap caps r likewise
-        loss = w * importance_weight * pg + kl_coef * kl(logp_ref - logp)
+        loss = w * importance_weight * pg + kl_coef * kl(logp_ref - logp) - entropy_coef * H
 
-    where ``w`` is the rollout correction's weight (1 without ``rollout_correction``)::
+    with ``H = -sum_v p_v log p_v`` the entropy of the token's ``p = softmax(z / T)``
+    (``dH/dz_v = -p_v (log p_v + H) / T``; a ``-inf`` logit adds 0 to both), and ``w``
+    the rollout correction's weight (1 without ``rollout_correction``)::
 
         lw = old_logp - rollout_logp   (token), or its sum over the sequence (sequence)
         e  = exp(clip(lw, -b, b));  w = min(e, hi) (truncate)  |  e if lo <= e <= hi else 0 (mask)
@@ -233,7 +236,7 @@ def policy_loss(
       advantages: floating, per token ``[..., T]`` or per sequence ``[...]`` / ``[..., 1]``.
       clip_eps: ratio floor ``1 - clip_eps``; clip_eps_high: ceiling
         ``1 + clip_eps_high`` (DAPO clip-higher; default ``clip_eps``).
-        ``clip_eps``, ``clip_eps_high`` and ``kl_coef`` may be 0-d float arrays,
+        ``clip_eps``, ``clip_eps_high``, ``kl_coef`` and ``entropy_coef`` may be 0-d float arrays,
         traced under ``jit`` (a schedule or an adaptive KL controller: no
         recompile per value; not range-checked, as reading them would synchronise).
       dual_clip: ``c > 1`` caps the loss of ``A < 0`` tokens at ``-A*c``; None: off.
@@ -248,6 +251,12 @@ def policy_loss(
       objective: ``"ppo"`` (the clipped surrogate above) or ``"cispo"`` (clipped
         importance-sampling weight on the log-prob); composes with every ``loss_agg``,
         KL variant and ``ratio_level`` (``"sequence"``: the weight clips ``s``).
+      entropy_coef: weight of the entropy bonus ``-entropy_coef * H`` in each token's
+        loss, aggregated by the same ``loss_agg`` (verl's ``entropy_coeff``): any finite
+        number (> 0 rewards entropy, < 0 penalises it) or a 0-d float array (a schedule:
+        no recompile per value, not read on the host). 0 (the number): the entropy is
+        only averaged into ``metrics["entropy_mean"]``, from the same read of the
+        logits, and costs no pass of its own.
       segment_ids: integer ``[...]``; sequences of packed rows (a new one starts
         where the id of consecutive active tokens changes). None: one per row.
       importance_weights: floating ``[...]`` (e.g. truncated IS from the rollout
@@ -280,8 +289,9 @@ def policy_loss(
       ``(loss, metrics)``: a float32 0-d array, and float32 0-d arrays (stop-gradient)
       ``clip_fraction`` (= ``_low`` + ``_high``), ``clip_fraction_low``,
       ``clip_fraction_high``, ``dual_clip_fraction``, ``ratio_mean``, ``kl_mean``
-      and ``approx_kl`` (mean of ``old_logp - logp``), means over active tokens; with
-      ``rollout_logps``, also the three rollout metrics above.
+      ``approx_kl`` (mean of ``old_logp - logp``) and ``entropy_mean`` (mean ``H``),
+      means over active tokens; with ``rollout_logps``, also the three rollout metrics
+      above.
       Inactive tokens contribute nothing and get exactly zero gradient whatever
       they hold; no active token gives loss 0 and zero metrics, never NaN.
 
@@ -298,7 +308,7 @@ def policy_loss(
         ref_logps=ref_logps, clip_eps=clip_eps, clip_eps_high=clip_eps_high,
         dual_clip=dual_clip, ratio_cap=ratio_cap, kl_coef=kl_coef, kl_estimator=kl_estimator,
         loss_agg=loss_agg, loss_normalizer=loss_normalizer, ratio_level=ratio_level,
-        objective=objective,
+        objective=objective, entropy_coef=entropy_coef,
         segment_ids=segment_ids, importance_weights=importance_weights,
         log_ratio_bound=log_ratio_bound, temperature=temperature, backend=backend,
         check_ids=check_ids, vocab_axis=vocab_axis, inplace_grad=inplace_grad,

@@ -113,8 +113,8 @@ Coefficient = Union[float, Any]
 class PolicyLossOptions:
     """Validated scalar options of ``policy_loss`` (shared by both frameworks).
 
-    ``ratio_low``, ``ratio_high`` and ``kl_coef`` are Python floats, or 0-d
-    float arrays of the caller's framework when the caller passed its
+    ``ratio_low``, ``ratio_high``, ``kl_coef`` and ``entropy_coef`` are Python floats,
+    or 0-d float arrays of the caller's framework when the caller passed its
     coefficients as such (not inspected: that would synchronise).
     """
 
@@ -127,6 +127,7 @@ class PolicyLossOptions:
     sequence_ratio: bool  # RATIO_LEVELS == "sequence"
     log_ratio_bound: Optional[float]  # None: no bound
     objective_code: int = 0  # OBJECTIVES
+    entropy_coef: Coefficient = 0.0  # weight of -agg(entropy) in the loss (verl's entropy_coeff)
 
     @property
     def cispo(self) -> bool:
@@ -137,6 +138,13 @@ class PolicyLossOptions:
     def uses_kl(self) -> bool:
         """Whether the KL term may weigh in: ``kl_coef`` is not the number 0 (a tensor may)."""
         return not (isinstance(self.kl_coef, float) and self.kl_coef == 0.0)
+
+    @property
+    def uses_entropy(self) -> bool:
+        """Whether the entropy term may weigh in (and reach the gradient): ``entropy_coef``
+        is not the number 0 (a tensor may be). The entropy is computed either way, for
+        ``metrics["entropy_mean"]``."""
+        return not (isinstance(self.entropy_coef, float) and self.entropy_coef == 0.0)
 
     @property
     def loss_agg(self) -> LossAgg:
@@ -208,18 +216,19 @@ def policy_loss_options(
     ratio_level: str,
     log_ratio_bound: Optional[float],
     objective: str = "ppo",
+    entropy_coef: Coefficient = 0.0,
     cached: bool = True,
 ) -> PolicyLossOptions:
     """Check ``policy_loss``'s scalar options; errors name the argument and the fix.
 
-    ``clip_eps``, ``clip_eps_high`` and ``kl_coef`` may be 0-d floating arrays
-    (their values are then the caller's responsibility: reading them would
+    ``clip_eps``, ``clip_eps_high``, ``kl_coef`` and ``entropy_coef`` may be 0-d
+    floating arrays (their values are then the caller's responsibility: reading them would
     synchronise). With ``cached``, calls with Python values only are cached: a
     step pays the checks once per distinct option set (a tracer such as
     ``torch.compile``, which sees through caches, passes False).
     """
     args = (clip_eps, clip_eps_high, dual_clip, ratio_cap, kl_coef, kl_estimator, loss_agg,
-            ratio_level, log_ratio_bound, objective)
+            ratio_level, log_ratio_bound, objective, entropy_coef)
     if not cached or any(_is_array(a) for a in args):
         return _policy_loss_options(*args)
     return _cached_policy_loss_options(*args)
@@ -227,7 +236,7 @@ def policy_loss_options(
 
 def _policy_loss_options(clip_eps, clip_eps_high, dual_clip, ratio_cap, kl_coef,
                          kl_estimator, loss_agg, ratio_level,
-                         log_ratio_bound, objective) -> PolicyLossOptions:
+                         log_ratio_bound, objective, entropy_coef) -> PolicyLossOptions:
     objective_code = option_code("objective", objective, OBJECTIVES)
     cispo = objective_code == OBJECTIVES["cispo"]
     eps_low = _coefficient("clip_eps", clip_eps)
@@ -278,6 +287,8 @@ def _policy_loss_options(clip_eps, clip_eps_high, dual_clip, ratio_cap, kl_coef,
         sequence_ratio=option_code("ratio_level", ratio_level, RATIO_LEVELS) == 1,
         log_ratio_bound=bound,
         objective_code=objective_code,
+        # Any finite number: > 0 rewards entropy (exploration), < 0 penalises it.
+        entropy_coef=_coefficient("entropy_coef", entropy_coef),
     )
 
 

@@ -35,6 +35,16 @@ branch, and a log-ratio outside the bound, carry none)::
                                              i.e. sg(s_i) * pi_t / sg(pi_t) as in verl)
     dq/dr     = 1 on the unclipped branch, else 0
 
+With ``entropy_coef`` (``c_H``, verl's ``entropy_coeff``) the per-token loss gains an
+entropy bonus aggregated with the very weights of the policy term::
+
+    H_t   = -sum_v p_v log p_v,   p = softmax(policy_logits_t / T)   (ratiokl.spec.entropy)
+    loss  = pg + kl_coef * kl - c_H * H_t,     i.e.  pg + kl_coef*kl - c_H * agg(H)
+    dH_t/dz_v = -p_v (log p_v + H_t) / T      (z: the logits; a ``-inf`` logit: p_v = 0, 0)
+
+(``c_H > 0`` rewards entropy, ``c_H < 0`` penalises it). ``entropy_mean``, the mean of
+``H_t`` over active tokens, is always reported, whatever ``c_H``.
+
 The aggregation is ``sum_t a_t * loss_t / D`` (``a_t = 1`` except
 ``seq-mean-token-mean``: ``1 / |active tokens of t's sequence|``; ``D``: active
 tokens, 1, sequences with an active token, or the padded length ``T`` for
@@ -63,7 +73,13 @@ from ratiokl.spec.options import (
     PolicyLossOptions,
     policy_loss_options,
 )
-from ratiokl.spec.reference import ArrayLike, selected_logprobs, selected_logprobs_grad
+from ratiokl.spec.reference import (
+    ArrayLike,
+    entropy,
+    entropy_grad,
+    selected_logprobs,
+    selected_logprobs_grad,
+)
 from ratiokl.spec.rollout import DEFAULT_ROLLOUT_BOUNDS, rollout_options, rollout_weights
 
 __all__ = [
@@ -78,7 +94,7 @@ __all__ = [
 POLICY_LOSS_DEFAULTS = dict(
     clip_eps=0.2, clip_eps_high=None, dual_clip=None, ratio_cap=None, kl_coef=0.0,
     kl_estimator="k3", loss_agg="token-mean", ratio_level="token",
-    log_ratio_bound=DEFAULT_LOG_RATIO_BOUND, objective="ppo",
+    log_ratio_bound=DEFAULT_LOG_RATIO_BOUND, objective="ppo", entropy_coef=0.0,
 )
 
 
@@ -179,22 +195,39 @@ def policy_loss_from_logps(
     rollout_logps: Optional[np.ndarray] = None,
     rollout_correction: Optional[str] = None,
     rollout_bounds: Tuple[float, float] = DEFAULT_ROLLOUT_BOUNDS,
+    entropy: Optional[np.ndarray] = None,
     **options,
 ) -> Tuple[float, np.ndarray, Dict[str, float]]:
     """Policy loss from per-token log-probs ``[...]``: ``(loss, dloss/dlogp, metrics)``.
 
     ``options`` are ``policy_loss``'s scalar options (``clip_eps`` ...
-    ``log_ratio_bound``); see the module docstring for the formulas. ``logp_ref``
-    may be None when ``kl_coef == 0`` (the KL is then 0). Metrics are means over
-    active tokens (0 when there is none): ``clip_fraction`` (= ``_low`` + ``_high``),
-    ``dual_clip_fraction``, ``ratio_mean``, ``kl_mean`` and ``approx_kl``; with
-    ``rollout_logps`` also ``ratiokl.spec.rollout.ROLLOUT_METRIC_NAMES``.
+    ``entropy_coef``); see the module docstring for the formulas. ``logp_ref``
+    may be None when ``kl_coef == 0`` (the KL is then 0); ``entropy`` (the per-token
+    entropies ``[...]``) may be None when ``entropy_coef == 0`` (then no
+    ``entropy_mean``). Metrics are means over active tokens (0 when there is none):
+    ``clip_fraction`` (= ``_low`` + ``_high``), ``dual_clip_fraction``, ``ratio_mean``,
+    ``kl_mean``, ``approx_kl``, given ``entropy`` ``entropy_mean``, and with
+    ``rollout_logps`` ``ratiokl.spec.rollout.ROLLOUT_METRIC_NAMES``.
     """
+    loss, dlogp, _, metrics = _policy_terms(
+        logp, logp_ref, old_logps, advantages, mask, entropy, loss_normalizer=loss_normalizer,
+        segment_ids=segment_ids, importance_weights=importance_weights,
+        rollout_logps=rollout_logps, rollout_correction=rollout_correction,
+        rollout_bounds=rollout_bounds, **options)
+    return loss, dlogp, metrics
+
+
+def _policy_terms(logp, logp_ref, old_logps, advantages, mask, entropy, *, loss_normalizer,
+                  segment_ids, importance_weights, rollout_logps=None, rollout_correction=None,
+                  rollout_bounds=DEFAULT_ROLLOUT_BOUNDS, **options):
+    """``(loss, dloss/dlogp, dloss/dentropy, metrics)`` (:func:`policy_loss_from_logps`)."""
     opts = policy_loss_options(**{**POLICY_LOSS_DEFAULTS, **options})
     mask = np.asarray(mask, dtype=bool)
     lead = mask.shape
     if logp_ref is None and opts.kl_coef != 0.0:
         raise ValueError("`kl_coef` != 0 needs `ref_logits` or `ref_logps`")
+    if entropy is None and opts.entropy_coef != 0.0:
+        raise ValueError("`entropy_coef` != 0 needs the per-token `entropy`")
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         logp = np.where(mask, np.asarray(logp, np.float64), 0.0)
         old = np.where(mask, np.asarray(old_logps, np.float64), 0.0)
@@ -231,9 +264,13 @@ def policy_loss_from_logps(
             kl, dkl = _kl_terms(ref - logp, opts.kl_code, r, dr, bound)
         if opts.kl_coef != 0.0:  # kl_coef = 0: the KL is only logged (0 * inf would be NaN)
             pg, dpg = pg + opts.kl_coef * kl, dpg + opts.kl_coef * dkl
+        ent = None if entropy is None else np.where(mask, np.asarray(entropy, np.float64), 0.0)
+        if opts.entropy_coef != 0.0:  # entropy_coef = 0: the entropy is only logged
+            pg = pg - opts.entropy_coef * ent
         a, denom = _aggregation(mask, seq, n_seq, opts, loss_normalizer)
         per_token = np.where(mask, a * pg, 0.0)
         grad = np.where(mask, a * dpg / denom, 0.0)
+        dent = np.where(mask, -opts.entropy_coef * a / denom, 0.0)
         n_tok = max(int(mask.sum()), 1)
 
         def mean(x):
@@ -249,7 +286,9 @@ def policy_loss_from_logps(
             "approx_kl": mean(old - logp),
             **rollout_metrics,
         }
-        return float(per_token.sum() / denom), grad, metrics
+        if ent is not None:
+            metrics["entropy_mean"] = mean(ent)
+        return float(per_token.sum() / denom), grad, dent, metrics
 
 
 def _reference_logps(ref_logits, ref_logps, action_ids, mask, temperature):
@@ -262,10 +301,14 @@ def _reference_logps(ref_logits, ref_logps, action_ids, mask, temperature):
 
 def _from_logits(policy_logits, ref_logits, action_ids, mask, old_logps, advantages,
                  ref_logps, temperature, options):
+    """``_policy_terms`` of logits: the log-probs and entropies of ``policy_logits``."""
     mask = np.asarray(mask, dtype=bool)
     logp = selected_logprobs(policy_logits, action_ids, mask, temperature=temperature)
     logp_ref = _reference_logps(ref_logits, ref_logps, action_ids, mask, temperature)
-    return policy_loss_from_logps(logp, logp_ref, old_logps, advantages, mask, **options)
+    ent = entropy(policy_logits, mask, temperature=temperature)
+    arrays = {k: options.pop(k, None)
+              for k in ("loss_normalizer", "segment_ids", "importance_weights")}
+    return _policy_terms(logp, logp_ref, old_logps, advantages, mask, ent, **arrays, **options)
 
 
 def policy_loss(
@@ -280,10 +323,13 @@ def policy_loss(
     temperature: ArrayLike = 1.0,
     **options,
 ) -> Tuple[float, Dict[str, float]]:
-    """Float64 ``(loss, metrics)`` of ``policy_loss`` (same arguments as the frameworks')."""
-    loss, _, metrics = _from_logits(
+    """Float64 ``(loss, metrics)`` of ``policy_loss`` (same arguments as the frameworks').
+
+    ``metrics`` has ``entropy_mean`` besides :func:`policy_loss_from_logps`'s.
+    """
+    loss, _, _, metrics = _from_logits(
         policy_logits, ref_logits, action_ids, mask, old_logps, advantages,
-        ref_logps, temperature, options,
+        ref_logps, temperature, dict(options),
     )
     return loss, metrics
 
@@ -300,11 +346,17 @@ def policy_loss_grad(
     temperature: ArrayLike = 1.0,
     **options,
 ) -> np.ndarray:
-    """Gradient of the loss w.r.t. ``policy_logits``: float64 ``[..., V]``, 0 on inactive rows."""
-    _, dlogp, _ = _from_logits(
+    """Gradient of the loss w.r.t. ``policy_logits``: float64 ``[..., V]``, 0 on inactive rows.
+
+    Through ``logp`` (``selected_logprobs_grad``) and, with ``entropy_coef``, through the
+    entropy (``entropy_grad``: ``-c_H a_t / D`` times ``dH_t/dz``).
+    """
+    _, dlogp, dent, _ = _from_logits(
         policy_logits, ref_logits, action_ids, mask, old_logps, advantages,
-        ref_logps, temperature, options,
+        ref_logps, temperature, dict(options),
     )
-    return selected_logprobs_grad(
-        policy_logits, action_ids, mask, dlogp, temperature=temperature
-    )
+    grad = selected_logprobs_grad(policy_logits, action_ids, mask, dlogp,
+                                  temperature=temperature)
+    if np.any(dent != 0.0):
+        grad = grad + entropy_grad(policy_logits, mask, dent, temperature=temperature)
+    return grad

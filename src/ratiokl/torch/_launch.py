@@ -54,6 +54,7 @@ from ratiokl._kernels import (
 )
 from ratiokl._kernels.active_check import CHECK_BLOCK, CHECK_WARPS, active_check_kernel
 from ratiokl._kernels.fused_loss import (
+    PARTIAL_FIELDS,
     SCALE_WARPS,
     launch_plan,
     policy_loss_kernel,
@@ -372,8 +373,10 @@ def _entropy_context(ctx, inputs, output) -> None:
 
 def _entropy_backward(ctx, g_logp, g_ent, _g_lse):
     policy, ids, mask, temp, lse, ent = ctx.saved_tensors
+    # No entropy cotangent (the entropy only logged, e.g. policy_loss's entropy_mean): the
+    # kernel without its entropy term.
     grad = BACKWARD.run(ctx.binding, policy, ids, mask, temp, lse, g_logp, None, None,
-                        g_ent, ent, True)
+                        g_ent, ent, g_ent is not None)
     return grad, None, None, None
 
 
@@ -405,18 +408,20 @@ def fused_policy_loss(
     kernels: Callable, policy: Tensor, ref: Optional[Tensor], ids: Tensor, mask: Tensor,
     old: Tensor, ref_logps: Optional[Tensor], temp: Tensor, adv: Tensor, iw: Optional[Tensor],
     w: Tensor, coefs: Tensor, write_grad: bool, kl_code: int, has_neg_cap: bool, bound: float,
-    objective: int, *, grad_out: Optional[Tensor] = None,
+    objective: int, entropy_grad: bool, *, grad_out: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
-    """``(loss, metrics, grad)``: float32 ``[]``, float32 ``[7]`` (``METRIC_NAMES``), and
+    """``(loss, metrics, grad)``: float32 ``[]``, float32 ``[8]`` (``METRIC_NAMES``), and
     ``d loss / d policy`` ``[N, V]`` in the logits' dtype (``[0, V]`` without ``write_grad``).
 
     Two launches: ``policy_loss_kernel`` (per-row values and, with
     ``write_grad``, the gradient of ``sum_t w_t loss_t``) and
     ``policy_metrics_kernel`` (the loss and the metrics). ``coefs``: float32
-    ``[4]`` (``kl_coef``, ratio floor, ratio ceiling, negative-advantage cap);
-    ``kl_code`` 0: no reference; ``objective``: ``OBJECTIVES`` code. ``grad_out``: a row-major ``[N, V]`` buffer
-    for the gradient (the in-place mode passes ``policy`` itself: every tile is
-    read before it is overwritten, by the same program).
+    ``[5]`` (``kl_coef``, ratio floor, ratio ceiling, negative-advantage cap,
+    ``entropy_coef``); ``kl_code`` 0: no reference; ``objective``: ``OBJECTIVES`` code;
+    ``entropy_grad``: the entropy bonus is in the loss and its gradient (``entropy_coef``
+    is not the number 0). ``grad_out``: a row-major ``[N, V]`` buffer for the gradient
+    (the in-place mode passes ``policy`` itself: every tile is read before it is
+    overwritten, by the same program).
     """
     n_rows, vocab = policy.shape
     device = policy.device
@@ -430,32 +435,35 @@ def fused_policy_loss(
     has_ref = ref is not None
     ref_t = ref if has_ref else policy  # never read without HAS_REF
     plan = launch_plan(vocab, policy.element_size(), n_rows, write_grad)
-    # One scratch allocation (host time: one allocator call, not seven): the five row
-    # values the metrics kernel reads, then the spans' partials [N, SPLITS, 4].
+    # One scratch allocation (host time: one allocator call, not eight): the six row
+    # values the metrics kernel reads, then the spans' partials [N, SPLITS, PARTIAL_FIELDS].
     # Each piece starts 64-byte aligned, as its own allocation would (the kernel's
     # specialisation, hence its compile, does not depend on N mod 16).
     width = -(-n_rows // 16) * 16
-    scratch = torch.empty(width * (5 + 4 * plan.spans.splits), dtype=torch.float32,
+    fields = PARTIAL_FIELDS.value
+    scratch = torch.empty(width * (6 + fields * plan.spans.splits), dtype=torch.float32,
                           device=device)
-    loss_rows, logp, ratio, kl, bits = scratch[:5 * width].view(5, width)[:, :n_rows].unbind()
+    loss_rows, logp, ratio, kl, ent, bits = \
+        scratch[:6 * width].view(6, width)[:, :n_rows].unbind()
     bits = bits.view(torch.int32)
-    parts = scratch[5 * width:]
+    parts = scratch[6 * width:]
     n_counters = plan.counters(n_rows)  # 0: none used, no memset (any buffer will do)
     counts = torch.zeros(n_counters, dtype=torch.int32, device=device) if n_counters \
         else bits
     kernels(policy_loss_kernel)[(plan.programs(n_rows),)](
         policy, ref_t, ids, mask, old, w if ref_logps is None else ref_logps, temp, adv,
         w if iw is None else iw, w, coefs,
-        loss_rows, logp, ratio, kl, bits, grad_out, parts, counts,
+        loss_rows, logp, ratio, kl, ent, bits, grad_out, parts, counts,
         n_rows, vocab, policy.stride(0), policy.stride(1), ref_t.stride(0), ref_t.stride(1),
         _stride(temp),
         HAS_REF=has_ref, HAS_IW=iw is not None, KL_CODE=kl_code, HAS_NEG_CAP=has_neg_cap,
-        BOUND=bound, OBJECTIVE=objective, WRITE_GRAD=write_grad, SPLITS=plan.spans.splits,
+        BOUND=bound, OBJECTIVE=objective, ENTROPY_GRAD=entropy_grad, WRITE_GRAD=write_grad,
+        SPLITS=plan.spans.splits,
         TILES_PER_SPLIT=plan.spans.tiles_per_split, SPANS=plan.spans_per_program,
         BLOCK_V=plan.config.block_v, num_warps=plan.config.num_warps,
     )
     kernels(policy_metrics_kernel)[(1,)](
-        mask, logp, ratio, kl, bits, old, loss_rows, metrics, loss, n_rows,
+        mask, logp, ratio, kl, ent, bits, old, loss_rows, metrics, loss, n_rows,
         BLOCK=ROWS_BLOCK, num_warps=ROWS_WARPS,
     )
     return loss, metrics, grad_out
@@ -480,12 +488,18 @@ def _fused_context(ctx, inputs, output) -> None:
     ctx.set_materialize_grads(False)  # else autograd fills a zero [N, V] cotangent
 
 
+#: Inputs of ``fused_policy_loss`` (the op's schema, ``kernels`` aside): the backward's
+#: result count.
+_FUSED_INPUTS = sum(p.kind is p.POSITIONAL_OR_KEYWORD
+                    for p in inspect.signature(fused_policy_loss).parameters.values()) - 1
+
+
 def _fused_backward(ctx, g_loss, *_unused):
     if g_loss is None:
-        return (None,) * 16
+        return (None,) * _FUSED_INPUTS
     grad, mask = ctx.saved_tensors
     SCALE_ROWS.run(ctx.binding, grad, g_loss.to(torch.float32), mask)
-    return (grad,) + (None,) * 15
+    return (grad,) + (None,) * (_FUSED_INPUTS - 1)
 
 
 def _fused_fake(policy, ref, ids, mask, old, ref_logps, temp, adv, iw, w, coefs, write_grad,
@@ -503,31 +517,33 @@ POLICY_LOSS = KernelOp(fused_policy_loss, fake=_fused_fake, setup_context=_fused
 
 
 def shard_stats(kernels: Callable, policy: Tensor, ref: Optional[Tensor], mask: Tensor,
-                temp: Tensor) -> Tuple[Tensor, Tensor]:
-    """``(lse, ref_lse)`` float32 ``[N]`` of this shard (``ref_lse`` 0 without ``ref``).
+                temp: Tensor, entropy: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """``(lse, ref_lse, mu)`` float32 ``[N]`` of this shard (``ref_lse`` 0 without ``ref``;
+    ``mu``, the mean ``x / T`` under the shard's softmax, only with ``entropy``, else
+    unwritten).
 
     ``shard_stats_kernel`` without its selected-logit part (a rank learns where
     its shard starts only from the first all-reduce); 0 on inactive rows.
     """
     n_rows, vocab = policy.shape
-    lse, ref_lse = _rows(n_rows, policy.device, 2)
+    lse, ref_lse, mu = _rows(n_rows, policy.device, 3)
     if n_rows == 0:
-        return lse, ref_lse
+        return lse, ref_lse, mu
     ref_t = policy if ref is None else ref  # never read when absent (HAS_REF is False)
     config = forward_config(vocab, policy.element_size())
     # ids, start and the selected-logit outputs are untouched with SELECT=False.
     kernels(shard_stats_kernel)[(n_rows,)](
-        policy, ref_t, mask, mask, temp, mask, lse, ref_lse, lse, lse,
+        policy, ref_t, mask, mask, temp, mask, lse, ref_lse, lse, lse, mu,
         vocab, policy.stride(0), policy.stride(1), ref_t.stride(0), ref_t.stride(1),
         _stride(temp),
-        HAS_REF=ref is not None, SELECT=False, BLOCK_V=config.block_v,
+        HAS_REF=ref is not None, SELECT=False, ENTROPY=entropy, BLOCK_V=config.block_v,
         num_warps=config.num_warps,
     )
-    return lse, ref_lse
+    return lse, ref_lse, mu
 
 
 SHARD_STATS = KernelOp(shard_stats, fake=lambda policy, *_: tuple(
-    policy.new_empty(policy.shape[0], dtype=torch.float32) for _ in range(2)))
+    policy.new_empty(policy.shape[0], dtype=torch.float32) for _ in range(3)))
 
 
 # --- the rollout correction's weights (before the policy loss) ---------------------------------

@@ -42,7 +42,8 @@ import torch
 from ratiokl.torch import _objective
 from ratiokl.torch._checks import Temperature
 
-__all__ = ["finite_shift", "ratio_kl", "row_chunks", "scaled_logits", "selected_logprobs"]
+__all__ = ["entropy_terms", "finite_shift", "logprobs_entropy", "ratio_kl", "row_chunks",
+           "scaled_logits", "selected_logprobs"]
 
 #: Bytes of one float32 chunk temporary, by device type (``"cpu"``, else the default). On
 #: a CPU the chunk's passes should hit its caches: selected_logprobs, N=1024, V=32768 fp32,
@@ -108,26 +109,34 @@ def _forward(
     mask: torch.Tensor,
     temperature: Temperature,
     bad: Optional[torch.Tensor],
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(logp, lse)``, float32 ``[N]`` each.
+    entropy: bool = False,
+) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """``(logp, lse, entropy)``, float32 ``[N]`` each (``entropy`` None unless asked for).
 
-    ``logp`` is 0 on inactive rows; ``lse`` is NaN on ``bad`` rows (so are their
-    ``logp`` and, through the saved ``lse``, their gradient).
+    ``logp`` and ``entropy`` are 0 on inactive rows; ``lse`` is NaN on ``bad`` rows (so
+    are their ``logp``, ``entropy`` and, through the saved ``lse``, their gradient). The
+    entropy comes from each chunk while it is at hand: one read of the logits.
     """
     n_rows, vocab = logits.shape
     lse = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
     z_sel = torch.empty_like(lse)
+    ent = torch.empty_like(lse) if entropy else None
     for rows in row_chunks(n_rows, vocab, logits.device):
         t = temperature[rows] if isinstance(temperature, torch.Tensor) else temperature
         z = scaled_logits(logits[rows], mask[rows], t)
         m, s, selected = _row_stats(z, ids[rows])
         lse[rows] = _lse(m, s)
         z_sel[rows] = selected
+        if entropy:
+            ent[rows] = -entropy_terms(z, lse[rows])[1].sum(dim=1)
     if bad is not None:
         # An out-of-range active id (unchecked): poison the row, forward and backward.
-        lse = torch.where(bad, torch.full_like(lse, float("nan")), lse)
-    logp = torch.where(mask, z_sel - lse, torch.zeros_like(lse))
-    return logp, lse
+        nan = torch.full_like(lse, float("nan"))
+        lse = torch.where(bad, nan, lse)
+        ent = None if ent is None else torch.where(bad, nan, ent)
+    zero = torch.zeros_like(lse)
+    logp = torch.where(mask, z_sel - lse, zero)
+    return logp, lse, None if ent is None else torch.where(mask, ent, zero)
 
 
 def _backward(
@@ -152,22 +161,11 @@ def _backward(
     return grad
 
 
-def _entropy_terms(z: torch.Tensor, lse: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def entropy_terms(z: torch.Tensor, lse: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(p, p * log p)`` of a chunk's rows, ``p * log p`` exactly 0 where ``p = 0``."""
     log_p = z - lse[:, None]
     p = log_p.exp()
     return p, torch.where(p > 0.0, p * log_p, torch.zeros_like(p))
-
-
-def _entropy_forward(logits, mask, temperature, lse) -> torch.Tensor:
-    """``-sum p log p`` per row, float32 ``[N]``; 0 on inactive rows, NaN where ``lse`` is."""
-    n_rows, vocab = logits.shape
-    ent = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
-    for rows in row_chunks(n_rows, vocab, logits.device):
-        t = temperature[rows] if isinstance(temperature, torch.Tensor) else temperature
-        z = scaled_logits(logits[rows], mask[rows], t)
-        ent[rows] = -_entropy_terms(z, lse[rows])[1].sum(dim=1)
-    return torch.where(mask, ent, torch.zeros_like(ent))
 
 
 def _entropy_backward(logits, ids, mask, temperature, lse, ent, grad_logp,
@@ -184,7 +182,7 @@ def _entropy_backward(logits, ids, mask, temperature, lse, ent, grad_logp,
     c_logp, c_ent = coef(grad_logp), coef(grad_ent)
     for rows in row_chunks(n_rows, vocab, logits.device):
         t = temperature[rows] if isinstance(temperature, torch.Tensor) else temperature
-        p, p_log_p = _entropy_terms(scaled_logits(logits[rows], mask[rows], t), lse[rows])
+        p, p_log_p = entropy_terms(scaled_logits(logits[rows], mask[rows], t), lse[rows])
         d = (p_log_p + p * ent[rows, None]).mul_(-c_ent[rows, None])
         d.sub_(p * c_logp[rows, None])
         d.scatter_add_(1, ids[rows, None], c_logp[rows, None].contiguous())
@@ -197,8 +195,7 @@ class _LogprobEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, ids, mask, temperature, bad):
-        logp, lse = _forward(logits, ids, mask, temperature, bad)
-        ent = _entropy_forward(logits, mask, temperature, lse)
+        logp, lse, ent = _forward(logits, ids, mask, temperature, bad, entropy=True)
         saved = (logits, ids, mask, lse, ent)
         if isinstance(temperature, torch.Tensor):
             saved = saved + (temperature,)
@@ -213,7 +210,11 @@ class _LogprobEntropy(torch.autograd.Function):
         saved = ctx.saved_tensors
         logits, ids, mask, lse, ent = saved[:5]
         temperature = saved[5] if len(saved) == 6 else ctx.temperature
-        grad = _entropy_backward(logits, ids, mask, temperature, lse, ent, grad_logp, grad_ent)
+        if grad_ent is None:  # the entropy only logged (policy_loss's entropy_mean)
+            grad = _backward(logits, ids, mask, temperature, lse, grad_logp)
+        else:
+            grad = _entropy_backward(logits, ids, mask, temperature, lse, ent, grad_logp,
+                                     grad_ent)
         return grad, None, None, None, None
 
 
@@ -222,7 +223,7 @@ class _SelectedLogprob(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, ids, mask, temperature, bad):
-        logp, lse = _forward(logits, ids, mask, temperature, bad)
+        logp, lse, _ = _forward(logits, ids, mask, temperature, bad)
         if isinstance(temperature, torch.Tensor):
             ctx.save_for_backward(logits, ids, mask, lse, temperature)
         else:
@@ -294,6 +295,6 @@ def ratio_kl(
     logp = _SelectedLogprob.apply(policy, safe_ids, mask, temp, bad)
     if ref_logps is None:
         with torch.no_grad():
-            ref_logps, _ = _forward(ref.detach(), safe_ids, mask, temp, bad)
+            ref_logps, _, _ = _forward(ref.detach(), safe_ids, mask, temp, bad)
     return _objective.token_ratio_kl(logp, ref_logps.detach(), old_logps.detach(), mask,
                                     kl_code)

@@ -1,8 +1,8 @@
 """The PPO/GRPO objective on per-token log-probs: ``[R, T]``-sized PyTorch ops.
 
-The two-pass ``policy_loss`` (``ratiokl.torch._route``) gets ``logp`` from a
-backend's differentiable ``selected_logprobs`` and hands it here with the
-other per-token inputs laid out as ``R`` rows of ``T`` tokens; autograd
+The two-pass ``policy_loss`` (``ratiokl.torch._route``) gets ``logp`` and the
+entropy from a backend's differentiable ``logprobs_entropy`` and hands them here
+with the other per-token inputs laid out as ``R`` rows of ``T`` tokens; autograd
 differentiates the result. The math is ``ratiokl.spec.policy_loss``'s.
 :func:`token_ratio_kl` is the same epilogue for ``ratio_kl`` (``[N]``).
 
@@ -175,15 +175,19 @@ def policy_objective(
     mask: torch.Tensor,
     inputs: TokenInputs,
     opts: PolicyLossOptions,
+    entropy: torch.Tensor,
 ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """``(loss, metrics)`` from per-token inputs laid out ``[R, T]``.
 
     Args:
-      logp: float32 ``[R, T]``, differentiable (the only input that is).
+      logp: float32 ``[R, T]``, differentiable.
       logp_ref: float32 ``[R, T]`` detached, or None (then the KL is 0).
       mask: bool ``[R, T]``.
       inputs: the other per-token inputs (:func:`token_inputs`).
       opts: validated options (``ratiokl.spec.policy_loss_options``).
+      entropy: float32 ``[R, T]``, the tokens' entropies; differentiated only when
+        ``opts.entropy_coef`` may be non-zero (``- entropy_coef * H`` joins each token's
+        loss before the aggregation), else only averaged into ``entropy_mean``.
 
     Returns:
       The float32 0-d loss and a dict of detached float32 0-d metrics.
@@ -219,31 +223,37 @@ def policy_objective(
                                     per_token)
         elif opts.uses_kl:
             per_token = per_token + opts.kl_coef * kl
+    entropy = torch.where(mask, entropy, zero)
+    if isinstance(opts.entropy_coef, torch.Tensor):  # 0: only logged, as the KL's
+        per_token = torch.where(opts.entropy_coef != 0.0,
+                                per_token - opts.entropy_coef * entropy, per_token)
+    elif opts.uses_entropy:
+        per_token = per_token - opts.entropy_coef * entropy
     if opts.loss_agg == "seq-mean-token-mean":
         per_token = per_token / counts
     n_tok = mask.sum()
     n_seq = starts.sum() if need_segments else None
     denom = _denominator(opts.loss_agg, n_tok, n_seq, mask.shape[-1], inputs.loss_normalizer)
     loss = torch.where(mask, per_token, zero).sum() / denom
-    return loss, token_metrics(mask, n_tok, low, high, capped, ratio, kl, old - logp)
+    return loss, token_metrics(mask, n_tok, low, high, capped, ratio, kl, old - logp, entropy)
 
 
 def token_metrics(
-    mask, n_tok, low, high, capped, ratio, kl, approx_kl
+    mask, n_tok, low, high, capped, ratio, kl, approx_kl, entropy
 ) -> Dict[str, torch.Tensor]:
     """Detached means over active tokens (0 when there is none); per-token inputs, any shape.
 
-    The seven sums are one masked reduction of a stacked ``[7, ...]`` tensor
+    The eight sums are one masked reduction of a stacked ``[8, ...]`` tensor
     (a handful of launches, not one chain per metric: host time is what a
     few-token step pays for).
     """
-    per_token = (low | high, low, high, capped, ratio, kl, approx_kl)
+    per_token = (low | high, low, high, capped, ratio, kl, approx_kl, entropy)
     with torch.no_grad():
         parts = torch.stack([x.float() for x in per_token])
         zero = torch.zeros((), dtype=torch.float32, device=mask.device)
         sums = torch.where(mask, parts, zero).reshape(len(per_token), -1).sum(dim=1)
         means = sums / n_tok.clamp(min=1).float()
-    clip_m, low_m, high_m, capped_m, ratio_m, kl_m, approx_m = means.unbind()
+    clip_m, low_m, high_m, capped_m, ratio_m, kl_m, approx_m, entropy_m = means.unbind()
     return {
         "clip_fraction": clip_m,
         "clip_fraction_low": low_m,
@@ -252,4 +262,5 @@ def token_metrics(
         "ratio_mean": ratio_m,
         "kl_mean": kl_m,
         "approx_kl": approx_m,
+        "entropy_mean": entropy_m,
     }

@@ -29,7 +29,7 @@ from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
 import torch
 
-from ratiokl._backend import Backend, logprobs_entropy_of, warn_inplace_ignored
+from ratiokl._backend import Backend, warn_inplace_ignored
 from ratiokl._requirements import unmet
 from ratiokl.spec import BACKENDS, kl_estimator_code, policy_loss_options
 from ratiokl.torch import _checks, _rollout
@@ -42,15 +42,14 @@ __all__ = ["BACKENDS", "backend_name", "policy_loss", "ratio_kl", "resolve",
 def _native() -> Backend:
     from ratiokl.torch import _native
 
-    return Backend(_native.selected_logprobs, _native.ratio_kl,
-                   logprobs_entropy=_native.logprobs_entropy)
+    return Backend(_native.selected_logprobs, _native.ratio_kl, _native.logprobs_entropy)
 
 
 def _triton() -> Backend:
     from ratiokl.torch import _triton
 
-    return Backend(_triton.selected_logprobs, _triton.ratio_kl, _triton.policy_loss,
-                   _triton.token_weights, _triton.logprobs_entropy,
+    return Backend(_triton.selected_logprobs, _triton.ratio_kl, _triton.logprobs_entropy,
+                   _triton.policy_loss, _triton.token_weights,
                    rollout_weights=_triton.rollout_weights)
 
 
@@ -211,8 +210,8 @@ def selected_logprobs(logits, action_ids, mask, *, temperature, backend, check_i
     lead = _lead(logits, action_ids)
     rows = _rows(logits, lead, action_ids, mask, temperature, backend, check_ids, vocab_group)
     if return_entropy:
-        logp, ent = logprobs_entropy_of(rows.run, "vocab_group")(
-            rows.logits, rows.ids, rows.mask, rows.temperature)
+        logp, ent = rows.run.logprobs_entropy(rows.logits, rows.ids, rows.mask,
+                                              rows.temperature)
         return rows.checked((logp.reshape(lead), ent.reshape(lead)))
     logp = rows.run.selected_logprobs(rows.logits, rows.ids, rows.mask, rows.temperature)
     return rows.checked(logp.reshape(lead))
@@ -249,16 +248,16 @@ def _compiled_backward(logits: torch.Tensor) -> bool:
 
 def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantages, *,
                 ref_logps, clip_eps, clip_eps_high, dual_clip, ratio_cap, kl_coef,
-                kl_estimator, loss_agg, loss_normalizer, ratio_level, objective, segment_ids,
-                importance_weights, log_ratio_bound, temperature, backend, check_ids,
-                vocab_group, inplace_grad, rollout_logps, rollout_correction,
+                kl_estimator, loss_agg, loss_normalizer, ratio_level, objective, entropy_coef,
+                segment_ids, importance_weights, log_ratio_bound, temperature, backend,
+                check_ids, vocab_group, inplace_grad, rollout_logps, rollout_correction,
                 rollout_bounds) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """``ratiokl.torch.loss.policy_loss`` (documented there)."""
     opts = policy_loss_options(
         clip_eps=clip_eps, clip_eps_high=clip_eps_high, dual_clip=dual_clip,
         ratio_cap=ratio_cap, kl_coef=kl_coef, kl_estimator=kl_estimator, loss_agg=loss_agg,
         ratio_level=ratio_level, log_ratio_bound=log_ratio_bound, objective=objective,
-        cached=not torch.compiler.is_compiling(),
+        entropy_coef=entropy_coef, cached=not torch.compiler.is_compiling(),
     )
     lead = _lead(policy_logits, action_ids)
     if inplace_grad and not policy_logits.is_contiguous():
@@ -299,7 +298,10 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
         warn_inplace_ignored(opts.sequence_ratio)
     from ratiokl.torch import _objective
 
-    logp = run.selected_logprobs(rows.logits, rows.ids, rows.mask, rows.temperature)
+    # The entropy from the same read of the logits (entropy_mean always; in the loss with
+    # entropy_coef): without a coefficient nothing differentiates it, and its backward
+    # term is skipped.
+    logp, entropy = run.logprobs_entropy(rows.logits, rows.ids, rows.mask, rows.temperature)
     logp_ref = _flat(ref_logps)
     if ref is not None:
         with torch.no_grad():
@@ -307,5 +309,5 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
     as_rows = _checks.as_rows
     return rows.checked(_rollout.with_metrics(_objective.policy_objective(
         as_rows(logp, lead), None if logp_ref is None else as_rows(logp_ref, lead),
-        as_rows(rows.mask, lead), inputs, opts,
+        as_rows(rows.mask, lead), inputs, opts, as_rows(entropy, lead),
     ), rollout_metrics))

@@ -66,14 +66,15 @@ def kernel_temperature(temperature: Temperature, device: torch.device) -> torch.
 
 
 def kernel_coefficients(opts: PolicyLossOptions, device: torch.device) -> torch.Tensor:
-    """Float32 ``[4]``: ``(kl_coef, ratio floor, ratio ceiling, negative-advantage cap)``.
+    """Float32 ``[5]``: ``(kl_coef, ratio floor, ratio ceiling, negative-advantage cap,
+    entropy_coef)``.
 
     Run-time data of the fused kernel, so a new value (an adaptive KL
     controller, a clip schedule) is neither a compile nor, as a 0-d tensor, a
     host round trip. Python values come from a per-device cache.
     """
     values = (opts.kl_coef, opts.ratio_low, opts.ratio_high,
-              math.inf if opts.neg_cap is None else opts.neg_cap)
+              math.inf if opts.neg_cap is None else opts.neg_cap, opts.entropy_coef)
     if not any(isinstance(v, torch.Tensor) for v in values):
         if torch.compiler.is_compiling():
             return torch.tensor(values, dtype=torch.float32, device=device)
@@ -167,6 +168,7 @@ class _InplaceLoss(torch.autograd.Function):
         torch.autograd.graph.increment_version(policy)
         ctx.grad = policy.detach()  # not saved_tensors: it holds the gradient now
         ctx.mask = inputs[2]
+        ctx.n_inputs = 1 + len(inputs)  # the backward's result count
         ctx.mark_non_differentiable(metrics)
         ctx.set_materialize_grads(False)
         return loss, metrics
@@ -174,7 +176,7 @@ class _InplaceLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_loss, _g_metrics):
         if g_loss is None:
-            return (None,) * 16
+            return (None,) * ctx.n_inputs
         if ctx.grad is None:
             raise RuntimeError(
                 "policy_loss(inplace_grad=True) gives its gradient once: the logits' buffer "
@@ -182,7 +184,7 @@ class _InplaceLoss(torch.autograd.Function):
             )
         SCALE_ROWS.direct(ctx.grad.device, ctx.grad, g_loss.to(torch.float32), ctx.mask)
         grad, ctx.grad = ctx.grad, None  # once: the buffer is the caller's now
-        return (grad,) + (None,) * 15
+        return (grad,) + (None,) * (ctx.n_inputs - 1)
 
 
 def policy_loss(policy: torch.Tensor, ref: Optional[torch.Tensor], ids: torch.Tensor,
@@ -204,7 +206,7 @@ def policy_loss(policy: torch.Tensor, ref: Optional[torch.Tensor], ids: torch.Te
     args = (ref, ids, mask, old, ref_logps, kernel_temperature(temperature, policy.device),
             adv, iw, weights, kernel_coefficients(opts, policy.device), write_grad,
             opts.kl_code if has_ref else 0, opts.neg_cap is not None,
-            opts.log_ratio_bound or 0.0, opts.objective_code)
+            opts.log_ratio_bound or 0.0, opts.objective_code, opts.uses_entropy)
     if inplace_grad and write_grad and binding_for(policy.device) != "compiled":
         loss, metrics = _InplaceLoss.apply(policy, *args)
     else:
@@ -213,22 +215,30 @@ def policy_loss(policy: torch.Tensor, ref: Optional[torch.Tensor], ids: torch.Te
 
 
 def shard_lse(policy: torch.Tensor, ref: Optional[torch.Tensor], mask: torch.Tensor,
-              temp: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """This shard's log-sum-exp of ``policy / T`` (and of ``ref / T``), float32 ``[N]``.
+              temp: torch.Tensor, entropy: bool = False
+              ) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """This shard's log-sum-exp of ``policy / T`` (and of ``ref / T``), float32 ``[N]``, and
+    with ``entropy`` the mean ``mu`` of ``policy / T`` under the shard's softmax (else None).
 
     ``policy``/``ref``: ``[N, V_local]``, detached, any strides; ``temp`` from
     :func:`kernel_temperature`. Inactive rows are 0 and none of their logits is read.
     """
-    lse, ref_lse = SHARD_STATS(policy, ref, mask, temp)
-    return lse, None if ref is None else ref_lse
+    lse, ref_lse, mu = SHARD_STATS(policy, ref, mask, temp, entropy)
+    return lse, None if ref is None else ref_lse, mu if entropy else None
 
 
 def shard_grad(logits: torch.Tensor, local_ids: torch.Tensor, mask: torch.Tensor,
-               temp: torch.Tensor, lse: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
-    """This shard's ``coef * (onehot(local_ids) - exp(z - lse)) / T``, ``[N, V_local]``.
+               temp: torch.Tensor, lse: torch.Tensor, coef: torch.Tensor,
+               g_ent: Optional[torch.Tensor] = None,
+               ent: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """This shard's ``(coef * (onehot(local_ids) - p) - g_ent * p * (log p + ent)) / T``,
+    ``[N, V_local]``, ``p = exp(z - lse)``.
 
-    ``lse`` is the global log-sum-exp (float32 ``[N]``); ``local_ids`` are
-    ``a - vocab_start`` (no one-hot where outside ``[0, V_local)``); ``coef``
-    float32 ``[N]``. Row-major, in the logits' dtype, exact 0 on inactive rows.
+    ``lse`` and ``ent`` (the entropy) are the global row values (float32 ``[N]``);
+    ``local_ids`` are ``a - vocab_start`` (no one-hot where outside ``[0, V_local)``);
+    ``coef`` and ``g_ent`` (None: no entropy term) float32 ``[N]``. Row-major, in the
+    logits' dtype, exact 0 on inactive rows.
     """
-    return BACKWARD(logits, local_ids, mask, temp, lse, coef, None, lse, None, lse)
+    if g_ent is None:
+        return BACKWARD(logits, local_ids, mask, temp, lse, coef, None, lse, None, lse)
+    return BACKWARD(logits, local_ids, mask, temp, lse, coef, None, lse, g_ent, ent, True)

@@ -13,13 +13,18 @@ ranks combine them with two ``[N]``-sized all-reduces per call, fused over
 the policy and the reference logits::
 
     MAX all-reduce of (m_policy, m_ref, one-hot shard sizes)   -> M, every V_r
-    SUM all-reduce of (s_r * exp(m_r - shift(M)), z_a on the owning rank, 0 elsewhere)
-    lse = shift(M) + log(S),   logp = z_a - lse
+    SUM all-reduce of (w_r = s_r * exp(m_r - shift(M)), z_a on the owning rank, 0 elsewhere
+                       [, w_r * (mu_r - shift(M))])
+    lse = shift(M) + log(S),   logp = z_a - lse   [, H = log(S) - sum_r w_r (mu_r - shift) / S]
 
 (the MAX of a one-hot of the sizes is their all-gather, so uneven shards cost
-nothing extra). The outputs are then bitwise identical on every rank. The
+nothing extra). The entropy (``logprobs_entropy``: ``policy_loss``'s ``entropy_mean``
+and ``entropy_coef``) adds one ``[N]`` term to the SUM: ``mu_r``, the mean of ``z``
+under the shard's own softmax, weighted as its ``s_r`` is, gives ``E_p[z]`` and
+``H = lse - E_p[z]``. The outputs are then bitwise identical on every rank. The
 backward needs no collective: each rank writes its slice of
-``g * (onehot(a) - exp(z - lse)) / T``, the one-hot only on the owning rank.
+``(g * (onehot(a) - p) - g_H * p * (log p + H)) / T`` with the global ``lse`` and
+``H``, the one-hot only on the owning rank.
 The collectives are plain ``torch.distributed.all_reduce`` calls on detached
 tensors, never a differentiable all-reduce (whose backward all-reduce would
 multiply the replicated loss's gradient by the group size).
@@ -108,22 +113,34 @@ def backend(group: dist.ProcessGroup, lead: Tuple[int, ...], kernels: bool,
             "torch.distributed.init_process_group first"
         )
     parallel = VocabParallel(group, lead, kernels, check_ids)
-    return Backend(parallel.selected_logprobs, parallel.ratio_kl)
+    return Backend(parallel.selected_logprobs, parallel.ratio_kl, parallel.logprobs_entropy)
 
 
-def _shard_stats(
-    logits: torch.Tensor, mask: torch.Tensor, temperature: Temperature
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """This shard's row max ``m`` and ``s = sum exp(z - shift(m))``, float32 ``[N]`` each."""
+#: One shard tensor's statistics: row max ``m``, ``s = sum exp(z - shift(m))`` and, for the
+#: policy's entropy, ``mu`` (the mean ``z`` under the shard's softmax; else None).
+_Stats = Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]
+
+
+def _shard_stats(logits: torch.Tensor, mask: torch.Tensor, temperature: Temperature,
+                 entropy: bool) -> _Stats:
+    """This shard's ``(m, s, mu)``, float32 ``[N]`` each (``mu`` with ``entropy``; 0 on a
+    row of no mass)."""
     n_rows, vocab = logits.shape
     m = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
     s = torch.empty_like(m)
+    mu = torch.empty_like(m) if entropy else None
     for rows in _native.row_chunks(n_rows, vocab, logits.device):
         t = temperature[rows] if isinstance(temperature, torch.Tensor) else temperature
         z = _native.scaled_logits(logits[rows], mask[rows], t)
         m[rows] = z.amax(dim=1)
-        s[rows] = (z - _native.finite_shift(m[rows])[:, None]).exp_().sum(dim=1)
-    return m, s
+        shift = _native.finite_shift(m[rows])[:, None]
+        e = (z - shift).exp_()
+        s[rows] = e.sum(dim=1)
+        if entropy:  # E[z] = shift + sum e (z - shift) / s; a -inf logit (e = 0) adds 0
+            h = torch.where(e > 0.0, e * (z - shift), torch.zeros_like(e)).sum(dim=1)
+            mu[rows] = torch.where(s[rows] > 0.0, shift[:, 0] + h / s[rows],
+                                   torch.zeros_like(h))
+    return m, s, mu
 
 
 def _selected(
@@ -138,73 +155,95 @@ def _selected(
     return x / temperature
 
 
-def _stats(
-    shards: Sequence[torch.Tensor], mask: torch.Tensor, temperature: Temperature, kernels: bool
-) -> List[Tuple[torch.Tensor, torch.Tensor]]:
-    """``(m, s)`` float32 ``[N]`` per shard tensor (policy, then ref if given).
+def _stats(shards: Sequence[torch.Tensor], mask: torch.Tensor, temperature: Temperature,
+           kernels: bool, entropy: bool) -> List[_Stats]:
+    """``(m, s, mu)`` float32 ``[N]`` per shard tensor (policy, then ref if given; ``mu``
+    for the policy with ``entropy``, else None).
 
     Native: the row max and shifted sum. Kernels: the shard's log-sum-exp
     ``lse_r`` as ``(lse_r, 1)`` (one pass over policy and ref together), which
     the combine turns into the same ``M`` shift and ``S`` sum.
     """
     if not kernels:
-        return [_shard_stats(x, mask, temperature) for x in shards]
+        return [_shard_stats(x, mask, temperature, entropy and k == 0)
+                for k, x in enumerate(shards)]
     from ratiokl.torch import _triton  # imports triton: only when a kernel backend runs
 
     temp = _triton.kernel_temperature(temperature, shards[0].device)
-    lse, ref_lse = _triton.shard_lse(shards[0], shards[1] if len(shards) > 1 else None,
-                                     mask, temp)
-    return [(m, torch.ones_like(m)) for m in ([lse] if ref_lse is None else [lse, ref_lse])]
+    lse, ref_lse, mu = _triton.shard_lse(shards[0], shards[1] if len(shards) > 1 else None,
+                                         mask, temp, entropy)
+    stats = [(lse, torch.ones_like(lse), mu)]
+    return stats if ref_lse is None else stats + [(ref_lse, torch.ones_like(ref_lse), None)]
 
 
 class _AttachGrad(torch.autograd.Function):
-    """``logp = z_a - lse`` (0 on inactive rows) with this shard's analytic backward.
+    """``logp = z_a - lse`` (0 on inactive rows), and the entropy ``H`` when given, with this
+    shard's analytic backward.
 
-    ``kernels``: the backward runs ``logp_backward_kernel`` (``"triton"`` /
+    ``ent``: the row's global entropy (float32 ``[N]``), or None (then ``logp`` alone is
+    returned). ``kernels``: the backward runs ``logp_backward_kernel`` (``"triton"`` /
     ``"interpret"`` backends) instead of the native math.
     """
 
     @staticmethod
-    def forward(ctx, logits, z_sel, lse, local_ids, owned, mask, temperature, kernels):
+    def forward(ctx, logits, z_sel, lse, ent, local_ids, owned, mask, temperature, kernels):
         ctx.kernels = kernels
-        if isinstance(temperature, torch.Tensor):
-            ctx.save_for_backward(logits, lse, local_ids, owned, mask, temperature)
-        else:
-            ctx.save_for_backward(logits, lse, local_ids, owned, mask)
-            ctx.temperature = temperature
-        return torch.where(mask, z_sel - lse, torch.zeros_like(lse))
+        ctx.temperature = None if isinstance(temperature, torch.Tensor) else temperature
+        saved = (logits, lse, local_ids, owned, mask)
+        saved += (lse if ent is None else ent,)  # a placeholder without the entropy
+        ctx.save_for_backward(*saved, *([temperature] if ctx.temperature is None else []))
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None
+        zero = torch.zeros_like(lse)
+        logp = torch.where(mask, z_sel - lse, zero)
+        return logp if ent is None else (logp, torch.where(mask, ent, zero))
 
     @staticmethod
-    def backward(ctx, grad_logp):
+    def backward(ctx, grad_logp, grad_ent=None):
         saved = ctx.saved_tensors
-        logits, lse, local_ids, owned, mask = saved[:5]
-        temperature = saved[5] if len(saved) == 6 else ctx.temperature
+        logits, lse, local_ids, owned, mask, ent = saved[:6]
+        temperature = saved[6] if ctx.temperature is None else ctx.temperature
+        zero = torch.zeros_like(lse)
+        # Selected, never multiplied: a NaN upstream value on an inactive row stays out.
+        g_logp = zero if grad_logp is None else torch.where(mask, grad_logp, zero).float()
+        g_ent = None if grad_ent is None else torch.where(mask, grad_ent, zero).float()
         if ctx.kernels:
             from ratiokl.torch import _triton
 
             grad = _triton.shard_grad(
                 logits, torch.where(owned, local_ids, -1), mask,
-                _triton.kernel_temperature(temperature, logits.device), lse,
-                torch.where(mask, grad_logp, torch.zeros_like(grad_logp)).float(),
+                _triton.kernel_temperature(temperature, logits.device), lse, g_logp,
+                g_ent, ent,
             )
         else:
-            grad = _shard_grad(logits, lse, local_ids, owned, mask, temperature, grad_logp)
-        return grad, None, None, None, None, None, None, None
+            grad = _shard_grad(logits, lse, local_ids, owned, mask, temperature, g_logp,
+                               g_ent, ent)
+        return grad, None, None, None, None, None, None, None, None
 
 
-def _shard_grad(logits, lse, local_ids, owned, mask, temperature, grad_logp) -> torch.Tensor:
-    """This shard's slice of ``g * (onehot(a) - softmax(z)) / T`` in the logits' dtype."""
+def _shard_grad(logits, lse, local_ids, owned, mask, temperature, g_logp, g_ent,
+                ent) -> torch.Tensor:
+    """This shard's slice of ``(g * (onehot(a) - p) - g_ent * p * (log p + H)) / T`` in the
+    logits' dtype, ``p = softmax(z)`` (``g_ent`` None: no entropy term)."""
     n_rows, vocab = logits.shape
     grad = torch.empty((n_rows, vocab), dtype=logits.dtype, device=logits.device)
-    coef = torch.where(mask, grad_logp, torch.zeros_like(grad_logp)) / temperature
+    coef = g_logp / temperature
+    c_ent = None if g_ent is None else g_ent / temperature
     for rows in _native.row_chunks(n_rows, vocab, logits.device):
         t = temperature[rows] if isinstance(temperature, torch.Tensor) else temperature
-        d = (_native.scaled_logits(logits[rows], mask[rows], t) - lse[rows, None]).exp_().neg_()
+        z = _native.scaled_logits(logits[rows], mask[rows], t)
+        if c_ent is None:
+            d = (z - lse[rows, None]).exp_().neg_()
+        else:
+            p, p_log_p = _native.entropy_terms(z, lse[rows])
+            entropy_term = (p_log_p + p * ent[rows, None]).mul_(c_ent[rows, None])
+            d = p.neg_()
         # +1 at the action, on the owning shard only (others write their column back).
         col = d.gather(1, local_ids[rows, None])
         d.scatter_(1, local_ids[rows, None], torch.where(owned[rows, None], col + 1.0, col))
-        d.mul_(coef[rows, None]).masked_fill_(~mask[rows, None], 0.0)
-        grad[rows] = d
+        d.mul_(coef[rows, None])
+        if c_ent is not None:
+            d.sub_(entropy_term)
+        grad[rows] = d.masked_fill_(~mask[rows, None], 0.0)
     return grad
 
 
@@ -237,6 +276,18 @@ class VocabParallel:
         """Float32 ``logp[N]`` of this rank's shard ``logits[N, V_r]``; same on every rank."""
         return self.logprobs(logits, None, ids, mask, temperature)[0]
 
+    def logprobs_entropy(
+        self,
+        logits: torch.Tensor,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        temperature: Temperature,
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Float32 ``(logp[N], entropy[N])`` of this rank's shard; same on every rank, both
+        differentiable w.r.t. the shard (one more ``[N]`` term in the SUM all-reduce)."""
+        logp, _, ent = self.logprobs(logits, None, ids, mask, temperature, entropy=True)
+        return logp, ent
+
     def ratio_kl(
         self,
         policy: torch.Tensor,
@@ -249,7 +300,7 @@ class VocabParallel:
         temperature: Temperature,
     ) -> Tuple[torch.Tensor, torch.Tensor]:
         """Float32 ``(ratio[N], kl[N])``; differentiable w.r.t. this rank's ``policy`` shard."""
-        logp, logp_ref = self.logprobs(policy, ref, ids, mask, temperature)
+        logp, logp_ref, _ = self.logprobs(policy, ref, ids, mask, temperature)
         if logp_ref is None:
             logp_ref = ref_logps
         return _objective.token_ratio_kl(logp, logp_ref.detach(), old_logps.detach(), mask,
@@ -262,11 +313,13 @@ class VocabParallel:
         ids: torch.Tensor,
         mask: torch.Tensor,
         temperature: Temperature,
-    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """``(logp, logp_ref)`` float32 ``[N]`` from shards ``[N, V_r]`` (``ref`` may be None).
+        entropy: bool = False,
+    ) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """``(logp, logp_ref, entropy)`` float32 ``[N]`` from shards ``[N, V_r]``.
 
-        ``logp`` is differentiable w.r.t. ``policy``; ``logp_ref`` (None when
-        ``ref`` is None) is detached. One MAX and one SUM all-reduce in all.
+        ``logp`` (and, with ``entropy``, the policy's entropy; else None) is
+        differentiable w.r.t. ``policy``; ``logp_ref`` (None when ``ref`` is None) is
+        detached. One MAX and one SUM all-reduce in all.
         """
         if self.check_ids:  # before any other collective (the empty case too)
             self._agree(1 if ref is None else 2, policy.shape[1], ids, mask)
@@ -277,34 +330,40 @@ class VocabParallel:
         if mask.numel() == 0:
             empty = torch.zeros(0, dtype=torch.float32, device=policy.device)
             local = torch.zeros(0, dtype=torch.long, device=policy.device)
-            logp = _AttachGrad.apply(policy, empty, empty, local, mask, mask, temperature, kernels)
-            return logp, None if ref is None else empty
+            out = _AttachGrad.apply(policy, empty, empty, empty if entropy else None, local,
+                                    mask, mask, temperature, kernels)
+            logp, ent = out if entropy else (out, None)
+            return logp, None if ref is None else empty, ent
         with torch.no_grad():
-            stats = _stats(shards, mask, temperature, kernels)
-            z_sel, lse, local_ids, owned = self._combine(shards, stats, ids, mask, temperature)
-        logp = _AttachGrad.apply(
-            policy, z_sel[0], lse[0], local_ids, owned, mask, temperature, kernels
+            stats = _stats(shards, mask, temperature, kernels, entropy)
+            z_sel, lse, ent, local_ids, owned = self._combine(shards, stats, ids, mask,
+                                                              temperature)
+        out = _AttachGrad.apply(
+            policy, z_sel[0], lse[0], ent, local_ids, owned, mask, temperature, kernels
         )
+        logp, ent = out if entropy else (out, None)
         if ref is None:
-            return logp, None
-        return logp, torch.where(mask, z_sel[1] - lse[1], torch.zeros_like(lse[1]))
+            return logp, None, ent
+        return logp, torch.where(mask, z_sel[1] - lse[1], torch.zeros_like(lse[1])), ent
 
     def _combine(
         self,
         shards: Sequence[torch.Tensor],
-        stats: Sequence[Tuple[torch.Tensor, torch.Tensor]],
+        stats: Sequence[_Stats],
         ids: torch.Tensor,
         mask: torch.Tensor,
         temperature: Temperature,
-    ) -> Tuple[List[torch.Tensor], List[torch.Tensor], torch.Tensor, torch.Tensor]:
-        """Global ``z_a`` and ``lse`` per shard tensor, plus local ids and ownership ``[N]``.
+    ) -> Tuple[List[torch.Tensor], List[torch.Tensor], Optional[torch.Tensor], torch.Tensor,
+               torch.Tensor]:
+        """Global ``z_a`` and ``lse`` per shard tensor, the policy's entropy (None without
+        its ``mu``), plus local ids and ownership ``[N]``.
 
-        ``stats`` holds each shard tensor's ``(m, s)`` from :func:`_stats`.
+        ``stats`` holds each shard tensor's ``(m, s, mu)`` from :func:`_stats`.
         """
         n_rows, local_vocab = shards[0].shape
         sizes = torch.zeros(self.world, dtype=torch.float64, device=ids.device)
         sizes[self.rank] = local_vocab
-        maxima = torch.cat([m.double() for m, _ in stats] + [sizes])
+        maxima = torch.cat([m.double() for m, _, _ in stats] + [sizes])
         dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=self.group)
         sizes = maxima[len(shards) * n_rows :].long()
         start, vocab = sizes[: self.rank].sum(), sizes.sum()
@@ -314,15 +373,21 @@ class VocabParallel:
         local_ids = torch.where(owned, local, torch.zeros_like(local))
         shift = _native.finite_shift(maxima[: len(shards) * n_rows].float()).reshape(len(shards), n_rows)
         sums = []
-        for k, (x, (m, s)) in enumerate(zip(shards, stats)):
+        for k, (x, (m, s, _)) in enumerate(zip(shards, stats)):
             sums.append(s * torch.exp(m - shift[k]))
             sums.append(_selected(x, local_ids, owned, temperature))
+        mu = stats[0][2]
+        if mu is not None:  # the entropy's term: E_p[z] - shift = sum_r w_r (mu_r - shift) / S
+            sums.append(sums[0] * (mu - shift[0]))
         sums = torch.stack(sums)
         dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=self.group)
         nan = torch.full_like(shift[0], float("nan"))
         # log(S) after the max shift; an out-of-range active id poisons its row (unchecked calls).
         lse = [torch.where(bad, nan, shift[k] + torch.log(sums[2 * k])) for k in range(len(shards))]
-        return [sums[2 * k + 1] for k in range(len(shards))], lse, local_ids, owned
+        ent = None
+        if mu is not None:  # H = lse - E_p[z] = log(S) - (E_p[z] - shift)
+            ent = torch.where(bad, nan, torch.log(sums[0]) - sums[-1] / sums[0])
+        return [sums[2 * k + 1] for k in range(len(shards))], lse, ent, local_ids, owned
 
     def _agree(self, n_shards: int, local_vocab: int, ids: torch.Tensor,
                mask: torch.Tensor) -> None:
