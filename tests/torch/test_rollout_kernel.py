@@ -29,7 +29,7 @@ MODES = [(None, (0.0, 2.0)), ("token-truncate", (0.0, 1.3)), ("token-mask", (0.7
          ("token-mask", (0.8, math.inf)), ("sequence-truncate", (0.0, 1.1)),
          ("sequence-mask", (0.5, 1.6))]
 #: The native backend's table entry: no one-launch weights, so the framework ops.
-NATIVE = Backend(selected_logprobs=None, ratio_kl=None)
+NATIVE = Backend(selected_logprobs=None, ratio_kl=None, logprobs_entropy=None)
 
 
 def _inputs(shape, density, seed):
@@ -62,7 +62,7 @@ def test_one_launch_matches_spec_and_framework_ops(shape, density, correction, b
                                   None)
     t_mask, t_rollout = torch.tensor(mask), torch.tensor(rollout, dtype=torch.float32)
     args = (t_mask.reshape(-1), shape, inputs, t_rollout, correction, bounds, bound)
-    triton_backend = Backend(None, None, rollout_weights=_triton.rollout_weights)
+    triton_backend = Backend(None, None, None, rollout_weights=_triton.rollout_weights)
     kernel_inputs, kernel_metrics = _rollout.correct(triton_backend, *args)
     ops_inputs, ops_metrics = _rollout.correct(NATIVE, *args)
     opts = spec.rollout_options(correction, bounds, True)
@@ -92,7 +92,7 @@ def test_an_active_nan_stays_nan_in_the_kernel() -> None:
     rollout[1, 2] = np.nan
     inputs = _checks.token_inputs((2, 6), torch.tensor(old, dtype=torch.float32),
                                   torch.zeros(2, 6), None, None, None)
-    triton_backend = Backend(None, None, rollout_weights=_triton.rollout_weights)
+    triton_backend = Backend(None, None, None, rollout_weights=_triton.rollout_weights)
     for correction, nan_rows in (("token-mask", [(1, 2)]), ("sequence-truncate",
                                                             [(1, c) for c in range(6)])):
         got, metrics = _rollout.correct(triton_backend, torch.tensor(mask).reshape(-1), (2, 6),

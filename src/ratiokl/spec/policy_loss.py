@@ -284,10 +284,10 @@ def _policy_terms(logp, logp_ref, old_logps, advantages, mask, entropy, *, loss_
             "ratio_mean": mean(r),
             "kl_mean": mean(kl),
             "approx_kl": mean(old - logp),
-            **rollout_metrics,
         }
         if ent is not None:
             metrics["entropy_mean"] = mean(ent)
+        metrics.update(rollout_metrics)  # the bindings' order: the rollout's last
         return float(per_token.sum() / denom), grad, dent, metrics
 
 
