@@ -16,6 +16,8 @@ interpreter is slow.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -524,3 +526,34 @@ def test_jax_inplace_grad_aliases_the_logits_and_matches(monkeypatch):
     assert aliases == [None, {0: 6}]  # the gradient: after the six per-row outputs
     assert float(got[0]) == float(want[0])
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+
+
+@pytest.mark.parametrize("lead", [(3, 5), (2, 2, 4)], ids=["rows", "two_leading_axes"])
+def test_per_sequence_advantages_reach_the_kernel_as_given(lead, monkeypatch):
+    """Advantages given per sequence are read as ``adv[row // T]`` (no ``[N]`` copy): the
+    same bits as the same values given per token, gradient included."""
+    g = torch.Generator().manual_seed(7)
+    vocab = 37
+    logits = torch.randn(*lead, vocab, generator=g)
+    ids = torch.randint(0, vocab, lead, generator=g)
+    mask = torch.rand(lead, generator=g) < 0.8
+    old = -torch.rand(lead, generator=g) * 4
+    per_sequence = torch.randn(lead[:-1], generator=g)
+    seen = []
+    launch = _launch.POLICY_LOSS.run
+    monkeypatch.setattr(_launch.POLICY_LOSS, "run",
+                        lambda binding, *args: seen.append(args[7:9]) or launch(binding, *args))
+
+    def call(advantages):
+        x = logits.clone().requires_grad_()
+        value, metrics = loss.policy_loss(x, None, ids, mask, old, advantages,
+                                          backend="interpret", clip_eps=0.1)
+        return [value, *metrics.values(), torch.autograd.grad(value, x)[0]]
+
+    given = call(per_sequence)
+    expanded = call(per_sequence[..., None].expand(lead).contiguous())
+    for a, b in zip(given, expanded):
+        assert torch.equal(a, b)
+    (adv, rows), (adv_tokens, one) = seen
+    assert rows == lead[-1] and adv.shape == (math.prod(lead[:-1]),)
+    assert one == 1 and adv_tokens.shape == (math.prod(lead),)

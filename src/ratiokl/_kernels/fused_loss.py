@@ -238,7 +238,7 @@ def policy_loss_kernel(
     old_ptr,  # [N] f32 behaviour-policy log-probs
     ref_logps_ptr,  # [N] f32 reference log-probs; read iff KL_CODE > 0 and not HAS_REF
     temp_ptr,  # [N] f32 temperature at temp_ptr + i * stride_t (stride_t = 0: one scalar)
-    adv_ptr,  # [N] f32 advantages
+    adv_ptr,  # [N // adv_rows] f32 advantages: row i reads adv[i // adv_rows]
     iw_ptr,  # [N] f32 importance weights; read iff HAS_IW
     w_ptr,  # [N] f32 aggregation weight a_t / D (0 on inactive rows)
     coef_ptr,  # [5] f32 (kl_coef, 1 - clip_eps, min(1 + clip_eps_high, ratio_cap), neg_cap,
@@ -263,6 +263,7 @@ def policy_loss_kernel(
     stride_rn,
     stride_rv,
     stride_t,
+    adv_rows,  # rows per advantage: 1, or T (one per sequence of T rows: no copy)
     # compile-time options (fixed for a run)
     HAS_REF: tl.constexpr,  # reference logits given (else ref_logps, or no reference)
     HAS_IW: tl.constexpr,  # importance weights given
@@ -315,7 +316,7 @@ def policy_loss_kernel(
         if not HAS_REF:
             logp_ref = tl.load(ref_logps_ptr + row)
     old = tl.load(old_ptr + row)
-    adv = tl.load(adv_ptr + row)
+    adv = tl.load(adv_ptr + row // adv_rows)
     iw = 1.0
     if HAS_IW:
         iw = tl.load(iw_ptr + row)

@@ -224,7 +224,7 @@ def _fused_call(static: Static, write_grad: bool, inplace: bool, policy, ref, id
         zeroed_outputs=(counters_out,) if n_counters else (),
         grid=(plan.programs(n_rows),), num_warps=plan.config.num_warps,
         N=n_rows, V=vocab, stride_pn=vocab, stride_pv=1, stride_rn=vocab, stride_rv=1,
-        stride_t=0 if temp.shape[0] == 1 else 1,
+        stride_t=0 if temp.shape[0] == 1 else 1, adv_rows=1,
         HAS_REF=has_ref, HAS_IW=has_iw, KL_CODE=kl_code, HAS_NEG_CAP=has_neg_cap, BOUND=bound,
         OBJECTIVE=objective, ENTROPY_GRAD=entropy_grad, WRITE_GRAD=write_grad,
         SPLITS=plan.spans.splits, TILES_PER_SPLIT=plan.spans.tiles_per_split,

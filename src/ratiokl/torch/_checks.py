@@ -23,6 +23,7 @@ __all__ = [
     "Normalizer",
     "TokenInputs",
     "as_rows",
+    "kernel_advantages",
     "token_inputs",
     "check_active_ids",
     "check_logits",
@@ -276,6 +277,19 @@ def _check_advantages(advantages: object, lead: Tuple[int, ...]) -> torch.Tensor
     if shape != lead:
         adv = adv.reshape(lead[:-1] + (1,)).expand(lead)
     return as_rows(adv, lead)
+
+
+def kernel_advantages(advantages: torch.Tensor) -> Tuple[torch.Tensor, int]:
+    """``(adv, adv_rows)`` as the fused kernel reads them from ``TokenInputs.advantages``
+    ``[R, T]``: one value per sequence ``[R]`` with ``adv_rows = T`` where they were given
+    per sequence (a stride-0 view over the tokens), else ``[N]`` with ``adv_rows = 1``.
+
+    Per-sequence advantages are thus never expanded into an ``[N]`` copy (on the H200 that
+    copy was the costliest host step of a ``policy_loss`` call).
+    """
+    if advantages.shape[-1] > 1 and advantages.stride(-1) == 0:
+        return advantages[:, 0].contiguous(), advantages.shape[-1]
+    return advantages.reshape(-1).contiguous(), 1
 
 
 def _check_normalizer(value: object) -> Normalizer:

@@ -406,13 +406,15 @@ TOKEN_WEIGHTS = KernelOp(token_weights, fake=lambda mask, *_: mask.new_empty(
 
 def fused_policy_loss(
     kernels: Callable, policy: Tensor, ref: Optional[Tensor], ids: Tensor, mask: Tensor,
-    old: Tensor, ref_logps: Optional[Tensor], temp: Tensor, adv: Tensor, iw: Optional[Tensor],
-    w: Tensor, coefs: Tensor, write_grad: bool, kl_code: int, has_neg_cap: bool, bound: float,
+    old: Tensor, ref_logps: Optional[Tensor], temp: Tensor, adv: Tensor, adv_rows: int,
+    iw: Optional[Tensor], w: Tensor, coefs: Tensor, write_grad: bool, kl_code: int, has_neg_cap: bool, bound: float,
     objective: int, entropy_grad: bool, *, grad_out: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """``(loss, metrics, grad)``: float32 ``[]``, float32 ``[8]`` (``METRIC_NAMES``), and
     ``d loss / d policy`` ``[N, V]`` in the logits' dtype (``[0, V]`` without ``write_grad``).
 
+    ``adv``: float32 ``[N // adv_rows]``, one advantage per ``adv_rows`` rows (1: per
+    token; ``T``: per sequence of ``T`` rows, as given, never expanded to ``[N]``).
     Two launches: ``policy_loss_kernel`` (per-row values and, with
     ``write_grad``, the gradient of ``sum_t w_t loss_t``) and
     ``policy_metrics_kernel`` (the loss and the metrics). ``coefs``: float32
@@ -455,7 +457,7 @@ def fused_policy_loss(
         w if iw is None else iw, w, coefs,
         loss_rows, logp, ratio, kl, ent, bits, grad_out, parts, counts,
         n_rows, vocab, policy.stride(0), policy.stride(1), ref_t.stride(0), ref_t.stride(1),
-        _stride(temp),
+        _stride(temp), adv_rows,
         HAS_REF=has_ref, HAS_IW=iw is not None, KL_CODE=kl_code, HAS_NEG_CAP=has_neg_cap,
         BOUND=bound, OBJECTIVE=objective, ENTROPY_GRAD=entropy_grad, WRITE_GRAD=write_grad,
         SPLITS=plan.spans.splits,
@@ -502,8 +504,8 @@ def _fused_backward(ctx, g_loss, *_unused):
     return (grad,) + (None,) * (_FUSED_INPUTS - 1)
 
 
-def _fused_fake(policy, ref, ids, mask, old, ref_logps, temp, adv, iw, w, coefs, write_grad,
-                *_):
+def _fused_fake(policy, ref, ids, mask, old, ref_logps, temp, adv, adv_rows, iw, w, coefs,
+                write_grad, *_):
     grad = policy.new_empty((policy.shape[0] if write_grad else 0, policy.shape[1]))
     return (policy.new_empty((), dtype=torch.float32),
             policy.new_empty(len(METRIC_NAMES), dtype=torch.float32), grad)

@@ -289,10 +289,11 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
             weights = _objective.aggregation_weights(mask_rows, inputs, opts).reshape(-1)
         if inplace_grad:  # the launch consumes the logits: check before it
             rows.checked(None)
+        adv, adv_rows = _checks.kernel_advantages(inputs.advantages)
         return rows.checked(_rollout.with_metrics(run.policy_loss(
             rows.logits, ref, rows.ids, rows.mask, _flat(inputs.old_logps), _flat(ref_logps),
-            _flat(inputs.advantages), _flat(inputs.importance_weights), weights,
-            rows.temperature, opts, inplace_grad,
+            adv, _flat(inputs.importance_weights), weights, rows.temperature, opts,
+            inplace_grad, adv_rows=adv_rows,
         ), rollout_metrics))
     if inplace_grad and not torch.compiler.is_compiling():  # documented: ignored there
         warn_inplace_ignored(opts.sequence_ratio)

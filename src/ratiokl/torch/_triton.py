@@ -190,13 +190,15 @@ class _InplaceLoss(torch.autograd.Function):
 def policy_loss(policy: torch.Tensor, ref: Optional[torch.Tensor], ids: torch.Tensor,
                 mask: torch.Tensor, old: torch.Tensor, ref_logps: Optional[torch.Tensor],
                 adv: torch.Tensor, iw: Optional[torch.Tensor], weights: torch.Tensor,
-                temperature: Temperature, opts: PolicyLossOptions,
-                inplace_grad: bool) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+                temperature: Temperature, opts: PolicyLossOptions, inplace_grad: bool, *,
+                adv_rows: int = 1) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """The fused ``(loss, metrics)`` of flattened rows: one kernel for the loss, the
     metrics' row values and the policy-logit gradient, one for the means.
 
-    ``old``, ``adv``, ``iw`` (or None), ``ref_logps`` (or None) and the
-    aggregation ``weights`` are float32 ``[N]``, detached. The gradient is
+    ``old``, ``iw`` (or None), ``ref_logps`` (or None) and the aggregation
+    ``weights`` are float32 ``[N]``, detached; ``adv`` float32 ``[N // adv_rows]``
+    (one advantage per ``adv_rows`` rows: per-sequence advantages reach the kernel as
+    given). The gradient is
     computed in the forward only when one is wanted (grad mode on, the logits
     require it); ``inplace_grad`` then writes it into ``policy``'s buffer
     (eager; ignored while compiling, where the compiler plans buffers).
@@ -204,7 +206,7 @@ def policy_loss(policy: torch.Tensor, ref: Optional[torch.Tensor], ids: torch.Te
     has_ref = ref is not None or ref_logps is not None
     write_grad = torch.is_grad_enabled() and policy.requires_grad
     args = (ref, ids, mask, old, ref_logps, kernel_temperature(temperature, policy.device),
-            adv, iw, weights, kernel_coefficients(opts, policy.device), write_grad,
+            adv, adv_rows, iw, weights, kernel_coefficients(opts, policy.device), write_grad,
             opts.kl_code if has_ref else 0, opts.neg_cap is not None,
             opts.log_ratio_bound or 0.0, opts.objective_code, opts.uses_entropy)
     if inplace_grad and write_grad and binding_for(policy.device) != "compiled":
