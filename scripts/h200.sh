@@ -1,9 +1,16 @@
 #!/usr/bin/env bash
-# GPU evidence in one go, for the H200 image (torch, triton, jax with CUDA; jax-triton
-# carried as a wheel in .whl/ when the image lacks it). Writes logs and results to
-# ${OUT:-gpu-out}: the conformance table, the GPU test log and the headline benchmark
-# (draw its plots anywhere with benchmarks/plot.py).
+# GPU evidence for the H200 image (torch, triton, jax with CUDA; jax-triton carried as a
+# wheel in .whl/ when the image lacks it), in parts that each fit one device call
+# (600 s): `bash scripts/h200.sh PART` with PART one of
+#   tests  the GPU tests but the launch-plan sweep, then the test that needs most of the
+#          GPU's memory on its own
+#   sweep  the launch-plan sweep (every plan the heuristics pick, both frameworks)
+#   check  `ratiokl check` on the four backends (the conformance table)
+#   bench  the headline benchmark (both timings, every provider) and its report
+#   all    all four in turn (longer than one call)
+# Logs and results go to ${OUT:-gpu-out} (draw plots anywhere with benchmarks/plot.py).
 set -uo pipefail
+part=${1:-all}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -13,17 +20,43 @@ else
   export PYTHONPATH=src
 fi
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
-{ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
-python3 -m ratiokl check --backend torch-native --backend torch-triton --backend jax-native \
-  --backend jax-triton --json "$out/check.json"; } 2>&1 | tee "$out/check.log"
-# The launch-plan sweep included (4 workers: at 8 the JAX sweep ran out of GPU memory);
-# tests that need most of the GPU's memory run alone after.
-{ python3 -m pytest -q -m "gpu and not whole_gpu" -n "${GPU_TEST_WORKERS:-4}" tests/gpu \
-    -p no:cacheprovider -p no:benchmark
-  python3 -m pytest -q -m "gpu and whole_gpu" tests/gpu -p no:cacheprovider -p no:benchmark; } \
-  2>&1 | tee "$out/gpu_tests.log"
-if [ "${BENCH:-1}" = 1 ]; then
-  timeout "${BENCH_TIMEOUT:-600}" python3 benchmarks/run.py --preset headline \
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv \
+  > "$out/gpu.csv" 2>&1
+pytest_gpu() {
+  python3 -m pytest -q -p no:cacheprovider -p no:benchmark "$@"
+}
+if [ "$part" = tests ] || [ "$part" = all ]; then
+  # 4 workers: at 8 the JAX sweep ran out of GPU memory on the H200.
+  { pytest_gpu -m "gpu and not whole_gpu" -n "${GPU_TEST_WORKERS:-4}" tests/gpu \
+      --ignore=tests/gpu/test_launch_plan_sweep.py
+    pytest_gpu -m "gpu and whole_gpu" tests/gpu
+    # The fused kernel's registers and spills at the headline vocabulary (the default
+    # gradient plan was 72 registers before the entropy sum joined pass 1).
+    python3 -c "
+import torch
+from ratiokl.torch.loss import policy_loss
+from ratiokl._kernels.fused_loss import policy_loss_kernel as k
+x = torch.randn(64, 151936, device='cuda', dtype=torch.bfloat16, requires_grad=True)
+ids = torch.randint(0, 151936, (64,), device='cuda')
+old = torch.zeros(64, device='cuda')
+for coef in (0.0, 0.01):
+    policy_loss(x, None, ids, None, old, old + 1, entropy_coef=coef)[0].backward()
+for d in k.device_caches.values():
+    for c in d[0].values():
+        print('policy_loss_kernel', c.n_regs, 'registers', c.n_spills, 'spills')
+"; } 2>&1 | tee "$out/gpu_tests.log"
+fi
+if [ "$part" = sweep ] || [ "$part" = all ]; then
+  pytest_gpu -m gpu -n "${GPU_TEST_WORKERS:-4}" tests/gpu/test_launch_plan_sweep.py \
+    2>&1 | tee "$out/gpu_sweep.log"
+fi
+if [ "$part" = check ] || [ "$part" = all ]; then
+  python3 -m ratiokl check --no-progress --backend torch-native --backend torch-triton \
+    --backend jax-native --backend jax-triton --json "$out/check.json" 2>&1 \
+    | tee "$out/check.log"
+fi
+if [ "$part" = bench ] || [ "$part" = all ]; then
+  timeout "${BENCH_TIMEOUT:-560}" python3 benchmarks/run.py --preset headline \
     --out "$out/h200.json" 2>&1 | tee "$out/bench.log"
   python3 benchmarks/report.py "$out/h200.json" --markdown > "$out/report.md" 2>&1
 fi
