@@ -18,72 +18,9 @@ import jax.numpy as jnp  # noqa: E402
 
 from ratiokl import spec  # noqa: E402
 from ratiokl.jax import loss  # noqa: E402
+from policy_test_cases import LOSS_TOL, OPTIONS, PACKED, B, T, V, make_inputs  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
-
-B, T, V = 3, 7, 19
-#: The loss sums up to B*T float32 terms: a few float32 ulps of the largest.
-LOSS_TOL = spec.Tolerance(rtol=2e-5, atol=2e-6)
-
-#: name -> policy_loss options; each pins one behaviour down.
-OPTIONS = {
-    "ppo_default": {},
-    "clip_higher": {"clip_eps_high": 0.28},
-    "dual_clip": {"dual_clip": 1.3},
-    "ratio_cap": {"ratio_cap": 1.2, "clip_eps": 0.1},
-    "kl_k1": {"kl_coef": 0.3, "kl_estimator": "k1"},
-    "kl_k2": {"kl_coef": 0.3, "kl_estimator": "k2"},
-    "kl_k3": {"kl_coef": 0.3, "kl_estimator": "k3"},
-    "kl_k1_straight_through": {"kl_coef": 0.3, "kl_estimator": "k1+"},
-    "kl_k3_straight_through": {"kl_coef": 0.3, "kl_estimator": "k3+"},
-    "kl_k3_ratio_weighted": {"kl_coef": 0.3, "kl_estimator": "k3-is"},
-    "agg_token_sum": {"loss_agg": "token-sum"},
-    "agg_seq_mean_token_mean": {"loss_agg": "seq-mean-token-mean"},
-    "agg_seq_mean_token_sum": {"loss_agg": "seq-mean-token-sum"},
-    "agg_seq_mean_token_sum_norm": {"loss_agg": "seq-mean-token-sum-norm"},
-    "global_normalizer": {"loss_normalizer": 37.0},
-    "gspo": {"ratio_level": "sequence", "loss_agg": "seq-mean-token-mean"},
-    "gspo_token_mean_kl": {"ratio_level": "sequence", "kl_coef": 0.2, "kl_estimator": "k3-is"},
-    "log_ratio_bound_active": {"log_ratio_bound": 0.3, "kl_coef": 0.5},
-    "no_log_ratio_bound": {"log_ratio_bound": None, "dual_clip": 3.0},
-    "temperature": {"temperature": 0.7, "kl_coef": 0.1},
-    "entropy_bonus": {"entropy_coef": 0.2, "kl_coef": 0.1},
-    "entropy_penalty_seq_mean_token_mean": {"entropy_coef": -0.1,
-                                            "loss_agg": "seq-mean-token-mean"},
-    "entropy_gspo": {"ratio_level": "sequence", "loss_agg": "seq-mean-token-mean",
-                     "entropy_coef": 0.2},
-    "entropy_cispo_temperature": {"objective": "cispo", "entropy_coef": 0.2, "temperature": 0.7},
-}
-#: Options that read packed-row segments.
-PACKED = {
-    "packed_seq_mean_token_mean": {"loss_agg": "seq-mean-token-mean"},
-    "packed_gspo": {"ratio_level": "sequence", "loss_agg": "seq-mean-token-sum"},
-}
-
-
-def make_inputs(seed=0, active=0.75, per_token_adv=False, lead=(B, T)):
-    """NumPy inputs; inactive rows hold NaN logits/old/advantages/weights and bad ids."""
-    rng = np.random.default_rng(seed)
-    logits = rng.normal(0.0, 2.0, (*lead, V))
-    mask = rng.random(lead) < active
-    ids = rng.integers(0, V, lead)
-    logp = spec.selected_logprobs(logits, ids, mask)
-    old = np.where(mask, logp + rng.normal(0.0, 0.5, lead), np.nan)
-    adv = rng.normal(0.0, 1.0, lead if per_token_adv else lead[:-1])
-    if per_token_adv:
-        adv = np.where(mask, adv, np.nan)
-    x = {
-        "policy_logits": np.where(mask[..., None], logits, np.nan),
-        "ref_logits": logits + rng.normal(0.0, 0.5, logits.shape),
-        "action_ids": np.where(mask, ids, np.where(rng.random(lead) < 0.5, -1, V + 3)),
-        "mask": mask,
-        "old_logps": old,
-        "advantages": adv,
-        "importance_weights": np.where(mask, rng.uniform(0.5, 1.5, lead), np.nan),
-        "segment_ids": np.sort(rng.integers(0, 3, lead), axis=-1),
-    }
-    return {k: np.asarray(v, np.float32) if v.dtype.kind == "f" else v for k, v in x.items()}
-
 
 POSITIONAL = ("policy_logits", "ref_logits", "action_ids", "mask", "old_logps", "advantages")
 
