@@ -16,6 +16,7 @@ from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
 __all__ = [
     "BWD",
+    "CISPO_OP",
     "CLIP_EPS",
     "Case",
     "DEVICE",
@@ -26,6 +27,7 @@ __all__ = [
     "Group",
     "KL_COEF",
     "LMHEAD",
+    "LOGP_ENTROPY_OP",
     "OPS",
     "PRESETS",
     "Preset",
@@ -48,10 +50,17 @@ OPS: Tuple[str, ...] = (
     "policy_loss",  # reference logits given
     "policy_loss_ref_logps",  # precomputed reference log-probs given
     "policy_loss_ref_logps_entropy",  # the same with the entropy bonus (ENTROPY_COEF)
+    "policy_loss_ref_logps_cispo",  # the same with objective="cispo"
+    "selected_logprobs_entropy",  # selected_logprobs(return_entropy=True)
 )
 #: The policy loss with an entropy bonus: against ``policy_loss_ref_logps`` (PERF.md's
 #: target: fwd+bwd <= 1.05x without).
 ENTROPY_OP = "policy_loss_ref_logps_entropy"
+#: The CISPO objective: against ``policy_loss_ref_logps`` (PPO; PERF.md: fwd+bwd <= 1.02x).
+CISPO_OP = "policy_loss_ref_logps_cispo"
+#: The log-probs with the entropy from the same pass: against ``selected_logprobs``
+#: (PERF.md: fwd <= 1.05x, fwd+bwd with the entropy's gradient <= 1.08x).
+LOGP_ENTROPY_OP = "selected_logprobs_entropy"
 
 #: ``policy_loss_ref_logps`` with a rollout correction (``rollout_logps`` given), by op; its
 #: target is PERF.md's policy loss with any correction <= 1.02x the same call without.
@@ -233,16 +242,16 @@ PRESETS: Dict[str, Preset] = {
     # and Liger; density 0.5 for the density target; eager and torch.compile on
     # ratio_kl only (their column in PERF.md; minutes of compilation otherwise); the
     # few-rows shapes (N = 128 and 1024, against the CUDA graph) for ratiokl and the
-    # cheap peers; the lm_head step; the policy loss with an entropy bonus and with each
-    # rollout correction (one case each, the torch Triton provider: the cost against the
-    # same call without).
+    # cheap peers; the lm_head step; the policy loss with an entropy bonus, with CISPO and
+    # with each rollout correction, and the log-probs with their entropy (one case each,
+    # the torch Triton provider: the cost against the same call without).
     "headline": Preset(
         groups=(
             Group(_grid((8192,), (151936,), (1.0,), ("bfloat16",)), _GPU),
             # The entropy bonus and the rollout correction beside the default
             # (policy_loss_ref_logps, above).
             Group(_grid((8192,), (151936,), (1.0,), ("bfloat16",)), ("ratiokl-torch-triton",),
-                  (ENTROPY_OP, *ROLLOUT_OPS)),
+                  (ENTROPY_OP, CISPO_OP, LOGP_ENTROPY_OP, *ROLLOUT_OPS)),
             Group(_grid((8192,), (151936,), (1.0,), ("bfloat16",)), _SLOW, ("ratio_kl",)),
             Group(_grid((8192,), (151936,), (0.5,), ("bfloat16",)), _DENSITY),
             Group(_grid((128, 1024), (151936,), (1.0,), ("bfloat16",)), _FAST),

@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
-from _cases import BWD, FWD, USER, Case, Timing, TorchOp, min_bytes
+from _cases import BWD, FWD, LOGP_ENTROPY_OP, USER, Case, Timing, TorchOp, min_bytes
 from _harness import (
     RECORD_FIELDS,
     cpu_ms,
@@ -45,7 +45,7 @@ __all__ = ["derive_bwd", "make_record", "measure_jax", "measure_torch"]
 def _torch_cotangents(op: str, x: Any) -> Optional[Tuple[torch.Tensor, ...]]:
     if op == "selected_logprobs":
         return (x.cot_a,)
-    if op.startswith("ratio_kl"):
+    if op.startswith("ratio_kl") or op == LOGP_ENTROPY_OP:  # two per-token outputs
         return (x.cot_a, x.cot_b)
     return None  # scalar loss: upstream gradient 1
 
@@ -55,7 +55,7 @@ def _jax_cotangents(op: str, rest: Dict[str, Any]) -> Any:
 
     if op == "selected_logprobs":
         return rest["cot_a"]
-    if op.startswith("ratio_kl"):
+    if op.startswith("ratio_kl") or op == LOGP_ENTROPY_OP:
         return (rest["cot_a"], rest["cot_b"])
     return jnp.ones((), jnp.float32)
 

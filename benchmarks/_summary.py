@@ -15,7 +15,17 @@ from __future__ import annotations
 
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from _cases import DEVICE, ENTROPY_COEF, ENTROPY_OP, LMHEAD, ROLLOUT_OPS, USER, uses_ref_logits
+from _cases import (
+    CISPO_OP,
+    DEVICE,
+    ENTROPY_COEF,
+    ENTROPY_OP,
+    LMHEAD,
+    LOGP_ENTROPY_OP,
+    ROLLOUT_OPS,
+    USER,
+    uses_ref_logits,
+)
 
 __all__ = ["LEGEND", "PEERS", "check_targets", "render", "speedups", "tables"]
 
@@ -161,6 +171,18 @@ def check_targets(records: Sequence[Dict[str, Any]],
                    _get(idx, _TT, "policy_loss_ref_logps", "fwd+bwd")), "<=", 1.02))
     if has(ENTROPY_OP):
         checks += _entropy_checks(idx)
+    if has(CISPO_OP):  # PERF.md: objective="cispo" <= 1.02x "ppo"
+        checks.append(_check(
+            f"{CISPO_OP} fwd+bwd {_TT} time / policy_loss_ref_logps fwd+bwd time "
+            "(objective='cispo')",
+            _ratio(_get(idx, _TT, CISPO_OP, "fwd+bwd"),
+                   _get(idx, _TT, "policy_loss_ref_logps", "fwd+bwd")), "<=", 1.02))
+    if has(LOGP_ENTROPY_OP):  # PERF.md: the entropy from the same pass
+        checks += [_check(
+            f"{LOGP_ENTROPY_OP} {mode} {_TT} time / selected_logprobs {mode} time "
+            "(return_entropy=True)",
+            _ratio(_get(idx, _TT, LOGP_ENTROPY_OP, mode), _get(idx, _TT, "selected_logprobs", mode)),
+            "<=", bound) for mode, bound in (("fwd", 1.05), ("fwd+bwd", 1.08))]
     if has(LMHEAD, _STEP):
         checks.append(_lmhead_check(idx))
     for op in (o for o in _OPS if has(o)):

@@ -29,11 +29,13 @@ import _liger
 import _lmhead
 from _cases import (
     CLIP_EPS,
+    CISPO_OP,
     ENTROPY_COEF,
     ENTROPY_OP,
     FWD,
     KL_COEF,
     LMHEAD,
+    LOGP_ENTROPY_OP,
     ROLLOUT_OPS,
     USER,
     TorchOp,
@@ -116,6 +118,8 @@ def ratiokl_op(loss: Any, op: str, a: Mapping[str, Any], backend: str, check_ids
     p, ids, mask, old = a["policy"], a["ids"], a["mask"], a["old_logps"]
     if op == "selected_logprobs":
         return loss.selected_logprobs(p, ids, mask, **kw), ()
+    if op == LOGP_ENTROPY_OP:  # (logp, entropy): both differentiated, like ratio_kl's pair
+        return loss.selected_logprobs(p, ids, mask, return_entropy=True, **kw), ()
     ref, ref_lp = (a["ref"], None) if uses_ref_logits(op) else (None, a["ref_logps"])
     if op.startswith("ratio_kl"):
         return loss.ratio_kl(p, ref, ids, mask, old, ref_logps=ref_lp, **kw), ()
@@ -123,6 +127,8 @@ def ratiokl_op(loss: Any, op: str, a: Mapping[str, Any], backend: str, check_ids
         kw.update(rollout_logps=a["rollout_logps"], rollout_correction=ROLLOUT_OPS[op])
     if op == ENTROPY_OP:
         kw["entropy_coef"] = ENTROPY_COEF
+    if op == CISPO_OP:
+        kw["objective"] = "cispo"
     return loss.policy_loss(
         p, ref, ids, mask, old, a["advantages"], ref_logps=ref_lp,
         clip_eps=CLIP_EPS, kl_coef=KL_COEF, inplace_grad=inplace_grad, **kw,
@@ -205,12 +211,14 @@ def eager_op(op: str, p: torch.Tensor, ref: torch.Tensor, ids: torch.Tensor,
     them and masks afterwards).
     """
     ent = None
-    if op == ENTROPY_OP:
+    if op in (ENTROPY_OP, LOGP_ENTROPY_OP):
         logp, ent = _eager_logps(p, ids, mask, entropy=True)
     else:
         logp = _eager_logps(p, ids, mask)
     if op == "selected_logprobs":
         return logp, ()
+    if op == LOGP_ENTROPY_OP:
+        return (logp, ent), ()
     if uses_ref_logits(op):
         with torch.no_grad():
             ref_lp = _eager_logps(ref, ids, mask)
@@ -221,7 +229,10 @@ def eager_op(op: str, p: torch.Tensor, ref: torch.Tensor, ids: torch.Tensor,
         return (ratio, kl), ()
     a = adv.unsqueeze(-1)
     clipped = torch.clamp(ratio, 1.0 - CLIP_EPS, 1.0 + CLIP_EPS)
-    per_token = torch.maximum(-a * ratio, -a * clipped) + KL_COEF * kl
+    if op == CISPO_OP:  # the clipped ratio, detached, weighs the log-prob
+        per_token = -clipped.detach() * a * logp + KL_COEF * kl
+    else:
+        per_token = torch.maximum(-a * ratio, -a * clipped) + KL_COEF * kl
     if ent is not None:
         per_token = per_token - ENTROPY_COEF * ent
     active = mask.float()
@@ -247,8 +258,10 @@ def _eager(compile_it: bool) -> Callable[[str, Any, Optional[bool]], TorchOp]:
 
 
 def _liger_unsupported(op: str, mode: str) -> Optional[str]:
-    if op == ENTROPY_OP:
+    if op in (ENTROPY_OP, LOGP_ENTROPY_OP):
         return "Liger's GRPO loss has no entropy bonus"
+    if op == CISPO_OP:
+        return "Liger's GRPO loss has no CISPO objective"
     if op.startswith("policy_loss") or op == LMHEAD or mode == FWD:
         return None
     return "Liger has no differentiable equivalent (forward-only comparison)"

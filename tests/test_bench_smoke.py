@@ -259,3 +259,28 @@ def test_entropy_bonus_target_against_the_same_call_without():
     without = {c["target"] for c in check_targets(recs[:1] + recs[2:3])}
     assert not any("entropy" in t for t in without)  # no entropy records: no entropy target
     assert "policy_loss_ref_logps_entropy" in PRESETS["headline"].groups[1].ops
+
+
+def test_cispo_and_logp_entropy_targets_against_the_same_calls_without():
+    """PERF.md: ``objective="cispo"`` <= 1.02x PPO; ``selected_logprobs(return_entropy=True)``
+    fwd <= 1.05x and fwd+bwd <= 1.08x the log-probs alone (user timing)."""
+    tt = "ratiokl-torch-triton"
+    recs = [
+        _record(tt, "policy_loss_ref_logps", "fwd+bwd", 2.00),
+        _record(tt, "policy_loss_ref_logps_cispo", "fwd+bwd", 2.06),
+        _record(tt, "selected_logprobs", "fwd", 1.00),
+        _record(tt, "selected_logprobs", "fwd+bwd", 2.00),
+        _record(tt, "selected_logprobs_entropy", "fwd", 1.04),
+        _record(tt, "selected_logprobs_entropy", "fwd+bwd", 2.20),
+    ]
+    status = {c["target"]: (c["status"], c["value"]) for c in check_targets(recs)}
+    assert status[f"policy_loss_ref_logps_cispo fwd+bwd {tt} time / policy_loss_ref_logps "
+                  "fwd+bwd time (objective='cispo')"] == ("fail", 2.06 / 2.00)
+    for mode, verdict, value in (("fwd", "pass", 1.04), ("fwd+bwd", "fail", 1.10)):
+        target = (f"selected_logprobs_entropy {mode} {tt} time / selected_logprobs {mode} time "
+                  "(return_entropy=True)")
+        assert status[target][0] == verdict and abs(status[target][1] - value) < 1e-12
+    headline = [g for g in PRESETS["headline"].groups if g.ops and
+                "policy_loss_ref_logps_cispo" in g.ops]
+    assert [(g.providers, "selected_logprobs_entropy" in g.ops) for g in headline] == [
+        ((tt,), True)]
