@@ -10,7 +10,7 @@ framework and the output names to compare. Adding an operator (e.g.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 import numpy as np
@@ -153,6 +153,21 @@ def _policy_grad(args: Arrays, cot: Arrays) -> np.ndarray:
     return float(cot["loss"]) * grad
 
 
+_POLICY_LOSS = Op(
+    name="policy_loss",
+    positional=_POLICY_POSITIONAL,
+    keywords=_POLICY_KW,
+    logit_args=("policy_logits", "ref_logits"),
+    differentiate="policy_logits",
+    outputs=("loss",) + _POLICY_METRICS,
+    cotangents=("loss",),
+    neutral={},
+    unpack=lambda result: {"loss": result[0], **result[1]},
+    reference=_policy_reference,
+    reference_grad=_policy_grad,
+)
+
+
 OPS: Dict[str, Op] = {
     "ratio_kl": Op(
         name="ratio_kl",
@@ -194,30 +209,9 @@ OPS: Dict[str, Op] = {
         reference_grad=_entropy_grad,
         fixed={"return_entropy": True},
     ),
-    "policy_loss": Op(
-        name="policy_loss",
-        positional=_POLICY_POSITIONAL,
-        keywords=_POLICY_KW,
-        logit_args=("policy_logits", "ref_logits"),
-        differentiate="policy_logits",
-        outputs=("loss",) + _POLICY_METRICS,
-        cotangents=("loss",),
-        neutral={},
-        unpack=lambda result: {"loss": result[0], **result[1]},
-        reference=_policy_reference,
-        reference_grad=_policy_grad,
-    ),
-    "policy_loss_rollout": Op(
-        name="policy_loss",
-        positional=_POLICY_POSITIONAL,
-        keywords=_ROLLOUT_KW,
-        logit_args=("policy_logits", "ref_logits"),
-        differentiate="policy_logits",
-        outputs=("loss",) + _POLICY_METRICS + spec.ROLLOUT_METRIC_NAMES,
-        cotangents=("loss",),
-        neutral={},
-        unpack=lambda result: {"loss": result[0], **result[1]},
-        reference=_policy_reference,
-        reference_grad=_policy_grad,
-    ),
+    "policy_loss": _POLICY_LOSS,
+    # The same call with the rollout correction: its arguments and metrics on top.
+    "policy_loss_rollout": replace(
+        _POLICY_LOSS, keywords=_ROLLOUT_KW,
+        outputs=_POLICY_LOSS.outputs + spec.ROLLOUT_METRIC_NAMES),
 }
