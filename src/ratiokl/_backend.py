@@ -39,7 +39,7 @@ from typing import Callable, Optional, Tuple
 
 from ratiokl.spec import PolicyLossOptions
 
-__all__ = ["Backend", "token_weights_args", "warn_inplace_ignored"]
+__all__ = ["Backend", "token_weights_args", "warn_inplace_ignored", "with_metrics"]
 
 
 @dataclass(frozen=True)
@@ -87,3 +87,12 @@ def token_weights_args(opts: PolicyLossOptions, normalizer: object,
     if opts.loss_agg == "token-mean":
         return 1.0, True
     return (1.0 if opts.loss_agg == "token-sum" else float(width)), False
+
+
+def with_metrics(result: Tuple[object, dict], extra: dict) -> Tuple[object, dict]:
+    """``policy_loss``'s ``(loss, metrics)`` with ``extra`` metrics (the rollout
+    correction's) appended; unchanged when there are none. Both frameworks' routes."""
+    if not extra:
+        return result
+    loss, metrics = result
+    return loss, {**metrics, **extra}

@@ -27,6 +27,7 @@ from jax import lax
 from ratiokl.jax import _objective
 from ratiokl.jax._checks import TokenInputs, as_rows, check_row_values
 from ratiokl.spec import ROLLOUT_METRIC_NAMES, RolloutOptions, rollout_options
+from ratiokl._backend import with_metrics  # noqa: F401 - the routes call it here
 
 __all__ = ["correct", "with_metrics"]
 
@@ -53,15 +54,6 @@ def correct(mask: jax.Array, lead: Tuple[int, ...], inputs: TokenInputs,
     if opts.corrects:
         inputs = dataclasses.replace(inputs, importance_weights=weights)
     return inputs, metrics
-
-
-def with_metrics(result: Tuple[jax.Array, Metrics],
-                 extra: Metrics) -> Tuple[jax.Array, Metrics]:
-    """``policy_loss``'s ``(loss, metrics)`` with the rollout metrics appended."""
-    if not extra:
-        return result
-    loss, metrics = result
-    return loss, {**metrics, **extra}
 
 
 def _clip(x: jax.Array, bound: Optional[float]) -> jax.Array:

@@ -26,6 +26,7 @@ from ratiokl._backend import Backend
 from ratiokl.spec import ROLLOUT_METRIC_NAMES, RolloutOptions, rollout_options
 from ratiokl.torch import _objective
 from ratiokl.torch._checks import TokenInputs, as_rows, check_row_values, check_same_device
+from ratiokl._backend import with_metrics  # noqa: F401 - the routes call it here
 
 __all__ = ["correct", "with_metrics"]
 
@@ -61,15 +62,6 @@ def correct(run: Backend, mask: torch.Tensor, lead: Tuple[int, ...], inputs: Tok
     if opts.corrects:
         inputs = dataclasses.replace(inputs, importance_weights=weights)
     return inputs, metrics
-
-
-def with_metrics(result: Tuple[torch.Tensor, Metrics],
-                 extra: Metrics) -> Tuple[torch.Tensor, Metrics]:
-    """``policy_loss``'s ``(loss, metrics)`` with the rollout metrics appended."""
-    if not extra:
-        return result
-    loss, metrics = result
-    return loss, {**metrics, **extra}
 
 
 def _clip(x: torch.Tensor, bound: Optional[float]) -> torch.Tensor:
