@@ -55,6 +55,19 @@ def test_cached_launches_give_tritons_bits(dtype, offset, monkeypatch):
         torch.testing.assert_close(b, c, rtol=0, atol=0, equal_nan=True)
 
 
+def test_vocabularies_of_the_same_facts_are_two_kernels(monkeypatch):
+    """V = 127 then 126 (neither 1 nor a multiple of 16) in one process: the fused kernel's
+    ``V`` is compiled in, so the second must not run the first one's handle."""
+    from ratiokl.torch.loss import policy_loss
+
+    for v in (127, 126, 100):
+        policy, ids, mask, old, adv = _inputs(torch.float32, n=7, v=v, seed=v)
+        got, _ = policy_loss(policy, None, ids, mask, old, adv, check_ids=False)
+        want, _ = policy_loss(policy, None, ids, mask, old, adv, check_ids=False,
+                              backend="native")
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_warm_launches_skip_the_binder(monkeypatch):
     import triton
 

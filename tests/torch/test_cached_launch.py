@@ -50,6 +50,26 @@ def test_the_key_covers_device_constexprs_and_options():
     assert specialization_key(0, (torch.ones(16), 7), {"BLOCK": 64, "num_warps": 4}) == base
 
 
+def test_a_positional_constexpr_is_keyed_by_its_value():
+    """The fused kernel's ``V`` is a constexpr passed by position: 126 and 127 share every
+    runtime fact (not 1, not a multiple of 16) but are two compiled kernels. Keyed by their
+    facts alone, 126 ran 127's kernel on the H200 (NaN losses in the launch-plan sweep)."""
+    names = policy_loss_kernel.arg_names
+    v_at = names.index("V")
+    constexprs = CachedLaunch(policy_loss_kernel)._constexprs
+    assert v_at in constexprs and names.index("N") not in constexprs
+    args = [torch.zeros(16)] * v_at
+
+    def key(vocab, n_rows=7, kernel_positions=constexprs):
+        row = list(args) + [vocab]
+        row[names.index("N")] = n_rows
+        return specialization_key(0, tuple(row), {}, kernel_positions)
+
+    assert key(126) != key(127)
+    assert key(126, n_rows=5) == key(126, n_rows=9)  # a runtime integer: its facts alone
+    assert key(126, kernel_positions=frozenset()) == key(127, kernel_positions=frozenset())
+
+
 def test_parameters_are_passed_in_the_kernels_order():
     launch = CachedLaunch(scale_rows_kernel)
     names = scale_rows_kernel.arg_names

@@ -8,7 +8,10 @@ against 12 us from the compiled handle. :class:`CachedLaunch` keys a dict on
 the facts Triton specialises a launch on -- per tensor its dtype and whether
 its address is 16-byte aligned, per integer whether it is 1, a multiple of 16,
 and which integer type holds it, the constexpr and option keywords, the
-current device -- so one key never covers two of Triton's. The first launch of
+current device -- and per constexpr parameter its value, whether it is passed by
+keyword or by position (a positional one such as the fused kernel's ``V`` is
+compiled in: two vocabularies of the same facts are two kernels), so one key
+never covers two of Triton's. The first launch of
 a key goes through Triton (which compiles, or loads from its cache, and
 launches); later ones call the compiled handle's launcher with the arguments in
 the kernel's parameter order, as ``JITFunction.run`` itself does (the same call
@@ -20,7 +23,7 @@ takes Triton's own path, so hooks see each one.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, FrozenSet, Optional, Tuple
 
 import torch
 import triton
@@ -50,10 +53,13 @@ def _hooked() -> bool:
                for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook))
 
 
-def specialization_key(device: int, args: Tuple[Any, ...],
-                       kwargs: Dict[str, Any]) -> Tuple[Any, ...]:
-    """The cache key of a launch with ``args`` and ``kwargs`` on CUDA device ``device``."""
-    return device, tuple(map(_arg_key, args)), tuple(kwargs.items())
+def specialization_key(device: int, args: Tuple[Any, ...], kwargs: Dict[str, Any],
+                       constexprs: FrozenSet[int] = frozenset()) -> Tuple[Any, ...]:
+    """The cache key of a launch with ``args`` and ``kwargs`` on CUDA device ``device``;
+    ``constexprs``: the positions of ``args`` that are constexpr parameters (keyed by value)."""
+    positional = tuple(("constexpr", value) if index in constexprs else _arg_key(value)
+                       for index, value in enumerate(args))
+    return device, positional, tuple(kwargs.items())
 
 
 class CachedLaunch:
@@ -62,6 +68,7 @@ class CachedLaunch:
     def __init__(self, kernel: triton.runtime.JITFunction) -> None:
         self.kernel = kernel
         self._params = tuple(kernel.arg_names)
+        self._constexprs = frozenset(i for i, p in enumerate(kernel.params) if p.is_constexpr)
         self._handles: Dict[Tuple[Any, ...], Tuple[Any, Tuple[Optional[int], ...]]] = {}
 
     def __getitem__(self, grid: Tuple[int, ...]) -> Callable[..., None]:
@@ -87,7 +94,7 @@ class CachedLaunch:
             return
         device = driver.active.get_current_device()
         try:
-            key = specialization_key(device, args, kwargs)
+            key = specialization_key(device, args, kwargs, self._constexprs)
             entry = self._handles.get(key)
         except TypeError:  # an unhashable argument: Triton's path
             self.kernel[grid](*args, **kwargs)
