@@ -4,7 +4,8 @@
 # (600 s): `bash scripts/h200.sh PART` with PART one of
 #   tests  the GPU tests but the launch-plan sweep, then the test that needs most of the
 #          GPU's memory on its own
-#   sweep  the launch-plan sweep (every plan the heuristics pick, both frameworks)
+#   sweep-torch, sweep-jax  the launch-plan sweep (every plan the heuristics pick), one
+#          framework per call; `sweep` runs both (longer than one call)
 #   check  `ratiokl check` on the four backends (the conformance table)
 #   bench  the headline benchmark (both timings, every provider) and its report
 #   all    all four in turn (longer than one call)
@@ -46,9 +47,18 @@ for d in k.device_caches.values():
         print('policy_loss_kernel', c.n_regs, 'registers', c.n_spills, 'spills')
 "; } 2>&1 | tee "$out/gpu_tests.log"
 fi
-if [ "$part" = sweep ] || [ "$part" = all ]; then
-  pytest_gpu -m gpu -n "${GPU_TEST_WORKERS:-4}" tests/gpu/test_launch_plan_sweep.py \
-    2>&1 | tee "$out/gpu_sweep.log"
+# The sweep in two calls (the whole of it outran one: 580 s for 78 % of it). `-v` names
+# every result as it lands, so a cut run still says which ids passed; JAX on 3 workers
+# (6 ran out of GPU memory: XLA's command buffers and autotuning beside torch's pool).
+if [ "$part" = sweep-torch ] || [ "$part" = sweep ] || [ "$part" = all ]; then
+  pytest_gpu -v -m gpu -n "${GPU_TEST_WORKERS:-6}" -k test_torch_sweep \
+    tests/gpu/test_launch_plan_sweep.py 2>&1 | tee "$out/gpu_sweep_torch.log" \
+    | grep -E "FAILED|passed|failed"
+fi
+if [ "$part" = sweep-jax ] || [ "$part" = sweep ] || [ "$part" = all ]; then
+  pytest_gpu -v -m gpu -n "${GPU_JAX_WORKERS:-3}" -k test_jax_sweep \
+    tests/gpu/test_launch_plan_sweep.py 2>&1 | tee "$out/gpu_sweep_jax.log" \
+    | grep -E "FAILED|passed|failed"
 fi
 if [ "$part" = check ] || [ "$part" = all ]; then
   python3 -m ratiokl check --no-progress --backend torch-native --backend torch-triton \

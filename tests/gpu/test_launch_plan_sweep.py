@@ -14,8 +14,8 @@ PyTorch runs every (vocabulary, rows) pair; every shape is a compile in JAX
 (jax-triton makes sizes compile-time constants), so JAX runs each plan the
 sweep reaches at its smallest shape and the named sizes of the sweep.
 
-Run on the H200: ``pytest -m gpu -n 4 tests/gpu/test_launch_plan_sweep.py`` (12 workers ran
-out of GPU memory at the largest shapes).
+Run on the H200: ``bash scripts/h200.sh sweep-torch`` and ``sweep-jax`` (one device call
+each; the PyTorch half on 6 workers, the JAX half on 3: 6 ran out of GPU memory).
 """
 
 from __future__ import annotations
