@@ -28,6 +28,7 @@ whole blocks either way, with one masked tail block.
 import triton
 import triton.language as tl
 
+from ratiokl._kernels.codes import KL_NONE
 from ratiokl._kernels.numerics import (
     LN2,
     LOG2E,
@@ -174,7 +175,7 @@ def forward_epilogue(
 ):
     """Per-row outputs of the forward from the folded ``(max, sum)`` pairs of policy and ref.
 
-    ``ENTROPY`` (no reference, ``KL_CODE = 0``): ``m_r`` holds the policy's entropy sum
+    ``ENTROPY`` (no reference, ``KL_CODE = KL_NONE``): ``m_r`` holds the policy's entropy sum
     ``h`` and the row's entropy (nats) is written to both ``kl_ptr`` and ``dkl_ptr``.
     """
     active = tl.load(mask_ptr + row) != 0
@@ -199,7 +200,7 @@ def forward_epilogue(
         kl = tl.where(bad, nan, (lse2 - m_r / s_p) * LN2)
         kl = tl.where(active, kl, 0.0)
         dkl = kl
-    if KL_CODE > 0:
+    if KL_CODE != KL_NONE:
         if HAS_REF:
             ref_lse2 = shift_of(m_r) + tl.log2(s_r)
             logp_ref = _selected(r_row, a, stride_rv, t, ref_lse2, active)
@@ -224,14 +225,14 @@ def logp_forward_kernel(
     ref_ptr,  # [N, V] reference logits, strides (stride_rn, stride_rv); read iff HAS_REF
     ids_ptr,  # [N] int32/int64 action ids
     mask_ptr,  # [N] bool, nonzero = active row
-    old_ptr,  # [N] f32 behaviour-policy log-probs; read iff KL_CODE > 0
-    ref_logps_ptr,  # [N] f32 reference log-probs; read iff KL_CODE > 0 and not HAS_REF
+    old_ptr,  # [N] f32 behaviour-policy log-probs; read iff KL_CODE != KL_NONE
+    ref_logps_ptr,  # [N] f32 reference log-probs; read iff KL_CODE != KL_NONE and not HAS_REF
     temp_ptr,  # [N] f32 temperature at temp_ptr + i * stride_t (stride_t = 0: one scalar)
     # outputs
     logp_ptr,  # [N] f32 log-prob of the action under the policy
-    ratio_ptr,  # [N] f32 exp(logp - old); 1 when KL_CODE == 0
-    kl_ptr,  # [N] f32 KL estimate on d = logp_ref - logp; 0 when KL_CODE == 0
-    dkl_ptr,  # [N] f32 d kl / d logp (for the backward); 0 when KL_CODE == 0
+    ratio_ptr,  # [N] f32 exp(logp - old); 1 when KL_CODE == KL_NONE
+    kl_ptr,  # [N] f32 KL estimate on d = logp_ref - logp; 0 when KL_CODE == KL_NONE
+    dkl_ptr,  # [N] f32 d kl / d logp (for the backward); 0 when KL_CODE == KL_NONE
     lse_ptr,  # [N] f32 logsumexp(policy / T) (for the backward)
     # sizes and strides (elements)
     V,

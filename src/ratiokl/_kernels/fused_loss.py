@@ -54,6 +54,7 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
+from ratiokl._kernels.codes import KL_NONE
 from ratiokl._kernels.backward import grad_span
 from ratiokl._kernels.forward import span_stats, split_span
 from ratiokl._kernels.heuristics import (
@@ -236,7 +237,7 @@ def policy_loss_kernel(
     ids_ptr,  # [N] int32/int64 action ids
     mask_ptr,  # [N] bool, nonzero = active row
     old_ptr,  # [N] f32 behaviour-policy log-probs
-    ref_logps_ptr,  # [N] f32 reference log-probs; read iff KL_CODE > 0 and not HAS_REF
+    ref_logps_ptr,  # [N] f32 reference log-probs; read iff KL_CODE != KL_NONE and not HAS_REF
     temp_ptr,  # [N] f32 temperature at temp_ptr + i * stride_t (stride_t = 0: one scalar)
     adv_ptr,  # [N // adv_rows] f32 advantages: row i reads adv[i // adv_rows]
     iw_ptr,  # [N] f32 importance weights; read iff HAS_IW
@@ -247,7 +248,7 @@ def policy_loss_kernel(
     loss_ptr,  # [N] f32 w * loss_t (the loss is their sum)
     logp_ptr,  # [N] f32 log-prob of the action under the policy
     ratio_ptr,  # [N] f32 r = exp(bounded logp - old)
-    kl_ptr,  # [N] f32 KL value of the chosen variant (0 when KL_CODE == 0)
+    kl_ptr,  # [N] f32 KL value of the chosen variant (0 when KL_CODE == KL_NONE)
     ent_ptr,  # [N] f32 entropy H of the row's softmax(x / T) (nats)
     clip_ptr,  # [N] int32 clip bits (CLIP_LOW | CLIP_HIGH | CLIP_CAPPED)
     grad_ptr,  # [N, V] d(sum of loss_ptr)/d policy, logits' dtype, row-major (row stride V);
@@ -312,7 +313,7 @@ def policy_loss_kernel(
     # The row's other inputs, requested now so that their latency hides behind pass 1
     # (any row's are valid addresses; an inactive row's values are never selected).
     logp_ref = 0.0
-    if KL_CODE > 0:
+    if KL_CODE != KL_NONE:
         if not HAS_REF:
             logp_ref = tl.load(ref_logps_ptr + row)
     old = tl.load(old_ptr + row)
@@ -366,7 +367,7 @@ def policy_loss_kernel(
 
     # Epilogue: the token's objective and dL/dlogp, in registers (every program of the
     # row computes the same values; the first stores them).
-    if KL_CODE > 0:
+    if KL_CODE != KL_NONE:
         if HAS_REF:
             logp_ref = tl.where(bad, nan, y_a / t - ref_lse2 * LN2)
     # The coefficients are read here, not with the row's inputs above: live across pass 1

@@ -7,6 +7,8 @@ All math is float32. Row statistics are kept in base-2 units (logits times
 import triton
 import triton.language as tl
 
+from ratiokl._kernels.codes import K1, K2
+
 #: log2(e): scales natural-log logits to base-2 units.
 LOG2E = tl.constexpr(1.4426950408889634)
 #: ln(2): converts base-2 log-sum-exps back to natural-log units.
@@ -90,10 +92,10 @@ def kl_and_dkl(d, KL_CODE: tl.constexpr):
     k1: ``-d``, 1; k2: ``d^2/2``, ``-d``; k3: ``exp(d) - d - 1``, ``-expm1(d)``.
     k3 uses a series near 0, where ``exp(d) - 1 - d`` would cancel to noise.
     """
-    if KL_CODE == 1:
+    if KL_CODE == K1:
         kl = -d
         dkl = tl.full(d.shape, 1.0, tl.float32)
-    elif KL_CODE == 2:
+    elif KL_CODE == K2:
         kl = 0.5 * d * d
         dkl = -d
     else:

@@ -8,7 +8,7 @@
   ratio_high]`` by the sign of the advantage ``A`` (and capped at ``neg_cap`` for
   ``A < 0`` when ``HAS_NEG_CAP``: dual clip / ratio cap); a clipped branch carries
   no gradient;
-* with ``OBJECTIVE = 1`` (CISPO) the policy term is ``-A * wc * iw * logp`` instead, with
+* with ``OBJECTIVE = CISPO`` the policy term is ``-A * wc * iw * logp`` instead, with
   ``wc = clip(r, ratio_low, ratio_high)`` detached (for every advantage): the gradient
   ``-A * wc * iw`` on every active token (the clip bits say where ``wc`` was clipped);
 * plus ``kl_coef * kl(logp_ref - logp)`` for the chosen estimator
@@ -25,6 +25,7 @@ Used by the fused loss kernel (``fused_loss.policy_loss_kernel``).
 import triton
 import triton.language as tl
 
+from ratiokl._kernels.codes import CISPO, K1, K1_PLUS, K2, K3, K3_PLUS, KL_NONE
 from ratiokl._kernels.numerics import kl_and_dkl
 
 #: Bits of the per-row clip code (``clip_ptr``): which branch of the surrogate was taken.
@@ -58,19 +59,19 @@ def _inside(x, y, BOUND: tl.constexpr):
 @triton.jit
 def _policy_kl(d, r, dr, KL_CODE: tl.constexpr, BOUND: tl.constexpr):
     """KL variant on ``d = logp_ref - logp`` (``ratiokl.spec.POLICY_KL_ESTIMATORS``) and d/dlogp."""
-    k3, dk3 = kl_and_dkl(_bounded(d, BOUND), 3)  # expm1(d_b) - d_b and -expm1(d_b)
+    k3, dk3 = kl_and_dkl(_bounded(d, BOUND), K3)  # expm1(d_b) - d_b and -expm1(d_b)
     dk3 = _inside(d, dk3, BOUND)
-    if KL_CODE == 1:  # k1
+    if KL_CODE == K1:
         kl, dkl = -d, 1.0
-    elif KL_CODE == 2:  # k2
+    elif KL_CODE == K2:
         kl, dkl = 0.5 * d * d, -d
-    elif KL_CODE == 3:  # k3
+    elif KL_CODE == K3:
         kl, dkl = k3, dk3
-    elif KL_CODE == 4:  # k1+: value of k1, gradient of k2
+    elif KL_CODE == K1_PLUS:  # the value of k1, the gradient of k2
         kl, dkl = -d, -d
-    elif KL_CODE == 5:  # k3+: value of k3, gradient of k2
+    elif KL_CODE == K3_PLUS:  # the value of k3, the gradient of k2
         kl, dkl = k3, -d
-    else:  # k3-is: r * k3, product rule through both
+    else:  # K3_IS: r * k3, product rule through both
         kl, dkl = r * k3, dr * k3 + r * dk3
     return kl, dkl
 
@@ -86,7 +87,7 @@ def token_objective(
     lr = logp - old
     r = tl.exp(_bounded(lr, BOUND))
     dr = _inside(lr, r, BOUND)  # no gradient beyond the bound
-    if OBJECTIVE == 1:  # CISPO: clip(r) for every advantage, a detached weight on logp
+    if OBJECTIVE == CISPO:  # clip(r) for every advantage, a detached weight on logp
         high = r > ratio_high
         low = r < ratio_low
         capped = adv < -float("inf")  # never (dual_clip is rejected with CISPO)
@@ -106,7 +107,7 @@ def token_objective(
         # A clipped branch carries no gradient (selected, so an infinite dr stays out).
         dloss = tl.where(clipped, 0.0, -adv * dr * iw)
     kl = 0.0
-    if KL_CODE > 0:
+    if KL_CODE != KL_NONE:
         kl, dkl = _policy_kl(logp_ref - logp, r, dr, KL_CODE, BOUND)
         weighted = kl_coef != 0.0  # 0: the KL is only logged (0 * inf would be NaN)
         loss = tl.where(weighted, loss + kl_coef * kl, loss)

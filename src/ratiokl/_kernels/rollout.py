@@ -17,6 +17,7 @@ NaN on active rows (selected, never ``min``/``max``, which drop a NaN on a GPU).
 import triton
 import triton.language as tl
 
+from ratiokl._kernels.codes import K3
 from ratiokl._kernels.numerics import kl_and_dkl
 
 #: ``CORRECT`` codes: no weight (metrics only), truncate, mask.
@@ -66,7 +67,7 @@ def rollout_weights_kernel(
         # The token log-weight lw_t = old - rollout; inactive rows read nothing.
         lw_tok = tl.load(old_ptr + offs, mask=active, other=0.0) - tl.load(
             rollout_ptr + offs, mask=active, other=0.0)
-        k3, _ = kl_and_dkl(_clip(lw_tok, BOUND), 3)  # exp(d) - d - 1 (series near 0)
+        k3, _ = kl_and_dkl(_clip(lw_tok, BOUND), K3)  # exp(d) - d - 1 (series near 0)
         lw = lw_tok
         if SEQUENCE:  # the sum over the token's sequence, precomputed
             lw = tl.load(seq_ptr + offs // seq_width, mask=active, other=0.0)

@@ -74,8 +74,8 @@ def logp_combine_kernel(
     ref_ptr,  # [N, V] reference logits (only the action's logit is read; iff HAS_REF)
     ids_ptr,  # [N] int32/int64 action ids
     mask_ptr,  # [N] bool, nonzero = active row
-    old_ptr,  # [N] f32 behaviour-policy log-probs; read iff KL_CODE > 0
-    ref_logps_ptr,  # [N] f32 reference log-probs; read iff KL_CODE > 0 and not HAS_REF
+    old_ptr,  # [N] f32 behaviour-policy log-probs; read iff KL_CODE != KL_NONE
+    ref_logps_ptr,  # [N] f32 reference log-probs; read iff KL_CODE != KL_NONE and not HAS_REF
     temp_ptr,  # [N] f32 temperature (stride_t = 0: one scalar)
     part_ptr,  # [N, SPLITS, 4] f32 partials from lse_partials_kernel
     # outputs: as logp_forward_kernel

@@ -68,7 +68,7 @@ def _forward_call(kl_code: int, has_ref: bool, entropy: bool, policy, ref, ids, 
                   ref_logps, temp):
     """``(logp, ratio, kl, dkl, lse)`` float32 ``[N]``: one launch, or partials + combine.
 
-    ``entropy``: the kernels' ``ENTROPY`` mode (no reference, ``kl_code`` 0): ``kl`` and
+    ``entropy``: the kernels' ``ENTROPY`` mode (no reference, ``kl_code`` ``KL.NONE``): ``kl`` and
     ``dkl`` hold the entropy.
 
     Few rows (``use_split_forward``) run a program per (row, vocabulary

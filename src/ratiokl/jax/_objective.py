@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ratiokl._codes import KL
 from ratiokl.jax._checks import Normalizer, TokenInputs
 from ratiokl.spec import LossAgg, PolicyLossOptions
 
@@ -61,16 +62,16 @@ def _kl(d: jax.Array, code: int, ratio: jax.Array, bound: Optional[float]) -> ja
 
     Only the terms the variant uses are computed (``ratio`` is read by ``k3-is`` only).
     """
-    if code == 1:
+    if code == KL.K1:
         return -d
     k2 = 0.5 * d * d
-    if code in (2, 4):
-        return k2 if code == 2 else _straight_through(k2, -d)
+    if code in (KL.K2, KL.K1_PLUS):
+        return k2 if code == KL.K2 else _straight_through(k2, -d)
     d_b = _bounded(d, bound)
     k3 = jnp.expm1(d_b) - d_b
-    if code == 3:
+    if code == KL.K3:
         return k3
-    return _straight_through(k2, k3) if code == 5 else ratio * k3
+    return _straight_through(k2, k3) if code == KL.K3_PLUS else ratio * k3
 
 
 def _shift_right(x: jax.Array, step: int, fill) -> jax.Array:

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
+from ratiokl._codes import KL
 from ratiokl._backend import token_weights_args
 from ratiokl._kernels.loss_rows import METRIC_NAMES
 from ratiokl.jax import _launch, _native
@@ -101,13 +102,13 @@ def selected_logprobs(
     """
     ids, mask_k, temp = _rows(ids, mask, temperature)
     # Placeholders, never read (KL_CODE = 0): an existing array, so nothing is computed.
-    logp, _, _ = _op(logits, logits, ids, mask_k, temp, temp, temp, 0, False)
+    logp, _, _ = _op(logits, logits, ids, mask_k, temp, temp, temp, KL.NONE.value, False)
     return logp
 
 
 @jax.custom_vjp
 def _entropy_op(policy, ids, mask, temp):
-    logp, _, ent, _, _ = _launch.forward_op(0, False, True)(
+    logp, _, ent, _, _ = _launch.forward_op(KL.NONE.value, False, True)(
         policy, policy, ids, mask, temp, temp, temp)
     return logp, ent
 
@@ -115,7 +116,7 @@ def _entropy_op(policy, ids, mask, temp):
 def _entropy_op_fwd(*primals):
     # symbolic_zeros: each argument comes as a CustomVJPPrimal (its value, whether perturbed).
     policy, ids, mask, temp = (p.value for p in primals)
-    logp, _, ent, _, lse = _launch.forward_op(0, False, True)(
+    logp, _, ent, _, lse = _launch.forward_op(KL.NONE.value, False, True)(
         policy, policy, ids, mask, temp, temp, temp)
     return (logp, ent), (policy, ids, mask, temp, lse, ent)
 
@@ -250,7 +251,7 @@ def policy_loss(
     old, adv, weights = stop(old), stop(adv), stop(weights)
     has_ref = ref is not None or ref_logps is not None
     static: Static = (
-        ref is not None, iw is not None, opts.kl_code if has_ref else 0,
+        ref is not None, iw is not None, opts.kl_code if has_ref else KL.NONE.value,
         opts.neg_cap is not None, opts.log_ratio_bound or 0.0, opts.objective_code,
         opts.uses_entropy,
     )

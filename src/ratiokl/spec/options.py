@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping, Optional, Tuple, Union, get_args
 
+from ratiokl._codes import KL, Objective as ObjectiveCode
+
 __all__ = [
     "BACKENDS",
     "BackendName",
@@ -46,16 +48,17 @@ Objective = Literal["ppo", "cispo"]
 RolloutCorrection = Literal["token-truncate", "token-mask", "sequence-truncate", "sequence-mask"]
 
 #: Schulman's estimators of KL(pi || pi_ref) from ``d = logp_ref - logp``.
-KL_ESTIMATORS: Mapping[str, int] = {name: code for code, name in enumerate(get_args(KLEstimator), 1)}
+KL_ESTIMATORS: Mapping[str, int] = {"k1": KL.K1, "k2": KL.K2, "k3": KL.K3}
 
 #: Backends a caller may name; which ones run where is decided per framework.
 BACKENDS = get_args(BackendName)
 
 
 def option_code(name: str, value: str, table: Mapping[str, int]) -> int:
-    """Integer code of ``value`` in ``table``; ``ValueError`` naming ``name`` otherwise."""
+    """Integer code of ``value`` in ``table`` (a plain ``int``, as kernels take their
+    constexprs); ``ValueError`` naming ``name`` otherwise."""
     try:
-        return table[value]
+        return int(table[value])
     except (KeyError, TypeError):
         choices = ", ".join(repr(k) for k in table)
         raise ValueError(f"`{name}` must be one of {choices}; got {value!r}") from None
@@ -76,7 +79,7 @@ def kl_estimator_code(kl_estimator: str) -> int:
 #: importance ratio, differentiated through both (TRL/Liger
 #: ``use_bias_correction_kl``, DeepSeek-V3.2's unbiased KL estimate).
 POLICY_KL_ESTIMATORS: Mapping[str, int] = {
-    name: code for code, name in enumerate(get_args(PolicyKLEstimator), 1)
+    **KL_ESTIMATORS, "k1+": KL.K1_PLUS, "k3+": KL.K3_PLUS, "k3-is": KL.K3_IS,
 }
 
 #: How per-token losses become one number (see docs/policy_loss.md for verl/TRL names).
@@ -89,7 +92,7 @@ RATIO_LEVELS: Mapping[str, int] = {name: code for code, name in enumerate(get_ar
 
 #: The per-token policy term: PPO's clipped surrogate, or CISPO's clipped, detached
 #: importance weight times the log-prob (MiniMax-M1).
-OBJECTIVES: Mapping[str, int] = {name: code for code, name in enumerate(get_args(Objective))}
+OBJECTIVES: Mapping[str, int] = {"ppo": ObjectiveCode.PPO, "cispo": ObjectiveCode.CISPO}
 
 #: Rollout correction (``ratiokl.spec.rollout``): the log-weight's level (token or sequence)
 #: and what the bounds do (truncate from above: TIS; mask outside: rejection, IcePop).
@@ -132,7 +135,7 @@ class PolicyLossOptions:
     @property
     def cispo(self) -> bool:
         """Whether the policy term is CISPO's ``-sg(clip(r)) * A * logp``."""
-        return self.objective_code == OBJECTIVES["cispo"]
+        return self.objective_code == ObjectiveCode.CISPO
 
     @property
     def uses_kl(self) -> bool:
@@ -238,7 +241,7 @@ def _policy_loss_options(clip_eps, clip_eps_high, dual_clip, ratio_cap, kl_coef,
                          kl_estimator, loss_agg, ratio_level,
                          log_ratio_bound, objective, entropy_coef) -> PolicyLossOptions:
     objective_code = option_code("objective", objective, OBJECTIVES)
-    cispo = objective_code == OBJECTIVES["cispo"]
+    cispo = objective_code == ObjectiveCode.CISPO
     eps_low = _coefficient("clip_eps", clip_eps)
     # CISPO's weight may have no floor (clip_eps = 1, MiniMax-M1's setting); PPO's may not.
     if not _is_array(eps_low) and not (0.0 <= eps_low < 1.0 or (cispo and eps_low == 1.0)):

@@ -68,6 +68,7 @@ from typing import Dict, Optional, Tuple
 
 import numpy as np
 
+from ratiokl._codes import KL
 from ratiokl.spec.options import (
     DEFAULT_LOG_RATIO_BOUND,
     PolicyLossOptions,
@@ -147,8 +148,10 @@ def _kl_terms(d, kind: int, r, dr, bound):
     d_b = d if bound is None else np.clip(d, -bound, bound)
     k3 = np.expm1(d_b) - d_b
     k3_grad = np.where(inside, -np.expm1(d), 0.0)
-    values = {1: -d, 2: 0.5 * d * d, 3: k3, 4: -d, 5: k3, 6: r * k3}
-    grads = {1: np.ones_like(d), 2: -d, 3: k3_grad, 4: -d, 5: -d, 6: dr * k3 + r * k3_grad}
+    values = {KL.K1: -d, KL.K2: 0.5 * d * d, KL.K3: k3, KL.K1_PLUS: -d, KL.K3_PLUS: k3,
+              KL.K3_IS: r * k3}
+    grads = {KL.K1: np.ones_like(d), KL.K2: -d, KL.K3: k3_grad, KL.K1_PLUS: -d,
+             KL.K3_PLUS: -d, KL.K3_IS: dr * k3 + r * k3_grad}
     return values[kind], grads[kind]
 
 

@@ -55,6 +55,7 @@ from typing import Optional, Tuple, Union
 
 import numpy as np
 
+from ratiokl._codes import KL
 from ratiokl.spec.options import kl_estimator_code
 
 ArrayLike = Union[np.ndarray, float]
@@ -209,9 +210,9 @@ def kl_value(d: np.ndarray, kl_estimator: str) -> np.ndarray:
     """KL estimator of ``d = logp_ref - logp``: k1 ``-d``, k2 ``d^2/2``, k3 ``exp(d) - d - 1``."""
     code = kl_estimator_code(kl_estimator)
     with np.errstate(invalid="ignore", over="ignore"):
-        if code == 1:
+        if code == KL.K1:
             return -d
-        if code == 2:
+        if code == KL.K2:
             return 0.5 * d * d
         return np.expm1(d) - d
 
@@ -220,9 +221,9 @@ def kl_dlogp(d: np.ndarray, kl_estimator: str) -> np.ndarray:
     """Derivative of the KL estimator with respect to ``logp`` (``dd/dlogp = -1``)."""
     code = kl_estimator_code(kl_estimator)
     with np.errstate(invalid="ignore", over="ignore"):
-        if code == 1:
+        if code == KL.K1:
             return np.ones_like(d)
-        if code == 2:
+        if code == KL.K2:
             return -d
         return -np.expm1(d)
 

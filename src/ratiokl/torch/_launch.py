@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from torch.library import custom_op, register_autograd, triton_op, wrap_triton
 
+from ratiokl._codes import KL
 from ratiokl._kernels import (
     LaunchConfig,
     SplitPlan,
@@ -359,7 +360,7 @@ def entropy_forward(kernels: Callable, policy: Tensor, ids: Tensor, mask: Tensor
     and ``lse`` as :func:`row_forward`); inactive rows 0.
     """
     logp, _, ent, _, lse = _forward_launch(kernels, policy, None, ids, mask, None, None, temp,
-                                           0, True, None, None, None)
+                                           KL.NONE.value, True, None, None, None)
     return logp, ent, lse
 
 
@@ -419,7 +420,7 @@ def fused_policy_loss(
     ``write_grad``, the gradient of ``sum_t w_t loss_t``) and
     ``policy_metrics_kernel`` (the loss and the metrics). ``coefs``: float32
     ``[5]`` (``kl_coef``, ratio floor, ratio ceiling, negative-advantage cap,
-    ``entropy_coef``); ``kl_code`` 0: no reference; ``objective``: ``OBJECTIVES`` code;
+    ``entropy_coef``); ``kl_code`` ``KL.NONE``: no reference; ``objective``: ``OBJECTIVES`` code;
     ``entropy_grad``: the entropy bonus is in the loss and its gradient (``entropy_coef``
     is not the number 0). ``grad_out``: a row-major ``[N, V]`` buffer for the gradient
     (the in-place mode passes ``policy`` itself: every tile is read before it is

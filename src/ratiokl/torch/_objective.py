@@ -18,6 +18,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from ratiokl._codes import KL
 from ratiokl.spec import LossAgg, PolicyLossOptions
 from ratiokl.torch._checks import Normalizer, TokenInputs
 
@@ -58,16 +59,16 @@ def _kl(d: torch.Tensor, code: int, ratio: torch.Tensor, bound: Optional[float])
 
     Only the terms the variant uses are computed (``ratio`` is read by ``k3-is`` only).
     """
-    if code == 1:
+    if code == KL.K1:
         return -d
     k2 = 0.5 * d * d
-    if code in (2, 4):
-        return k2 if code == 2 else _straight_through(k2, -d)
+    if code in (KL.K2, KL.K1_PLUS):
+        return k2 if code == KL.K2 else _straight_through(k2, -d)
     d_b = _bounded(d, bound)
     k3 = torch.expm1(d_b) - d_b
-    if code == 3:
+    if code == KL.K3:
         return k3
-    return _straight_through(k2, k3) if code == 5 else ratio * k3
+    return _straight_through(k2, k3) if code == KL.K3_PLUS else ratio * k3
 
 
 def _segments(mask: torch.Tensor, segment_ids: Optional[torch.Tensor]):

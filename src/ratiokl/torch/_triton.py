@@ -25,6 +25,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from ratiokl._codes import KL
 from ratiokl._backend import token_weights_args
 from ratiokl._kernels import rollout as rollout_kernel
 from ratiokl._kernels.loss_rows import METRIC_NAMES
@@ -92,7 +93,7 @@ def selected_logprobs(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tenso
     Differentiable w.r.t. ``logits`` (gradient in its dtype).
     """
     temp = kernel_temperature(temperature, logits.device)
-    return FORWARD(logits, None, ids, mask, None, None, temp, 0)[0]
+    return FORWARD(logits, None, ids, mask, None, None, temp, KL.NONE.value)[0]
 
 
 def logprobs_entropy(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor,
@@ -207,7 +208,7 @@ def policy_loss(policy: torch.Tensor, ref: Optional[torch.Tensor], ids: torch.Te
     write_grad = torch.is_grad_enabled() and policy.requires_grad
     args = (ref, ids, mask, old, ref_logps, kernel_temperature(temperature, policy.device),
             adv, adv_rows, iw, weights, kernel_coefficients(opts, policy.device), write_grad,
-            opts.kl_code if has_ref else 0, opts.neg_cap is not None,
+            opts.kl_code if has_ref else KL.NONE.value, opts.neg_cap is not None,
             opts.log_ratio_bound or 0.0, opts.objective_code, opts.uses_entropy)
     if inplace_grad and write_grad and binding_for(policy.device) != "compiled":
         loss, metrics = _InplaceLoss.apply(policy, *args)

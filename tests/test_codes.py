@@ -1,0 +1,36 @@
+"""The option codes (``ratiokl._codes``): one definition behind the spec's tables, the kernels'
+constexprs and the native paths."""
+
+from __future__ import annotations
+
+from typing import get_args
+
+import pytest
+
+from ratiokl import _codes, spec
+from ratiokl.spec import options
+
+
+def test_each_table_names_every_string_of_its_type_once():
+    for table, kind in ((spec.KL_ESTIMATORS, options.KLEstimator),
+                        (spec.POLICY_KL_ESTIMATORS, options.PolicyKLEstimator),
+                        (spec.OBJECTIVES, options.Objective)):
+        assert tuple(table) == get_args(kind)
+        assert len(set(table.values())) == len(table)
+
+
+def test_the_tables_hold_the_enums_members_and_hand_out_plain_ints():
+    assert set(spec.POLICY_KL_ESTIMATORS.values()) == set(_codes.KL) - {_codes.KL.NONE}
+    assert set(spec.OBJECTIVES.values()) == set(_codes.Objective)
+    code = spec.option_code("kl_estimator", "k3-is", spec.POLICY_KL_ESTIMATORS)
+    assert type(code) is int and code == _codes.KL.K3_IS  # kernels take plain constexprs
+
+
+def test_the_kernels_constexprs_are_the_enums_values():
+    codes = pytest.importorskip("ratiokl._kernels.codes")
+    pairs = {"KL_NONE": _codes.KL.NONE, "K1": _codes.KL.K1, "K2": _codes.KL.K2,
+             "K3": _codes.KL.K3, "K1_PLUS": _codes.KL.K1_PLUS, "K3_PLUS": _codes.KL.K3_PLUS,
+             "K3_IS": _codes.KL.K3_IS, "CISPO": _codes.Objective.CISPO}
+    for name, member in pairs.items():
+        value = getattr(codes, name).value
+        assert type(value) is int and value == member, name
