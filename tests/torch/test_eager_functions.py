@@ -92,3 +92,26 @@ def test_eager_fused_second_backward_fails_loudly() -> None:
     (2.0 * loss).backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+
+
+def test_eager_without_a_gradient_skips_the_autograd_function(monkeypatch) -> None:
+    """No grad mode, or logits that need none: the launch itself (no ``Function.apply``),
+    the same values; with a gradient to take, the Function (and its gradient)."""
+    x = _rows()
+    args = lambda p: (p, x["ref"], x["ids"], x["mask"], x["old"], None, x["temp"], 3)  # noqa: E731
+    applied = []
+    function = _launch.FORWARD._eager
+    monkeypatch.setattr(_launch.FORWARD, "_eager",
+                        lambda *a: applied.append(1) or function(*a))
+    with_grad = x["policy"].clone().requires_grad_(True)
+    reference = _launch.FORWARD.run("eager", *args(with_grad))
+    assert applied and reference[1].requires_grad
+    applied.clear()
+    with torch.no_grad():
+        under_no_grad = _launch.FORWARD.run("eager", *args(with_grad))
+    plain = _launch.FORWARD.run("eager", *args(x["policy"]))
+    assert not applied
+    for got in (under_no_grad, plain):
+        assert not got[1].requires_grad
+        for a, b in zip(got, reference):
+            torch.testing.assert_close(a, b.detach(), rtol=0, atol=0, equal_nan=True)
