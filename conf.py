@@ -33,10 +33,10 @@ NAV = [
                 "docs/design", "docs/performance", "PERF"]),
     ("API reference", ["docs/reference/torch", "docs/reference/jax", "docs/reference/spec",
                        "docs/reference/conformance"]),
-    ("Repository notes", ["benchmarks/README", "conformance/README"]),
+    ("Repository notes", ["benchmarks/README", "fixtures/README"]),
 ]
 include_patterns = ["README.md", "PERF.md", "docs/**.md", "benchmarks/README.md",
-                    "conformance/README.md"]
+                    "fixtures/README.md"]
 exclude_patterns = ["_build", ".venv"]
 
 source_suffix = {".md": "markdown"}

@@ -1,6 +1,6 @@
 """The one conformance test body, run for every (framework, backend) target.
 
-Each fixture case (``conformance/cases``) goes through the public API of the
+Each fixture case (``fixtures/cases``) goes through the public API of the
 target's framework and is compared with the float64 spec under the case's
 tolerances (see ``ratiokl.conformance``). Torch targets also run every case
 with the policy logits as a non-contiguous view whose gaps hold NaN.
@@ -96,11 +96,11 @@ def test_cli_check_writes_a_report(tmp_path: Path, capsys) -> None:
 
 
 def test_fixtures_found_in_wheel_layout(tmp_path: Path) -> None:
-    """A wheel carries the fixtures as ratiokl/_conformance (see pyproject's force-include)."""
+    """A wheel carries the fixtures as ratiokl/_fixtures (see pyproject's force-include)."""
     source = Path(conformance.fixtures_root())
     package = Path(ratiokl.__file__).resolve().parent
     shutil.copytree(package, tmp_path / "ratiokl", ignore=shutil.ignore_patterns("__pycache__"))
-    data = tmp_path / "ratiokl" / "_conformance"
+    data = tmp_path / "ratiokl" / "_fixtures"
     shutil.copytree(source / "cases", data / "cases")
     shutil.copy(source / "manifest.json", data / "manifest.json")
     code = ("from ratiokl import conformance as c; "

@@ -5,7 +5,7 @@ Layout (the same in a source checkout and in an installed wheel)::
     <root>/manifest.json        format version, and one entry per case
     <root>/cases/<name>.npz     the case's arrays
 
-``<root>`` is ``ratiokl/_conformance`` inside an installed wheel, else the
+``<root>`` is ``ratiokl/_fixtures`` inside an installed wheel, else the
 repository's ``conformance/`` directory.
 """
 
@@ -29,13 +29,13 @@ _PACKAGE_DIR = Path(__file__).resolve().parents[1]
 
 def fixtures_root() -> Path:
     """The directory holding ``manifest.json``: installed data first, then the checkout."""
-    for root in (_PACKAGE_DIR / "_conformance", _PACKAGE_DIR.parents[1] / "conformance"):
+    for root in (_PACKAGE_DIR / "_fixtures", _PACKAGE_DIR.parents[1] / "fixtures"):
         if (root / "manifest.json").is_file():
             return root
     raise FileNotFoundError(
-        "conformance fixtures not found: expected ratiokl/_conformance/manifest.json (installed "
-        "wheel) or conformance/manifest.json (source checkout); regenerate them with "
-        "`python conformance/generate.py`"
+        "conformance fixtures not found: expected ratiokl/_fixtures/manifest.json (installed "
+        "wheel) or fixtures/manifest.json (source checkout); regenerate them with "
+        "`python fixtures/generate.py`"
     )
 
 
@@ -46,7 +46,7 @@ def load_manifest(root: Optional[Path] = None) -> Dict[str, Any]:
     if manifest.get("format_version") != FORMAT_VERSION:
         raise ValueError(
             f"{root / 'manifest.json'} has format_version {manifest.get('format_version')!r}; "
-            f"this ratiokl reads {FORMAT_VERSION}; regenerate with `python conformance/generate.py`"
+            f"this ratiokl reads {FORMAT_VERSION}; regenerate with `python fixtures/generate.py`"
         )
     return manifest
 
