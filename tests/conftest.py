@@ -2,8 +2,8 @@
 
 A test that takes a ``target`` argument runs once per target
 (``torch-native``, ``torch-interpret``, ``torch-triton``, ``jax-native``,
-``jax-triton``); ``native_target`` once per ``*-native`` target and
-``torch_target`` once per ``torch-*`` target.
+``jax-interpret``, ``jax-triton``); ``native_target`` once per ``*-native`` target,
+``torch_target`` once per ``torch-*`` target and ``jax_target`` once per ``jax-*`` target.
 ``--backends`` narrows the list (comma-separated globs, e.g.
 ``--backends=torch-*``). GPU targets carry ``pytest.mark.gpu``; a target that
 cannot run here is skipped with the reason; the Triton interpreter's strided
@@ -60,6 +60,7 @@ _TARGET_FIXTURES = {
     "target": lambda t: True,
     "native_target": lambda t: t.backend == "native",
     "torch_target": lambda t: t.framework == "torch",
+    "jax_target": lambda t: t.framework == "jax",
 }
 
 
