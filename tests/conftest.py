@@ -8,14 +8,22 @@ A test that takes a ``target`` argument runs once per target
 ``--backends=torch-*``). GPU targets carry ``pytest.mark.gpu``; a target that
 cannot run here is skipped with the reason; the Triton interpreter's strided
 second pass carries ``pytest.mark.slow``.
+
+By default the conformance fixtures (a test's ``case_name``) run on ``jax-interpret``
+only for ``representative_cases``, one per group (the rule and why:
+``tests/helpers/conformance_subset.py``). A ``--backends`` that names it (any value but
+the default ``*``, e.g. ``--backends=jax-interpret`` or ``jax-*``) runs all of them, as
+``ratiokl check --backend jax-interpret`` does.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import functools
+from typing import List
 
 import pytest
+from conformance_subset import SUBSET_TARGETS, representative_cases
 
 from ratiokl import conformance
 
@@ -25,8 +33,40 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--backends",
         default="*",
         help="comma-separated globs of conformance targets to run "
-        f"(default: all of {', '.join(conformance.TARGETS)}; unavailable ones are skipped)",
+        f"(default: all of {', '.join(conformance.TARGETS)}; unavailable ones are skipped; "
+        f"{', '.join(SUBSET_TARGETS)} on one fixture per group unless named here)",
     )
+
+
+def _subsets(config: pytest.Config) -> bool:
+    """Whether the :data:`SUBSET_TARGETS` run their subset: ``--backends`` left at ``*``."""
+    return config.getoption("--backends") == "*"
+
+
+def pytest_report_header(config: pytest.Config) -> List[str]:
+    if not _subsets(config):
+        return []
+    names = conformance.list_cases()
+    return [f"conformance on {', '.join(SUBSET_TARGETS)}: {len(representative_cases(names))} "
+            f"of {len(names)} fixtures (one per group); --backends=jax-interpret runs all"]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item]) -> None:
+    """Deselect the fixtures a :data:`SUBSET_TARGETS` target skips by default."""
+    if not _subsets(config):
+        return
+    keep = set(representative_cases(conformance.list_cases()))
+    selected, deselected = [], []
+    for item in items:
+        params = getattr(item, "callspec", None)
+        params = params.params if params is not None else {}
+        targets = {v for k, v in params.items() if k in _TARGET_FIXTURES}
+        skipped = (targets & set(SUBSET_TARGETS) and "case_name" in params
+                   and params["case_name"] not in keep)
+        (deselected if skipped else selected).append(item)
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = selected
 
 
 @functools.lru_cache(maxsize=None)

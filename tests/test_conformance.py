@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import ratiokl
+from conformance_subset import representative_cases
 from ratiokl import conformance
 from ratiokl.__main__ import main
 
@@ -58,6 +59,16 @@ def test_every_group_covers_the_promised_dtypes() -> None:
         assert "float32" in dtypes, group
         if group != "vocab_20011":
             assert dtypes == set(conformance.LOGIT_DTYPES), group
+
+
+def test_the_default_subset_has_one_case_of_every_group_in_every_dtype() -> None:
+    """What ``jax-interpret`` runs without ``--backends`` (``conftest.py``)."""
+    manifest = conformance.load_manifest()["cases"]
+    chosen = representative_cases(CASES)
+    groups = [manifest[name]["group"] for name in chosen]
+    assert sorted(groups) == sorted({entry["group"] for entry in manifest.values()})
+    assert {manifest[name]["dtype"] for name in chosen} == set(conformance.LOGIT_DTYPES)
+    assert representative_cases(reversed(CASES)) == chosen  # the order given is irrelevant
 
 
 def test_importing_conformance_imports_no_framework() -> None:
