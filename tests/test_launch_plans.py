@@ -6,7 +6,7 @@ the cheapest sweep shape of every plan the sweep reaches is run through the
 ``"interpret"`` backend -- which takes the GPU's plan, the span meeting
 included -- and compared with the native path; a plan the sweep reaches that
 no chosen shape takes fails the test. The JAX launch of the fused kernel is run
-on its meeting plan through the interpreter stand-in of ``jax_triton``. The fused
+on its meeting plan through JAX's ``backend="interpret"`` (its grid checked). The fused
 kernel runs with and without an entropy bonus (``entropy_coef``: another
 compile of pass 2), on rows whose last one masks half its vocabulary with
 ``-inf``.
