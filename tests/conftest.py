@@ -2,20 +2,28 @@
 
 A test that takes a ``target`` argument runs once per target
 (``torch-native``, ``torch-interpret``, ``torch-triton``, ``jax-native``,
-``jax-triton``); ``native_target`` once per ``*-native`` target and
-``torch_target`` once per ``torch-*`` target.
+``jax-interpret``, ``jax-triton``); ``native_target`` once per ``*-native`` target,
+``torch_target`` once per ``torch-*`` target and ``jax_target`` once per ``jax-*`` target.
 ``--backends`` narrows the list (comma-separated globs, e.g.
 ``--backends=torch-*``). GPU targets carry ``pytest.mark.gpu``; a target that
 cannot run here is skipped with the reason; the Triton interpreter's strided
 second pass carries ``pytest.mark.slow``.
+
+By default the conformance fixtures (a test's ``case_name``) run on ``jax-interpret``,
+and in the strided pass on ``torch-interpret``, only for ``representative_cases``, one
+per group (the rule and why: ``tests/helpers/conformance_subset.py``). A ``--backends`` that names it (any value but
+the default ``*``, e.g. ``--backends=jax-interpret`` or ``jax-*``) runs all of them, as
+``ratiokl check --backend jax-interpret`` does.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import functools
+from typing import List
 
 import pytest
+from conformance_subset import SUBSET_PAIRS, SUBSET_TARGETS, representative_cases
 
 from ratiokl import conformance
 
@@ -25,8 +33,41 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--backends",
         default="*",
         help="comma-separated globs of conformance targets to run "
-        f"(default: all of {', '.join(conformance.TARGETS)}; unavailable ones are skipped)",
+        f"(default: all of {', '.join(conformance.TARGETS)}; unavailable ones are skipped; "
+        f"{', '.join(SUBSET_TARGETS)} on one fixture per group unless named here)",
     )
+
+
+def _subsets(config: pytest.Config) -> bool:
+    """Whether the :data:`SUBSET_TARGETS` run their subset: ``--backends`` left at ``*``."""
+    return config.getoption("--backends") == "*"
+
+
+def pytest_report_header(config: pytest.Config) -> List[str]:
+    if not _subsets(config):
+        return []
+    names = conformance.list_cases()
+    return [f"conformance on {', '.join(SUBSET_TARGETS)} and the strided pass on "
+            f"torch-interpret: {len(representative_cases(names))} of {len(names)} fixtures "
+            "(one per group); a --backends naming them runs all"]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item]) -> None:
+    """Deselect the fixtures a :data:`SUBSET_TARGETS` target skips by default."""
+    if not _subsets(config):
+        return
+    keep = set(representative_cases(conformance.list_cases()))
+    selected, deselected = [], []
+    for item in items:
+        params = getattr(item, "callspec", None)
+        params = params.params if params is not None else {}
+        pairs = {(k, v) for k, v in params.items() if k in _TARGET_FIXTURES}
+        subset = any(v in SUBSET_TARGETS or (k, v) in SUBSET_PAIRS for k, v in pairs)
+        skipped = subset and "case_name" in params and params["case_name"] not in keep
+        (deselected if skipped else selected).append(item)
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = selected
 
 
 @functools.lru_cache(maxsize=None)
@@ -60,6 +101,7 @@ _TARGET_FIXTURES = {
     "target": lambda t: True,
     "native_target": lambda t: t.backend == "native",
     "torch_target": lambda t: t.framework == "torch",
+    "jax_target": lambda t: t.framework == "jax",
 }
 
 

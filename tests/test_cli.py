@@ -36,7 +36,8 @@ def test_help_lists_every_command(flag, capsys):
 
 
 @pytest.mark.parametrize("command, words", [
-    ("check", ["--backend", "--case", "--contiguous-only", "strided", "twice", "torch-interpret"]),
+    ("check", ["--backend", "--case", "--contiguous-only", "strided", "twice", "torch-interpret",
+               "jax-interpret"]),
     ("bench", ["--preset", "--out", "--plot", "cpu-smoke", "not in the wheel"]),
 ])
 def test_each_command_has_its_help(command, words, capsys):

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import ratiokl
+from conformance_subset import representative_cases
 from ratiokl import conformance
 from ratiokl.__main__ import main
 
@@ -41,24 +42,8 @@ def test_fixture(target: str, case_name: str) -> None:
     _check(case_name, target, strided=False)
 
 
-def _first_of_each_group():
-    """One case per fixture group (its first dtype): every op and option family once."""
-    first = {}
-    for name in CASES:
-        first.setdefault(_case(name).group, name)
-    return set(first.values())
-
-
-#: The strided pass through the Triton interpreter runs one case per group: the strides
-#: are the same pointer arithmetic for each dtype of a group, and at about 3 s a case the
-#: full pass cost CI minutes twice (`ratiokl check --backend torch-interpret` runs all).
-_STRIDED_INTERPRETED = _first_of_each_group()
-
-
 @pytest.mark.parametrize("case_name", CASES)
 def test_fixture_strided_logits(torch_target: str, case_name: str) -> None:
-    if torch_target.endswith("-interpret") and case_name not in _STRIDED_INTERPRETED:
-        pytest.skip("strided interpreter pass: one case per group (see _STRIDED_INTERPRETED)")
     _check(case_name, torch_target, strided=True)
 
 
@@ -74,6 +59,16 @@ def test_every_group_covers_the_promised_dtypes() -> None:
         assert "float32" in dtypes, group
         if group != "vocab_20011":
             assert dtypes == set(conformance.LOGIT_DTYPES), group
+
+
+def test_the_default_subset_has_one_case_of_every_group_in_every_dtype() -> None:
+    """What ``jax-interpret`` runs without ``--backends`` (``conftest.py``)."""
+    manifest = conformance.load_manifest()["cases"]
+    chosen = representative_cases(CASES)
+    groups = [manifest[name]["group"] for name in chosen]
+    assert sorted(groups) == sorted({entry["group"] for entry in manifest.values()})
+    assert {manifest[name]["dtype"] for name in chosen} == set(conformance.LOGIT_DTYPES)
+    assert representative_cases(reversed(CASES)) == chosen  # the order given is irrelevant
 
 
 def test_importing_conformance_imports_no_framework() -> None:

@@ -6,7 +6,7 @@ the cheapest sweep shape of every plan the sweep reaches is run through the
 ``"interpret"`` backend -- which takes the GPU's plan, the span meeting
 included -- and compared with the native path; a plan the sweep reaches that
 no chosen shape takes fails the test. The JAX launch of the fused kernel is run
-on its meeting plan through the interpreter stand-in of ``jax_triton``. The fused
+on its meeting plan through JAX's ``backend="interpret"`` (its grid checked). The fused
 kernel runs with and without an entropy bonus (``entropy_coef``: another
 compile of pass 2), on rows whose last one masks half its vocabulary with
 ``-inf``.
@@ -138,22 +138,19 @@ def test_plan_runs_on_the_interpreter(shape, kernels):
         np.testing.assert_allclose(got, expected, rtol=tol.rtol, atol=tol.atol, err_msg=name)
 
 
-def test_jax_fused_meeting_plan_on_the_interpreter(monkeypatch):
+def test_jax_fused_meeting_plan_on_the_interpreter():
     """The JAX launch of the span meeting (a program per span) matches the PyTorch one, with
     an entropy bonus (its partials ride in the meeting's scratch)."""
     jax = pytest.importorskip("jax")
     import jax.numpy as jnp
-    from jax_interpret import interpreted_triton_call
 
-    from ratiokl.jax import _route as jax_dispatch
-    from ratiokl.jax import _launch as jax_launch
+    from ratiokl.jax import _interpret
     from ratiokl.jax import loss as jax_loss
     from ratiokl.torch import loss
 
-    monkeypatch.setattr(jax_launch, "triton_call", interpreted_triton_call)
-    monkeypatch.setattr(jax_dispatch, "backend_name", lambda backend: backend)
     n, vocab = 3, 4 * 2048 + 5  # fp32: five spans of a 2048-column tile, the last ragged
-    assert launch_plan(vocab, 4, n, True).row_programs == 5
+    plan = launch_plan(vocab, 4, n, True)
+    assert plan.row_programs == 5
     policy, ids, mask, old, adv, _ = _inputs(n, vocab, torch.float32, seed=7)
     leaf = policy.clone().requires_grad_(True)
     with np.errstate(all="ignore"):
@@ -162,8 +159,11 @@ def test_jax_fused_meeting_plan_on_the_interpreter(monkeypatch):
         t_value.backward()
         t_value = t_value.detach()
         j = [jnp.asarray(t.numpy()) for t in (policy, ids, mask, old, adv)]
-        objective = lambda p: jax_loss.policy_loss(p, None, *j[1:], backend="triton",  # noqa: E731
-                                                   check_ids=False, entropy_coef=0.05)[0]
-        j_value, j_grad = jax.value_and_grad(objective)(j[0])
+        objective = lambda p: jax_loss.policy_loss(  # noqa: E731
+            p, None, *j[1:], backend="interpret", check_ids=False, entropy_coef=0.05)[0]
+        with _interpret.recording() as launches:
+            j_value, j_grad = jax.block_until_ready(jax.value_and_grad(objective)(j[0]))
+    assert [launch.grid for launch in launches if launch.kernel == "policy_loss_kernel"] == [
+        (plan.programs(n),)]  # a program per span
     np.testing.assert_allclose(float(j_value), t_value.item(), rtol=1e-6)
     np.testing.assert_allclose(np.asarray(j_grad), leaf.grad.numpy(), rtol=1e-5, atol=1e-9)

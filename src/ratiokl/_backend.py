@@ -11,6 +11,8 @@ A :class:`Backend` runs on flattened, validated inputs::
     token_weights(mask, opts, normalizer, width) -> weights | None     [or None]
     rollout_weights(mask, old, rollout, seq, iw, rollout_opts, bound)
         -> (weights, metrics)                                          [or None]
+    shard_logps(shards, ids, mask, temperature, axis, entropy)
+        -> ([logp per block], entropy | None)                          [JAX; or None]
 
 with ``logits``/``policy``/``ref`` ``[N, V]`` float32 / float16 / bfloat16 (``ref``
 without gradient, or None), ``ids`` ``[N]`` integer (not range-checked: clamped
@@ -28,7 +30,9 @@ mean of the log-ratio before the objective) takes the two-pass route:
 same read of the logits), then the framework's ``_objective``. ``rollout_weights`` (the
 rollout correction's weights and metrics in one launch; ``seq`` the sequence
 log-weights ``[R, 1]`` or ``[R, T]``, or None) is optional: without it the
-framework's ``_rollout`` ops compute the same.
+framework's ``_rollout`` ops compute the same. ``shard_logps`` (JAX's ``vocab_axis``: one
+vocabulary block's log-probs with the kernels, inside ``shard_map``) is optional: without
+it the vocabulary-parallel route runs the native math.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ class Backend:
     policy_loss: Optional[Callable] = None  # fused; None: two passes
     token_weights: Optional[Callable] = None  # one-launch aggregation weights; None: ops
     rollout_weights: Optional[Callable] = None  # one-launch rollout correction; None: ops
+    shard_logps: Optional[Callable] = None  # JAX vocab_axis block with kernels; None: ops
 
 
 def warn_inplace_ignored(sequence_ratio: bool) -> None:

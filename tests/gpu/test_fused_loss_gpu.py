@@ -103,7 +103,7 @@ def test_jax_fused_matches_native(dtype):
     import jax.numpy as jnp
 
     from ratiokl.jax import loss as jax_loss
-    from ratiokl.jax._launch import import_jax_triton
+    from ratiokl.jax._jax_triton import import_jax_triton
 
     try:
         import_jax_triton()
@@ -164,7 +164,7 @@ def test_jax_inplace_grad_with_donated_logits_matches_and_aliases():
     import jax.numpy as jnp
 
     from ratiokl.jax import loss as jax_loss
-    from ratiokl.jax._launch import import_jax_triton
+    from ratiokl.jax._jax_triton import import_jax_triton
 
     try:
         import_jax_triton()

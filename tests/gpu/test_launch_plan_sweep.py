@@ -278,7 +278,7 @@ def test_torch_sweep(dtype: str, vocab: int) -> None:
 @pytest.mark.parametrize("dtype, vocab, n", _jax_shapes())
 def test_jax_sweep(dtype: str, vocab: int, n: int) -> None:
     pytest.importorskip("jax")
-    from ratiokl.jax._launch import import_jax_triton
+    from ratiokl.jax._jax_triton import import_jax_triton
 
     try:
         import_jax_triton()

@@ -118,7 +118,7 @@ def test_jax_triton_matches_spec(correction, bounds) -> None:
     from ratiokl.jax import loss
 
     try:
-        from ratiokl.jax._launch import import_jax_triton
+        from ratiokl.jax._jax_triton import import_jax_triton
 
         import_jax_triton()
     except ImportError as err:

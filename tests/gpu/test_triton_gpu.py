@@ -42,7 +42,7 @@ def _assert_close(actual, expected: np.ndarray, tol: spec.Tolerance, what: str) 
 def _require_jax_triton() -> None:
     """Skip without jax-triton; import it through the helper that keeps TRITON_CACHE_DIR."""
     pytest.importorskip("jax")
-    from ratiokl.jax._launch import import_jax_triton
+    from ratiokl.jax._jax_triton import import_jax_triton
 
     try:
         import_jax_triton()
@@ -90,13 +90,14 @@ def _jax_run(policy, ref, ids, mask, old, g_ratio, g_kl, kl_code=3, temperature=
     import jax.numpy as jnp
 
     from ratiokl.jax import _triton
+    from ratiokl.jax._jax_triton import triton_call
 
     to_jax = lambda t: jnp.asarray(t.cpu().numpy()) if t.dtype != torch.bfloat16 else (  # noqa: E731
         jnp.asarray(t.cpu().view(torch.int16).numpy()).view(jnp.bfloat16))
     x, r, i, m, o, gr, gk = map(to_jax, (policy, ref, ids, mask, old, g_ratio, g_kl))
 
     def objective(x):
-        ratio, kl = _triton.ratio_kl(x, r, i, m, o, None, kl_code, temperature)
+        ratio, kl = _triton.ratio_kl(triton_call, x, r, i, m, o, None, kl_code, temperature)
         return jnp.sum(ratio * gr + kl * gk), (ratio, kl)
 
     grad, (ratio, kl) = jax.jit(jax.grad(objective, has_aux=True))(x)

@@ -2,9 +2,8 @@
 
 An adaptive KL controller hands ``kl_coef`` (and a schedule the clip bounds or
 ``entropy_coef``) to a jitted step as an array: new values must neither retrace nor change
-what a Python number gives. On the ``"triton"`` backend the fused kernel reads
-them as run-time data (here through the interpreter stand-in of
-``jax_triton.triton_call``).
+what a Python number gives. On the Triton backends the fused kernel reads
+them as run-time data (on a CPU: ``backend="interpret"``).
 """
 
 from __future__ import annotations
@@ -16,8 +15,8 @@ jax = pytest.importorskip("jax")
 
 import jax.numpy as jnp  # noqa: E402
 
+from ratiokl import conformance  # noqa: E402
 from ratiokl.jax import loss  # noqa: E402
-from jax_interpret import jax_backend  # noqa: E402
 
 B, T, V = 2, 5, 23
 
@@ -34,9 +33,8 @@ def _inputs(seed: int):
             jnp.asarray(rng.normal(size=(B, T)), jnp.float32))
 
 
-@pytest.mark.parametrize("name", ["native", "triton"])
-def test_traced_coefficients_match_numbers_in_one_trace(name: str, monkeypatch) -> None:
-    backend = jax_backend(name, monkeypatch)
+def test_traced_coefficients_match_numbers_in_one_trace(jax_target: str) -> None:
+    backend = conformance.TARGETS[jax_target].backend
     x = _inputs(0)
     traces = []
 

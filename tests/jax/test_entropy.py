@@ -1,8 +1,7 @@
-"""JAX ``selected_logprobs(return_entropy=True)`` under ``jit`` and ``vmap``, both backends.
+"""JAX ``selected_logprobs(return_entropy=True)`` under ``jit`` and ``vmap``, every backend.
 
-The ``"triton"`` backend runs through the interpreter stand-in of
-``jax_triton.triton_call``; a vmapped call folds the batch into rows, so each
-problem's results must be those of its own call, bit for bit.
+On the Triton backends (on a CPU: ``backend="interpret"``) a vmapped call folds the
+batch into rows, so each problem's results must be those of its own call, bit for bit.
 """
 
 from __future__ import annotations
@@ -14,8 +13,8 @@ jax = pytest.importorskip("jax")
 
 import jax.numpy as jnp  # noqa: E402
 
+from ratiokl import conformance  # noqa: E402
 from ratiokl.jax import loss  # noqa: E402
-from jax_interpret import jax_backend  # noqa: E402
 
 B, T, V = 2, 4, 37
 
@@ -34,9 +33,8 @@ def _problems():
     return tuple(jnp.asarray(a) for a in (logits, ids, mask, temp))
 
 
-@pytest.mark.parametrize("name", ["native", "triton"])
-def test_vmapped_jit_entropy_and_gradient_are_each_problems_own(name, monkeypatch):
-    backend = jax_backend(name, monkeypatch)
+def test_vmapped_jit_entropy_and_gradient_are_each_problems_own(jax_target):
+    backend = conformance.TARGETS[jax_target].backend
 
     def value_and_grad(logits, ids, mask, temp):
         def f(z):
@@ -60,27 +58,21 @@ def test_vmapped_jit_entropy_and_gradient_are_each_problems_own(name, monkeypatc
     assert np.all(np.asarray(ent)[~mask] == 0.0) and np.all(np.asarray(ent)[mask] > 0.0)
 
 
-def test_the_backward_has_an_entropy_term_only_where_the_entropy_is_differentiated(
-        monkeypatch):
+def test_the_backward_has_an_entropy_term_only_where_the_entropy_is_differentiated():
     """Two-pass ``policy_loss`` (GSPO) always computes the entropy for ``entropy_mean``; its
     backward kernel gets the entropy term only with a coefficient (a symbolic-zero
     cotangent otherwise), and ``selected_logprobs`` differentiated through the entropy alone
     drops the log-prob term. Gradients match the spec either way."""
-    pytest.importorskip("triton")
-    from jax_interpret import interpreted_triton_call, use_interpreted_triton
-
+    reason = conformance.target_status("jax-interpret")
+    if reason:
+        pytest.skip(reason)
     from ratiokl import spec
-    from ratiokl.jax import _launch
+    from ratiokl.jax import _interpret
 
-    use_interpreted_triton(monkeypatch)
-    flags = []
+    def backward_flags(launches):
+        return [(launch.constants["HAS_G_LOGP"], launch.constants["ENTROPY"])
+                for launch in launches if launch.kernel == "logp_backward_kernel"]
 
-    def spy(*args, **kwargs):
-        if kwargs["kernel"].__name__ == "logp_backward_kernel":
-            flags.append((kwargs["HAS_G_LOGP"], kwargs["ENTROPY"]))
-        return interpreted_triton_call(*args, **kwargs)
-
-    monkeypatch.setattr(_launch, "triton_call", spy)
     logits, ids, mask, temp = (p[0] for p in _problems())
     rng = np.random.default_rng(5)
     old = jnp.asarray(rng.normal(-3.0, 0.5, mask.shape), jnp.float32)
@@ -88,21 +80,23 @@ def test_the_backward_has_an_entropy_term_only_where_the_entropy_is_differentiat
     x = {k: np.asarray(v) for k, v in dict(logits=logits, ids=ids, mask=mask, old=old,
                                            adv=adv).items()}
     for coef in (0.0, 0.2):
-        flags.clear()
         options = dict(ratio_level="sequence", loss_agg="seq-mean-token-mean",
                        entropy_coef=coef)
-        grad = jax.grad(lambda z: loss.policy_loss(z, None, ids, mask, old, adv,
-                                                   backend="triton", check_ids=False,
-                                                   **options)[0])(logits)
-        assert flags == [(True, coef != 0.0)], (coef, flags)
+        with _interpret.recording() as launches:
+            grad = jax.grad(lambda z: loss.policy_loss(z, None, ids, mask, old, adv,
+                                                       backend="interpret", check_ids=False,
+                                                       **options)[0])(logits)
+            jax.block_until_ready(grad)
+        assert backward_flags(launches) == [(True, coef != 0.0)], (coef, launches)
         want = spec.policy_loss_grad(x["logits"], None, x["ids"], x["mask"], x["old"],
                                      x["adv"], **options)
         np.testing.assert_allclose(np.asarray(grad), want, rtol=1e-4, atol=1e-6)
-    flags.clear()
-    grad = jax.grad(lambda z: jnp.sum(loss.selected_logprobs(
-        z, ids, mask, temperature=temp, backend="triton", check_ids=False,
-        return_entropy=True)[1]))(logits)
-    assert flags == [(False, True)], flags
+    with _interpret.recording() as launches:
+        grad = jax.grad(lambda z: jnp.sum(loss.selected_logprobs(
+            z, ids, mask, temperature=temp, backend="interpret", check_ids=False,
+            return_entropy=True)[1]))(logits)
+        jax.block_until_ready(grad)
+    assert backward_flags(launches) == [(False, True)], launches
     want = spec.entropy_grad(x["logits"], x["mask"], np.ones(mask.shape),
                              temperature=np.asarray(temp))
     np.testing.assert_allclose(np.asarray(grad), want, rtol=1e-4, atol=1e-6)

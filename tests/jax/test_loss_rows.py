@@ -1,7 +1,7 @@
 """The fused policy loss's row-vector launches in JAX (``ratiokl.jax._launch``), interpreted.
 
-The JAX ``"triton"`` backend launches ``_kernels.loss_rows`` through
-``_launch.triton_call``, here the interpreter (``tests/helpers/jax_interpret.py``).
+The JAX Triton backends launch ``_kernels.loss_rows`` through their launch function,
+here the interpreter's (``ratiokl.jax._interpret.triton_call``, ``backend="interpret"``).
 Weights and metrics against the JAX ops of ``ratiokl.jax._objective`` they
 replace: every aggregation, with and without a normaliser (number or
 array), masks with no, some and all rows active, more rows than one block,
@@ -11,8 +11,6 @@ takes the ops, one problem at a time) and ``jit``.
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import pytest
 
@@ -21,11 +19,10 @@ pytest.importorskip("triton")
 pytest.importorskip("torch")  # the interpreter runs the kernels on torch CPU tensors
 
 import jax.numpy as jnp  # noqa: E402
-from jax_interpret import interpreted_triton_call  # noqa: E402
 
 from ratiokl._kernels.loss_rows import METRIC_NAMES, ROWS_BLOCK  # noqa: E402
 from ratiokl._kernels.objective import CLIP_CAPPED, CLIP_HIGH, CLIP_LOW  # noqa: E402
-from ratiokl.jax import _checks, _launch, _objective, _triton  # noqa: E402
+from ratiokl.jax import _checks, _interpret, _launch, _objective, _triton  # noqa: E402
 from ratiokl.spec import LOSS_AGGS, policy_loss_options  # noqa: E402
 from ratiokl.spec.policy_loss import POLICY_LOSS_DEFAULTS  # noqa: E402
 
@@ -34,13 +31,20 @@ SHAPES = [(3, 5), (2, ROWS_BLOCK // 2 + 7)]
 DENSITIES = [0.0, 0.6, 1.0]
 
 
+#: The interpreter backend's launch function.
+CALL = _interpret.triton_call
+
+
 @pytest.fixture
-def launches(monkeypatch):
-    """Names of the kernels run, in order (the interpreter behind ``triton_call``)."""
-    names = []
-    monkeypatch.setattr(_launch, "triton_call",
-                        functools.partial(interpreted_triton_call, record=names))
-    return names
+def launches():
+    """The launches staged during the test (each call when eager, once per ``jit``)."""
+    with _interpret.recording() as staged:
+        yield staged
+
+
+def _kernels(launches) -> list:
+    """The kernels' names, in order."""
+    return [launch.kernel for launch in launches]
 
 
 def _mask(shape, density: float, seed: int) -> np.ndarray:
@@ -59,7 +63,8 @@ def test_weights_match_objective_ops(launches, shape, density, agg, normalizer):
     inputs = _checks.token_inputs(shape, zeros, zeros, segs, None, norm)
     opts = policy_loss_options(**{**POLICY_LOSS_DEFAULTS, "loss_agg": agg})
     want = _objective.aggregation_weights(mask, inputs, opts)
-    got = _triton.token_weights(mask.reshape(-1), opts, inputs.loss_normalizer, shape[-1])
+    got = _triton.token_weights(CALL, mask.reshape(-1), opts, inputs.loss_normalizer,
+                                shape[-1])
     by_kernel = normalizer == 7.5 and agg != "seq-mean-token-mean" or (
         normalizer is None and agg in ("token-mean", "token-sum", "seq-mean-token-sum-norm"))
     assert (got is not None) == by_kernel
@@ -69,7 +74,7 @@ def test_weights_match_objective_ops(launches, shape, density, agg, normalizer):
     assert got.dtype == jnp.float32 and got.shape == want.shape
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=0.0)
     assert np.all(np.asarray(got)[~np.asarray(mask)] == 0)
-    assert launches == ["token_weights_kernel"]
+    assert _kernels(launches) == ["token_weights_kernel"]
 
 
 def _rows(n: int, density: float):
@@ -88,7 +93,7 @@ def _rows(n: int, density: float):
 
 def _loss_and_metrics(loss_rows, mask, logp, ratio, kl, ent, bits, old):
     """``(loss, metrics)`` from the metrics launch that ends the fused loss."""
-    means, total = _launch.metrics_op(mask, logp, ratio, kl, ent, bits, old, loss_rows)
+    means, total = _launch.metrics_op(CALL)(mask, logp, ratio, kl, ent, bits, old, loss_rows)
     return total, {name: means[i] for i, name in enumerate(METRIC_NAMES)}
 
 
@@ -103,8 +108,8 @@ def _objective_metrics(mask, logp, ratio, kl, ent, bits, old):
 @pytest.mark.parametrize("density", DENSITIES)
 def test_metrics_and_loss_match_objective_ops(launches, shape, density):
     loss_rows, *rest = _rows(shape[0] * shape[1], density)
-    total, got = _loss_and_metrics(loss_rows, *rest)
-    assert launches == ["policy_metrics_kernel"]
+    total, got = jax.block_until_ready(_loss_and_metrics(loss_rows, *rest))
+    assert _kernels(launches) == ["policy_metrics_kernel"]
     np.testing.assert_allclose(float(total), float(jnp.sum(loss_rows)), rtol=1e-5, atol=1e-6)
     want = _objective_metrics(*rest)
     assert set(got) == set(want)
@@ -116,11 +121,11 @@ def test_metrics_and_loss_match_objective_ops(launches, shape, density):
         assert all(float(v) == 0.0 for v in got.values())
 
 
-def test_vmap_takes_each_problem_on_its_own_and_jit_launches_once(launches):
+def test_vmap_takes_each_problem_on_its_own_and_jit_runs_one_launch_a_call(launches):
     a, b = _rows(40, 0.5), _rows(40, 0.9)
     stacked = [jnp.stack([x, y]) for x, y in zip(a, b)]
-    totals, metrics = jax.vmap(_loss_and_metrics)(*stacked)
-    assert launches == []  # mapped: the ops of _objective, each problem its own means
+    totals, metrics = jax.block_until_ready(jax.vmap(_loss_and_metrics)(*stacked))
+    assert _kernels(launches) == []  # mapped: the ops of _objective, each problem its own means
     for i, rows in enumerate((a, b)):
         want = _objective_metrics(*rows[1:])
         np.testing.assert_allclose(float(totals[i]), float(jnp.sum(rows[0])), rtol=1e-5)
@@ -131,13 +136,16 @@ def test_vmap_takes_each_problem_on_its_own_and_jit_launches_once(launches):
     zeros = jnp.zeros((4, 10), jnp.float32)
     inputs = _checks.token_inputs((4, 10), zeros, zeros, None, None, None)
     opts = policy_loss_options(**{**POLICY_LOSS_DEFAULTS, "loss_agg": "token-mean"})
-    w = jax.vmap(lambda m: _triton.token_weights(m.reshape(-1), opts, None, 10))(masks)
+    w = jax.block_until_ready(jax.vmap(
+        lambda m: _triton.token_weights(CALL, m.reshape(-1), opts, None, 10))(masks))
     for i in range(2):
         np.testing.assert_allclose(
             np.asarray(w[i]).reshape(4, 10),
             np.asarray(_objective.aggregation_weights(masks[i], inputs, opts)),
             rtol=1e-6)
-    assert launches == []
-    jitted = jax.jit(_loss_and_metrics)(*a)
-    assert launches == ["policy_metrics_kernel"]
+    assert _kernels(launches) == []
+    jitted = jax.block_until_ready(jax.jit(_loss_and_metrics)(*a))
+    assert _kernels(launches) == ["policy_metrics_kernel"]
+    jax.block_until_ready(jax.jit(_loss_and_metrics)(*a))
+    assert _kernels(launches) == ["policy_metrics_kernel"] * 2  # one compilation, a run a call
     np.testing.assert_allclose(float(jitted[0]), float(jnp.sum(a[0])), rtol=1e-5, atol=1e-6)

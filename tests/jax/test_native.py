@@ -247,7 +247,6 @@ _BAD_ARGS = [
     ({"temperature": "1"}, TypeError, "`temperature` must be a Python float"),
     ({"kl_estimator": "k4"}, ValueError, "`kl_estimator` must be one of"),
     ({"backend": "cuda"}, ValueError, "`backend` must be one of"),
-    ({"backend": "interpret"}, ValueError, "available only in ratiokl.torch"),
     ({"backend": "triton"}, RuntimeError, "backend='triton' cannot run here"),
     ({"check_ids": 1}, TypeError, "`check_ids` must be a Python bool"),
 ]

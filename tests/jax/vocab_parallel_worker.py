@@ -30,6 +30,9 @@ from ratiokl.jax import loss  # noqa: E402
 
 TP = 4
 MESH = jax.make_mesh((1, TP), ("dp", "tp"), axis_types=(AxisType.Auto,) * 2)
+#: The ``backend=`` of the fixture and grad-inside-body checks ("interpret" when
+#: ``vocab_parallel_triton_worker.py`` runs them).
+BACKEND = "auto"
 
 
 def _padded(x: np.ndarray, width: int) -> np.ndarray:
@@ -51,7 +54,7 @@ def _sharded(op, ndim: int, static, check_vma: bool) -> Callable:
         positional = [call.get(k) for k in op.positional]
         keywords = {k: call[k] for k in op.keywords if k in call}
         return op.unpack(getattr(loss, op.name)(*positional, **keywords, **op.fixed,
-                                                vocab_axis="tp"))
+                                                backend=BACKEND, vocab_axis="tp"))
 
     def run(logits, arrays):
         specs = ({k: vocab_spec for k in logits}, P())
@@ -191,7 +194,8 @@ def check_grad_inside_body() -> None:
     x = _inputs(1, (3, 4), 32)
 
     def body(policy, ids, mask):
-        g = jax.grad(lambda p: loss.selected_logprobs(p, ids, mask, vocab_axis="tp").sum())
+        g = jax.grad(lambda p: loss.selected_logprobs(p, ids, mask, backend=BACKEND,
+                                                      vocab_axis="tp").sum())
         return g(policy)
 
     grad = jax.jit(jax.shard_map(body, mesh=MESH, in_specs=(P(None, None, "tp"), P(), P()),
@@ -331,9 +335,9 @@ def check_bad_ids_and_errors() -> None:
     for call, message in (
         (lambda: body(x["policy"], x["ids"], x["mask"]), "not a mesh axis bound here"),
         (lambda: jax.shard_map(
-            lambda p, i, m: loss.selected_logprobs(p, i, m, backend="interpret", vocab_axis="tp"),
+            lambda p, i, m: loss.selected_logprobs(p, i, m, backend="cuda", vocab_axis="tp"),
             mesh=MESH, in_specs=(P(None, None, "tp"), P(), P()), out_specs=P(),
-        )(x["policy"], x["ids"], x["mask"]), "available only in ratiokl.torch"),
+        )(x["policy"], x["ids"], x["mask"]), "`backend` must be one of"),
     ):
         try:
             call()

@@ -9,8 +9,8 @@ all-inactive input, garbage (NaN, bad ids) in inactive rows and upstream
 gradients of 1 (the device-side skip) and not 1, and the entropy bonus
 (``entropy_coef``: on masked ``-inf`` vocabularies, per-row temperatures,
 negative, with CISPO). The JAX launch
-(``ratiokl.jax._triton.policy_loss``) runs with ``jax_triton.triton_call`` replaced
-by the interpreter behind ``jax.pure_callback``. Sizes are small: the
+(``ratiokl.jax._triton.policy_loss``) runs through JAX's ``backend="interpret"``
+(the interpreter behind ``jax.pure_callback``). Sizes are small: the
 interpreter is slow.
 """
 
@@ -24,7 +24,6 @@ import torch
 
 pytest.importorskip("triton")
 
-from jax_interpret import interpreted_triton_call  # noqa: E402
 from ratiokl import spec  # noqa: E402
 from ratiokl.torch import _launch, _route, _triton, loss  # noqa: E402
 
@@ -322,19 +321,15 @@ def test_two_pass_backward_has_an_entropy_term_only_with_a_coefficient(monkeypat
                                    rtol=1e-5)
 
 
-# --- the JAX launch, with jax_triton.triton_call replaced by the interpreter -----------------
+# --- the JAX launch, through backend="interpret" ------------------------------------------
 
 
-def test_jax_fused_launch_matches_torch_under_jit_grad_vmap(monkeypatch):
+def test_jax_fused_launch_matches_torch_under_jit_grad_vmap():
     jax = pytest.importorskip("jax")
     import jax.numpy as jnp
 
-    from ratiokl.jax import _route as jax_dispatch
-    from ratiokl.jax import _launch as jax_launch
     from ratiokl.jax import loss as jax_loss
 
-    monkeypatch.setattr(jax_launch, "triton_call", interpreted_triton_call)
-    monkeypatch.setattr(jax_dispatch, "backend_name", lambda backend: backend)
     case = dict(clip_eps_high=0.28, dual_clip=3.0, kl_coef=0.1, entropy_coef=0.1,
                 loss_agg="seq-mean-token-mean", packed=True)
     x = _inputs(13, case)
@@ -343,7 +338,7 @@ def test_jax_fused_launch_matches_torch_under_jit_grad_vmap(monkeypatch):
 
     def objective(logits, ref, ids, mask, old, adv, segs):
         value, metrics = jax_loss.policy_loss(
-            logits, ref, ids, mask, old, adv, segment_ids=segs, backend="triton",
+            logits, ref, ids, mask, old, adv, segment_ids=segs, backend="interpret",
             check_ids=False, **options)
         return -2.5 * value, metrics
 
@@ -406,32 +401,30 @@ def test_forward_without_gradient_skips_the_sweep_and_gives_the_same_bits(monkey
     assert np.isfinite(metrics["kl_mean"].item())
 
 
-def test_jax_primal_reads_once_and_matches_value_and_grad(monkeypatch):
+def _fused_launches(launches):
+    """The recorded launches of the fused kernel (not the backward's scale)."""
+    return [launch for launch in launches if launch.kernel == "policy_loss_kernel"]
+
+
+def test_jax_primal_reads_once_and_matches_value_and_grad():
     jax = pytest.importorskip("jax")
     import jax.numpy as jnp
 
-    from ratiokl.jax import _route as jax_dispatch
-    from ratiokl.jax import _launch as jax_launch
+    from ratiokl.jax import _interpret
     from ratiokl.jax import loss as jax_loss
 
-    written = []
-
-    def spy(*args, **kwargs):
-        if "WRITE_GRAD" in kwargs:  # the fused kernel (not the backward's scale)
-            written.append(kwargs["WRITE_GRAD"])
-        return interpreted_triton_call(*args, **kwargs)
-
-    monkeypatch.setattr(jax_launch, "triton_call", spy)
-    monkeypatch.setattr(jax_dispatch, "backend_name", lambda backend: backend)
     x = _inputs(29, {})
     j = {k: jnp.asarray(v) for k, v in x.items()}
 
     def objective(logits):
         return jax_loss.policy_loss(logits, None, j["action_ids"], j["mask"], j["old_logps"],
-                                    j["advantages"], backend="triton", check_ids=False)[0]
+                                    j["advantages"], backend="interpret", check_ids=False)[0]
 
-    primal = jax.jit(objective)(j["policy_logits"])
-    value, grad = jax.jit(jax.value_and_grad(objective))(j["policy_logits"])
+    with _interpret.recording() as launches:
+        primal = jax.block_until_ready(jax.jit(objective)(j["policy_logits"]))
+        value, grad = jax.block_until_ready(
+            jax.jit(jax.value_and_grad(objective))(j["policy_logits"]))
+    written = [launch.constants["WRITE_GRAD"] for launch in _fused_launches(launches)]
     assert written == [False, True]
     assert float(primal) == float(value)
     assert np.all(np.asarray(grad)[~x["mask"]] == 0.0)
@@ -495,35 +488,29 @@ def test_inplace_grad_without_a_gradient_leaves_the_logits_alone():
     assert value.item() == frozen.item()
 
 
-def test_jax_inplace_grad_aliases_the_logits_and_matches(monkeypatch):
+def test_jax_inplace_grad_aliases_the_logits_and_matches():
     jax = pytest.importorskip("jax")
     import jax.numpy as jnp
 
-    from ratiokl.jax import _route as jax_dispatch
-    from ratiokl.jax import _launch as jax_launch
+    from ratiokl.jax import _interpret
     from ratiokl.jax import loss as jax_loss
 
-    aliases = []
-
-    def spy(*args, **kwargs):
-        if "WRITE_GRAD" in kwargs:  # the fused kernel (not the backward's scale)
-            aliases.append(kwargs.get("input_output_aliases"))
-        return interpreted_triton_call(*args, **kwargs)
-
-    monkeypatch.setattr(jax_launch, "triton_call", spy)
-    monkeypatch.setattr(jax_dispatch, "backend_name", lambda backend: backend)
     x = _inputs(43, {})
     j = {k: jnp.asarray(v) for k, v in x.items()}
 
     def objective(logits, inplace):
         return -1.5 * jax_loss.policy_loss(
             logits, None, j["action_ids"], j["mask"], j["old_logps"], j["advantages"],
-            backend="triton", check_ids=False, inplace_grad=inplace)[0]
+            backend="interpret", check_ids=False, inplace_grad=inplace)[0]
 
-    want = jax.jit(jax.value_and_grad(lambda p: objective(p, False)))(j["policy_logits"])
-    got = jax.jit(jax.value_and_grad(lambda p: objective(p, True)), donate_argnums=0)(
-        jnp.array(j["policy_logits"]))
-    assert aliases == [None, {0: 6}]  # the gradient: after the six per-row outputs
+    with _interpret.recording() as launches:
+        want = jax.block_until_ready(
+            jax.jit(jax.value_and_grad(lambda p: objective(p, False)))(j["policy_logits"]))
+        got = jax.block_until_ready(
+            jax.jit(jax.value_and_grad(lambda p: objective(p, True)), donate_argnums=0)(
+                jnp.array(j["policy_logits"])))
+    aliases = [launch.aliases for launch in _fused_launches(launches)]
+    assert aliases == [{}, {0: 6}]  # the gradient: after the six per-row outputs
     assert float(got[0]) == float(want[0])
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
 

@@ -5,9 +5,9 @@
 forward and gradient in fp32/fp16/bf16, each KL estimator, reference logits
 or log-probs, per-row temperature, inactive rows holding garbage, ``-inf``
 vocabulary masking, NaN rows, unchecked bad ids, tiny and multi-block
-vocabularies and strided logits. The JAX wrapper (``ratiokl.jax._triton``)
-is exercised too, with ``jax_triton.triton_call`` replaced by the same
-interpreter behind ``jax.pure_callback`` (jax-triton cannot run on a CPU).
+vocabularies and strided logits. The JAX binding (``ratiokl.jax._triton``)
+is exercised too, through JAX's ``backend="interpret"`` (the same interpreter
+behind ``jax.pure_callback``; jax-triton cannot run on a CPU).
 Sizes are small: the interpreter is slow.
 """
 
@@ -21,7 +21,6 @@ import torch
 
 pytest.importorskip("triton")
 
-from jax_interpret import interpreted_triton_call  # noqa: E402
 from ratiokl import spec  # noqa: E402
 from ratiokl._kernels import forward_config  # noqa: E402
 from ratiokl.torch import _triton  # noqa: E402
@@ -216,23 +215,15 @@ def test_through_public_loss_and_torch_compile():
         assert torch.equal(a, b)
 
 
-# --- the JAX wrapper, with jax_triton.triton_call replaced by the interpreter ----------------
-
-
-@pytest.fixture
-def jax_triton_backend(monkeypatch):
-    pytest.importorskip("jax")
-    from ratiokl.jax import _launch as jax_launch
-    from ratiokl.jax import _triton as jax_triton_backend
-
-    monkeypatch.setattr(jax_launch, "triton_call", interpreted_triton_call)
-    return jax_triton_backend
+# --- the JAX binding, through backend="interpret" -------------------------------------------
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_jax_wrapper_jit_vmap_grad(jax_triton_backend, dtype):
-    import jax
+def test_jax_wrapper_jit_vmap_grad(dtype):
+    jax = pytest.importorskip("jax")
     import jax.numpy as jnp
+
+    from ratiokl.jax import loss as jax_loss
 
     case = Case(6, 45, dtype, seed=21)
     case.temperature = 1.3
@@ -243,7 +234,8 @@ def test_jax_wrapper_jit_vmap_grad(jax_triton_backend, dtype):
     ids, mask, old, g_ratio, g_kl = rows
 
     def per_sequence(x, r, ids, mask, old):
-        return jax_triton_backend.ratio_kl(x, r, ids, mask, old, None, 3, 1.3)
+        return jax_loss.ratio_kl(x, r, ids, mask, old, kl_estimator="k3", temperature=1.3,
+                                 backend="interpret", check_ids=False)
 
     def objective(x):
         ratio, kl = jax.vmap(per_sequence)(x, r, ids, mask, old)
@@ -259,14 +251,17 @@ def test_jax_wrapper_jit_vmap_grad(jax_triton_backend, dtype):
                   spec.grad_tolerance(dtype, case.scale(), np.abs(e_grad).max()), "grad")
 
 
-def test_jax_wrapper_matches_torch_bitwise(jax_triton_backend):
-    import jax
+def test_jax_wrapper_matches_torch_bitwise():
+    jax = pytest.importorskip("jax")
     import jax.numpy as jnp
+
+    from ratiokl.jax import loss as jax_loss
 
     case = Case(5, 30, "float32", seed=22)
     case.ids[2] = 99  # unchecked bad id: NaN in both
     torch_logp = _triton.selected_logprobs(case.policy, case.ids, case.mask, 0.7)
-    jax_logp = jax.jit(lambda x: jax_triton_backend.selected_logprobs(
-        x, jnp.asarray(case.ids.numpy()), jnp.asarray(case.mask.numpy()), 0.7))(
-        jnp.asarray(case.policy.numpy()))
+    jax_logp = jax.jit(lambda x: jax_loss.selected_logprobs(
+        x, jnp.asarray(case.ids.numpy()), jnp.asarray(case.mask.numpy()), temperature=0.7,
+        backend="interpret", check_ids=False))(jnp.asarray(case.policy.numpy()))
+    assert np.isnan(np.asarray(jax_logp)[2])
     np.testing.assert_array_equal(np.asarray(jax_logp), torch_logp.numpy())

@@ -12,8 +12,9 @@ Typical use::
         assert result.passed, result.failures
 
 Targets are ``"torch-native"``, ``"torch-interpret"``, ``"torch-triton"``,
-``"jax-native"`` and ``"jax-triton"``; :func:`target_status` says why one
-cannot run here (``None`` when it can).
+``"jax-native"``, ``"jax-interpret"`` and ``"jax-triton"`` (``interpret``: the Triton
+kernels through Triton's CPU interpreter); :func:`target_status` says why one cannot
+run here (``None`` when it can).
 """
 
 from ratiokl.conformance._cases import LOGIT_DTYPES, Case, build_case, round_to_dtype

@@ -40,6 +40,7 @@ TARGETS: Dict[str, Target] = {
         Target("torch", "interpret", gpu=False),
         Target("torch", "triton", gpu=True),
         Target("jax", "native", gpu=False),
+        Target("jax", "interpret", gpu=False),
         Target("jax", "triton", gpu=True),
     )
 }
@@ -83,11 +84,19 @@ def _jax_triton() -> Optional[str]:
     return _jax_triton_error() or None
 
 
+def _jax_interpret() -> Optional[str]:
+    """The JAX route's own reason (torch or triton missing or too old), in full."""
+    from ratiokl.jax._route import _interpret_error
+
+    return _interpret_error() or None
+
+
 _REQUIREMENTS: Dict[str, Tuple[Callable[[], Optional[str]], ...]] = {
     "torch-native": (lambda: _framework("torch"),),
     "torch-interpret": (lambda: _framework("torch"), _triton),
     "torch-triton": (lambda: _framework("torch"), _triton, _torch_cuda),
     "jax-native": (lambda: _framework("jax"),),
+    "jax-interpret": (lambda: _framework("jax"), _jax_interpret),
     "jax-triton": (lambda: _framework("jax"), _jax_triton),
 }
 

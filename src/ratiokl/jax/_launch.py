@@ -1,26 +1,30 @@
 """Every jax-triton launch of the JAX binding: one call function per kernel, vmap-ready.
 
-Each ``*_call`` function launches ``ratiokl._kernels`` through
-:func:`triton_call` on ``[N, V]`` / ``[N]`` arrays; each ``*_op`` wraps one in
-a ``jax.custom_batching.custom_vmap`` (``triton_call`` has no batching rule):
-row-independent kernels fold batch dimensions into rows (:func:`row_op`),
-the reductions over rows (weights, metrics) map the framework ops instead.
-``ratiokl.jax._triton`` gives them their derivatives (``jax.custom_vjp``).
+Each ``*_call`` function launches ``ratiokl._kernels`` on ``[N, V]`` / ``[N]``
+arrays through ``call``, a :data:`TritonCall`: ``ratiokl.jax._jax_triton.triton_call``
+(the ``"triton"`` backend) or ``ratiokl.jax._interpret.triton_call`` (``"interpret"``:
+the same launch through Triton's CPU interpreter). Each ``*_op`` factory, cached per
+``call`` and static options, wraps one in a ``jax.custom_batching.custom_vmap``
+(``triton_call`` has no batching rule): row-independent kernels fold batch dimensions
+into rows (:func:`row_op`), the reductions over rows (weights, metrics) map the
+framework ops instead. ``ratiokl.jax._triton`` gives them their derivatives
+(``jax.custom_vjp``).
 
 Launch details: block sizes come from ``ratiokl._kernels`` heuristics (no
 autotuning, so CUDA-graph capture works); ``V`` and the strides are passed
 as compile-time constants, which keeps the loads vectorised (jax-triton
 gives runtime integers no alignment facts); the mask travels as bool; a
 scalar temperature is a ``[1]`` array read with stride 0. ``jax_triton`` is
-imported on first launch through ``_jax_triton`` (versions checked, the
-differences between 0.3.1 and 0.4 handled there). The kernels clamp ids and poison bad active
-rows with NaN; nothing synchronises with the host.
+imported on the ``"triton"`` backend's first launch, through ``_jax_triton`` (versions
+checked, the differences between 0.3.1 and 0.4 handled there); this module imports
+neither it nor the interpreter. The kernels clamp ids and poison bad active rows with
+NaN; nothing synchronises with the host.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Callable, Sequence, Tuple
+from typing import Any, Callable, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -47,25 +51,23 @@ from ratiokl._kernels.fused_loss import (
     scale_rows_kernel,
 )
 from ratiokl._kernels.objective import CLIP_CAPPED, CLIP_HIGH, CLIP_LOW
-from ratiokl.jax import _jax_triton, _objective
-from ratiokl.jax._jax_triton import import_jax_triton
+from ratiokl.jax import _objective
 
 __all__ = [
-    "Static", "backward_op", "forward_op", "fused_op", "import_jax_triton", "metrics_op",
-    "row_op", "scale_op", "stats_op", "triton_call", "weights_op",
+    "Static", "TritonCall", "backward_op", "forward_op", "fused_op", "metrics_op", "row_op",
+    "scale_op", "stats_op", "weights_op",
 ]
 
-
-def triton_call(*args, **kwargs):
-    """``jax_triton.triton_call`` (the one launch point; tests may substitute it)."""
-    return _jax_triton.triton_call(*args, **kwargs)
+#: A launch function with ``jax_triton.triton_call``'s signature (kernel, ``out_shape``,
+#: grid and compile-time keywords): the one difference between the Triton backends.
+TritonCall = Callable[..., Any]
 
 
 # --- log-probs, ratio and KL -------------------------------------------------------------
 
 
-def _forward_call(kl_code: int, has_ref: bool, entropy: bool, policy, ref, ids, mask, old,
-                  ref_logps, temp):
+def _forward_call(call: TritonCall, kl_code: int, has_ref: bool, entropy: bool, policy, ref,
+                  ids, mask, old, ref_logps, temp):
     """``(logp, ratio, kl, dkl, lse)`` float32 ``[N]``: one launch, or partials + combine.
 
     ``entropy``: the kernels' ``ENTROPY`` mode (no reference, ``kl_code`` ``KL.NONE``): ``kl`` and
@@ -85,28 +87,28 @@ def _forward_call(kl_code: int, has_ref: bool, entropy: bool, policy, ref, ids, 
         stride_t=0 if temp.shape[0] == 1 else 1, HAS_REF=has_ref, ENTROPY=entropy,
     )
     if not use_split_forward(n_rows, plan):
-        return tuple(triton_call(
+        return tuple(call(
             policy, ref, ids, mask, old, ref_logps, temp,
             kernel=logp_forward_kernel, out_shape=[row] * 5, grid=(n_rows,),
             num_warps=config.num_warps, KL_CODE=kl_code,
             TILES_PER_SPLIT=plan.tiles_per_split, BLOCK_V=config.block_v, **sizes,
         ))
-    parts = triton_call(
+    parts = call(
         policy, ref, mask, temp,
         kernel=lse_partials_kernel,
         out_shape=jax.ShapeDtypeStruct((n_rows, plan.splits, 4), jnp.float32),
         grid=(n_rows, plan.splits), num_warps=config.num_warps, SPLITS=plan.splits,
         TILES_PER_SPLIT=plan.tiles_per_split, BLOCK_V=config.block_v, **sizes,
     )
-    return tuple(triton_call(
+    return tuple(call(
         policy, ref, ids, mask, old, ref_logps, temp, parts,
         kernel=logp_combine_kernel, out_shape=[row] * 5, grid=(n_rows,), num_warps=1,
         KL_CODE=kl_code, SPLITS=plan.splits, **sizes,
     ))
 
 
-def _backward_call(terms: Tuple[bool, bool, bool], entropy: bool, policy, ids, mask, temp, lse,
-                   g_logp, g_ratio, ratio, g_kl, dkl):
+def _backward_call(call: TritonCall, terms: Tuple[bool, bool, bool], entropy: bool, policy,
+                   ids, mask, temp, lse, g_logp, g_ratio, ratio, g_kl, dkl):
     """Gradient ``[N, V]`` in the logits' dtype; grid ``(N, S)``, ``S = backward_splits``.
 
     The kernel forms ``c = g_logp + g_ratio * ratio + g_kl * dkl`` per row;
@@ -120,7 +122,7 @@ def _backward_call(terms: Tuple[bool, bool, bool], entropy: bool, policy, ids, m
     config = backward_config(vocab, policy.dtype.itemsize)
     tiles = -(-vocab // config.block_v)
     per_prog = -(-tiles // backward_splits(n_rows, vocab, policy.dtype.itemsize))
-    return triton_call(
+    return call(
         policy, ids, mask, temp, lse, g_logp, g_ratio, ratio, g_kl, dkl,
         kernel=logp_backward_kernel, out_shape=jax.ShapeDtypeStruct(policy.shape, policy.dtype),
         grid=(n_rows, -(-tiles // per_prog)), num_warps=config.num_warps,
@@ -176,14 +178,18 @@ def row_op(call: Callable, temp_index: int, shared: Tuple[int, ...] = ()) -> Cal
 
 
 @functools.lru_cache(maxsize=None)
-def forward_op(kl_code: int, has_ref: bool, entropy: bool = False) -> Callable:
-    return row_op(functools.partial(_forward_call, kl_code, has_ref, entropy), temp_index=6)
+def forward_op(call: TritonCall, kl_code: int, has_ref: bool, entropy: bool = False) -> Callable:
+    """The row forward through ``call`` (see :func:`_forward_call`)."""
+    return row_op(functools.partial(_forward_call, call, kl_code, has_ref, entropy),
+                  temp_index=6)
 
 
 @functools.lru_cache(maxsize=None)
-def backward_op(terms: Tuple[bool, bool, bool], entropy: bool = False) -> Callable:
-    """The backward kernel call for these upstream terms (see :func:`_backward_call`)."""
-    return row_op(functools.partial(_backward_call, terms, entropy), temp_index=3)
+def backward_op(call: TritonCall, terms: Tuple[bool, bool, bool],
+                entropy: bool = False) -> Callable:
+    """The backward kernel through ``call`` for these upstream terms (see
+    :func:`_backward_call`)."""
+    return row_op(functools.partial(_backward_call, call, terms, entropy), temp_index=3)
 
 
 # --- the fused policy loss ----------------------------------------------------------------
@@ -192,8 +198,8 @@ def backward_op(terms: Tuple[bool, bool, bool], entropy: bool = False) -> Callab
 Static = Tuple[bool, bool, int, bool, float, int, bool]
 
 
-def _fused_call(static: Static, write_grad: bool, inplace: bool, policy, ref, ids, mask, old,
-                ref_lp, temp, adv, iw, w, coefs):
+def _fused_call(call: TritonCall, static: Static, write_grad: bool, inplace: bool, policy, ref,
+                ids, mask, old, ref_lp, temp, adv, iw, w, coefs):
     """``(loss_rows, logp, ratio, kl, entropy, clip_bits, grad)`` from one launch.
 
     Without ``write_grad`` (the primal, no derivative taken) the kernel reads
@@ -218,7 +224,7 @@ def _fused_call(static: Static, write_grad: bool, inplace: bool, policy, ref, id
                jax.ShapeDtypeStruct((n_counters or 1,), jnp.int32)]  # partials; counters
     grad_out, counters_out = len(shapes) - 1, len(shapes) + 1
     aliases = {"input_output_aliases": {0: grad_out}} if inplace and write_grad else {}
-    outs = triton_call(
+    outs = call(
         policy, ref, ids, mask, old, ref_lp, temp, adv, iw, w, coefs,
         kernel=policy_loss_kernel, out_shape=shapes + scratch,
         zeroed_outputs=(counters_out,) if n_counters else (),
@@ -233,12 +239,12 @@ def _fused_call(static: Static, write_grad: bool, inplace: bool, policy, ref, id
     return tuple(outs[:len(shapes)])
 
 
-def _scale_call(grad, g, mask):
+def _scale_call(call: TritonCall, grad, g, mask):
     """``grad[i] * g[i]`` on active rows with ``g[i] != 1``, in ``grad``'s (aliased) buffer."""
     n_rows, vocab = grad.shape
     if n_rows == 0:
         return grad
-    return triton_call(
+    return call(
         grad, g, mask,
         kernel=scale_rows_kernel, out_shape=jax.ShapeDtypeStruct(grad.shape, grad.dtype),
         grid=(n_rows,), num_warps=SCALE_WARPS, input_output_aliases={0: 0},
@@ -247,12 +253,17 @@ def _scale_call(grad, g, mask):
 
 
 @functools.lru_cache(maxsize=None)
-def fused_op(static: Static, write_grad: bool, inplace: bool = False):
-    call = functools.partial(_fused_call, static, write_grad, inplace)
-    return row_op(call, temp_index=6, shared=(10,))
+def fused_op(call: TritonCall, static: Static, write_grad: bool,
+             inplace: bool = False) -> Callable:
+    """The fused policy loss through ``call`` (see :func:`_fused_call`)."""
+    launch = functools.partial(_fused_call, call, static, write_grad, inplace)
+    return row_op(launch, temp_index=6, shared=(10,))
 
 
-scale_op = row_op(_scale_call, temp_index=-1)
+@functools.lru_cache(maxsize=None)
+def scale_op(call: TritonCall) -> Callable:
+    """The gradient's in-place row scaling through ``call`` (see :func:`_scale_call`)."""
+    return row_op(functools.partial(_scale_call, call), temp_index=-1)
 
 
 # --- the row vectors around it: aggregation weights, metrics --------------------------------
@@ -273,12 +284,12 @@ def _native_weights(denom: float, count: bool, mask: jax.Array) -> jax.Array:
     return jnp.where(mask, 1.0 / d, 0.0).astype(jnp.float32)
 
 
-def _weights_call(denom: float, count: bool, mask: jax.Array) -> jax.Array:
+def _weights_call(call: TritonCall, denom: float, count: bool, mask: jax.Array) -> jax.Array:
     """``token_weights_kernel``; ``denom`` a compile-time constant, as jax-triton passes
     every keyword (unused when ``count``)."""
     if not mask.size:
         return jnp.zeros(mask.shape, jnp.float32)
-    w = triton_call(
+    w = call(
         mask.reshape(-1), kernel=row_kernels.token_weights_kernel,
         out_shape=jax.ShapeDtypeStruct((mask.size,), jnp.float32), grid=(1,),
         num_warps=row_kernels.ROWS_WARPS, N=mask.size, denom=denom, COUNT=count,
@@ -288,8 +299,10 @@ def _weights_call(denom: float, count: bool, mask: jax.Array) -> jax.Array:
 
 
 @functools.lru_cache(maxsize=None)
-def weights_op(denom: float, count: bool):
-    op = jax.custom_batching.custom_vmap(functools.partial(_weights_call, denom, count))
+def weights_op(call: TritonCall, denom: float, count: bool) -> Callable:
+    """The aggregation weights through ``call`` (see :func:`_weights_call`); vmapped:
+    the framework ops."""
+    op = jax.custom_batching.custom_vmap(functools.partial(_weights_call, call, denom, count))
     op.def_vmap(functools.partial(_vmapped, functools.partial(_native_weights, denom, count)))
     return op
 
@@ -307,12 +320,12 @@ def _native_metrics(mask, logp, ratio, kl, ent, bits, old,
     return jnp.stack([metrics[name] for name in row_kernels.METRIC_NAMES]), total
 
 
-def _metrics_call(mask, logp, ratio, kl, ent, bits, old,
+def _metrics_call(call: TritonCall, mask, logp, ratio, kl, ent, bits, old,
                   loss_rows) -> Tuple[jax.Array, jax.Array]:
     n_metrics = len(row_kernels.METRIC_NAMES)
     if not mask.shape[0]:
         return jnp.zeros((n_metrics,), jnp.float32), jnp.zeros((), jnp.float32)
-    means, total = triton_call(
+    means, total = call(
         mask, logp, ratio, kl, ent, bits, old, loss_rows,
         kernel=row_kernels.policy_metrics_kernel,
         out_shape=[jax.ShapeDtypeStruct((n_metrics,), jnp.float32),
@@ -322,14 +335,19 @@ def _metrics_call(mask, logp, ratio, kl, ent, bits, old,
     return means, total
 
 
-metrics_op = jax.custom_batching.custom_vmap(_metrics_call)
-metrics_op.def_vmap(functools.partial(_vmapped, _native_metrics))
+@functools.lru_cache(maxsize=None)
+def metrics_op(call: TritonCall) -> Callable:
+    """The metrics' means and the loss through ``call``; vmapped: the framework ops."""
+    op = jax.custom_batching.custom_vmap(functools.partial(_metrics_call, call))
+    op.def_vmap(functools.partial(_vmapped, _native_metrics))
+    return op
 
 
 # --- one vocabulary shard (vocab-parallel) -----------------------------------------------------
 
 
-def _stats_call(has_ref: bool, entropy: bool, policy, ref, ids, mask, temp, start):
+def _stats_call(call: TritonCall, has_ref: bool, entropy: bool, policy, ref, ids, mask, temp,
+                start):
     """``(lse, ref_lse, z_a, ref_z_a, mu)`` float32 ``[N]`` from one ``shard_stats_kernel``
     launch (``mu``, the mean ``z`` under the block's softmax, only with ``entropy``)."""
     n_rows, vocab = policy.shape
@@ -337,7 +355,7 @@ def _stats_call(has_ref: bool, entropy: bool, policy, ref, ids, mask, temp, star
         return tuple(jnp.zeros((0,), jnp.float32) for _ in range(5))
     row = jax.ShapeDtypeStruct((n_rows,), jnp.float32)
     config = forward_config(vocab, policy.dtype.itemsize)
-    return tuple(triton_call(
+    return tuple(call(
         policy, ref, ids, mask, temp, start,
         kernel=shard_stats_kernel, out_shape=[row] * 5, grid=(n_rows,),
         num_warps=config.num_warps,
@@ -348,7 +366,8 @@ def _stats_call(has_ref: bool, entropy: bool, policy, ref, ids, mask, temp, star
 
 
 @functools.lru_cache(maxsize=None)
-def stats_op(has_ref: bool, entropy: bool = False):
-    return row_op(functools.partial(_stats_call, has_ref, entropy), temp_index=4)
+def stats_op(call: TritonCall, has_ref: bool, entropy: bool = False) -> Callable:
+    """One vocabulary shard's statistics through ``call`` (see :func:`_stats_call`)."""
+    return row_op(functools.partial(_stats_call, call, has_ref, entropy), temp_index=4)
 
 

@@ -16,11 +16,13 @@ JAX specifics: ``kl_code`` and the option codes are static; the coefficients
 (``opts.kl_coef``, the clip bounds) and every array may be traced (``jit``,
 ``grad``, ``vmap``).
 
-Backends: ``"native"`` (XLA, runs everywhere) and ``"triton"`` (the shared
-Triton kernels through ``jax_triton``; GPU only). ``"auto"`` picks
-``"triton"`` when JAX's default backend is a GPU and ``jax_triton`` imports,
-else ``"native"``. ``"interpret"`` (Triton's CPU interpreter) exists only in
-``ratiokl.torch``. ``vocab_axis`` wraps either in ``_vocab_parallel``.
+Backends (the table :data:`_LOADERS`): ``"native"`` (XLA, runs everywhere),
+``"triton"`` (the shared Triton kernels through ``jax_triton``; GPU only) and
+``"interpret"`` (the same binding, ``_triton``, with each launch run by Triton's CPU
+interpreter through ``_interpret``; needs torch and triton; for tests, slow).
+``"auto"`` picks ``"triton"`` when JAX's default backend is a GPU and ``jax_triton``
+imports, else ``"native"``; never ``"interpret"``. ``vocab_axis`` wraps any of them in
+``_vocab_parallel``.
 """
 
 from __future__ import annotations
@@ -51,12 +53,19 @@ def _native() -> Backend:
 def _triton() -> Backend:
     from ratiokl.jax import _triton
 
-    return Backend(_triton.selected_logprobs, _triton.ratio_kl, _triton.logprobs_entropy,
-                   _triton.policy_loss, _triton.token_weights)
+    return _triton.backend(_jax_triton.triton_call)
+
+
+def _interpret() -> Backend:
+    from ratiokl.jax import _interpret, _triton
+
+    return _triton.backend(_interpret.triton_call)
 
 
 #: Backend name -> its loader (imported on first use).
-_LOADERS: Dict[str, Callable[[], Backend]] = {"native": _native, "triton": _triton}
+_LOADERS: Dict[str, Callable[[], Backend]] = {
+    "native": _native, "triton": _triton, "interpret": _interpret,
+}
 
 
 @functools.lru_cache(maxsize=None)
@@ -76,6 +85,17 @@ def _jax_triton_error() -> str:
     return ""
 
 
+@functools.lru_cache(maxsize=None)
+def _interpret_error() -> str:
+    """Why ``backend="interpret"`` cannot run here (torch or triton missing or too old),
+    or ``""`` when it can."""
+    for distribution in ("torch", "triton"):
+        reason = unmet(distribution, extra="torch-triton")
+        if reason:
+            return reason
+    return ""
+
+
 def backend_name(backend: str) -> str:
     """The concrete backend for ``backend`` (a static string); raises if it cannot run here.
 
@@ -83,13 +103,17 @@ def backend_name(backend: str) -> str:
     run here raises ``RuntimeError`` saying why, an unknown name ``ValueError``.
     """
     if backend not in BACKENDS:
-        choices = ", ".join(repr(b) for b in BACKENDS if b != "interpret")
+        choices = ", ".join(repr(b) for b in BACKENDS)
         raise ValueError(f"`backend` must be one of {choices}; got {backend!r}")
     if backend == "interpret":
-        raise ValueError(
-            "`backend='interpret'` (Triton's CPU interpreter) is available only in "
-            "ratiokl.torch; in JAX use backend='native' on CPU or 'triton' on a GPU"
-        )
+        reason = _interpret_error()
+        if reason:
+            raise RuntimeError(
+                f"backend='interpret' cannot run here: {reason}. It runs the Triton kernels "
+                "through Triton's CPU interpreter on torch CPU tensors, so it needs torch and "
+                "triton: pip install 'ratiokl[torch-triton]'; or use backend='native'"
+            )
+        return backend
     if backend == "auto":
         return "native" if _jax_triton_error() else "triton"
     if backend == "triton":
@@ -157,7 +181,7 @@ def _rows(logits: jax.Array, lead: Tuple[int, ...], ids: jax.Array, mask, temper
         from ratiokl.jax import _vocab_parallel
 
         vocab = _vocab_parallel.global_vocab(logits.shape[-1], vocab_axis)
-        run = _vocab_parallel.backend(name, vocab_axis, explicit=backend != "auto")
+        run = _vocab_parallel.backend(resolve(name), vocab_axis, explicit=backend != "auto")
     check = _checks.ActiveCheck(ids, mask, vocab, check_ids, temperature)
     if not isinstance(temperature, float):
         temperature = _checks.poison_bad_temperature(_flat(temperature))

@@ -1,8 +1,13 @@
-"""The ``"triton"`` JAX backend on flattened rows: the kernels' launches with derivatives.
+"""The ``"triton"`` and ``"interpret"`` JAX backends on flattened rows: the kernels'
+launches with derivatives.
 
 The functions ``ratiokl.jax._route`` calls with validated ``[N, V]`` logits
 and ``[N]`` per-row arrays, on the very kernels ``ratiokl.torch`` launches
-(``ratiokl.jax._launch`` holds the launches and their ``vmap`` rules):
+(``ratiokl.jax._launch`` holds the launches and their ``vmap`` rules). Each takes
+``call`` first, the launch function (:data:`ratiokl.jax._launch.TritonCall`), and
+:func:`backend` binds them to one: ``jax_triton.triton_call`` for ``"triton"``, the
+interpreter's stand-in (``ratiokl.jax._interpret``) for ``"interpret"``. The rest is
+one code path for both:
 
 * ``selected_logprobs`` / ``ratio_kl``: one ``jax.custom_vjp`` whose forward
   runs the row forward (per row ``logp``, ``ratio``, ``kl``, ``dkl/dlogp``,
@@ -35,42 +40,49 @@ import jax.numpy as jnp
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
+from ratiokl._backend import Backend, token_weights_args
 from ratiokl._codes import KL
-from ratiokl._backend import token_weights_args
 from ratiokl._kernels.loss_rows import METRIC_NAMES
 from ratiokl.jax import _launch, _native
-from ratiokl.jax._launch import Static
-from ratiokl.spec import PolicyLossOptions
 from ratiokl.jax._checks import Temperature
+from ratiokl.jax._launch import Static, TritonCall
+from ratiokl.spec import PolicyLossOptions
 
-__all__ = ["logprobs_entropy", "policy_loss", "ratio_kl", "selected_logprobs", "shard_logps",
-           "token_weights", "varies_over"]
+__all__ = ["backend", "logprobs_entropy", "policy_loss", "ratio_kl", "selected_logprobs",
+           "shard_logps", "token_weights", "varies_over"]
 
 
+def backend(call: TritonCall) -> Backend:
+    """The backend whose kernels launch through ``call`` (every function below, bound)."""
+    bind = functools.partial
+    return Backend(bind(selected_logprobs, call), bind(ratio_kl, call),
+                   bind(logprobs_entropy, call), bind(policy_loss, call),
+                   bind(token_weights, call), shard_logps=bind(shard_logps, call))
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def _op(policy, ref, ids, mask, old, ref_logps, temp, kl_code: int, has_ref: bool):
-    logp, ratio, kl, _, _ = _launch.forward_op(kl_code, has_ref)(
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 8, 9))
+def _op(call, policy, ref, ids, mask, old, ref_logps, temp, kl_code: int, has_ref: bool):
+    logp, ratio, kl, _, _ = _launch.forward_op(call, kl_code, has_ref)(
         policy, ref, ids, mask, old, ref_logps, temp
     )
     return logp, ratio, kl
 
 
-def _op_fwd(policy, ref, ids, mask, old, ref_logps, temp, kl_code, has_ref):
-    logp, ratio, kl, dkl, lse = _launch.forward_op(kl_code, has_ref)(
+def _op_fwd(call, policy, ref, ids, mask, old, ref_logps, temp, kl_code, has_ref):
+    logp, ratio, kl, dkl, lse = _launch.forward_op(call, kl_code, has_ref)(
         policy, ref, ids, mask, old, ref_logps, temp
     )
     return (logp, ratio, kl), (policy, ids, mask, temp, lse, ratio, dkl)
 
 
-def _op_bwd(kl_code, has_ref, residuals, cotangents):
+def _op_bwd(call, kl_code, has_ref, residuals, cotangents):
     del kl_code, has_ref  # the forward's ratio and dkl carry what the estimator needs
     policy, ids, mask, temp, lse, ratio, dkl = residuals
     g_logp, g_ratio, g_kl = (g.astype(jnp.float32) for g in cotangents)
     # The kernel forms c = g_logp + g_ratio * ratio + g_kl * dkl, selecting 0 on inactive
     # rows (never multiplying: a NaN cotangent there stays out).
-    grad = _launch.backward_op((True, True, True))(policy, ids, mask, temp, lse, g_logp, g_ratio,
-                                           ratio, g_kl, dkl)
+    grad = _launch.backward_op(call, (True, True, True))(policy, ids, mask, temp, lse, g_logp,
+                                                         g_ratio, ratio, g_kl, dkl)
     # custom_vjp does not force the cotangent's dtype: keep the logits' dtype.
     return grad.astype(policy.dtype), None, None, None, None, None, None
 
@@ -94,7 +106,8 @@ def _rows(ids: jax.Array, mask: jax.Array, temperature: Temperature):
 
 
 def selected_logprobs(
-    logits: jax.Array, ids: jax.Array, mask: jax.Array, temperature: Temperature,
+    call: TritonCall, logits: jax.Array, ids: jax.Array, mask: jax.Array,
+    temperature: Temperature,
 ) -> jax.Array:
     """Float32 ``logp[N]`` of ``logits[N, V]``; 0 on inactive rows, NaN on bad-id rows.
 
@@ -102,26 +115,26 @@ def selected_logprobs(
     """
     ids, mask_k, temp = _rows(ids, mask, temperature)
     # Placeholders, never read (KL_CODE = 0): an existing array, so nothing is computed.
-    logp, _, _ = _op(logits, logits, ids, mask_k, temp, temp, temp, KL.NONE.value, False)
+    logp, _, _ = _op(call, logits, logits, ids, mask_k, temp, temp, temp, KL.NONE.value, False)
     return logp
 
 
-@jax.custom_vjp
-def _entropy_op(policy, ids, mask, temp):
-    logp, _, ent, _, _ = _launch.forward_op(KL.NONE.value, False, True)(
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _entropy_op(call, policy, ids, mask, temp):
+    logp, _, ent, _, _ = _launch.forward_op(call, KL.NONE.value, False, True)(
         policy, policy, ids, mask, temp, temp, temp)
     return logp, ent
 
 
-def _entropy_op_fwd(*primals):
-    # symbolic_zeros: each argument comes as a CustomVJPPrimal (its value, whether perturbed).
+def _entropy_op_fwd(call, *primals):
+    # symbolic_zeros: each array comes as a CustomVJPPrimal (its value, whether perturbed).
     policy, ids, mask, temp = (p.value for p in primals)
-    logp, _, ent, _, lse = _launch.forward_op(KL.NONE.value, False, True)(
+    logp, _, ent, _, lse = _launch.forward_op(call, KL.NONE.value, False, True)(
         policy, policy, ids, mask, temp, temp, temp)
     return (logp, ent), (policy, ids, mask, temp, lse, ent)
 
 
-def _entropy_op_bwd(residuals, cotangents):
+def _entropy_op_bwd(call, residuals, cotangents):
     policy, ids, mask, temp, lse, ent = residuals
     # A symbolic-zero cotangent (an output nothing differentiates: the entropy of
     # policy_loss with entropy_coef=0) is a term the kernel leaves out.
@@ -130,7 +143,7 @@ def _entropy_op_bwd(residuals, cotangents):
     if g_logp is None and g_ent is None:
         return jnp.zeros_like(policy), None, None, None
     # The entropy's term rides in the kernel's KL slots (ENTROPY): -g_ent p (log p + H) / T.
-    grad = _launch.backward_op((g_logp is not None, False, g_ent is not None),
+    grad = _launch.backward_op(call, (g_logp is not None, False, g_ent is not None),
                                g_ent is not None)(
         policy, ids, mask, temp, lse, lse if g_logp is None else g_logp, lse, lse,
         lse if g_ent is None else g_ent, ent)
@@ -141,16 +154,18 @@ _entropy_op.defvjp(_entropy_op_fwd, _entropy_op_bwd, symbolic_zeros=True)
 
 
 def logprobs_entropy(
-    logits: jax.Array, ids: jax.Array, mask: jax.Array, temperature: Temperature,
+    call: TritonCall, logits: jax.Array, ids: jax.Array, mask: jax.Array,
+    temperature: Temperature,
 ) -> Tuple[jax.Array, jax.Array]:
     """Float32 ``(logp[N], entropy[N])`` from one read of ``logits[N, V]``; 0 on inactive
     rows, NaN on bad-id rows. Differentiable w.r.t. ``logits`` through both."""
     ids, mask_k, temp = _rows(ids, mask, temperature)
-    return _entropy_op(logits, ids, mask_k, temp)
+    return _entropy_op(call, logits, ids, mask_k, temp)
 
 
 def ratio_kl(
-    policy: jax.Array, ref: Optional[jax.Array], ids: jax.Array, mask: jax.Array,
+    call: TritonCall, policy: jax.Array, ref: Optional[jax.Array], ids: jax.Array,
+    mask: jax.Array,
     old_logps: jax.Array, ref_logps: Optional[jax.Array], kl_code: int,
     temperature: Temperature,
 ) -> Tuple[jax.Array, jax.Array]:
@@ -166,31 +181,32 @@ def ratio_kl(
     else:
         ref_in, has_ref = jax.lax.stop_gradient(ref), True
         ref_lp = old  # placeholder, never read (HAS_REF: the kernel computes it)
-    _, ratio, kl = _op(policy, ref_in, ids, mask_k, old, ref_lp, temp, kl_code, has_ref)
+    _, ratio, kl = _op(call, policy, ref_in, ids, mask_k, old, ref_lp, temp, kl_code, has_ref)
     return ratio, kl
 
 
 # --- the fused policy loss ----------------------------------------------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(11, 12))
-def _fused(policy, ref, ids, mask, old, ref_lp, temp, adv, iw, w, coefs, static: Static,
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 12, 13))
+def _fused(call, policy, ref, ids, mask, old, ref_lp, temp, adv, iw, w, coefs, static: Static,
            inplace: bool):
-    return _launch.fused_op(static, False)(policy, ref, ids, mask, old, ref_lp, temp, adv, iw,
-                                           w, coefs)[:-1]
+    return _launch.fused_op(call, static, False)(policy, ref, ids, mask, old, ref_lp, temp,
+                                                 adv, iw, w, coefs)[:-1]
 
 
-def _fused_fwd(policy, ref, ids, mask, old, ref_lp, temp, adv, iw, w, coefs, static, inplace):
-    outs = _launch.fused_op(static, True, inplace)(policy, ref, ids, mask, old, ref_lp, temp,
-                                                   adv, iw, w, coefs)
+def _fused_fwd(call, policy, ref, ids, mask, old, ref_lp, temp, adv, iw, w, coefs, static,
+               inplace):
+    outs = _launch.fused_op(call, static, True, inplace)(policy, ref, ids, mask, old, ref_lp,
+                                                         temp, adv, iw, w, coefs)
     return outs[:-1], (outs[-1], mask)
 
 
-def _fused_bwd(static, inplace, residuals, cotangents):
+def _fused_bwd(call, static, inplace, residuals, cotangents):
     del static, inplace
     grad, mask = residuals
     g_loss = cotangents[0].astype(jnp.float32)
-    return (_launch.scale_op(grad, g_loss, mask),) + (None,) * 10
+    return (_launch.scale_op(call)(grad, g_loss, mask),) + (None,) * 10
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
@@ -218,8 +234,8 @@ def _rows_total_bwd(rows, _, g):
 _rows_total.defvjp(_rows_total_fwd, _rows_total_bwd)
 
 
-def token_weights(mask: jax.Array, opts: PolicyLossOptions, normalizer: object,
-                  width: int) -> Optional[jax.Array]:
+def token_weights(call: TritonCall, mask: jax.Array, opts: PolicyLossOptions,
+                  normalizer: object, width: int) -> Optional[jax.Array]:
     """The aggregation weights ``w = where(mask, 1 / D, 0)`` (float32 ``[N]``) in one launch,
     where every active token weighs the same; None where they do not (sequence lengths or
     counts, an array normaliser: the caller takes the framework's ops).
@@ -227,11 +243,12 @@ def token_weights(mask: jax.Array, opts: PolicyLossOptions, normalizer: object,
     ``normalizer``: ``loss_normalizer``; ``width``: tokens per sequence ``T``.
     """
     args = token_weights_args(opts, normalizer, width)
-    return None if args is None else _launch.weights_op(*args)(mask.astype(jnp.bool_))
+    return None if args is None else _launch.weights_op(call, *args)(mask.astype(jnp.bool_))
 
 
 def policy_loss(
-    policy: jax.Array, ref: Optional[jax.Array], ids: jax.Array, mask: jax.Array,
+    call: TritonCall, policy: jax.Array, ref: Optional[jax.Array], ids: jax.Array,
+    mask: jax.Array,
     old: jax.Array, ref_logps: Optional[jax.Array], adv: jax.Array, iw: Optional[jax.Array],
     weights: jax.Array, temperature: Temperature, opts: PolicyLossOptions,
     inplace_grad: bool,
@@ -263,11 +280,11 @@ def policy_loss(
     ref_in = policy if ref is None else stop(ref)  # placeholder, never read
     ref_lp = weights if ref_logps is None else stop(ref_logps)
     loss_rows, logp, ratio, kl, ent, bits = _fused(
-        policy, ref_in, ids, mask_k, old, ref_lp, temp, adv,
+        call, policy, ref_in, ids, mask_k, old, ref_lp, temp, adv,
         weights if iw is None else stop(iw), weights, coefs, static, inplace_grad,
     )
     rows = (mask_k, logp, ratio, kl, ent, bits, old, loss_rows)
-    means, total = _launch.metrics_op(*(stop(x) for x in rows))  # no derivative: none asked
+    means, total = _launch.metrics_op(call)(*(stop(x) for x in rows))  # no derivative: none asked
     loss = _rows_total(loss_rows.shape[0], loss_rows, total)
     return loss, {name: means[i] for i, name in enumerate(METRIC_NAMES)}
 
@@ -289,32 +306,32 @@ def _varying(x: jax.Array, axis: str) -> jax.Array:
     return x if varies_over(x, axis) else lax.pcast(x, axis, to="varying")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def _attach(policy, z_a, lse, ent, local_ids, mask_k, temp, axis: str, entropy: bool):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 8, 9))
+def _attach(call, policy, z_a, lse, ent, local_ids, mask_k, temp, axis: str, entropy: bool):
     """``(logp,)``, or ``(logp, H)`` with ``entropy`` (0 on inactive rows), differentiable
     w.r.t. this block ``policy`` (``ent``: the global entropy; a placeholder without it)."""
-    del policy, local_ids, temp, axis
+    del call, policy, local_ids, temp, axis
     active = mask_k != 0
     logp = jnp.where(active, z_a - lse, 0.0)
     return (logp, jnp.where(active, ent, 0.0)) if entropy else (logp,)
 
 
-def _attach_fwd(policy, z_a, lse, ent, local_ids, mask_k, temp, axis, entropy):
-    return _attach(policy, z_a, lse, ent, local_ids, mask_k, temp, axis, entropy), (
+def _attach_fwd(call, policy, z_a, lse, ent, local_ids, mask_k, temp, axis, entropy):
+    return _attach(call, policy, z_a, lse, ent, local_ids, mask_k, temp, axis, entropy), (
         policy, local_ids, mask_k, temp, lse, ent
     )
 
 
-def _attach_bwd(axis, entropy, residuals, g):
+def _attach_bwd(call, axis, entropy, residuals, g):
     policy, local_ids, mask_k, temp, lse, ent = residuals
     # The kernel selects 0 on inactive rows (a NaN cotangent there stays out).
     coef = g[0].astype(jnp.float32)
     if entropy:  # the entropy's term rides in the kernel's KL slots (ENTROPY)
-        grad = _launch.backward_op((True, False, True), True)(
+        grad = _launch.backward_op(call, (True, False, True), True)(
             policy, local_ids, mask_k, temp, lse, coef, lse, lse, g[1].astype(jnp.float32),
             ent)
     else:
-        grad = _launch.backward_op((True, False, False))(
+        grad = _launch.backward_op(call, (True, False, False))(
             policy, local_ids, mask_k, temp, lse, coef, lse, lse, lse, lse)
     return _varying(grad.astype(policy.dtype), axis), None, None, None, None, None, None
 
@@ -323,8 +340,8 @@ _attach.defvjp(_attach_fwd, _attach_bwd)
 
 
 def shard_logps(
-    shards: Sequence[jax.Array], ids: jax.Array, mask: jax.Array, temperature: Temperature,
-    axis: str, entropy: bool = False,
+    call: TritonCall, shards: Sequence[jax.Array], ids: jax.Array, mask: jax.Array,
+    temperature: Temperature, axis: str, entropy: bool = False,
 ) -> Tuple[List[jax.Array], Optional[jax.Array]]:
     """``logp`` float32 ``[N]`` per block in ``shards`` (policy, then optionally reference),
     and with ``entropy`` the policy's entropy ``[N]`` (else None).
@@ -340,8 +357,8 @@ def shard_logps(
     """
     if not varies_over(shards[0], axis):
         raise ValueError(
-            f"backend='triton' with vocab_axis={axis!r} needs the logits typed as varying over "
-            f"{axis!r}: call it inside `jax.shard_map(..., check_vma=True)` (the default; with "
+            f"backend='triton' / 'interpret' with vocab_axis={axis!r} needs the logits typed as "
+            f"varying over {axis!r}: call it inside `jax.shard_map(..., check_vma=True)` (the default; with "
             "check_vma=False the gradient would be scaled by 1/axis_size), or use "
             "backend='native'"
         )
@@ -350,7 +367,7 @@ def shard_logps(
     start = lax.axis_index(axis) * local_vocab
     has_ref = len(shards) > 1
     blocks = [lax.stop_gradient(x) for x in shards]
-    stats = _launch.stats_op(has_ref, entropy)(
+    stats = _launch.stats_op(call, has_ref, entropy)(
         blocks[0], blocks[-1], ids_k, mask_k, temp, jnp.full((1,), start, ids_k.dtype)
     )
     lse_k, ref_lse_k, z_a, ref_z_a, mu = (_varying(o, axis) for o in stats)
@@ -369,7 +386,7 @@ def shard_logps(
     local = ids_k - start
     owned = mask & (local >= 0) & (local < local_vocab)
     local_ids = jnp.where(owned, local, -1).astype(ids_k.dtype)
-    policy_out = _attach(shards[0], z_sel[0], lse[0], ent, local_ids, mask_k, temp, axis,
+    policy_out = _attach(call, shards[0], z_sel[0], lse[0], ent, local_ids, mask_k, temp, axis,
                          entropy)
     out = [policy_out[0]]
     if has_ref:

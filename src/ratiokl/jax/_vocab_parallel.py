@@ -33,15 +33,16 @@ inside the body is exact with ``check_vma=True`` and, as for any psum,
 ``axis_size`` times too large with ``check_vma=False``.
 
 That is the native math (``backend="native"``, and ``"auto"`` without a
-GPU). ``backend="triton"`` (and ``"auto"`` where jax-triton runs) computes
-the same statistics with the Triton kernels and the same one pmax and one
-psum (``ratiokl.jax._triton.shard_logps``); it needs ``check_vma=True``.
+GPU). ``backend="triton"`` (and ``"auto"`` where jax-triton runs) and
+``"interpret"`` compute the same statistics with the Triton kernels and the same one
+pmax and one psum (their backend's ``shard_logps``: ``ratiokl.jax._triton.shard_logps``);
+they need ``check_vma=True``.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -70,14 +71,15 @@ def global_vocab(local_vocab: int, axis: Optional[str]) -> int:
     return local_vocab if axis is None else local_vocab * _axis_size(axis)
 
 
-def backend(name: str, axis: str, explicit: bool) -> Backend:
+def backend(per_block: Backend, axis: str, explicit: bool) -> Backend:
     """The vocabulary-parallel backend over mesh axis ``axis`` (a static string).
 
-    ``name``: the resolved per-block math, ``"native"`` or ``"triton"``;
-    ``explicit``: it was asked for by name (not ``"auto"``).
+    ``per_block``: the resolved backend; its ``shard_logps`` (the kernels), or the
+    native math where it has none, computes each block's statistics. ``explicit``: it
+    was asked for by name (not ``"auto"``).
     """
     _axis_size(axis)
-    parallel = VocabParallel(axis, name, explicit)
+    parallel = VocabParallel(axis, per_block.shard_logps, explicit)
     return Backend(parallel.selected_logprobs, parallel.ratio_kl, parallel.logprobs_entropy)
 
 
@@ -147,24 +149,26 @@ class VocabParallel:
     """The backend interface of ``ratiokl.jax._route`` over a vocabulary-sharded mesh axis.
 
     Rows whose active id is outside the global ``[0, V)`` are always poisoned
-    with NaN. ``backend``: the resolved per-block math, ``"native"`` or ``"triton"``;
-    ``explicit``: it was asked for by name. A resolved ``"auto"`` runs the
+    with NaN. ``shard_logps``: a Triton backend's per-block statistics
+    (``ratiokl.jax._triton.shard_logps`` bound to its launch), or None for the native
+    math; ``explicit``: it was asked for by name. A resolved ``"auto"`` runs the
     Triton path only where it is exact (``check_vma=True``), else the native one.
     """
 
-    def __init__(self, axis: str, backend: str = "native", explicit: bool = False) -> None:
+    def __init__(self, axis: str, shard_logps: Optional[Callable] = None,
+                 explicit: bool = False) -> None:
         self.axis = axis
-        self.backend = backend
+        self.shard_logps = shard_logps
         self.explicit = explicit
 
     def _logps(self, shards, ids, mask, temperature, entropy=False):
         """``([logp per block], entropy or None)``: the Triton or the native math."""
         # No rows: nothing to launch (the native math on [0, V] is free).
-        if self.backend == "triton" and shards[0].shape[0] > 0:
-            from ratiokl.jax import _triton  # imports triton; jax_triton on first launch
+        if self.shard_logps is not None and shards[0].shape[0] > 0:
+            from ratiokl.jax import _triton  # imports triton (loaded with shard_logps)
 
             if self.explicit or _triton.varies_over(shards[0], self.axis):
-                return _triton.shard_logps(shards, ids, mask, temperature, self.axis, entropy)
+                return self.shard_logps(shards, ids, mask, temperature, self.axis, entropy)
         t = _native.row_temperature(temperature, shards[0].shape[0])
         return _logps(shards, ids, mask, t, self.axis, entropy)
 

@@ -68,7 +68,12 @@ def selected_logprobs(
       temperature: a positive Python float, or a floating ``[...]`` (or 0-d) array,
         per row; an entry that is not positive and finite on an active row is
         rejected like a bad id (``check_ids``) and otherwise makes its row NaN.
-      backend: ``"auto"``, ``"native"`` or ``"triton"`` (static).
+      backend: ``"auto"``, ``"native"``, ``"triton"`` or ``"interpret"`` (static).
+        ``"interpret"`` is the ``"triton"`` backend with each kernel run by Triton's
+        CPU interpreter (behind ``jax.pure_callback``; it needs torch and triton):
+        for testing on a CPU, slow. It takes the same shapes, dtypes, options and
+        transforms (``jit``, ``grad``, ``vmap``, ``vocab_axis``); ``"auto"`` never
+        picks it.
       check_ids: with concrete inputs, check active ids (and a per-row
         temperature) on the host (read after the kernels are queued: the device
         does not wait) and raise ``ValueError`` naming the
@@ -138,7 +143,8 @@ def ratio_kl(
       kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"`` (static).
       temperature: a positive Python float, or a floating ``[...]`` array (per
         row); it scales the policy and the reference logits alike.
-      backend: ``"auto"``, ``"native"`` or ``"triton"`` (static).
+      backend: ``"auto"``, ``"native"``, ``"triton"`` or ``"interpret"`` (static; as in
+        :func:`selected_logprobs`).
       check_ids: as in :func:`selected_logprobs`.
       vocab_axis: as in :func:`selected_logprobs`; ``policy_logits`` and
         ``ref_logits`` are both sharded that way.
