@@ -8,10 +8,9 @@ gradient) across clip modes, KL variants, aggregations, packed rows, bf16,
 all-inactive input, garbage (NaN, bad ids) in inactive rows and upstream
 gradients of 1 (the device-side skip) and not 1, and the entropy bonus
 (``entropy_coef``: on masked ``-inf`` vocabularies, per-row temperatures,
-negative, with CISPO). The JAX launch
-(``ratiokl.jax._triton.policy_loss``) runs through JAX's ``backend="interpret"``
-(the interpreter behind ``jax.pure_callback``). Sizes are small: the
-interpreter is slow.
+negative, with CISPO). The cases are shared with the JAX launch's tests
+(``tests/helpers/fused_loss_cases.py``, ``tests/jax/test_fused_loss_interpret.py``).
+Sizes are small: the interpreter is slow.
 """
 
 from __future__ import annotations
@@ -26,116 +25,9 @@ pytest.importorskip("triton")
 
 from ratiokl import spec  # noqa: E402
 from ratiokl.torch import _launch, _route, _triton, loss  # noqa: E402
-
-B, T, V = 3, 4, 37
-#: Native and fused paths round the same float32 math in a different order.
-RTOL, ATOL = 2e-5, 2e-6
-
-CASES = {
-    "ppo_defaults_no_reference": dict(ref="none"),
-    "dapo_clip_higher_dual_clip_k3_seq_mean_token_mean": dict(
-        clip_eps_high=0.28, dual_clip=3.0, kl_coef=0.1, loss_agg="seq-mean-token-mean"),
-    "ratio_cap_k1_straight_through_token_sum_ref_logps_is_weights": dict(
-        ref="logps", ratio_cap=1.3, kl_coef=0.2, kl_estimator="k1+", loss_agg="token-sum",
-        weights=True),
-    "k2_seq_mean_token_sum_packed": dict(
-        kl_coef=0.3, kl_estimator="k2", loss_agg="seq-mean-token-sum", packed=True),
-    "k3_straight_through_sum_norm_unbounded_per_seq_adv_row_temp": dict(
-        kl_coef=0.1, kl_estimator="k3+", loss_agg="seq-mean-token-sum-norm",
-        log_ratio_bound=None, per_seq_adv=True, row_temp=True),
-    "k3_ratio_weighted_tensor_normalizer_small_bound": dict(
-        kl_coef=0.5, kl_estimator="k3-is", loss_normalizer=7.0, log_ratio_bound=0.5),
-    "k1_bf16_packed_seq_mean_token_mean": dict(
-        kl_coef=0.1, kl_estimator="k1", loss_agg="seq-mean-token-mean", packed=True,
-        dtype="bfloat16"),
-    "cispo_clip_higher_k3_is_weights_seq_mean_token_mean_packed": dict(
-        objective="cispo", clip_eps_high=0.28, kl_coef=0.2, kl_estimator="k3-is",
-        loss_agg="seq-mean-token-mean", weights=True, packed=True),
-    "cispo_ratio_cap_ref_logps_small_bound_row_temp": dict(
-        objective="cispo", clip_eps=0.5, clip_eps_high=1.0, ratio_cap=1.5, ref="logps",
-        kl_coef=0.1, log_ratio_bound=1.0, row_temp=True),
-    "entropy_bonus_k3_token_mean_masked_vocab": dict(
-        entropy_coef=0.3, kl_coef=0.1, masked=True),
-    "entropy_penalty_seq_mean_token_mean_row_temp_bf16": dict(
-        entropy_coef=-0.2, loss_agg="seq-mean-token-mean", row_temp=True, masked=True,
-        dtype="bfloat16"),
-    "cispo_entropy_ref_logps_token_sum_packed": dict(
-        objective="cispo", entropy_coef=0.25, ref="logps", kl_coef=0.1, loss_agg="token-sum",
-        packed=True),
-}
-
-
-def _inputs(seed: int, case: dict):
-    """NumPy inputs; inactive rows hold NaN logits, NaN per-token values and bad ids.
-
-    ``masked``: ``-inf`` at every third logit of active rows (never the action; row
-    ``[0, 0]`` allows its action alone) and ``+-inf`` rows among the inactive ones.
-    """
-    rng = np.random.default_rng(seed)
-    logits = rng.normal(0.0, 2.0, (B, T, V)).astype(np.float32)
-    mask = rng.random((B, T)) < 0.75
-    mask[0, 0] = True
-    logits[~mask] = np.nan
-    nan_off = lambda a: np.where(mask, a, np.nan).astype(np.float32)  # noqa: E731
-    x = {
-        "policy_logits": logits,
-        "ref_logits": (logits + rng.normal(0.0, 0.5, logits.shape)).astype(np.float32),
-        "action_ids": np.where(mask, rng.integers(0, V, (B, T)), -7),
-        "mask": mask,
-        "old_logps": nan_off(rng.normal(-3.3, 1.0, (B, T))),
-        "advantages": nan_off(rng.normal(0.0, 1.0, (B, T))),
-    }
-    if case.get("ref") == "logps":
-        x["ref_logps"] = nan_off(rng.normal(-3.0, 0.5, (B, T)))
-    if case.get("per_seq_adv"):
-        x["advantages"] = rng.normal(0.0, 1.0, (B,)).astype(np.float32)
-    if case.get("packed"):
-        x["segment_ids"] = np.sort(rng.integers(0, 3, (B, T)), axis=-1)
-    if case.get("weights"):
-        x["importance_weights"] = nan_off(rng.uniform(0.5, 1.5, (B, T)))
-    if case.get("row_temp"):
-        x["temperature"] = rng.uniform(0.7, 1.4, (B, T)).astype(np.float32)
-    if case.get("masked"):
-        drop = np.zeros(logits.shape, bool)
-        drop[..., ::3] = True
-        drop[0, 0] = True
-        np.put_along_axis(drop, np.maximum(x["action_ids"], 0)[..., None], False, axis=-1)
-        logits[drop & mask[..., None]] = -np.inf
-        for n, row in enumerate(map(tuple, np.argwhere(~mask)[:2])):
-            logits[row] = (np.inf, -np.inf)[n]
-    if case.get("dtype") == "bfloat16":  # exactly representable, so the spec sees the same
-        x["policy_logits"] = torch.from_numpy(logits).bfloat16().float().numpy()
-        x["ref_logits"] = torch.from_numpy(x["ref_logits"]).bfloat16().float().numpy()
-    return x
-
-
-_FLAGS = ("ref", "per_seq_adv", "packed", "weights", "row_temp", "dtype", "masked")
-
-
-def _options(case: dict) -> dict:
-    return {k: v for k, v in case.items() if k not in _FLAGS}
-
-
-def _torch(x: dict, case: dict, backend: str, upstream: float):
-    """``(loss, metrics, grad)`` of one call; the loss is scaled by ``upstream`` before backward."""
-    t = {k: torch.from_numpy(np.asarray(v)) for k, v in x.items()}
-    dtype = torch.bfloat16 if case.get("dtype") == "bfloat16" else torch.float32
-    logits = t.pop("policy_logits").to(dtype).requires_grad_()
-    ref = t.pop("ref_logits").to(dtype)
-    options = _options(case)
-    if "loss_normalizer" in options:
-        options["loss_normalizer"] = torch.tensor(options["loss_normalizer"])
-    if case.get("ref") == "none":
-        ref = None
-    elif case.get("ref") == "logps":
-        ref = None
-    value, metrics = loss.policy_loss(
-        logits, ref, t.pop("action_ids"), t.pop("mask"), t.pop("old_logps"),
-        t.pop("advantages"), backend=backend, **t, **options,
-    )
-    (value * upstream).backward()
-    return value.item(), {k: v.item() for k, v in metrics.items()}, logits.grad
-
+from fused_loss_cases import (  # noqa: E402
+    ATOL, CASES, RTOL, B, T, V, inputs as _inputs, options as _options, torch_call as _torch,
+)
 
 def _spec(x: dict, case: dict):
     args = {k: v for k, v in x.items() if k != "ref_logits"}
@@ -321,42 +213,6 @@ def test_two_pass_backward_has_an_entropy_term_only_with_a_coefficient(monkeypat
                                    rtol=1e-5)
 
 
-# --- the JAX launch, through backend="interpret" ------------------------------------------
-
-
-def test_jax_fused_launch_matches_torch_under_jit_grad_vmap():
-    jax = pytest.importorskip("jax")
-    import jax.numpy as jnp
-
-    from ratiokl.jax import loss as jax_loss
-
-    case = dict(clip_eps_high=0.28, dual_clip=3.0, kl_coef=0.1, entropy_coef=0.1,
-                loss_agg="seq-mean-token-mean", packed=True)
-    x = _inputs(13, case)
-    options = _options(case)
-    j = {k: jnp.asarray(v) for k, v in x.items()}
-
-    def objective(logits, ref, ids, mask, old, adv, segs):
-        value, metrics = jax_loss.policy_loss(
-            logits, ref, ids, mask, old, adv, segment_ids=segs, backend="interpret",
-            check_ids=False, **options)
-        return -2.5 * value, metrics
-
-    args = (j["policy_logits"], j["ref_logits"], j["action_ids"], j["mask"],
-            j["old_logps"], j["advantages"], j["segment_ids"])
-    (value, metrics), grad = jax.jit(jax.value_and_grad(objective, has_aux=True))(*args)
-    t_loss, t_metrics, t_grad = _torch(x, case, "interpret", -2.5)
-    np.testing.assert_allclose(float(value), -2.5 * t_loss, rtol=RTOL, atol=ATOL)
-    for key, v in t_metrics.items():
-        np.testing.assert_allclose(float(metrics[key]), v, rtol=RTOL, atol=ATOL, err_msg=key)
-    np.testing.assert_allclose(np.asarray(grad), t_grad.numpy(), rtol=1e-5, atol=1e-7)
-    assert np.all(np.asarray(grad)[~x["mask"]] == 0.0)
-    # vmap over a batch of two problems folds into rows: each equals its own call.
-    stacked = [jnp.stack([a, a]) for a in args]
-    batched = jax.vmap(jax.grad(lambda *a: objective(*a)[0]))(*stacked)
-    np.testing.assert_allclose(np.asarray(batched[1]), np.asarray(grad), rtol=1e-6, atol=1e-8)
-
-
 def test_a_rows_results_do_not_depend_on_the_batch():
     # w = 1: each row's gradient is its own (the entropy term's too).
     case = dict(kl_coef=0.1, loss_agg="token-sum", entropy_coef=0.1)
@@ -399,35 +255,6 @@ def test_forward_without_gradient_skips_the_sweep_and_gives_the_same_bits(monkey
     assert shapes == [(0, V), (0, V)]  # no [N, V] gradient allocated or written
     assert no_grad.item() == with_grad.item() == frozen.item()
     assert np.isfinite(metrics["kl_mean"].item())
-
-
-def _fused_launches(launches):
-    """The recorded launches of the fused kernel (not the backward's scale)."""
-    return [launch for launch in launches if launch.kernel == "policy_loss_kernel"]
-
-
-def test_jax_primal_reads_once_and_matches_value_and_grad():
-    jax = pytest.importorskip("jax")
-    import jax.numpy as jnp
-
-    from ratiokl.jax import _interpret
-    from ratiokl.jax import loss as jax_loss
-
-    x = _inputs(29, {})
-    j = {k: jnp.asarray(v) for k, v in x.items()}
-
-    def objective(logits):
-        return jax_loss.policy_loss(logits, None, j["action_ids"], j["mask"], j["old_logps"],
-                                    j["advantages"], backend="interpret", check_ids=False)[0]
-
-    with _interpret.recording() as launches:
-        primal = jax.block_until_ready(jax.jit(objective)(j["policy_logits"]))
-        value, grad = jax.block_until_ready(
-            jax.jit(jax.value_and_grad(objective))(j["policy_logits"]))
-    written = [launch.constants["WRITE_GRAD"] for launch in _fused_launches(launches)]
-    assert written == [False, True]
-    assert float(primal) == float(value)
-    assert np.all(np.asarray(grad)[~x["mask"]] == 0.0)
 
 
 # --- opt-in in-place gradient -----------------------------------------------------------------
@@ -486,33 +313,6 @@ def test_inplace_grad_without_a_gradient_leaves_the_logits_alone():
     frozen, _ = _inplace_call(x, case, logits, inplace_grad=True)
     np.testing.assert_array_equal(logits.numpy(), x["policy_logits"])  # NaN rows included
     assert value.item() == frozen.item()
-
-
-def test_jax_inplace_grad_aliases_the_logits_and_matches():
-    jax = pytest.importorskip("jax")
-    import jax.numpy as jnp
-
-    from ratiokl.jax import _interpret
-    from ratiokl.jax import loss as jax_loss
-
-    x = _inputs(43, {})
-    j = {k: jnp.asarray(v) for k, v in x.items()}
-
-    def objective(logits, inplace):
-        return -1.5 * jax_loss.policy_loss(
-            logits, None, j["action_ids"], j["mask"], j["old_logps"], j["advantages"],
-            backend="interpret", check_ids=False, inplace_grad=inplace)[0]
-
-    with _interpret.recording() as launches:
-        want = jax.block_until_ready(
-            jax.jit(jax.value_and_grad(lambda p: objective(p, False)))(j["policy_logits"]))
-        got = jax.block_until_ready(
-            jax.jit(jax.value_and_grad(lambda p: objective(p, True)), donate_argnums=0)(
-                jnp.array(j["policy_logits"])))
-    aliases = [launch.aliases for launch in _fused_launches(launches)]
-    assert aliases == [{}, {0: 6}]  # the gradient: after the six per-row outputs
-    assert float(got[0]) == float(want[0])
-    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
 
 
 @pytest.mark.parametrize("lead", [(3, 5), (2, 2, 4)], ids=["rows", "two_leading_axes"])

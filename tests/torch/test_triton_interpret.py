@@ -5,15 +5,12 @@
 forward and gradient in fp32/fp16/bf16, each KL estimator, reference logits
 or log-probs, per-row temperature, inactive rows holding garbage, ``-inf``
 vocabulary masking, NaN rows, unchecked bad ids, tiny and multi-block
-vocabularies and strided logits. The JAX binding (``ratiokl.jax._triton``)
-is exercised too, through JAX's ``backend="interpret"`` (the same interpreter
-behind ``jax.pure_callback``; jax-triton cannot run on a CPU).
+vocabularies and strided logits. The JAX binding's tests run the same cases
+(``tests/helpers/ratio_kl_cases.py``, ``tests/jax/test_triton_interpret.py``).
 Sizes are small: the interpreter is slow.
 """
 
 from __future__ import annotations
-
-from typing import Optional
 
 import numpy as np
 import pytest
@@ -25,72 +22,7 @@ from ratiokl import spec  # noqa: E402
 from ratiokl._kernels import forward_config  # noqa: E402
 from ratiokl.torch import _triton  # noqa: E402
 from assertions import assert_close  # noqa: E402
-
-
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-KL_NAMES = {1: "k1", 2: "k2", 3: "k3"}
-
-
-class Case:
-    """Random inputs of one case, in the logits' dtype, plus their float64 spec."""
-
-    def __init__(self, n: int, vocab: int, dtype: str, seed: int = 0, scale: float = 3.0):
-        rng = np.random.default_rng(seed)
-        self.dtype = dtype
-        as_dtype = lambda a: torch.tensor(a, dtype=torch.float32).to(DTYPES[dtype])  # noqa: E731
-        self.policy = as_dtype(rng.normal(size=(n, vocab)) * scale)
-        self.ref = as_dtype(rng.normal(size=(n, vocab)) * scale)
-        self.ids = torch.tensor(rng.integers(0, vocab, n))
-        self.mask = torch.tensor(rng.random(n) < 0.8)
-        self.old = torch.tensor(rng.normal(size=n) - 2.0, dtype=torch.float32)
-        self.ref_logps = torch.tensor(rng.normal(size=n) - 2.0, dtype=torch.float32)
-        self.g_ratio = torch.tensor(rng.normal(size=n), dtype=torch.float32)
-        self.g_kl = torch.tensor(rng.normal(size=n), dtype=torch.float32)
-        self.temperature: object = 1.0
-
-    def np(self, t: Optional[torch.Tensor]):
-        return None if t is None else t.detach().float().numpy().astype(np.float64)
-
-    def scale(self) -> float:
-        t = self.temperature
-        t_min = float(t.min()) if isinstance(t, torch.Tensor) else t
-        finite = lambda a: np.abs(a[np.isfinite(a)]).max(initial=1.0)  # noqa: E731
-        return max(finite(self.np(self.policy)), finite(self.np(self.ref))) / t_min
-
-    def run(self, use_ref_logits: bool, kl_code: int, check_ids: bool = True):
-        policy = self.policy.clone().requires_grad_(True)
-        ratio, kl = _triton.ratio_kl(
-            policy, self.ref if use_ref_logits else None, self.ids, self.mask, self.old,
-            None if use_ref_logits else self.ref_logps, kl_code, self.temperature,
-        )
-        (ratio * self.g_ratio + kl * self.g_kl).sum().backward()
-        return ratio.detach().numpy(), kl.detach().numpy(), policy.grad
-
-    def expected(self, use_ref_logits: bool, kl_code: int):
-        temp = self.temperature
-        kwargs = dict(
-            ref_logps=None if use_ref_logits else self.np(self.ref_logps),
-            kl_estimator=KL_NAMES[kl_code],
-            temperature=self.np(temp) if isinstance(temp, torch.Tensor) else temp,
-        )
-        args = (self.np(self.policy), self.np(self.ref) if use_ref_logits else None,
-                self.ids.numpy(), self.mask.numpy(), self.np(self.old))
-        ratio, kl = spec.ratio_kl(*args, **kwargs)
-        grad = spec.ratio_kl_grad(*args, self.np(self.g_ratio), self.np(self.g_kl), **kwargs)
-        return ratio, kl, grad
-
-    def check(self, use_ref_logits: bool = True, kl_code: int = 3, check_ids: bool = True):
-        ratio, kl, grad = self.run(use_ref_logits, kl_code, check_ids)
-        e_ratio, e_kl, e_grad = self.expected(use_ref_logits, kl_code)
-        fwd = spec.forward_tolerance(self.scale())
-        assert_close(ratio, e_ratio, fwd, "ratio")
-        assert_close(kl, e_kl, fwd, "kl")
-        assert grad.dtype == DTYPES[self.dtype]
-        finite = np.isfinite(e_grad)
-        grad_scale = np.abs(e_grad[finite]).max(initial=0.0)
-        assert_close(grad.float().numpy(), e_grad,
-                      spec.grad_tolerance(self.dtype, self.scale(), grad_scale), "grad")
-        return ratio, kl, grad
+from ratio_kl_cases import DTYPES, Case  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
@@ -213,55 +145,3 @@ def test_through_public_loss_and_torch_compile():
     assert_close(eager[0].reshape(-1).numpy(), e_ratio, spec.forward_tolerance(case.scale()), "ratio")
     for a, b in zip(eager, compiled):
         assert torch.equal(a, b)
-
-
-# --- the JAX binding, through backend="interpret" -------------------------------------------
-
-
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_jax_wrapper_jit_vmap_grad(dtype):
-    jax = pytest.importorskip("jax")
-    import jax.numpy as jnp
-
-    from ratiokl.jax import loss as jax_loss
-
-    case = Case(6, 45, dtype, seed=21)
-    case.temperature = 1.3
-    x = jnp.asarray(case.np(case.policy).reshape(2, 3, 45), dtype=jnp.dtype(dtype))
-    r = jnp.asarray(case.np(case.ref).reshape(2, 3, 45), dtype=jnp.dtype(dtype))
-    rows = [jnp.asarray(t.numpy().reshape(2, 3)) for t in
-            (case.ids, case.mask, case.old, case.g_ratio, case.g_kl)]
-    ids, mask, old, g_ratio, g_kl = rows
-
-    def per_sequence(x, r, ids, mask, old):
-        return jax_loss.ratio_kl(x, r, ids, mask, old, kl_estimator="k3", temperature=1.3,
-                                 backend="interpret", check_ids=False)
-
-    def objective(x):
-        ratio, kl = jax.vmap(per_sequence)(x, r, ids, mask, old)
-        return jnp.sum(ratio * g_ratio + kl * g_kl), (ratio, kl)
-
-    grad, (ratio, kl) = jax.jit(jax.grad(objective, has_aux=True))(x)
-    assert grad.dtype == x.dtype
-    e_ratio, e_kl, e_grad = case.expected(True, 3)
-    fwd = spec.forward_tolerance(case.scale())
-    assert_close(np.asarray(ratio).reshape(-1), e_ratio, fwd, "ratio")
-    assert_close(np.asarray(kl).reshape(-1), e_kl, fwd, "kl")
-    assert_close(np.asarray(grad, np.float32).reshape(6, 45), e_grad,
-                  spec.grad_tolerance(dtype, case.scale(), np.abs(e_grad).max()), "grad")
-
-
-def test_jax_wrapper_matches_torch_bitwise():
-    jax = pytest.importorskip("jax")
-    import jax.numpy as jnp
-
-    from ratiokl.jax import loss as jax_loss
-
-    case = Case(5, 30, "float32", seed=22)
-    case.ids[2] = 99  # unchecked bad id: NaN in both
-    torch_logp = _triton.selected_logprobs(case.policy, case.ids, case.mask, 0.7)
-    jax_logp = jax.jit(lambda x: jax_loss.selected_logprobs(
-        x, jnp.asarray(case.ids.numpy()), jnp.asarray(case.mask.numpy()), temperature=0.7,
-        backend="interpret", check_ids=False))(jnp.asarray(case.policy.numpy()))
-    assert np.isnan(np.asarray(jax_logp)[2])
-    np.testing.assert_array_equal(np.asarray(jax_logp), torch_logp.numpy())
