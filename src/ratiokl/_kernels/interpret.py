@@ -27,8 +27,10 @@ int with ``int(array)`` on a one-element ``[1]`` array, which NumPy 2.4 refuses 
 every ``range(n)`` over a tensor bound failed); Triton 3.9 squeezes first, as this does.
 """
 
+import contextlib
 import types
-from typing import Dict
+import warnings
+from typing import Dict, Iterator
 
 import numpy as np
 import triton
@@ -36,7 +38,20 @@ import triton.language as tl
 from triton.runtime import interpreter
 from triton.runtime.interpreter import InterpretedFunction
 
-__all__ = ["interpreted"]
+__all__ = ["interpreted", "quiet"]
+
+#: NumPy's warning when Triton 3.6's interpreter converts a one-element array to a scalar.
+_NDIM_CONVERSION = "Conversion of an array with ndim"
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """Keep the interpreter's NumPy noise out of the caller's warnings, for a launch of a
+    twin: NaN / inf rows are data, not accidents, and Triton 3.6's interpreter turns
+    ``[1]``-arrays into scalars, which NumPy >= 2 deprecates."""
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_NDIM_CONVERSION, category=DeprecationWarning)
+        yield
 
 #: id(JITFunction) -> its twin; registered before a twin's globals are filled (cycles).
 _TWINS: Dict[int, InterpretedFunction] = {}

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from ratiokl._kernels import interpreted
+from ratiokl._kernels.interpret import quiet
 
 __all__ = ["Launch", "recording", "triton_call"]
 
@@ -43,8 +44,6 @@ __all__ = ["Launch", "recording", "triton_call"]
 _LOCK = threading.Lock()
 #: The lists of the :func:`recording` blocks now open.
 _RECORDERS: List[List["Launch"]] = []
-#: NumPy's warning when Triton 3.6's interpreter converts a one-element array to a scalar.
-_NDIM_CONVERSION = "Conversion of an array with ndim"
 
 
 @dataclass(frozen=True)
@@ -128,13 +127,10 @@ def triton_call(*args: jax.Array, kernel: Any,
         ins = [_to_torch(a) for a in arrays]
         outs = [ins[from_input[j]].clone() if j in from_input
                 else _garbage(s, j in zeroed_outputs) for j, s in enumerate(shapes)]
-        with _LOCK, np.errstate(all="ignore"), warnings.catch_warnings():
-            # NaN / inf rows are data, not accidents (NumPy's "All-NaN slice" in the
-            # interpreter's reductions); Triton 3.6's interpreter turns [1]-arrays into
-            # scalars, which NumPy >= 2 deprecates.
+        with _LOCK, quiet(), warnings.catch_warnings():
+            # Also NumPy's "All-NaN slice" in the interpreter's reductions over the
+            # garbage-filled outputs.
             warnings.filterwarnings("ignore", category=RuntimeWarning)
-            warnings.filterwarnings("ignore", message=_NDIM_CONVERSION,
-                                    category=DeprecationWarning)
             twin[grid](*ins, *outs, **constants)
             for launches in _RECORDERS:
                 launches.append(launch)

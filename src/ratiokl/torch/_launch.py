@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import warnings
 from typing import Callable, Optional, Sequence, Tuple
 
 import numpy as np
@@ -53,6 +52,7 @@ from ratiokl._kernels import (
     split_plan,
     use_split_forward,
 )
+from ratiokl._kernels.interpret import quiet as quiet_interpreter
 from ratiokl._kernels.active_check import CHECK_BLOCK, CHECK_WARPS, active_check_kernel
 from ratiokl._kernels.fused_loss import (
     PARTIAL_FIELDS,
@@ -78,10 +78,6 @@ __all__ = [
 ]
 
 Tensor = torch.Tensor
-
-
-#: NumPy's warning when the interpreter converts a one-element array to a scalar.
-_NDIM_CONVERSION = "Conversion of an array with ndim"
 
 
 def _raw(kernel):
@@ -133,11 +129,7 @@ class KernelOp:
                quiet: bool = False) -> Callable:
         def op(*args):
             if quiet:  # the interpreter: its NumPy noise stays out of the caller's output
-                with np.errstate(all="ignore"), warnings.catch_warnings():
-                    # NaN/inf rows are data, not accidents; and Triton 3.6's interpreter
-                    # turns [1]-arrays into scalars, which NumPy >= 2.x deprecates.
-                    warnings.filterwarnings("ignore", message=_NDIM_CONVERSION,
-                                            category=DeprecationWarning)
+                with quiet_interpreter():
                     return launch(kernels, *args)
             return launch(kernels, *args)
 
