@@ -23,14 +23,14 @@ fi
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv \
   > "$out/gpu.csv" 2>&1
-pytest_gpu() {
-  python3 -m pytest -q -p no:cacheprovider -p no:benchmark "$@"
+pytest_gpu() {  # verbosity is the caller's (-q with -v is the default verbosity: dots)
+  python3 -m pytest -p no:cacheprovider -p no:benchmark "$@"
 }
 if [ "$part" = tests ] || [ "$part" = all ]; then
   # 4 workers: at 8 the JAX sweep ran out of GPU memory on the H200.
-  { pytest_gpu -m "gpu and not whole_gpu" -n "${GPU_TEST_WORKERS:-4}" tests/gpu \
+  { pytest_gpu -q -m "gpu and not whole_gpu" -n "${GPU_TEST_WORKERS:-4}" tests/gpu \
       --ignore=tests/gpu/test_launch_plan_sweep.py
-    pytest_gpu -m "gpu and whole_gpu" tests/gpu
+    pytest_gpu -q -m "gpu and whole_gpu" tests/gpu
     # The fused kernel's registers and spills at the headline vocabulary (the default
     # gradient plan was 72 registers before the entropy sum joined pass 1).
     python3 -c "

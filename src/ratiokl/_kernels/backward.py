@@ -19,7 +19,7 @@ a vocabulary shard that does not own the action needs (``a - vocab_start``).
 import triton
 import triton.language as tl
 
-from ratiokl._kernels.numerics import LN2, LOG2E, to_storage
+from ratiokl._kernels.numerics import LN2, LOG2E, STREAM_STAGES, to_storage
 
 
 @triton.jit
@@ -91,7 +91,7 @@ def grad_span(row_ptr, grad_row, V, stride_v, a, k, lse2, c, active, t0, t1, tai
                        tile_action(a, col0, BLOCK_V), tail & active, tail, k, lse2, c, active,
                        ce, ent, ENTROPY, EVICT)
     if active:
-        for i in range(t0, t1):
+        for i in tl.range(t0, t1, num_stages=STREAM_STAGES):
             if REVERSE:
                 col0 = (t1 - 1 - (i - t0)) * BLOCK_V
             else:

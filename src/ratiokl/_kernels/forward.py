@@ -32,6 +32,7 @@ from ratiokl._kernels.codes import KL_NONE
 from ratiokl._kernels.numerics import (
     LN2,
     LOG2E,
+    STREAM_STAGES,
     fold_lse2_h,
     kl_and_dkl,
     lse_h_step,
@@ -119,7 +120,7 @@ def span_stats(
     h_p = 0.0
     m_r = -float("inf")
     s_r = 0.0
-    for b in range(t0, t1):
+    for b in tl.range(t0, t1, num_stages=STREAM_STAGES):
         offs = (b * BLOCK_V + cols).to(tl.int64)
         x = tl.load(p_row + offs * stride_pv, eviction_policy=EVICT).to(tl.float32) * k
         m_p, s_p, h_p = _fold_tile(x, m_p, s_p, h_p, ENTROPY)
@@ -264,7 +265,7 @@ def logp_forward_kernel(
     m_p, s_p, m_r, s_r = ninf, 0.0, ninf, 0.0
     if ENTROPY:  # the same spans and folds with the entropy's sum h (in m_r: no reference)
         hp, h_p = 0.0, 0.0
-        for b in range(0, n_full):
+        for b in tl.range(0, n_full, num_stages=STREAM_STAGES):
             offs = (b * BLOCK_V + cols).to(tl.int64)
             x = tl.load(p_row + offs * stride_pv).to(tl.float32) * k
             mp, sp, hp = lse_h_step(x, mp, sp, hp)
@@ -285,7 +286,7 @@ def logp_forward_kernel(
             V, stride_pv, stride_rv, stride_t, m_p, s_p, h_p, 0.0, False, 0, True,
         )
     else:
-        for b in range(0, n_full):
+        for b in tl.range(0, n_full, num_stages=STREAM_STAGES):
             offs = (b * BLOCK_V + cols).to(tl.int64)
             mp, sp = lse_step(tl.load(p_row + offs * stride_pv).to(tl.float32) * k, mp, sp)
             if HAS_REF:
