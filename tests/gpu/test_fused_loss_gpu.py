@@ -17,6 +17,9 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from assertions import assert_close  # noqa: E402
+
+from ratiokl.spec import Tolerance  # noqa: E402
 from ratiokl.torch import loss  # noqa: E402
 
 pytestmark = [
@@ -66,23 +69,17 @@ def _torch(x, options, backend, upstream=1.0, compiled=False):
     return value.detach(), metrics, leaf.grad
 
 
-def _close(a, b, rtol, atol, what):
-    np.testing.assert_allclose(
-        np.asarray(torch.as_tensor(a).float().cpu()), np.asarray(torch.as_tensor(b).float().cpu()),
-        rtol=rtol, atol=atol, err_msg=what)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("name", list(OPTIONS))
 def test_torch_fused_matches_native(name, dtype):
     x = _inputs(dtype, seed=len(name))
     f_val, f_met, f_grad = _torch(x, OPTIONS[name], "triton", upstream=-1.7)
     n_val, n_met, n_grad = _torch(x, OPTIONS[name], "native", upstream=-1.7)
-    _close(f_val, n_val, 1e-4, 1e-6, "loss")
+    assert_close(f_val, n_val, Tolerance(1e-4, 1e-6), "loss")
     for key in n_met:
-        _close(f_met[key], n_met[key], 1e-4, 1e-6, key)
+        assert_close(f_met[key], n_met[key], Tolerance(1e-4, 1e-6), key)
     rtol = 2**-6 if dtype == torch.bfloat16 else 1e-4
-    _close(f_grad, n_grad, rtol, rtol * float(n_grad.float().abs().max()), "grad")
+    assert_close(f_grad, n_grad, Tolerance(rtol, rtol * float(n_grad.float().abs().max())), "grad")
     assert f_grad.dtype == dtype
     assert torch.all(f_grad[~x["mask"]] == 0)
 
@@ -92,8 +89,8 @@ def test_torch_fused_is_deterministic_and_compiles():
     runs = [_torch(x, OPTIONS["grpo_k3_ref_logits"], "triton") for _ in range(2)]
     assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][2], runs[1][2])
     c_val, _, c_grad = _torch(x, OPTIONS["grpo_k3_ref_logits"], "triton", compiled=True)
-    _close(c_val, runs[0][0], 1e-6, 1e-7, "compiled loss")
-    _close(c_grad, runs[0][2], 1e-2, 1e-6, "compiled grad")
+    assert_close(c_val, runs[0][0], Tolerance(1e-6, 1e-7), "compiled loss")
+    assert_close(c_grad, runs[0][2], Tolerance(1e-2, 1e-6), "compiled grad")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -20,7 +20,7 @@ from ratiokl.spec import Tolerance
 def as_float64(x: Any) -> np.ndarray:
     """A float64 NumPy copy of a NumPy / PyTorch / JAX array."""
     if hasattr(x, "detach"):  # torch
-        x = x.detach().float().cpu().numpy()
+        x = x.detach().cpu().double().numpy()
     return np.asarray(x, dtype=np.float64)
 
 

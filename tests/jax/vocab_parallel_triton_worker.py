@@ -79,7 +79,7 @@ def check_vma_off() -> None:
             got = jax.block_until_ready(jax.shard_map(auto_on_kernels, check_vma=check_vma,
                                                       **specs)(x["policy"], x["ids"], x["mask"]))
         assert ("shard_stats_kernel" in _kernels(launches)) == check_vma, (check_vma, launches)
-        WORKER._close(got, want, f"auto, check_vma={check_vma}")
+        WORKER.assert_close(got, want, WORKER.TOL, f"auto, check_vma={check_vma}")
 
 
 def check_policy_loss() -> None:
@@ -108,10 +108,10 @@ def _check_policy_loss(extra) -> None:
     (value_1, metrics_1), grad_1 = jax.value_and_grad(
         lambda p: loss.policy_loss(p, x["ref"], *rows, backend="native", **options),
         has_aux=True)(x["policy"])
-    WORKER._close(value, value_1, "policy loss")
-    WORKER._close(grad, grad_1, "policy loss grad")
+    WORKER.assert_close(value, value_1, WORKER.TOL, "policy loss")
+    WORKER.assert_close(grad, grad_1, WORKER.TOL, "policy loss grad")
     for key in metrics_1:
-        WORKER._close(metrics[key], metrics_1[key], key)
+        WORKER.assert_close(metrics[key], metrics_1[key], WORKER.TOL, key)
     assert np.isfinite(np.asarray(value)) and not np.any(np.asarray(grad)[~x["mask"]])
 
 

@@ -28,6 +28,12 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from ratiokl import conformance, spec  # noqa: E402
 from ratiokl.jax import loss  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "helpers"))
+from assertions import assert_close  # noqa: E402  (the tests' one closeness rule)
+
+#: The sharded call against the unsharded one or the float64 spec (fp32 inputs).
+TOL = spec.Tolerance(rtol=2e-5, atol=2e-5)
+
 TP = 4
 MESH = jax.make_mesh((1, TP), ("dp", "tp"), axis_types=(AxisType.Auto,) * 2)
 #: The ``backend=`` of the fixture and grad-inside-body checks ("interpret" when
@@ -183,12 +189,6 @@ def _inputs(seed: int, lead, vocab: int) -> Dict[str, np.ndarray]:
     }
 
 
-def _close(actual, expected, what: str, tol: float = 2e-5) -> None:
-    np.testing.assert_allclose(np.asarray(actual, dtype=np.float64),
-                               np.asarray(expected, dtype=np.float64),
-                               rtol=tol, atol=tol, equal_nan=True, err_msg=what)
-
-
 def check_grad_inside_body() -> None:
     """``jax.grad`` taken inside the shard_map body gives each device its gradient block."""
     x = _inputs(1, (3, 4), 32)
@@ -201,7 +201,7 @@ def check_grad_inside_body() -> None:
     grad = jax.jit(jax.shard_map(body, mesh=MESH, in_specs=(P(None, None, "tp"), P(), P()),
                                  out_specs=P(None, None, "tp")))(x["policy"], x["ids"], x["mask"])
     expected = spec.selected_logprobs_grad(x["policy"], x["ids"], x["mask"], np.ones((3, 4)))
-    _close(grad, expected, "grad inside shard_map")
+    assert_close(grad, expected, TOL, "grad inside shard_map")
 
 
 def check_policy_loss() -> None:
@@ -229,10 +229,10 @@ def _check_policy_loss(objective) -> None:
     fn = lambda p: sharded(p, x["ref"], x["ids"], x["mask"], x["old"], x["adv"])  # noqa: E731
     (value, metrics), grad = jax.jit(jax.value_and_grad(fn, has_aux=True))(x["policy"])
     (value_1, metrics_1), grad_1 = jax.value_and_grad(unsharded, has_aux=True)(x["policy"])
-    _close(value, value_1, "policy loss")
-    _close(grad, grad_1, "policy loss grad")
+    assert_close(value, value_1, TOL, "policy loss")
+    assert_close(grad, grad_1, TOL, "policy loss grad")
     for key in metrics_1:
-        _close(metrics[key], metrics_1[key], key)
+        assert_close(metrics[key], metrics_1[key], TOL, key)
     assert np.isfinite(np.asarray(value)) and not np.any(np.asarray(grad)[~x["mask"]])
 
 
@@ -251,9 +251,9 @@ def check_plain_jit_named_sharding() -> None:
     exp_ratio, exp_kl = spec.ratio_kl(x["policy"], x["ref"], x["ids"], x["mask"], x["old"])
     g = np.full((4, 6), 0.5), np.ones((4, 6))
     exp_grad = spec.ratio_kl_grad(x["policy"], x["ref"], x["ids"], x["mask"], x["old"], *g)
-    _close(ratio, exp_ratio, "ratio (plain jit)")
-    _close(kl, exp_kl, "kl (plain jit)")
-    _close(grad, exp_grad, "grad (plain jit)")
+    assert_close(ratio, exp_ratio, TOL, "ratio (plain jit)")
+    assert_close(kl, exp_kl, TOL, "kl (plain jit)")
+    assert_close(grad, exp_grad, TOL, "grad (plain jit)")
     assert grad.sharding.is_equivalent_to(sharding, 3), grad.sharding
 
 
@@ -281,9 +281,9 @@ def check_data_and_tensor_parallel() -> None:
     args = (x["policy"], x["ref"], x["ids"], x["mask"], x["old"])
     exp_ratio, exp_kl = spec.ratio_kl(*args, **kw)
     exp_grad = spec.ratio_kl_grad(*args, np.ones((4, 3)), -np.ones((4, 3)), **kw)
-    _close(ratio, exp_ratio, "ratio (dp x tp)")
-    _close(kl, exp_kl, "kl (dp x tp)")
-    _close(grad, exp_grad, "grad (dp x tp)")
+    assert_close(ratio, exp_ratio, TOL, "ratio (dp x tp)")
+    assert_close(kl, exp_kl, TOL, "kl (dp x tp)")
+    assert_close(grad, exp_grad, TOL, "grad (dp x tp)")
 
 
 def check_collectives() -> None:
@@ -328,8 +328,8 @@ def check_bad_ids_and_errors() -> None:
     logp = np.asarray(fn(x["policy"], x["ids"], x["mask"]))
     assert np.argwhere(np.isnan(logp)).tolist() == [[1, 2]], logp
     ok = x["ids"] < 16
-    _close(logp[ok], spec.selected_logprobs(x["policy"], np.where(ok, x["ids"], 0), x["mask"])[ok],
-           "logp next to a bad id")
+    expected = spec.selected_logprobs(x["policy"], np.where(ok, x["ids"], 0), x["mask"])
+    assert_close(logp[ok], expected[ok], TOL, "logp next to a bad id")
     err, _ = checkify.checkify(fn, errors=checkify.user_checks)(x["policy"], x["ids"], x["mask"])
     assert err.get() is not None and "outside [0, 16)" in err.get(), err.get()
     for call, message in (

@@ -27,6 +27,9 @@ import torch.distributed as dist
 from ratiokl import conformance, spec
 from ratiokl.torch import loss
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))  # a subprocess
+from assertions import assert_close  # noqa: E402  (the tests' one closeness rule)
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -58,16 +61,6 @@ def make_case(seed: int, lead: Tuple[int, ...], vocab: int, dtype: str) -> Dict[
         "g_ratio": rng.normal(size=lead),
         "g_kl": rng.normal(size=lead),
     }
-
-
-def assert_close(name: str, actual: torch.Tensor, expected, tol: spec.Tolerance) -> None:
-    """``actual`` within ``tol`` of ``expected`` (float64 array or tensor), NaN where NaN."""
-    if isinstance(expected, torch.Tensor):
-        expected = expected.detach().double().numpy()
-    np.testing.assert_allclose(
-        actual.detach().double().numpy(), expected, rtol=tol.rtol, atol=tol.atol,
-        equal_nan=True, err_msg=name,
-    )
 
 
 def tensors(case, *keys: str):
@@ -120,12 +113,12 @@ def check_ratio_kl(case, dtype: str, bounds, group, *, with_ref: bool, per_row_t
     fwd = spec.forward_tolerance(scale)
     grad_tol = spec.grad_tolerance(dtype, scale, float(np.nanmax(np.abs(exp_grad), initial=1.0)))
     (ratio, kl_val), grad = results["sharded"]
-    assert_close("ratio", ratio, exp_ratio, fwd)
-    assert_close("kl", kl_val, exp_kl, fwd)
-    assert_close("grad", grad, exp_grad, grad_tol)
+    assert_close(ratio, exp_ratio, fwd, "ratio")
+    assert_close(kl_val, exp_kl, fwd, "kl")
+    assert_close(grad, exp_grad, grad_tol, "grad")
     (whole_ratio, _), whole_grad = results["whole"]
-    assert_close("ratio vs unsharded", ratio, whole_ratio, fwd)
-    assert_close("grad vs unsharded", grad, whole_grad[..., start:stop], grad_tol)
+    assert_close(ratio, whole_ratio, fwd, "ratio vs unsharded")
+    assert_close(grad, whole_grad[..., start:stop], grad_tol, "grad vs unsharded")
     assert grad.dtype == DTYPES[dtype]
 
 
@@ -154,9 +147,9 @@ def check_selected(case, dtype: str, bounds, group, backend: str = "auto"):
                                            case["g_ratio"], temperature=0.7)[..., start:stop]
     finite = case["policy"][np.isfinite(case["policy"])]
     scale = float(np.max(np.abs(finite), initial=1.0)) / 0.7
-    assert_close("logp", logp, exp, spec.forward_tolerance(scale))
+    assert_close(logp, exp, spec.forward_tolerance(scale), "logp")
     grad_scale = float(np.nanmax(np.abs(exp_grad), initial=1.0))
-    assert_close("logp grad", policy.grad, exp_grad, spec.grad_tolerance(dtype, scale, grad_scale))
+    assert_close(policy.grad, exp_grad, spec.grad_tolerance(dtype, scale, grad_scale), "logp grad")
     return logp, policy.grad
 
 
@@ -189,11 +182,11 @@ def check_entropy(world: int, group, backend: str = "auto") -> None:
                                     temperature=temp))[..., start:stop]
     finite = case["policy"][np.isfinite(case["policy"])]
     scale = float(np.max(np.abs(finite))) / float(temp[case["mask"]].min())
-    assert_close("logp", logp, spec.selected_logprobs(*args, temperature=temp),
-                 spec.forward_tolerance(scale))
-    assert_close("entropy", ent, exp_ent, spec.forward_tolerance(scale))
+    assert_close(logp, spec.selected_logprobs(*args, temperature=temp),
+                 spec.forward_tolerance(scale), "logp")
+    assert_close(ent, exp_ent, spec.forward_tolerance(scale), "entropy")
     grad_tol = spec.grad_tolerance("float32", scale, float(np.abs(exp_grad).max()))
-    assert_close("entropy grad", policy.grad, exp_grad, grad_tol)
+    assert_close(policy.grad, exp_grad, grad_tol, "entropy grad")
     assert bool(torch.isfinite(ent).all()) and bool(torch.isfinite(policy.grad).all())
     assert bool((policy.grad[~mask] == 0).all()) and bool((ent[~mask] == 0).all())
 
@@ -347,10 +340,10 @@ def _check_policy_loss(world: int, group, options) -> None:
     ((value, metrics), grad), ((value_1, metrics_1), grad_1) = results["sharded"], results["whole"]
     tol = spec.Tolerance(rtol=1e-5, atol=1e-6)
     assert bool(torch.isfinite(value)), value
-    assert_close("policy loss", value, value_1, tol)
-    assert_close("policy loss grad", grad, grad_1[..., start:stop], tol)
+    assert_close(value, value_1, tol, "policy loss")
+    assert_close(grad, grad_1[..., start:stop], tol, "policy loss grad")
     for key, expected in metrics_1.items():
-        assert_close(key, metrics[key], expected, tol)
+        assert_close(metrics[key], expected, tol, key)
 
 
 #: Rollout-correction fixtures run sharded: token and sequence level, packed segments, bf16.
