@@ -222,6 +222,34 @@ def test_a_rows_results_do_not_depend_on_the_batch():
     assert torch.equal(full[2][:2], part[2])
 
 
+@pytest.mark.parametrize("case", [dict(kl_coef=0.1), dict(ref="logps", kl_coef=0.1),
+                                  dict(kl_coef=0.1, entropy_coef=0.05, masked=True)],
+                         ids=["ref_logits", "ref_logps", "entropy_bonus_masked_vocab"])
+def test_one_program_a_row_and_programs_meeting_give_the_same_bits(case, monkeypatch):
+    """Spans of 8-wide tiles with a tail (V = 37): a program that owns its row folds every
+    span in one loop; a program per span publishes and meets. The same partials reach the
+    same combine: loss, metrics and gradient bit for bit, and the forward alone too."""
+    x = _inputs(23, case)
+    t = {k: torch.from_numpy(np.asarray(v)) for k, v in x.items()}
+    ref = None if case.get("ref") == "logps" else t.pop("ref_logits")
+    t.pop("ref_logits", None)
+    got = {}
+    for plan in (_small_tiles, _small_tiles_meeting):
+        monkeypatch.setattr(_launch, "launch_plan", plan)
+        with torch.no_grad():  # no gradient wanted: the forward-only launch
+            forward = loss.policy_loss(
+                t["policy_logits"], ref, t["action_ids"], t["mask"], t["old_logps"],
+                t["advantages"], ref_logps=t.get("ref_logps"), backend="interpret",
+                **_options(case))
+        got[plan] = _torch(x, case, "interpret", -1.5), forward
+    (one, fwd_one), (meeting, fwd_meeting) = got[_small_tiles], got[_small_tiles_meeting]
+    assert one[0] == meeting[0] and one[1] == meeting[1]
+    assert torch.equal(one[2], meeting[2])
+    assert fwd_one[0].item() == one[0] == fwd_meeting[0].item()
+    assert {k: v.item() for k, v in fwd_one[1].items()} == one[1]
+    assert {k: v.item() for k, v in fwd_meeting[1].items()} == one[1]
+
+
 def test_second_backward_of_the_consumed_gradient_raises():
     x = _inputs(19, {})
     t = {k: torch.from_numpy(np.asarray(v)) for k, v in x.items()}
