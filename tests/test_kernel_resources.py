@@ -11,6 +11,7 @@ unseen for a session (docs/performance.md, "Software-pipelined streaming loops")
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
@@ -33,12 +34,23 @@ STREAMING = {"logp_forward_kernel", "logp_backward_kernel", "policy_loss_kernel"
 
 
 @pytest.fixture(scope="module")
-def table():
+def table(tmp_path_factory):
+    """Every headline launch's resources, compiled into a cache of this process's own (the
+    other test workers may compile the same kernels into the shared one at the same time)."""
     spec = importlib.util.spec_from_file_location("kernel_resources", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     launches = module.headline_launches(8192, 151_936, torch.bfloat16)
-    return [module.resources(op, launch) for op, found in launches.items() for launch in found]
+    shared = os.environ.get("TRITON_CACHE_DIR")
+    os.environ["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("triton_cache"))
+    try:
+        return [module.resources(op, launch) for op, found in launches.items()
+                for launch in found]
+    finally:
+        if shared is None:
+            del os.environ["TRITON_CACHE_DIR"]
+        else:
+            os.environ["TRITON_CACHE_DIR"] = shared
 
 
 def test_every_headline_launch_compiles_without_spills(table) -> None:
