@@ -119,11 +119,33 @@ _comparisons_give_int1()
 _index_of_one_element_arrays()
 
 
+class _Twin(InterpretedFunction):
+    """An ``InterpretedFunction`` whose device-function calls undo their language patch.
+
+    Triton 3.6's interpreter patches ``triton.language`` (and ``triton.language.core``)
+    with interpreter builtins for each call of a ``@triton.jit`` helper and never
+    restores them, unlike a launch: one interpreted call of ``tl.max`` left 59 builtins
+    of ``triton.language.core`` patched, and the next real compile in the process failed
+    (``'ir.value' object has no attribute 'dtype'``). Here each call restores what it
+    patched, innermost first, so the process can compile for a GPU afterwards.
+    """
+
+    def __call__(self, *args, **kwargs):
+        scope = interpreter._patch_lang(self.fn)
+        try:
+            return self.rewrite()(*args, **kwargs)
+        except Exception as err:
+            raise interpreter.InterpreterError(repr(err)) from err
+        finally:
+            if hasattr(scope, "restore"):
+                scope.restore()
+
+
 def _library_twin(fn: triton.JITFunction) -> InterpretedFunction:
     """A Triton library function interpreted in its own module globals."""
     twin = _TWINS.get(id(fn))
     if twin is None:
-        twin = _TWINS[id(fn)] = InterpretedFunction(fn.fn)
+        twin = _TWINS[id(fn)] = _Twin(fn.fn)
     return twin
 
 
@@ -142,7 +164,7 @@ def interpreted(kernel: triton.JITFunction) -> InterpretedFunction:
     )
     twin_fn.__qualname__ = fn.__qualname__
     twin_fn.__module__ = fn.__module__
-    twin = _TWINS[id(kernel)] = InterpretedFunction(twin_fn)
+    twin = _TWINS[id(kernel)] = _Twin(twin_fn)
     for name, value in fn.__globals__.items():
         if value is tl:
             twin_globals[name] = _LanguageView(tl)
