@@ -5,7 +5,9 @@
 #   tests  the GPU tests but the launch-plan sweep, then the test that needs most of the
 #          GPU's memory on its own
 #   sweep-torch, sweep-jax  the launch-plan sweep (every plan the heuristics pick), one
-#          framework per call; `sweep` runs both (longer than one call)
+#          framework at a time; `sweep` runs both. Neither fits one call (PyTorch: 45 % in
+#          420 s, JAX: 53 % in 220 s at 2026-12-02): SWEEP_PART=I/N runs the I-th of N
+#          interleaved parts (pytest --part), e.g. PyTorch in 3 calls, JAX in 2
 #   check  `ratiokl check` on the four backends (the conformance table)
 #   bench  the headline benchmark (both timings, every provider) and its report
 #   all    all four in turn (longer than one call)
@@ -47,16 +49,17 @@ for d in k.device_caches.values():
         print('policy_loss_kernel', c.n_regs, 'registers', c.n_spills, 'spills')
 "; } 2>&1 | tee "$out/gpu_tests.log"
 fi
-# The sweep in two calls (the whole of it outran one: 580 s for 78 % of it). `-v` names
-# every result as it lands, so a cut run still says which ids passed; JAX on 3 workers
-# (6 ran out of GPU memory: XLA's command buffers and autotuning beside torch's pool).
+# The sweep in parts (SWEEP_PART, above). `-v` names every result as it lands, so a cut
+# run still says which ids passed; JAX on 3 workers (6 ran out of GPU memory: XLA's
+# command buffers and autotuning beside torch's pool).
+sweep_part=${SWEEP_PART:+--part=$SWEEP_PART}
 if [ "$part" = sweep-torch ] || [ "$part" = sweep ] || [ "$part" = all ]; then
-  pytest_gpu -v -m gpu -n "${GPU_TEST_WORKERS:-6}" -k test_torch_sweep \
+  pytest_gpu -v -m gpu -n "${GPU_TEST_WORKERS:-6}" -k test_torch_sweep $sweep_part \
     tests/gpu/test_launch_plan_sweep.py 2>&1 | tee "$out/gpu_sweep_torch.log" \
     | grep -E "FAILED|passed|failed"
 fi
 if [ "$part" = sweep-jax ] || [ "$part" = sweep ] || [ "$part" = all ]; then
-  pytest_gpu -v -m gpu -n "${GPU_JAX_WORKERS:-3}" -k test_jax_sweep \
+  pytest_gpu -v -m gpu -n "${GPU_JAX_WORKERS:-3}" -k test_jax_sweep $sweep_part \
     tests/gpu/test_launch_plan_sweep.py 2>&1 | tee "$out/gpu_sweep_jax.log" \
     | grep -E "FAILED|passed|failed"
 fi

@@ -24,6 +24,7 @@ from typing import List
 
 import pytest
 from conformance_subset import SUBSET_PAIRS, SUBSET_TARGETS, representative_cases
+from parts import in_part, parse_part
 
 from ratiokl import conformance
 
@@ -35,6 +36,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="comma-separated globs of conformance targets to run "
         f"(default: all of {', '.join(conformance.TARGETS)}; unavailable ones are skipped; "
         f"{', '.join(SUBSET_TARGETS)} on one fixture per group unless named here)",
+    )
+    parser.addoption(
+        "--part", default=None, metavar="I/N",
+        help="run the I-th of N interleaved parts of the selected tests (1-based): a run "
+        "longer than one device call, the GPU sweep, in several (tests/helpers/parts.py)",
     )
 
 
@@ -53,7 +59,18 @@ def pytest_report_header(config: pytest.Config) -> List[str]:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item]) -> None:
-    """Deselect the fixtures a :data:`SUBSET_TARGETS` target skips by default."""
+    """Deselect the fixtures a :data:`SUBSET_TARGETS` target skips by default, then keep
+    the ``--part`` asked for."""
+    _keep_subsets(config, items)
+    part = config.getoption("--part")
+    if part:
+        index, count = parse_part(part)
+        chosen = in_part([item.nodeid for item in items], index, count)
+        config.hook.pytest_deselected(items=[i for i, c in zip(items, chosen) if not c])
+        items[:] = [i for i, c in zip(items, chosen) if c]
+
+
+def _keep_subsets(config: pytest.Config, items: List[pytest.Item]) -> None:
     if not _subsets(config):
         return
     keep = set(representative_cases(conformance.list_cases()))
