@@ -71,6 +71,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item
 
 
 def _keep_subsets(config: pytest.Config, items: List[pytest.Item]) -> None:
+    """Deselect the fixtures a :data:`SUBSET_TARGETS` target skips (``--backends`` left at ``*``)."""
     if not _subsets(config):
         return
     keep = set(representative_cases(conformance.list_cases()))

@@ -11,7 +11,6 @@ unseen for a session (docs/performance.md, "Software-pipelined streaming loops")
 from __future__ import annotations
 
 import importlib.util
-import os
 from pathlib import Path
 
 import pytest
@@ -41,16 +40,10 @@ def table(tmp_path_factory):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     launches = module.headline_launches(8192, 151_936, torch.bfloat16)
-    shared = os.environ.get("TRITON_CACHE_DIR")
-    os.environ["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("triton_cache"))
-    try:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TRITON_CACHE_DIR", str(tmp_path_factory.mktemp("triton_cache")))
         return [module.resources(op, launch) for op, found in launches.items()
                 for launch in found]
-    finally:
-        if shared is None:
-            del os.environ["TRITON_CACHE_DIR"]
-        else:
-            os.environ["TRITON_CACHE_DIR"] = shared
 
 
 def test_every_headline_launch_compiles_without_spills(table) -> None:
