@@ -84,7 +84,7 @@ def _fold_tile(x, m, s, h, ENTROPY: tl.constexpr):
 
 
 @triton.jit
-def _tail_lse2(p_row, r_row, V, stride_pv, stride_rv, k, on, m_p, s_p, h_p, m_r, s_r,
+def tail_stats(p_row, r_row, V, stride_pv, stride_rv, k, on, m_p, s_p, h_p, m_r, s_r,
                HAS_REF: tl.constexpr, ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr,
                EVICT: tl.constexpr):
     """Fold the masked tail tile (``V % BLOCK_V`` columns; none read unless ``on``)."""
@@ -129,7 +129,7 @@ def span_stats(
             m_r, s_r = lse_step(y, m_r, s_r)
     if V % BLOCK_V != 0:
         if tail_on:
-            m_p, s_p, h_p, m_r, s_r = _tail_lse2(
+            m_p, s_p, h_p, m_r, s_r = tail_stats(
                 p_row, r_row, V, stride_pv, stride_rv, k, tail_on, m_p, s_p, h_p, m_r, s_r,
                 HAS_REF, ENTROPY, BLOCK_V, EVICT,
             )
@@ -274,7 +274,7 @@ def logp_forward_kernel(
             m_p, s_p, h_p = tl.where(end, fm, m_p), tl.where(end, fs, s_p), tl.where(end, fh, h_p)
             mp, sp, hp = tl.where(end, ninf, mp), tl.where(end, 0.0, sp), tl.where(end, 0.0, hp)
         if V % BLOCK_V != 0:
-            mp, sp, hp, _, _ = _tail_lse2(p_row, r_row, V, stride_pv, stride_rv, k, active,
+            mp, sp, hp, _, _ = tail_stats(p_row, r_row, V, stride_pv, stride_rv, k, active,
                                           mp, sp, hp, ninf, 0.0, False, True, BLOCK_V, "")
         open_span = ((V % BLOCK_V) != 0) | ((n_full % TILES_PER_SPLIT) != 0)
         fm, fs, fh = fold_lse2_h(m_p, s_p, h_p, mp, sp, hp)
@@ -301,7 +301,7 @@ def logp_forward_kernel(
                 mr, sr = tl.where(end, ninf, mr), tl.where(end, 0.0, sr)
         # The last span: the tail (if any) joins it; fold it unless it is empty.
         if V % BLOCK_V != 0:
-            mp, sp, _, mr, sr = _tail_lse2(
+            mp, sp, _, mr, sr = tail_stats(
                 p_row, r_row, V, stride_pv, stride_rv, k, active, mp, sp, 0.0, mr, sr,
                 HAS_REF, False, BLOCK_V, "",
             )

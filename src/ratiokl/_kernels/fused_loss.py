@@ -56,7 +56,7 @@ import triton.language as tl
 
 from ratiokl._kernels.codes import KL_NONE
 from ratiokl._kernels.backward import grad_span
-from ratiokl._kernels.forward import span_stats, split_span
+from ratiokl._kernels.forward import span_stats, split_span, tail_stats
 from ratiokl._kernels.heuristics import (
     LaunchConfig,
     SplitPlan,
@@ -64,7 +64,16 @@ from ratiokl._kernels.heuristics import (
     split_plan,
     use_split_forward,
 )
-from ratiokl._kernels.numerics import INTERPRETED, LN2, LOG2E, shift_of, to_storage
+from ratiokl._kernels.numerics import (
+    INTERPRETED,
+    LN2,
+    LOG2E,
+    STREAM_STAGES,
+    lse_h_step,
+    lse_step,
+    shift_of,
+    to_storage,
+)
 from ratiokl._kernels.objective import token_objective
 
 #: Spans of a row in the fused kernel (fewer when the row has fewer tiles).
@@ -143,6 +152,56 @@ def _combine(ms, ss, hs, ENTROPY: tl.constexpr):
     if ENTROPY:
         mean2 = tl.sum(hs * scale, axis=0) / total
     return shift + tl.log2(total), mean2
+
+
+@triton.jit
+def _row_partials(p_row, r_row, V, stride_pv, stride_rv, k, active, HAS_REF: tl.constexpr,
+                  SPLITS: tl.constexpr, TILES_PER_SPLIT: tl.constexpr, BLOCK_V: tl.constexpr,
+                  EVICT: tl.constexpr):
+    """Every span's partial of a row its program owns, in one pipelined loop over the row.
+
+    Returns ``(ms_p, ss_p, hs_p, ms_r, ss_r)``, one lane per span (unused lanes
+    ``(-inf, 0, 0)``), each span folded tile by tile from ``(-inf, 0, 0)`` exactly as
+    :func:`~ratiokl._kernels.forward.span_stats` folds it -- the same bits as the
+    meeting's published partials -- but with no pipeline drain at span ends (a loop per
+    span restarted the loads ``SPLITS`` times a row). The masked tail joins the last
+    span, as ``split_span`` assigns it. An inactive row reads nothing.
+    """
+    spans = tl.arange(0, triton.next_power_of_2(SPLITS))
+    ms_p = tl.full(spans.shape, -float("inf"), tl.float32)
+    ss_p = tl.zeros(spans.shape, tl.float32)
+    hs_p = tl.zeros(spans.shape, tl.float32)
+    ms_r = tl.full(spans.shape, -float("inf"), tl.float32)
+    ss_r = tl.zeros(spans.shape, tl.float32)
+    ninf = -float("inf")
+    m_p, s_p, h_p, m_r, s_r = ninf, 0.0, 0.0, ninf, 0.0
+    cols = tl.arange(0, BLOCK_V)
+    n_full = tl.where(active, V // BLOCK_V, 0)
+    for b in tl.range(0, n_full, num_stages=STREAM_STAGES):
+        offs = (b * BLOCK_V + cols).to(tl.int64)
+        x = tl.load(p_row + offs * stride_pv, eviction_policy=EVICT).to(tl.float32) * k
+        m_p, s_p, h_p = lse_h_step(x, m_p, s_p, h_p)
+        if HAS_REF:
+            y = tl.load(r_row + offs * stride_rv, eviction_policy=EVICT).to(tl.float32) * k
+            m_r, s_r = lse_step(y, m_r, s_r)
+        end = (b % TILES_PER_SPLIT) == TILES_PER_SPLIT - 1
+        here = end & (spans == b // TILES_PER_SPLIT)
+        ms_p, ss_p = tl.where(here, m_p, ms_p), tl.where(here, s_p, ss_p)
+        hs_p = tl.where(here, h_p, hs_p)
+        ms_r, ss_r = tl.where(here, m_r, ms_r), tl.where(here, s_r, ss_r)
+        m_p, s_p, h_p = tl.where(end, ninf, m_p), tl.where(end, 0.0, s_p), tl.where(end, 0.0, h_p)
+        m_r, s_r = tl.where(end, ninf, m_r), tl.where(end, 0.0, s_r)
+    if V % BLOCK_V != 0:
+        m_p, s_p, h_p, m_r, s_r = tail_stats(p_row, r_row, V, stride_pv, stride_rv, k, active,
+                                             m_p, s_p, h_p, m_r, s_r, HAS_REF, True, BLOCK_V,
+                                             EVICT)
+    # The open span (whole tiles short of a span, or the tail): the row's last.
+    if ((V % BLOCK_V) != 0) | (((V // BLOCK_V) % TILES_PER_SPLIT) != 0):
+        here = active & (spans == (V // BLOCK_V) // TILES_PER_SPLIT)
+        ms_p, ss_p = tl.where(here, m_p, ms_p), tl.where(here, s_p, ss_p)
+        hs_p = tl.where(here, h_p, hs_p)
+        ms_r, ss_r = tl.where(here, m_r, ms_r), tl.where(here, s_r, ss_r)
+    return ms_p, ss_p, hs_p, ms_r, ss_r
 
 
 @triton.jit
@@ -327,24 +386,18 @@ def policy_loss_kernel(
     # one vector per field); a shared row publishes them for the meeting. Either way the
     # same vectors reach the same _combine: the same bits.
     EVICT_1: tl.constexpr = "evict_last" if WRITE_GRAD else ""
-    spans = tl.arange(0, triton.next_power_of_2(SPLITS))
-    ms_p = tl.full(spans.shape, -float("inf"), tl.float32)
-    ss_p = tl.zeros(spans.shape, tl.float32)
-    hs_p = tl.zeros(spans.shape, tl.float32)
-    ms_r = tl.full(spans.shape, -float("inf"), tl.float32)
-    ss_r = tl.zeros(spans.shape, tl.float32)
-    for j in range(0, SPANS):
-        t0, t1, tail_on = split_span(first + j, V, active, TILES_PER_SPLIT, BLOCK_V)
-        m_p, s_p, h_p, m_r, s_r = span_stats(
-            p_row, r_row, V, stride_pv, stride_rv, k, t0, t1, tail_on, HAS_REF, True, BLOCK_V,
-            EVICT_1
+    if ROW_PROGRAMS == 1:
+        ms_p, ss_p, hs_p, ms_r, ss_r = _row_partials(
+            p_row, r_row, V, stride_pv, stride_rv, k, active, HAS_REF, SPLITS,
+            TILES_PER_SPLIT, BLOCK_V, EVICT_1
         )
-        if ROW_PROGRAMS == 1:
-            here = spans == j
-            ms_p, ss_p = tl.where(here, m_p, ms_p), tl.where(here, s_p, ss_p)
-            hs_p = tl.where(here, h_p, hs_p)
-            ms_r, ss_r = tl.where(here, m_r, ms_r), tl.where(here, s_r, ss_r)
-        else:
+    else:
+        for j in range(0, SPANS):
+            t0, t1, tail_on = split_span(first + j, V, active, TILES_PER_SPLIT, BLOCK_V)
+            m_p, s_p, h_p, m_r, s_r = span_stats(
+                p_row, r_row, V, stride_pv, stride_rv, k, t0, t1, tail_on, HAS_REF, True,
+                BLOCK_V, EVICT_1
+            )
             _publish(part_ptr, row, first + j, m_p, s_p, h_p, m_r, s_r, SPLITS)
     if ROW_PROGRAMS == 1:
         lse2, mean2 = _combine(ms_p, ss_p, hs_p, True)
