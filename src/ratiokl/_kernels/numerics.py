@@ -56,18 +56,23 @@ FLT_MAX = tl.constexpr(3.4028234663852886e38)
 def lse_h_step(x, m, s, h):
     """:func:`lse_step` that also folds ``h = sum(exp2(x - shift) * x)`` (for the entropy).
 
-    ``h`` rescales with ``s``; a ``-inf`` entry adds exactly 0 to it: its ``e = 0``
-    multiplies ``max(x, -FLT_MAX)``, never ``-inf`` (one ``max`` and one FMA per element;
-    every ``x`` with ``e > 0`` is finite, so nothing else changes). A NaN makes ``s`` NaN.
-    The ``(m, s)`` it returns are :func:`lse_step`'s, bit for bit. With
-    ``p = exp2(x - lse2)`` the entropy in nats is ``(lse2 - h / s) * ln 2``.
+    ``h`` rescales with ``s``. It is summed as ``sum e (x - shift) + shift sum e``: the
+    shifted logits ``d = x - shift`` are the exponent's own operand, so ``x`` is dead once
+    ``d`` is formed (``sum e x`` kept both alive: 90 registers instead of 56 for the
+    entropy forward on sm_90, 96 instead of 71 for the forward-only fused loss). A
+    ``-inf`` entry adds exactly 0: its ``e = 0`` multiplies ``max(d, -FLT_MAX)``, never
+    ``-inf`` (one ``max`` and one FMA per element; every ``d`` with ``e > 0`` is finite).
+    A NaN makes ``s`` NaN. The ``(m, s)`` it returns are :func:`lse_step`'s, bit for bit.
+    With ``p = exp2(x - lse2)`` the entropy in nats is ``(lse2 - h / s) * ln 2``.
     """
     m_new = tl.maximum(m, tl.max(x, axis=0))
     shift = shift_of(m_new)
     scale = tl.exp2(m - shift)
-    e = tl.exp2(x - shift)
-    s = s * scale + tl.sum(e, axis=0)
-    h = h * scale + tl.sum(e * tl.maximum(x, -FLT_MAX), axis=0)
+    d = x - shift
+    e = tl.exp2(d)
+    se = tl.sum(e, axis=0)
+    s = s * scale + se
+    h = h * scale + (tl.sum(e * tl.maximum(d, -FLT_MAX), axis=0) + shift * se)
     return m_new, s, h
 
 
