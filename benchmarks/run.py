@@ -2,6 +2,7 @@
 
     python benchmarks/run.py --preset headline --out benchmarks/results/h200.json
     python benchmarks/run.py --preset cpu-smoke --out /tmp/smoke.json
+    python benchmarks/run.py --preset vocab-parallel --tp 2   # several GPUs (_vocab_parallel)
 
 Every (provider, op, mode, case) is measured under both timings, ``user``
 (what a trainer sees) and ``device`` (the kernels, host hidden). Writes
@@ -167,9 +168,14 @@ class _Run:
         _free()
 
 
+#: The preset that runs on several GPUs (or, ``--cpu``, several CPU ranks): its own options,
+#: ``benchmarks/run.py --preset vocab-parallel --help``.
+VOCAB_PARALLEL = "vocab-parallel"
+
+
 def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", choices=sorted(PRESETS),
+    ap.add_argument("--preset", choices=sorted(PRESETS) + [VOCAB_PARALLEL],
                     default="headline" if torch.cuda.is_available() else "cpu-smoke")
     ap.add_argument("--out", type=Path, help="results JSON (CSV written beside it); "
                     "default benchmarks/results/<preset>.json")
@@ -189,6 +195,14 @@ def _subset(arg: Optional[str], allowed: Sequence[str], what: str) -> Optional[s
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    preset_arg = argparse.ArgumentParser(add_help=False)
+    preset_arg.add_argument("--preset")
+    known, rest = preset_arg.parse_known_args(argv)
+    if known.preset == VOCAB_PARALLEL:
+        import _vocab_parallel
+
+        return _vocab_parallel.main(rest)
     args = _parse(argv)
     preset = PRESETS[args.preset]
     only_provs = _subset(args.providers, list(PROVIDERS), "providers")

@@ -1,4 +1,4 @@
-"""``benchmarks/vocab_parallel_gpu.py``: its CPU dry run (gloo ranks, JAX host devices) through
+"""The suite's ``vocab-parallel`` preset (``benchmarks/_vocab_parallel.py``): its CPU dry run (gloo ranks, JAX host devices) through
 the real entry point, and the helpers that turn measurements into the recorded verdicts.
 
 The dry run (``--cpu --tp 2``, N = 16, V = 48: about 30 s on 2 cores) must pass every
@@ -21,17 +21,18 @@ pytest.importorskip("torch")
 pytest.importorskip("jax")
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "vocab_parallel_gpu.py"
-sys.path.insert(0, str(SCRIPT.parent))
+RUNNER = ROOT / "benchmarks" / "run.py"
+sys.path.insert(0, str(RUNNER.parent))
 
-import vocab_parallel_gpu as vp  # noqa: E402
+import _vocab_parallel as vp  # noqa: E402
 
 
 def test_cpu_dry_run_passes_its_checks(tmp_path):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--cpu", "--tp", "2", "--out",
-                           str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
+    command = [sys.executable, str(RUNNER), "--preset", "vocab-parallel", "--cpu", "--tp", "2",
+               "--out", str(tmp_path)]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads((tmp_path / "cpux2_vocab_parallel.json").read_text())
     assert doc["tp"] == 2 and doc["parts"] == ["torch", "jax"]

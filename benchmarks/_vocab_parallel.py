@@ -1,8 +1,9 @@
-"""Vocabulary-parallel ratiokl on tp GPUs against one unsharded GPU: values, time, memory, faults.
+"""The suite's ``vocab-parallel`` preset: ratiokl on tp GPUs against one unsharded GPU
+(values, time, memory, faults).
 
 Usage (a machine with at least ``tp`` CUDA GPUs, from the repository root)::
 
-    PYTHONPATH=src python benchmarks/vocab_parallel_gpu.py [--tp N] [--out PATH]
+    PYTHONPATH=src python benchmarks/run.py --preset vocab-parallel [--tp N] [--out PATH]
 
 ``--tp``: 2, 4 or 8 (default: every visible GPU). ``--out``: a file, or a folder
 that gets ``h200x<tp>_vocab_parallel.json`` (the default: ``benchmarks/results/``).
@@ -973,7 +974,8 @@ def run(cfg: Config, out: Path) -> Dict[str, Any]:
 
 
 def _parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="benchmarks/run.py --preset vocab-parallel",
+                                     description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--tp", type=int, help="ranks / devices (default: every visible GPU; "
                         "2 with --cpu)")
     parser.add_argument("--out", type=Path, help="results file, or a folder for "
