@@ -73,11 +73,12 @@ def warn_inplace_ignored(sequence_ratio: bool) -> None:
 
 def token_weights_args(opts: PolicyLossOptions, normalizer: object,
                        width: int) -> Optional[Tuple[float, bool]]:
-    """``token_weights_kernel``'s ``(denom, COUNT)`` for ``w = mask / D``, or None where the
-    kernel does not apply.
+    """``(denom, count)`` of ``w = where(mask, 1 / D, 0)``, or None where the weights are not
+    one value over the active tokens.
 
-    ``D`` is a number (``COUNT`` False), or the active count (``COUNT`` True:
-    ``token-mean`` without a normaliser; ``denom`` unused). None:
+    ``count`` True: ``D`` is the active count (``token-mean`` without a normaliser;
+    ``denom`` unused), which ``token_weights_kernel`` counts on the device; False: ``D``
+    is the number ``denom``, one framework op. None:
     ``seq-mean-token-mean`` weighs tokens by their sequence's length, sequence
     counts need segments, and a normaliser given as an array is device data; those
     take the framework's ops. ``normalizer``: ``loss_normalizer`` (None, a Python

@@ -6,8 +6,9 @@ and the row values into the logged means are a chain of small framework ops
 (about 30 PyTorch launches per step, 1-2 us of device time each). Each
 kernel here is one program that streams the ``[N]`` vectors in blocks:
 
-* ``token_weights_kernel`` -- ``w_t = mask_t / D`` for the token-level
-  aggregations (``D`` = the active count clamped at 1, or a given number);
+* ``token_weights_kernel`` -- ``w_t = mask_t / D`` for ``token-mean`` (``D`` = the
+  active count clamped at 1: a count on the device, no host round trip; a ``D``
+  the host knows is one framework op there);
 * ``policy_metrics_kernel`` -- the eight means over active rows of
   ``ratiokl.spec.policy_loss``'s metrics, and the loss (the sum of the
   kernel's weighted per-row losses: no separate sum launch).
@@ -45,20 +46,15 @@ def token_weights_kernel(
     mask_ptr,  # [N] bool, nonzero = active row
     w_ptr,  # [N] f32 output: mask / D
     N,
-    denom,  # f32 D when not COUNT
-    COUNT: tl.constexpr,  # D = max(number of active rows, 1) (token-mean)
     BLOCK: tl.constexpr,
 ):
-    """``w = where(mask, 1 / D, 0)``; one program."""
+    """``w = where(mask, 1 / D, 0)``, ``D = max(number of active rows, 1)``; one program."""
     cols = tl.arange(0, BLOCK)
-    d = denom
-    if COUNT:
-        count = tl.zeros([BLOCK], tl.int32)
-        for start in range(0, N, BLOCK):
-            offs = start + cols
-            count += (tl.load(mask_ptr + offs, mask=offs < N, other=0) != 0).to(tl.int32)
-        d = tl.maximum(tl.sum(count, axis=0), 1).to(tl.float32)
-    inv = tl.div_rn(1.0, d)
+    count = tl.zeros([BLOCK], tl.int32)
+    for start in range(0, N, BLOCK):
+        offs = start + cols
+        count += (tl.load(mask_ptr + offs, mask=offs < N, other=0) != 0).to(tl.int32)
+    inv = tl.div_rn(1.0, tl.maximum(tl.sum(count, axis=0), 1).to(tl.float32))
     for start in range(0, N, BLOCK):
         offs = start + cols
         inside = offs < N

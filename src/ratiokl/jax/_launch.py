@@ -55,7 +55,7 @@ from ratiokl.jax import _objective
 
 __all__ = [
     "Static", "TritonCall", "backward_op", "forward_op", "fused_op", "metrics_op", "row_op",
-    "scale_op", "stats_op", "weights_op",
+    "native_weights", "scale_op", "stats_op", "weights_op",
 ]
 
 #: A launch function with ``jax_triton.triton_call``'s signature (kernel, ``out_shape``,
@@ -277,33 +277,31 @@ def _vmapped(native, axis_size: int, in_batched: Sequence[bool], *args):
     return out, jax.tree_util.tree_map(lambda _: True, out)
 
 
-def _native_weights(denom: float, count: bool, mask: jax.Array) -> jax.Array:
+def native_weights(denom: float, count: bool, mask: jax.Array) -> jax.Array:
     """``where(mask, 1 / D, 0)``, ``D`` the active count (at least 1) or ``denom``: what
     ``_objective.aggregation_weights`` computes where every active token weighs the same."""
     d = jnp.maximum(jnp.sum(mask, dtype=jnp.int32), 1) if count else denom
     return jnp.where(mask, 1.0 / d, 0.0).astype(jnp.float32)
 
 
-def _weights_call(call: TritonCall, denom: float, count: bool, mask: jax.Array) -> jax.Array:
-    """``token_weights_kernel``; ``denom`` a compile-time constant, as jax-triton passes
-    every keyword (unused when ``count``)."""
+def _weights_call(call: TritonCall, mask: jax.Array) -> jax.Array:
+    """``token_weights_kernel``: ``D`` the active count."""
     if not mask.size:
         return jnp.zeros(mask.shape, jnp.float32)
     w = call(
         mask.reshape(-1), kernel=row_kernels.token_weights_kernel,
         out_shape=jax.ShapeDtypeStruct((mask.size,), jnp.float32), grid=(1,),
-        num_warps=row_kernels.ROWS_WARPS, N=mask.size, denom=denom, COUNT=count,
-        BLOCK=row_kernels.ROWS_BLOCK,
+        num_warps=row_kernels.ROWS_WARPS, N=mask.size, BLOCK=row_kernels.ROWS_BLOCK,
     )
     return w.reshape(mask.shape)
 
 
 @functools.lru_cache(maxsize=None)
-def weights_op(call: TritonCall, denom: float, count: bool) -> Callable:
-    """The aggregation weights through ``call`` (see :func:`_weights_call`); vmapped:
-    the framework ops."""
-    op = jax.custom_batching.custom_vmap(functools.partial(_weights_call, call, denom, count))
-    op.def_vmap(functools.partial(_vmapped, functools.partial(_native_weights, denom, count)))
+def weights_op(call: TritonCall) -> Callable:
+    """The token-mean weights through ``call`` (see :func:`_weights_call`); vmapped: the
+    framework ops."""
+    op = jax.custom_batching.custom_vmap(functools.partial(_weights_call, call))
+    op.def_vmap(functools.partial(_vmapped, functools.partial(native_weights, 1.0, True)))
     return op
 
 

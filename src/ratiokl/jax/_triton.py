@@ -237,13 +237,18 @@ _rows_total.defvjp(_rows_total_fwd, _rows_total_bwd)
 def token_weights(call: TritonCall, mask: jax.Array, opts: PolicyLossOptions,
                   normalizer: object, width: int) -> Optional[jax.Array]:
     """The aggregation weights ``w = where(mask, 1 / D, 0)`` (float32 ``[N]``) in one launch,
-    where every active token weighs the same; None where they do not (sequence lengths or
-    counts, an array normaliser: the caller takes the framework's ops).
+    where every active token weighs the same (``D`` the active count: the weights kernel;
+    a number: one ``where``); None where they do not (sequence lengths or counts, an array
+    normaliser: the caller takes the framework's ops).
 
     ``normalizer``: ``loss_normalizer``; ``width``: tokens per sequence ``T``.
     """
     args = token_weights_args(opts, normalizer, width)
-    return None if args is None else _launch.weights_op(call, *args)(mask.astype(jnp.bool_))
+    if args is None:
+        return None
+    denom, count = args
+    mask = mask.astype(jnp.bool_)
+    return _launch.weights_op(call)(mask) if count else _launch.native_weights(denom, False, mask)
 
 
 def policy_loss(

@@ -64,6 +64,8 @@ ROLLOUT_METRIC_NAMES: Tuple[str, ...] = (
 )
 
 
+#: The code of ``rollout_correction=None`` (metrics only; every correction's code is above it).
+NO_CORRECTION = 0
 #: Codes of the sequence-level and of the masking corrections.
 _SEQUENCE_CODES = (ROLLOUT_CORRECTIONS["sequence-truncate"], ROLLOUT_CORRECTIONS["sequence-mask"])
 _MASK_CODES = (ROLLOUT_CORRECTIONS["token-mask"], ROLLOUT_CORRECTIONS["sequence-mask"])
@@ -73,14 +75,14 @@ _MASK_CODES = (ROLLOUT_CORRECTIONS["token-mask"], ROLLOUT_CORRECTIONS["sequence-
 class RolloutOptions:
     """Validated rollout-correction options (shared by both frameworks)."""
 
-    code: int  # ROLLOUT_CORRECTIONS; 0: no correction (metrics only)
+    code: int  # ROLLOUT_CORRECTIONS, or NO_CORRECTION (metrics only)
     low: float  # lo: the mask modes' floor of exp(lw)
     high: float  # hi: the truncate modes' cap, the mask modes' ceiling (may be inf there)
 
     @property
     def corrects(self) -> bool:
         """Whether a weight is applied (``rollout_correction`` is not None)."""
-        return self.code != 0
+        return self.code != NO_CORRECTION
 
     @property
     def sequence(self) -> bool:
@@ -122,9 +124,9 @@ def _bounds_key(bounds: object) -> Tuple[object, ...]:
 
 
 def _rollout_options(correction, bounds, logps_given) -> Optional[RolloutOptions]:
-    code = 0 if correction is None else option_code("rollout_correction", correction,
+    code = NO_CORRECTION if correction is None else option_code("rollout_correction", correction,
                                                     ROLLOUT_CORRECTIONS)
-    low, high = _checked_bounds(bounds, truncates=code != 0 and code not in _MASK_CODES)
+    low, high = _checked_bounds(bounds, truncates=code != NO_CORRECTION and code not in _MASK_CODES)
     if not logps_given:
         if code:
             raise ValueError(

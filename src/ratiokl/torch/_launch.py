@@ -391,12 +391,12 @@ ENTROPY_FORWARD = KernelOp(
 # --- the fused policy loss: weights before, loss + metrics + stored gradient, scale after -------
 
 
-def token_weights(kernels: Callable, mask: Tensor, denom: float, count: bool) -> Tensor:
-    """``w = where(mask, 1 / D, 0)`` float32 ``[N]`` (``count``: ``D`` = active rows, min 1)."""
+def token_weights(kernels: Callable, mask: Tensor) -> Tensor:
+    """``w = where(mask, 1 / D, 0)`` float32 ``[N]``, ``D`` = the active rows (at least 1)."""
     w = torch.empty(mask.shape, dtype=torch.float32, device=mask.device)
     if mask.numel():
-        kernels(token_weights_kernel)[(1,)](mask, w, mask.numel(), denom, COUNT=count,
-                                            BLOCK=ROWS_BLOCK, num_warps=ROWS_WARPS)
+        kernels(token_weights_kernel)[(1,)](mask, w, mask.numel(), BLOCK=ROWS_BLOCK,
+                                            num_warps=ROWS_WARPS)
     return w
 
 

@@ -121,13 +121,19 @@ def ratio_kl(policy: torch.Tensor, ref: Optional[torch.Tensor], ids: torch.Tenso
 def token_weights(mask: torch.Tensor, opts: PolicyLossOptions, normalizer: object,
                   width: int) -> Optional[torch.Tensor]:
     """The aggregation weights ``w = where(mask, 1 / D, 0)`` (float32 ``[N]``) in one launch,
-    where every active token weighs the same; None where they do not (sequence lengths or
-    counts, a tensor normaliser: the caller takes the framework's ops).
+    where every active token weighs the same (``D`` the active count: the weights kernel;
+    a number: one ``where``); None where they do not (sequence lengths or counts, a tensor
+    normaliser: the caller takes the framework's ops).
 
     ``normalizer``: ``loss_normalizer``; ``width``: tokens per sequence ``T``.
     """
     args = token_weights_args(opts, normalizer, width)
-    return None if args is None else TOKEN_WEIGHTS(mask, *args)
+    if args is None:
+        return None
+    denom, count = args
+    if count:
+        return TOKEN_WEIGHTS(mask)
+    return torch.where(mask.bool(), 1.0 / denom, 0.0).to(torch.float32)
 
 
 def rollout_weights(mask: torch.Tensor, old: torch.Tensor, rollout: torch.Tensor,
