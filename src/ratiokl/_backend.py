@@ -39,11 +39,10 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Optional, Tuple
+from typing import Callable, Optional
 
-from ratiokl.spec import PolicyLossOptions
 
-__all__ = ["Backend", "token_weights_args", "warn_inplace_ignored", "with_metrics"]
+__all__ = ["Backend", "warn_inplace_ignored"]
 
 
 @dataclass(frozen=True)
@@ -69,36 +68,3 @@ def warn_inplace_ignored(sequence_ratio: bool) -> None:
         f"policy_loss(inplace_grad=True) has no effect: {why}, which writes the gradient "
         "as a new array; pass inplace_grad=False to silence this",
         UserWarning, stacklevel=4)
-
-
-def token_weights_args(opts: PolicyLossOptions, normalizer: object,
-                       width: int) -> Optional[Tuple[float, bool]]:
-    """``(denom, count)`` of ``w = where(mask, 1 / D, 0)``, or None where the weights are not
-    one value over the active tokens.
-
-    ``count`` True: ``D`` is the active count (``token-mean`` without a normaliser;
-    ``denom`` unused), which ``token_weights_kernel`` counts on the device; False: ``D``
-    is the number ``denom``, one framework op. None:
-    ``seq-mean-token-mean`` weighs tokens by their sequence's length, sequence
-    counts need segments, and a normaliser given as an array is device data; those
-    take the framework's ops. ``normalizer``: ``loss_normalizer`` (None, a Python
-    number or an array); ``width``: tokens per sequence ``T``.
-    """
-    if opts.loss_agg == "seq-mean-token-mean":
-        return None
-    if isinstance(normalizer, (int, float)) and not isinstance(normalizer, bool):
-        return float(normalizer), False
-    if normalizer is not None or opts.loss_agg == "seq-mean-token-sum":
-        return None
-    if opts.loss_agg == "token-mean":
-        return 1.0, True
-    return (1.0 if opts.loss_agg == "token-sum" else float(width)), False
-
-
-def with_metrics(result: Tuple[object, dict], extra: dict) -> Tuple[object, dict]:
-    """``policy_loss``'s ``(loss, metrics)`` with ``extra`` metrics (the rollout
-    correction's) appended; unchanged when there are none. Both frameworks' routes."""
-    if not extra:
-        return result
-    loss, metrics = result
-    return loss, {**metrics, **extra}

@@ -18,7 +18,7 @@ gives the same bits every time. Divisions are rounded to nearest
 (``div_rn``), as the frameworks' own division is. PyTorch
 (``ratiokl.torch._launch``) and JAX (``ratiokl.jax._launch``) launch the same
 two kernels and decide where the weights kernel applies with
-``ratiokl._backend.token_weights_args`` (host-side aggregation policy: this
+``ratiokl.spec.PolicyLossOptions.uniform_weight`` (host-side aggregation policy: this
 package imports only Triton).
 """
 

@@ -27,9 +27,8 @@ from jax import lax
 from ratiokl.jax import _objective
 from ratiokl.jax._checks import TokenInputs, as_rows, check_row_values
 from ratiokl.spec import ROLLOUT_METRIC_NAMES, RolloutOptions, rollout_options
-from ratiokl._backend import with_metrics  # noqa: F401 - the routes call it here
 
-__all__ = ["correct", "with_metrics"]
+__all__ = ["correct"]
 
 Metrics = Dict[str, jax.Array]
 

@@ -38,7 +38,7 @@ from ratiokl._backend import Backend, warn_inplace_ignored
 from ratiokl._requirements import unmet
 from ratiokl.jax import _checks, _jax_triton, _rollout
 from ratiokl.jax._checks import Temperature
-from ratiokl.spec import BACKENDS, kl_estimator_code, policy_loss_options
+from ratiokl.spec import BACKENDS, DEFAULT_ROLLOUT_BOUNDS, kl_estimator_code, policy_loss_options
 
 __all__ = ["backend_name", "policy_loss", "ratio_kl", "resolve",
            "selected_logprobs"]
@@ -217,6 +217,12 @@ def ratio_kl(policy_logits, ref_logits, action_ids, mask, old_logps, *, ref_logp
     return rows.checked((ratio.reshape(lead), kl.reshape(lead)))
 
 
+def _rollout_unused(rollout_logps, rollout_correction, rollout_bounds) -> bool:
+    """No rollout option given (the default bounds): nothing to check, weigh or report."""
+    return (rollout_logps is None and rollout_correction is None
+            and rollout_bounds == DEFAULT_ROLLOUT_BOUNDS)  # `is`: no trace under dynamo
+
+
 def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantages, *,
                 ref_logps, clip_eps, clip_eps_high, dual_clip, ratio_cap, kl_coef,
                 kl_estimator, loss_agg, loss_normalizer, ratio_level, objective, entropy_coef,
@@ -239,9 +245,11 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
     ref = None if ref_logits is None else ref_logits.reshape(rows.logits.shape)
     run = rows.run
     as_rows = _checks.as_rows
-    inputs, rollout_metrics = _rollout.correct(rows.mask, lead, inputs, rollout_logps,
-                                               rollout_correction, rollout_bounds,
-                                               opts.log_ratio_bound)
+    rollout_metrics = {}
+    if not _rollout_unused(rollout_logps, rollout_correction, rollout_bounds):
+        inputs, rollout_metrics = _rollout.correct(rows.mask, lead, inputs, rollout_logps,
+                                                   rollout_correction, rollout_bounds,
+                                                   opts.log_ratio_bound)
     if run.policy_loss is not None and not opts.sequence_ratio:  # one kernel: the loss,
         # the metrics' row values and the gradient together
         mask_rows = as_rows(rows.mask, lead)
@@ -250,11 +258,12 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
             from ratiokl.jax import _objective
 
             weights = _objective.aggregation_weights(mask_rows, inputs, opts).reshape(-1)
-        return rows.checked(_rollout.with_metrics(run.policy_loss(
+        loss, metrics = run.policy_loss(
             rows.logits, ref, rows.ids, rows.mask, _flat(inputs.old_logps), _flat(ref_logps),
             _flat(inputs.advantages), _flat(inputs.importance_weights), weights,
             rows.temperature, opts, inplace_grad,
-        ), rollout_metrics))
+        )
+        return rows.checked((loss, {**metrics, **rollout_metrics}))
     if inplace_grad:
         warn_inplace_ignored(opts.sequence_ratio)
     from ratiokl.jax import _objective
@@ -267,7 +276,8 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
         logp_ref = run.selected_logprobs(lax.stop_gradient(ref), rows.ids, rows.mask,
                                          rows.temperature)
     logp_ref = None if logp_ref is None else lax.stop_gradient(logp_ref)
-    return rows.checked(_rollout.with_metrics(_objective.policy_objective(
+    loss, metrics = _objective.policy_objective(
         as_rows(logp, lead), None if logp_ref is None else as_rows(logp_ref, lead),
         as_rows(rows.mask, lead), inputs, opts, as_rows(entropy, lead),
-    ), rollout_metrics))
+    )
+    return rows.checked((loss, {**metrics, **rollout_metrics}))

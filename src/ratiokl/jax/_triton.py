@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
-from ratiokl._backend import Backend, token_weights_args
+from ratiokl._backend import Backend
 from ratiokl._codes import KL
 from ratiokl._kernels.loss_rows import METRIC_NAMES
 from ratiokl.jax import _launch, _native
@@ -243,7 +243,7 @@ def token_weights(call: TritonCall, mask: jax.Array, opts: PolicyLossOptions,
 
     ``normalizer``: ``loss_normalizer``; ``width``: tokens per sequence ``T``.
     """
-    args = token_weights_args(opts, normalizer, width)
+    args = opts.uniform_weight(normalizer, width)
     if args is None:
         return None
     denom, count = args

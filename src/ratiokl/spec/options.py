@@ -159,6 +159,29 @@ class PolicyLossOptions:
         """Whether ``loss_agg`` averages over sequences (``seq-mean-token-{mean,sum}``)."""
         return self.loss_agg in ("seq-mean-token-mean", "seq-mean-token-sum")
 
+    def uniform_weight(self, normalizer: object, width: int) -> Optional[Tuple[float, bool]]:
+        """``(denom, count)`` of the aggregation weights ``w = where(mask, 1 / D, 0)`` where
+        every active token weighs the same, else None.
+
+        ``count`` True: ``D`` is the active count (``token-mean`` without a normaliser;
+        ``denom`` unused), which ``token_weights_kernel`` counts on the device; False:
+        ``D`` is the number ``denom``, one framework op. None: ``seq-mean-token-mean``
+        weighs tokens by their sequence's length, sequence counts need segments, and a
+        normaliser given as an array is device data; those take the framework's ops.
+        ``normalizer``: ``loss_normalizer`` (None, a Python number or an array);
+        ``width``: tokens per sequence ``T``.
+        """
+        agg = self.loss_agg
+        if agg == "seq-mean-token-mean":
+            return None
+        if isinstance(normalizer, (int, float)) and not isinstance(normalizer, bool):
+            return float(normalizer), False
+        if normalizer is not None or agg == "seq-mean-token-sum":
+            return None
+        if agg == "token-mean":
+            return 1.0, True
+        return (1.0 if agg == "token-sum" else float(width)), False
+
 
 def _number(name: str, value: object, *, allow_none: bool = False) -> Optional[float]:
     if value is None and allow_none:

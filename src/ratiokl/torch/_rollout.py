@@ -26,9 +26,8 @@ from ratiokl._backend import Backend
 from ratiokl.spec import ROLLOUT_METRIC_NAMES, RolloutOptions, rollout_options
 from ratiokl.torch import _objective
 from ratiokl.torch._checks import TokenInputs, as_rows, check_row_values, check_same_device
-from ratiokl._backend import with_metrics  # noqa: F401 - the routes call it here
 
-__all__ = ["correct", "with_metrics"]
+__all__ = ["correct"]
 
 Metrics = Dict[str, torch.Tensor]
 

@@ -31,7 +31,7 @@ import torch
 
 from ratiokl._backend import Backend, warn_inplace_ignored
 from ratiokl._requirements import unmet
-from ratiokl.spec import BACKENDS, kl_estimator_code, policy_loss_options
+from ratiokl.spec import BACKENDS, DEFAULT_ROLLOUT_BOUNDS, kl_estimator_code, policy_loss_options
 from ratiokl.torch import _checks, _rollout
 from ratiokl.torch._checks import Temperature
 
@@ -233,6 +233,12 @@ def ratio_kl(policy_logits, ref_logits, action_ids, mask, old_logps, *, ref_logp
     return rows.checked((ratio.reshape(lead), kl.reshape(lead)))
 
 
+def _rollout_unused(rollout_logps, rollout_correction, rollout_bounds) -> bool:
+    """No rollout option given (the default bounds): nothing to check, weigh or report."""
+    return (rollout_logps is None and rollout_correction is None
+            and rollout_bounds == DEFAULT_ROLLOUT_BOUNDS)  # `is`: no trace under dynamo
+
+
 def _compiled_backward(logits: torch.Tensor) -> bool:
     """Whether ``torch.compile`` traces a gradient of ``logits``: then the two-pass path.
 
@@ -276,9 +282,11 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
     )
     ref = None if ref_logits is None else ref_logits.detach().reshape(rows.logits.shape)
     run = rows.run
-    inputs, rollout_metrics = _rollout.correct(run, rows.mask, lead, inputs, rollout_logps,
-                                               rollout_correction, rollout_bounds,
-                                               opts.log_ratio_bound)
+    rollout_metrics = {}
+    if not _rollout_unused(rollout_logps, rollout_correction, rollout_bounds):
+        inputs, rollout_metrics = _rollout.correct(run, rows.mask, lead, inputs, rollout_logps,
+                                                   rollout_correction, rollout_bounds,
+                                                   opts.log_ratio_bound)
     if run.policy_loss is not None and not opts.sequence_ratio and not _compiled_backward(
             rows.logits):  # one kernel: the loss, the metrics' row values and the gradient
         mask_rows = _checks.as_rows(rows.mask, lead)
@@ -290,11 +298,12 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
         if inplace_grad:  # the launch consumes the logits: check before it
             rows.checked(None)
         adv, adv_rows = _checks.kernel_advantages(inputs.advantages)
-        return rows.checked(_rollout.with_metrics(run.policy_loss(
+        loss, metrics = run.policy_loss(
             rows.logits, ref, rows.ids, rows.mask, _flat(inputs.old_logps), _flat(ref_logps),
             adv, _flat(inputs.importance_weights), weights, rows.temperature, opts,
             inplace_grad, adv_rows=adv_rows,
-        ), rollout_metrics))
+        )
+        return rows.checked((loss, {**metrics, **rollout_metrics}))
     if inplace_grad and not torch.compiler.is_compiling():  # documented: ignored there
         warn_inplace_ignored(opts.sequence_ratio)
     from ratiokl.torch import _objective
@@ -308,7 +317,8 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
         with torch.no_grad():
             logp_ref = run.selected_logprobs(ref, rows.ids, rows.mask, rows.temperature)
     as_rows = _checks.as_rows
-    return rows.checked(_rollout.with_metrics(_objective.policy_objective(
+    loss, metrics = _objective.policy_objective(
         as_rows(logp, lead), None if logp_ref is None else as_rows(logp_ref, lead),
         as_rows(rows.mask, lead), inputs, opts, as_rows(entropy, lead),
-    ), rollout_metrics))
+    )
+    return rows.checked((loss, {**metrics, **rollout_metrics}))

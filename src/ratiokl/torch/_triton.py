@@ -26,7 +26,6 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from ratiokl._codes import KL
-from ratiokl._backend import token_weights_args
 from ratiokl._kernels import rollout as rollout_kernel
 from ratiokl._kernels.loss_rows import METRIC_NAMES
 from ratiokl.spec import ROLLOUT_METRIC_NAMES, PolicyLossOptions, RolloutOptions
@@ -127,7 +126,7 @@ def token_weights(mask: torch.Tensor, opts: PolicyLossOptions, normalizer: objec
 
     ``normalizer``: ``loss_normalizer``; ``width``: tokens per sequence ``T``.
     """
-    args = token_weights_args(opts, normalizer, width)
+    args = opts.uniform_weight(normalizer, width)
     if args is None:
         return None
     denom, count = args
