@@ -5,9 +5,10 @@
 #   tests  the GPU tests but the launch-plan sweep, then the test that needs most of the
 #          GPU's memory on its own
 #   sweep-torch, sweep-jax  the launch-plan sweep (every plan the heuristics pick), one
-#          framework at a time; `sweep` runs both. Neither fits one call (PyTorch: 45 % in
-#          420 s, JAX: 53 % in 220 s at 2026-12-02): SWEEP_PART=I/N runs the I-th of N
-#          interleaved parts (pytest --part), e.g. PyTorch in 3 calls, JAX in 2
+#          framework at a time; `sweep` runs both. Neither fits one call: SWEEP_PART=I/N
+#          runs the I-th of N interleaved parts (pytest --part). At 2026-12-02 PyTorch took
+#          288 + 302 s in 2 parts on 8 workers, JAX 190+ + 194 s in 2 parts on 4 (10
+#          PyTorch workers ran out of GPU memory twice)
 #   check  `ratiokl check` on the four backends (the conformance table)
 #   bench  the headline benchmark (both timings, every provider) and its report
 #   all    all four in turn (longer than one call)
@@ -50,16 +51,17 @@ for d in k.device_caches.values():
 "; } 2>&1 | tee "$out/gpu_tests.log"
 fi
 # The sweep in parts (SWEEP_PART, above). `-v` names every result as it lands, so a cut
-# run still says which ids passed; JAX on 3 workers (6 ran out of GPU memory: XLA's
+# run still says which ids passed; JAX on 4 workers (6 ran out of GPU memory: XLA's
 # command buffers and autotuning beside torch's pool).
 sweep_part=${SWEEP_PART:+--part=$SWEEP_PART}
 if [ "$part" = sweep-torch ] || [ "$part" = sweep ] || [ "$part" = all ]; then
-  pytest_gpu -v -m gpu -n "${GPU_TEST_WORKERS:-6}" -k test_torch_sweep $sweep_part \
+  PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True} \
+  pytest_gpu -v -m gpu -n "${GPU_TEST_WORKERS:-8}" -k test_torch_sweep $sweep_part \
     tests/gpu/test_launch_plan_sweep.py 2>&1 | tee "$out/gpu_sweep_torch.log" \
     | grep -E "FAILED|passed|failed"
 fi
 if [ "$part" = sweep-jax ] || [ "$part" = sweep ] || [ "$part" = all ]; then
-  pytest_gpu -v -m gpu -n "${GPU_JAX_WORKERS:-3}" -k test_jax_sweep $sweep_part \
+  pytest_gpu -v -m gpu -n "${GPU_JAX_WORKERS:-4}" -k test_jax_sweep $sweep_part \
     tests/gpu/test_launch_plan_sweep.py 2>&1 | tee "$out/gpu_sweep_jax.log" \
     | grep -E "FAILED|passed|failed"
 fi

@@ -15,8 +15,9 @@ PyTorch runs every (vocabulary, rows) pair; every shape is a compile in JAX
 sweep reaches at its smallest shape and the named sizes of the sweep.
 
 Run on the H200: ``bash scripts/h200.sh sweep-torch`` and ``sweep-jax`` (the PyTorch half
-on 6 workers, the JAX half on 3: 6 ran out of GPU memory), each in interleaved parts that
-fit a device call: ``SWEEP_PART=1/3 bash scripts/h200.sh sweep-torch`` (pytest ``--part``).
+on 8 workers with expandable segments, the JAX half on 4: 10 and 6 ran out of GPU memory),
+each in interleaved parts that fit a device call: ``SWEEP_PART=1/2 bash scripts/h200.sh
+sweep-torch`` (pytest ``--part``).
 """
 
 from __future__ import annotations
