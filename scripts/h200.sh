@@ -11,6 +11,10 @@
 #          PyTorch workers ran out of GPU memory twice)
 #   check  `ratiokl check` on the four backends (the conformance table)
 #   bench  the headline benchmark (both timings, every provider) and its report
+#   ab     a kernel change timed beside this tree: AB_TREE=DIR (a copy of another tree's
+#          src/, carried to the device) and src/ take turns, AB_ROUNDS times (2), each a
+#          suite run of AB_OPS with ratiokl and Liger; results ab_<tree>_<round>.json, packed
+#          with their logs into ab.tgz (the device returns few files)
 #   all    all four in turn (longer than one call)
 # Logs and results go to ${OUT:-gpu-out} (draw plots anywhere with benchmarks/plot.py).
 set -uo pipefail
@@ -69,6 +73,19 @@ if [ "$part" = check ] || [ "$part" = all ]; then
   python3 -m ratiokl check --no-progress --backend torch-native --backend torch-triton \
     --backend jax-native --backend jax-triton --json "$out/check.json" 2>&1 \
     | tee "$out/check.log"
+fi
+if [ "$part" = ab ]; then
+  ab_ops=${AB_OPS:-policy_loss_ref_logps,policy_loss_ref_logps_entropy,selected_logprobs_entropy,selected_logprobs,ratio_kl_ref_logps}
+  for round in $(seq "${AB_ROUNDS:-2}"); do
+    for tree in src "${AB_TREE:?set AB_TREE to the other src folder}"; do
+      tag=${tree//\//_}_$round
+      PYTHONPATH=${PYTHONPATH/src/$tree} timeout 200 python3 benchmarks/run.py \
+        --preset headline --providers ratiokl-torch-triton,liger --ops "$ab_ops" \
+        --out "$out/ab_$tag.json" > "$out/ab_$tag.log" 2>&1
+      echo "ab $tag rc=$?"
+    done
+  done
+  (cd "$out" && tar czf ab.tgz ab_* && rm -f ab_*)
 fi
 if [ "$part" = bench ] || [ "$part" = all ]; then
   timeout "${BENCH_TIMEOUT:-560}" python3 benchmarks/run.py --preset headline \
