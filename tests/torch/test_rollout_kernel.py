@@ -61,11 +61,11 @@ def test_one_launch_matches_spec_and_framework_ops(shape, density, correction, b
                                   torch.tensor(iw, dtype=torch.float32) if with_iw else None,
                                   None)
     t_mask, t_rollout = torch.tensor(mask), torch.tensor(rollout, dtype=torch.float32)
-    args = (t_mask.reshape(-1), shape, inputs, t_rollout, correction, bounds, bound)
+    opts = spec.rollout_options(correction, bounds, True)
+    args = (t_mask.reshape(-1), shape, inputs, t_rollout, opts, bound)
     triton_backend = Backend(None, None, None, rollout_weights=_triton.rollout_weights)
     kernel_inputs, kernel_metrics = _rollout.correct(triton_backend, *args)
     ops_inputs, ops_metrics = _rollout.correct(NATIVE, *args)
-    opts = spec.rollout_options(correction, bounds, True)
     w, want_metrics = spec.rollout_weights(old, rollout, mask,
                                            spec.sequence_index(mask, segs if packed else None),
                                            opts, bound)
@@ -97,7 +97,8 @@ def test_an_active_nan_stays_nan_in_the_kernel() -> None:
                                                             [(1, c) for c in range(6)])):
         got, metrics = _rollout.correct(triton_backend, torch.tensor(mask).reshape(-1), (2, 6),
                                         inputs, torch.tensor(rollout, dtype=torch.float32),
-                                        correction, (0.1, 10.0), 20.0)
+                                        spec.rollout_options(correction, (0.1, 10.0), True),
+                                        20.0)
         nan = torch.isnan(got.importance_weights)
         assert sorted(map(tuple, nan.nonzero().tolist())) == nan_rows
         assert torch.isnan(metrics["rollout_weight_mean"]) and torch.isnan(metrics["rollout_k3"])

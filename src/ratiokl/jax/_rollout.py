@@ -18,7 +18,7 @@ Python values; the arrays may be traced.
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +26,7 @@ from jax import lax
 
 from ratiokl.jax import _objective
 from ratiokl.jax._checks import TokenInputs, as_rows, check_row_values
-from ratiokl.spec import ROLLOUT_METRIC_NAMES, RolloutOptions, rollout_options
+from ratiokl.spec import ROLLOUT_METRIC_NAMES, RolloutOptions
 
 __all__ = ["correct"]
 
@@ -34,17 +34,15 @@ Metrics = Dict[str, jax.Array]
 
 
 def correct(mask: jax.Array, lead: Tuple[int, ...], inputs: TokenInputs,
-            rollout_logps: Optional[jax.Array], rollout_correction: Optional[str],
-            rollout_bounds: Sequence[float],
+            rollout_logps: jax.Array, opts: RolloutOptions,
             log_ratio_bound: Optional[float]) -> Tuple[TokenInputs, Metrics]:
     """``inputs`` with the rollout weight folded into ``importance_weights``, and the
-    rollout metrics (``{}`` without ``rollout_logps``; the options are checked either way).
+    rollout metrics.
 
-    ``mask``: the flattened bool ``[N]`` mask; ``lead``: the leading shape ``[...]``.
+    ``mask``: the flattened bool ``[N]`` mask; ``lead``: the leading shape ``[...]``;
+    ``opts``: ``spec.rollout_options`` of the call (the route calls this only where that
+    is not None, i.e. where ``rollout_logps`` is given).
     """
-    opts = rollout_options(rollout_correction, rollout_bounds, rollout_logps is not None)
-    if opts is None:
-        return inputs, {}
     rollout = check_row_values("rollout_logps", rollout_logps, lead)
     rollout = as_rows(lax.stop_gradient(jnp.asarray(rollout, jnp.float32)), lead)
     rows = as_rows(mask, lead)

@@ -38,7 +38,7 @@ from ratiokl._backend import Backend, warn_inplace_ignored
 from ratiokl._requirements import unmet
 from ratiokl.jax import _checks, _jax_triton, _rollout
 from ratiokl.jax._checks import Temperature
-from ratiokl.spec import BACKENDS, DEFAULT_ROLLOUT_BOUNDS, kl_estimator_code, policy_loss_options
+from ratiokl.spec import BACKENDS, kl_estimator_code, policy_loss_options, rollout_options
 
 __all__ = ["backend_name", "policy_loss", "ratio_kl", "resolve",
            "selected_logprobs"]
@@ -217,12 +217,6 @@ def ratio_kl(policy_logits, ref_logits, action_ids, mask, old_logps, *, ref_logp
     return rows.checked((ratio.reshape(lead), kl.reshape(lead)))
 
 
-def _rollout_unused(rollout_logps, rollout_correction, rollout_bounds) -> bool:
-    """No rollout option given (the default bounds): nothing to check, weigh or report."""
-    return (rollout_logps is None and rollout_correction is None
-            and rollout_bounds == DEFAULT_ROLLOUT_BOUNDS)  # `is`: no trace under dynamo
-
-
 def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantages, *,
                 ref_logps, clip_eps, clip_eps_high, dual_clip, ratio_cap, kl_coef,
                 kl_estimator, loss_agg, loss_normalizer, ratio_level, objective, entropy_coef,
@@ -245,11 +239,13 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
     ref = None if ref_logits is None else ref_logits.reshape(rows.logits.shape)
     run = rows.run
     as_rows = _checks.as_rows
+    # The rollout options are checked on every call; only a call with rollout_logps
+    # visits the correction (its weights, folded into importance_weights, and metrics).
+    rollout = rollout_options(rollout_correction, rollout_bounds, rollout_logps is not None)
     rollout_metrics = {}
-    if not _rollout_unused(rollout_logps, rollout_correction, rollout_bounds):
+    if rollout is not None:
         inputs, rollout_metrics = _rollout.correct(rows.mask, lead, inputs, rollout_logps,
-                                                   rollout_correction, rollout_bounds,
-                                                   opts.log_ratio_bound)
+                                                   rollout, opts.log_ratio_bound)
     if run.policy_loss is not None and not opts.sequence_ratio:  # one kernel: the loss,
         # the metrics' row values and the gradient together
         mask_rows = as_rows(rows.mask, lead)

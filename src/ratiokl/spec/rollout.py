@@ -124,8 +124,8 @@ def _bounds_key(bounds: object) -> Tuple[object, ...]:
 
 
 def _rollout_options(correction, bounds, logps_given) -> Optional[RolloutOptions]:
-    code = NO_CORRECTION if correction is None else option_code("rollout_correction", correction,
-                                                    ROLLOUT_CORRECTIONS)
+    code = NO_CORRECTION if correction is None else option_code(
+        "rollout_correction", correction, ROLLOUT_CORRECTIONS)
     low, high = _checked_bounds(bounds, truncates=code != NO_CORRECTION and code not in _MASK_CODES)
     if not logps_given:
         if code:

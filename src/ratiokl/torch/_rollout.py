@@ -18,12 +18,12 @@ reaches nothing); everything here is detached and never synchronises with the ho
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
 from ratiokl._backend import Backend
-from ratiokl.spec import ROLLOUT_METRIC_NAMES, RolloutOptions, rollout_options
+from ratiokl.spec import ROLLOUT_METRIC_NAMES, RolloutOptions
 from ratiokl.torch import _objective
 from ratiokl.torch._checks import TokenInputs, as_rows, check_row_values, check_same_device
 
@@ -33,18 +33,15 @@ Metrics = Dict[str, torch.Tensor]
 
 
 def correct(run: Backend, mask: torch.Tensor, lead: Tuple[int, ...], inputs: TokenInputs,
-            rollout_logps: Optional[torch.Tensor], rollout_correction: Optional[str],
-            rollout_bounds: Sequence[float],
+            rollout_logps: torch.Tensor, opts: RolloutOptions,
             log_ratio_bound: Optional[float]) -> Tuple[TokenInputs, Metrics]:
     """``inputs`` with the rollout weight folded into ``importance_weights``, and the
-    rollout metrics (``{}`` without ``rollout_logps``; the options are checked either way).
+    rollout metrics.
 
-    ``mask``: the flattened bool ``[N]`` mask; ``lead``: the leading shape ``[...]``.
+    ``mask``: the flattened bool ``[N]`` mask; ``lead``: the leading shape ``[...]``;
+    ``opts``: ``spec.rollout_options`` of the call (the route calls this only where that
+    is not None, i.e. where ``rollout_logps`` is given).
     """
-    opts = rollout_options(rollout_correction, rollout_bounds, rollout_logps is not None,
-                           cached=not torch.compiler.is_compiling())
-    if opts is None:
-        return inputs, {}
     rollout = check_row_values("rollout_logps", rollout_logps, lead)
     check_same_device(mask=mask, rollout_logps=rollout)
     rollout = as_rows(rollout.detach().float(), lead)

@@ -31,7 +31,7 @@ import torch
 
 from ratiokl._backend import Backend, warn_inplace_ignored
 from ratiokl._requirements import unmet
-from ratiokl.spec import BACKENDS, DEFAULT_ROLLOUT_BOUNDS, kl_estimator_code, policy_loss_options
+from ratiokl.spec import BACKENDS, kl_estimator_code, policy_loss_options, rollout_options
 from ratiokl.torch import _checks, _rollout
 from ratiokl.torch._checks import Temperature
 
@@ -233,12 +233,6 @@ def ratio_kl(policy_logits, ref_logits, action_ids, mask, old_logps, *, ref_logp
     return rows.checked((ratio.reshape(lead), kl.reshape(lead)))
 
 
-def _rollout_unused(rollout_logps, rollout_correction, rollout_bounds) -> bool:
-    """No rollout option given (the default bounds): nothing to check, weigh or report."""
-    return (rollout_logps is None and rollout_correction is None
-            and rollout_bounds == DEFAULT_ROLLOUT_BOUNDS)  # `is`: no trace under dynamo
-
-
 def _compiled_backward(logits: torch.Tensor) -> bool:
     """Whether ``torch.compile`` traces a gradient of ``logits``: then the two-pass path.
 
@@ -282,11 +276,14 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
     )
     ref = None if ref_logits is None else ref_logits.detach().reshape(rows.logits.shape)
     run = rows.run
+    # The rollout options are checked on every call; only a call with rollout_logps
+    # visits the correction (its weights, folded into importance_weights, and metrics).
+    rollout = rollout_options(rollout_correction, rollout_bounds, rollout_logps is not None,
+                              cached=not torch.compiler.is_compiling())
     rollout_metrics = {}
-    if not _rollout_unused(rollout_logps, rollout_correction, rollout_bounds):
+    if rollout is not None:
         inputs, rollout_metrics = _rollout.correct(run, rows.mask, lead, inputs, rollout_logps,
-                                                   rollout_correction, rollout_bounds,
-                                                   opts.log_ratio_bound)
+                                                   rollout, opts.log_ratio_bound)
     if run.policy_loss is not None and not opts.sequence_ratio and not _compiled_backward(
             rows.logits):  # one kernel: the loss, the metrics' row values and the gradient
         mask_rows = _checks.as_rows(rows.mask, lead)
