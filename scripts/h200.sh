@@ -21,12 +21,12 @@ set -uo pipefail
 part=${1:-all}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
+site=  # the carried wheels' folder, ahead of the source tree on PYTHONPATH
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:src
-else
-  export PYTHONPATH=src
+  site=/tmp/site:
 fi
+export PYTHONPATH=${site}src
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv \
   > "$out/gpu.csv" 2>&1
@@ -79,7 +79,7 @@ if [ "$part" = ab ]; then
   for round in $(seq "${AB_ROUNDS:-2}"); do
     for tree in src "${AB_TREE:?set AB_TREE to the other src folder}"; do
       tag=${tree//\//_}_$round
-      PYTHONPATH=${PYTHONPATH/src/$tree} timeout 200 python3 benchmarks/run.py \
+      PYTHONPATH=$site$tree timeout 200 python3 benchmarks/run.py \
         --preset headline --providers ratiokl-torch-triton,liger --ops "$ab_ops" \
         --out "$out/ab_$tag.json" > "$out/ab_$tag.log" 2>&1
       echo "ab $tag rc=$?"
