@@ -28,6 +28,7 @@ every ``range(n)`` over a tensor bound failed); Triton 3.9 squeezes first, as th
 """
 
 import contextlib
+import threading
 import types
 import warnings
 from typing import Dict, Iterator
@@ -126,12 +127,24 @@ class _Twin(InterpretedFunction):
     with interpreter builtins for each call of a ``@triton.jit`` helper and never
     restores them, unlike a launch: one interpreted call of ``tl.max`` left 59 builtins
     of ``triton.language.core`` patched, and the next real compile in the process failed
-    (``'ir.value' object has no attribute 'dtype'``). Here each call restores what it
-    patched, innermost first, so the process can compile for a GPU afterwards.
+    (``'ir.value' object has no attribute 'dtype'``). Here a launch patches both modules
+    once, for its whole grid, and restores them after it; a helper called inside it
+    patches nothing (every helper's language is one of those two modules). Patching per
+    helper call cost 0.6 ms (``inspect.getmembers`` of four namespaces): 39 % of an
+    interpreted run of a 1024-row launch plan whose programs mostly exit at once.
     """
 
+    def run(self, *args, **kwargs):
+        scope = interpreter._patch_lang(_BOTH_LANGUAGES)
+        _LAUNCH.depth = getattr(_LAUNCH, "depth", 0) + 1
+        try:
+            return super().run(*args, **kwargs)
+        finally:
+            _LAUNCH.depth -= 1
+            scope.restore()
+
     def __call__(self, *args, **kwargs):
-        scope = interpreter._patch_lang(self.fn)
+        scope = None if getattr(_LAUNCH, "depth", 0) else interpreter._patch_lang(self.fn)
         try:
             return self.rewrite()(*args, **kwargs)
         except Exception as err:
@@ -139,6 +152,12 @@ class _Twin(InterpretedFunction):
         finally:
             if hasattr(scope, "restore"):
                 scope.restore()
+
+
+#: Launches in progress on this thread (the language is patched while one is).
+_LAUNCH = threading.local()
+#: What ``interpreter._patch_lang`` reads of a function: both language modules.
+_BOTH_LANGUAGES = types.SimpleNamespace(__globals__={"tl": tl, "core": tl.core})
 
 
 def _library_twin(fn: triton.JITFunction) -> InterpretedFunction:
