@@ -136,7 +136,7 @@ class _Twin(InterpretedFunction):
 
     def run(self, *args, **kwargs):
         scope = interpreter._patch_lang(_BOTH_LANGUAGES)
-        _LAUNCH.depth = getattr(_LAUNCH, "depth", 0) + 1
+        _LAUNCH.depth += 1
         try:
             return super().run(*args, **kwargs)
         finally:
@@ -144,7 +144,7 @@ class _Twin(InterpretedFunction):
             scope.restore()
 
     def __call__(self, *args, **kwargs):
-        scope = None if getattr(_LAUNCH, "depth", 0) else interpreter._patch_lang(self.fn)
+        scope = None if _LAUNCH.depth else interpreter._patch_lang(self.fn)
         try:
             return self.rewrite()(*args, **kwargs)
         except Exception as err:
@@ -154,8 +154,13 @@ class _Twin(InterpretedFunction):
                 scope.restore()
 
 
-#: Launches in progress on this thread (the language is patched while one is).
-_LAUNCH = threading.local()
+class _Launches(threading.local):
+    """Launches in progress on this thread (the language is patched while one is)."""
+
+    depth = 0
+
+
+_LAUNCH = _Launches()
 #: What ``interpreter._patch_lang`` reads of a function: both language modules.
 _BOTH_LANGUAGES = types.SimpleNamespace(__globals__={"tl": tl, "core": tl.core})
 
