@@ -15,6 +15,7 @@ A failed comparison exits 1 with its traceback on stderr.
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -495,4 +496,10 @@ def main(argv: Sequence[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    # The verdict is in once main returns: leave without C++ static destructors, where
+    # torch 2.13's gloo teardown aborted ("terminate called without an active exception")
+    # in about 1 of 3 interpreted runs and 1 of 8 native ones after every check passed.
+    code = main(sys.argv[1:])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
