@@ -194,6 +194,10 @@ def _number(name: str, value: object, *, allow_none: bool = False) -> Optional[f
     return float(value)
 
 
+#: The exact types of Python-valued options (cacheable: hashable, never device data).
+_SCALAR_TYPES = frozenset((type(None), bool, int, float, str))
+
+
 def _is_array(value: object) -> bool:
     """A framework array (torch tensor, JAX array or tracer): not a Python scalar or None.
 
@@ -255,9 +259,11 @@ def policy_loss_options(
     """
     args = (clip_eps, clip_eps_high, dual_clip, ratio_cap, kl_coef, kl_estimator, loss_agg,
             ratio_level, log_ratio_bound, objective, entropy_coef)
-    if not cached or any(_is_array(a) for a in args):
-        return _policy_loss_options(*args)
-    return _cached_policy_loss_options(*args)
+    # Python values only (their exact types: a subclass takes the checks every call):
+    # the cache. One C-level pass, no Python call per value (host time per call).
+    if cached and all(map(_SCALAR_TYPES.__contains__, map(type, args))):
+        return _cached_policy_loss_options(*args)
+    return _policy_loss_options(*args)
 
 
 def _policy_loss_options(clip_eps, clip_eps_high, dual_clip, ratio_cap, kl_coef,

@@ -108,19 +108,14 @@ def rollout_options(
     Errors name the argument and the fix. With ``cached`` the checks run once per
     distinct option set (``torch.compile``, which sees through caches, passes False).
     """
-    bounds = _bounds_key(rollout_bounds)
+    if not isinstance(rollout_bounds, (tuple, list)):
+        raise TypeError(
+            f"`rollout_bounds` must be a pair (lo, hi) of Python numbers, e.g. (0.0, 2.0); got "
+            f"{type(rollout_bounds).__name__}"
+        )
     check = _cached_rollout_options if cached else _rollout_options
-    return check(rollout_correction, bounds, bool(logps_given))
-
-
-def _bounds_key(bounds: object) -> Tuple[object, ...]:
-    """``rollout_bounds`` as a tuple (hashable, for the cache); its values are checked later."""
-    if isinstance(bounds, (tuple, list)):
-        return tuple(bounds)
-    raise TypeError(
-        f"`rollout_bounds` must be a pair (lo, hi) of Python numbers, e.g. (0.0, 2.0); got "
-        f"{type(bounds).__name__}"
-    )
+    # A tuple: hashable, for the cache; its values are checked there.
+    return check(rollout_correction, tuple(rollout_bounds), bool(logps_given))
 
 
 def _rollout_options(correction, bounds, logps_given) -> Optional[RolloutOptions]:

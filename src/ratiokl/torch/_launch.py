@@ -455,8 +455,8 @@ def fused_policy_loss(
     fields = PARTIAL_FIELDS.value
     scratch = torch.empty(width * (6 + fields * plan.spans.splits), dtype=torch.float32,
                           device=device)
-    loss_rows, logp, ratio, kl, ent, bits = \
-        scratch[:6 * width].view(6, width)[:, :n_rows].unbind()
+    # Rows of ``width >= N`` values: the kernels index them below N only.
+    loss_rows, logp, ratio, kl, ent, bits = scratch[:6 * width].view(6, width).unbind()
     bits = bits.view(torch.int32)
     parts = scratch[6 * width:]
     n_counters = plan.counters(n_rows)  # 0: none used, no memset (any buffer will do)
