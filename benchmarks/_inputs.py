@@ -21,7 +21,7 @@ from typing import Any, Dict, Union
 
 import torch
 
-from _cases import Case
+from _cases import CLIP_EPS, KL_COEF, Case
 
 __all__ = ["StepInputs", "TorchInputs", "jax_inputs", "make_inputs"]
 
@@ -124,7 +124,7 @@ def _step_inputs(case: Case, r: _Random) -> StepInputs:
     ids = r.ids(case)
     with torch.no_grad():
         logps = _exact_logps((hidden @ weight.T).view(case.batch, case.seq, case.v), ids)
-    return StepInputs(
+    x = StepInputs(
         hidden=hidden.requires_grad_(True),
         weight=weight.requires_grad_(True),
         ids=ids,
@@ -132,8 +132,27 @@ def _step_inputs(case: Case, r: _Random) -> StepInputs:
         old_logps=logps + 0.05 * r.randn(case.batch, case.seq),
         ref_logps=logps + 0.05 * r.randn(case.batch, case.seq),
         advantages=r.randn(case.batch),
-        grad_logits=r.randn(case.n, case.v, dt=dtype).mul_(1.0 / case.n),
+        grad_logits=torch.empty(0),
     )
+    x.grad_logits = _loss_gradient(x)
+    return x
+
+
+def _loss_gradient(x: StepInputs) -> torch.Tensor:
+    """The bare GEMMs' upstream gradient: the policy loss's own gradient of these logits
+    (``[N, V]``, their dtype), from the framework-ops backend. A GEMM's speed depends on
+    its data (clocks follow power): on a random gradient the three GEMMs ran as long as
+    the whole step with the loss on the H200, so only the loss's own gradient gives the
+    "GEMMs on the same data" baseline."""
+    from ratiokl.torch import loss
+
+    batch, vocab = x.ids.shape[0], x.weight.shape[0]
+    logits = (x.hidden.detach() @ x.weight.detach().T).view(batch, -1, vocab).requires_grad_()
+    value, _ = loss.policy_loss(logits, None, x.ids, x.mask, x.old_logps, x.advantages,
+                                ref_logps=x.ref_logps, clip_eps=CLIP_EPS, kl_coef=KL_COEF,
+                                backend="native")
+    (grad,) = torch.autograd.grad(value, logits)
+    return grad.reshape(-1, vocab)
 
 
 def make_inputs(case: Case, device: torch.device,
