@@ -9,6 +9,12 @@
   forwards (N = 128 and N = 1024, V = 151,936, bf16: one tensor, or two with
   reference logits), with the device timer: what any kernel could reach there.
 
+- host floor (``autograd_floor_issue_ms``): the issue time (``_harness.torch_issue_ms``)
+  of a one-input ``torch.autograd.Function`` that launches nothing, forward alone and
+  forward + ``torch.autograd.grad``: what any eager autograd op pays before its own work
+  (on the H200's host about 0.01 and 0.09 ms: the backward crosses to autograd's CUDA
+  thread and back).
+
 On the CPU the same quantities are measured with torch ops (``copy_`` and
 ``sum``) so the smoke run exercises this code; they are not a GPU ceiling.
 """
@@ -21,7 +27,7 @@ from typing import Any, Callable, Dict, Iterable, List, Tuple
 import torch
 
 from _cases import Timing
-from _harness import cpu_ms, cuda_ms
+from _harness import cpu_ms, cuda_ms, torch_issue_ms
 
 __all__ = ["measure_ceilings"]
 
@@ -103,10 +109,37 @@ def _few_rows_read(timing: Timing, read_gbps: float) -> List[Dict[str, Any]]:
     return found
 
 
+class _Nothing(torch.autograd.Function):
+    """A 0-d output from one input, a stored gradient back: the autograd op with no work."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.grad = torch.empty_like(x)
+        return x.new_empty(())
+
+    @staticmethod
+    def backward(ctx, _g: torch.Tensor) -> torch.Tensor:
+        return ctx.grad
+
+
+def _autograd_floor(device: torch.device) -> Dict[str, float]:
+    """Issue ms of :class:`_Nothing`: ``{"fwd": forward, "fwd+bwd": forward + grad}``."""
+    x = torch.zeros(4, device=device, requires_grad=True)
+    calls = {"fwd": lambda: _Nothing.apply(x),
+             "fwd+bwd": lambda: torch.autograd.grad(_Nothing.apply(x), x)}
+    floor = {}
+    for mode, call in calls.items():
+        for _ in range(20):  # warm: autograd's device thread, the allocator
+            call()
+        floor[mode] = min(torch_issue_ms(call, 0.2)[0] for _ in range(5))
+    return floor
+
+
 def measure_ceilings(on_gpu: bool, timing: Timing) -> Dict[str, Any]:
-    """``{"copy_gbps", "read_gbps", "copy_method", "read_method"}`` for this device, and on
-    a GPU ``"few_rows_read"``: a list of ``{"rows", "V", "tensors", "bytes", "gbps",
-    "pct_read_ceiling", ...}``, the best pure read of the few-rows forwards' bytes."""
+    """``{"copy_gbps", "read_gbps", "copy_method", "read_method", "autograd_floor_issue_ms"}``
+    for this device, and on a GPU ``"few_rows_read"``: a list of ``{"rows", "V", "tensors",
+    "bytes", "gbps", "pct_read_ceiling", ...}``, the best pure read of the few-rows
+    forwards' bytes."""
     device = torch.device("cuda" if on_gpu else "cpu")
     time_it = _timer(timing, on_gpu)
     nbytes = _COPY_BYTES_GPU if on_gpu else _COPY_BYTES_CPU
@@ -126,4 +159,5 @@ def measure_ceilings(on_gpu: bool, timing: Timing) -> Dict[str, Any]:
         ms = time_it(lambda: x.sum())
         result.update(read_gbps=_gbps(x.numel() * x.element_size(), ms),
                       read_method=f"torch sum on {list(x.shape)} float32 (CPU stand-in)")
+    result["autograd_floor_issue_ms"] = _autograd_floor(device)
     return result

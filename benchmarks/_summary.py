@@ -282,6 +282,15 @@ def _fmt(x: Optional[float], spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _floor_note(ceilings: Optional[Dict[str, Any]]) -> str:
+    """The host floor beside the issue table: an autograd op that does nothing."""
+    floor = (ceilings or {}).get("autograd_floor_issue_ms")
+    if not floor:
+        return ""
+    return (f"; floor, an autograd.Function doing nothing: fwd {floor['fwd']:.3f}, "
+            f"fwd+bwd {floor['fwd+bwd']:.3f}")
+
+
 def _issue(r: Optional[Dict[str, Any]]) -> str:
     """A record's issue ms, labelled ``(waits)`` where the call waited for the GPU."""
     if not r or r.get("issue_ms") is None:
@@ -331,8 +340,9 @@ def tables(records: Sequence[Dict[str, Any]],
         ("ms by provider, user timing (what a trainer sees)", head + provs, pivot(USER, ms)),
         ("ms by provider, device timing (host hidden; ratiokl check_ids=False)", head + provs,
          pivot(DEVICE, ms)),
-        ("issue ms by provider (GPU kept busy; device records: ratiokl check_ids=False)",
-         head + provs, [r for r in pivot(DEVICE, _issue) if r[2] != "bwd"]),
+        ("issue ms by provider (GPU kept busy; device records: ratiokl check_ids=False)"
+         + _floor_note(ceilings), head + provs,
+         [r for r in pivot(DEVICE, _issue) if r[2] != "bwd"]),
         ("ratiokl: user and device timing, bandwidth (device), issue, speedups (user)",
          head + ["provider", "user ms", "device ms", "device GB/s", "device % read",
                  "issue ms (device)", "issue ms (user)"] + [f"x {p}" for p in PEERS],
