@@ -15,33 +15,20 @@ The fused policy loss (``fused_loss``, with ``objective``) and its row-vector ke
 (``loss_rows``) are imported from their modules by the launchers.
 """
 
+from ratiokl._kernels import heuristics
 from ratiokl._kernels.backward import logp_backward_kernel
 from ratiokl._kernels.forward import logp_forward_kernel
-from ratiokl._kernels.heuristics import (
-    LaunchConfig,
-    SplitPlan,
-    backward_config,
-    backward_splits,
-    forward_config,
-    split_plan,
-    use_split_forward,
-)
+from ratiokl._kernels.heuristics import *  # noqa: F401,F403 (its __all__: the launch heuristics)
 from ratiokl._kernels.interpret import interpreted
 from ratiokl._kernels.shard_stats import shard_stats_kernel
 from ratiokl._kernels.split_forward import logp_combine_kernel, lse_partials_kernel
 
 __all__ = [
-    "LaunchConfig",
-    "SplitPlan",
-    "backward_config",
-    "backward_splits",
-    "forward_config",
+    *heuristics.__all__,
     "interpreted",
     "logp_backward_kernel",
     "logp_combine_kernel",
     "logp_forward_kernel",
     "lse_partials_kernel",
-    "split_plan",
-    "use_split_forward",
     "shard_stats_kernel",
 ]

@@ -236,12 +236,7 @@ def logp_forward_kernel(
     dkl_ptr,  # [N] f32 d kl / d logp (for the backward); 0 when KL_CODE == KL_NONE
     lse_ptr,  # [N] f32 logsumexp(policy / T) (for the backward)
     # sizes and strides (elements)
-    V,
-    stride_pn,
-    stride_pv,
-    stride_rn,
-    stride_rv,
-    stride_t,
+    V, stride_pn, stride_pv, stride_rn, stride_rv, stride_t,
     # compile-time options
     HAS_REF: tl.constexpr,  # reference logits given (else ref_logps, or none)
     KL_CODE: tl.constexpr,  # 0: log-prob only; 1/2/3: ratio and KL estimator k1/k2/k3

@@ -291,7 +291,8 @@ def _stand_in_meeting(p_row, r_row, part_ptr, count_ptr, row, own, a, active, k,
 @triton.jit
 def policy_loss_kernel(
     # inputs
-    policy_ptr,  # [N, V] policy logits (fp32/fp16/bf16), strides (stride_pn, stride_pv)
+    policy_ptr,  # [N, V] policy logits (fp32/fp16/bf16), strides (stride_pn, stride_pv);
+    # overwritten by the gradient when grad_ptr is policy_ptr (inplace_grad)
     ref_ptr,  # [N, V] reference logits, strides (stride_rn, stride_rv); read iff HAS_REF
     ids_ptr,  # [N] int32/int64 action ids
     mask_ptr,  # [N] bool, nonzero = active row

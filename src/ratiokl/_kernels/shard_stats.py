@@ -54,12 +54,7 @@ def shard_stats_kernel(
     ref_sel_ptr,  # [N] f32 the same for the reference (0 without HAS_REF); iff SELECT
     mean_ptr,  # [N] f32 mu_r, the policy's mean x / T under the shard softmax; iff ENTROPY
     # sizes and strides (elements)
-    V,
-    stride_pn,
-    stride_pv,
-    stride_rn,
-    stride_rv,
-    stride_t,
+    V, stride_pn, stride_pv, stride_rn, stride_rv, stride_t,
     # compile-time options
     HAS_REF: tl.constexpr,  # reference logits given
     SELECT: tl.constexpr,  # also write the selected logits (needs ids and start)

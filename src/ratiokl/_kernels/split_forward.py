@@ -39,12 +39,7 @@ def lse_partials_kernel(
     part_ptr,  # [N, SPLITS, 4] f32 (m_policy, s_policy, m_ref, s_ref) per split, base 2;
     # ENTROPY: (m_policy, s_policy, h_policy, 0), h the entropy's sum (no reference)
     # sizes and strides (elements)
-    V,
-    stride_pn,
-    stride_pv,
-    stride_rn,
-    stride_rv,
-    stride_t,
+    V, stride_pn, stride_pv, stride_rn, stride_rv, stride_t,
     # compile-time options
     HAS_REF: tl.constexpr,  # reference logits given
     ENTROPY: tl.constexpr,  # the entropy's sum too (no reference)
@@ -85,12 +80,7 @@ def logp_combine_kernel(
     dkl_ptr,
     lse_ptr,
     # sizes and strides (elements)
-    V,
-    stride_pn,
-    stride_pv,
-    stride_rn,
-    stride_rv,
-    stride_t,
+    V, stride_pn, stride_pv, stride_rn, stride_rv, stride_t,
     # compile-time options
     HAS_REF: tl.constexpr,
     KL_CODE: tl.constexpr,

@@ -33,17 +33,14 @@ class Target:
         return f"{self.framework}-{self.backend}"
 
 
-TARGETS: Dict[str, Target] = {
-    t.name: t
-    for t in (
-        Target("torch", "native", gpu=False),
-        Target("torch", "interpret", gpu=False),
-        Target("torch", "triton", gpu=True),
-        Target("jax", "native", gpu=False),
-        Target("jax", "interpret", gpu=False),
-        Target("jax", "triton", gpu=True),
-    )
-}
+TARGETS: Dict[str, Target] = {t.name: t for t in (
+    Target("torch", "native", gpu=False),
+    Target("torch", "interpret", gpu=False),
+    Target("torch", "triton", gpu=True),
+    Target("jax", "native", gpu=False),
+    Target("jax", "interpret", gpu=False),
+    Target("jax", "triton", gpu=True),
+)}
 
 
 @dataclass

@@ -153,6 +153,21 @@ def _policy_grad(args: Arrays, cot: Arrays) -> np.ndarray:
     return float(cot["loss"]) * grad
 
 
+_SELECTED_LOGPROBS = Op(
+    name="selected_logprobs",
+    positional=("logits", "action_ids", "mask"),
+    keywords=("temperature",),
+    logit_args=("logits",),
+    differentiate="logits",
+    outputs=("logp",),
+    cotangents=("logp",),
+    neutral={"logp": 0.0},
+    unpack=lambda result: {"logp": result},
+    reference=_selected_reference,
+    reference_grad=_selected_grad,
+)
+
+
 _POLICY_LOSS = Op(
     name="policy_loss",
     positional=_POLICY_POSITIONAL,
@@ -182,33 +197,14 @@ OPS: Dict[str, Op] = {
         reference=_ratio_kl_reference,
         reference_grad=_ratio_kl_grad,
     ),
-    "selected_logprobs": Op(
-        name="selected_logprobs",
-        positional=("logits", "action_ids", "mask"),
-        keywords=("temperature",),
-        logit_args=("logits",),
-        differentiate="logits",
-        outputs=("logp",),
-        cotangents=("logp",),
-        neutral={"logp": 0.0},
-        unpack=lambda result: {"logp": result},
-        reference=_selected_reference,
-        reference_grad=_selected_grad,
-    ),
-    "selected_logprobs_entropy": Op(
-        name="selected_logprobs",
-        positional=("logits", "action_ids", "mask"),
-        keywords=("temperature",),
-        logit_args=("logits",),
-        differentiate="logits",
-        outputs=("logp", "entropy"),
-        cotangents=("logp", "entropy"),
+    "selected_logprobs": _SELECTED_LOGPROBS,
+    # The same call with ``return_entropy=True``: the entropy as a second output.
+    "selected_logprobs_entropy": replace(
+        _SELECTED_LOGPROBS, outputs=("logp", "entropy"), cotangents=("logp", "entropy"),
         neutral={"logp": 0.0, "entropy": 0.0},
         unpack=lambda result: {"logp": result[0], "entropy": result[1]},
-        reference=_entropy_reference,
-        reference_grad=_entropy_grad,
-        fixed={"return_entropy": True},
-    ),
+        reference=_entropy_reference, reference_grad=_entropy_grad,
+        fixed={"return_entropy": True}),
     "policy_loss": _POLICY_LOSS,
     # The same call with the rollout correction: its arguments and metrics on top.
     "policy_loss_rollout": replace(

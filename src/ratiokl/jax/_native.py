@@ -188,13 +188,8 @@ def logprobs_entropy(
 
 
 def ratio_kl(
-    policy: jax.Array,
-    ref: Optional[jax.Array],
-    ids: jax.Array,
-    mask: jax.Array,
-    old_logps: jax.Array,
-    ref_logps: Optional[jax.Array],
-    kl_code: int,
+    policy: jax.Array, ref: Optional[jax.Array], ids: jax.Array, mask: jax.Array,
+    old_logps: jax.Array, ref_logps: Optional[jax.Array], kl_code: int,
     temperature: Temperature,
 ) -> Tuple[jax.Array, jax.Array]:
     """``(ratio, kl)`` float32 ``[N]``; differentiable with respect to ``policy`` only.

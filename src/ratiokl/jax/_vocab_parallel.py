@@ -196,13 +196,8 @@ class VocabParallel:
 
     def ratio_kl(
         self,
-        policy: jax.Array,
-        ref: Optional[jax.Array],
-        ids: jax.Array,
-        mask: jax.Array,
-        old_logps: jax.Array,
-        ref_logps: Optional[jax.Array],
-        kl_code: int,
+        policy: jax.Array, ref: Optional[jax.Array], ids: jax.Array, mask: jax.Array,
+        old_logps: jax.Array, ref_logps: Optional[jax.Array], kl_code: int,
         temperature: Temperature,
     ) -> Tuple[jax.Array, jax.Array]:
         """Float32 ``(ratio[N], kl[N])``; one pmax and one psum for policy and reference."""

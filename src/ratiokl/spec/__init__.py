@@ -1,101 +1,17 @@
 """The shared numeric spec: float64 reference, option tables, tolerances.
 
-Imports only NumPy. Every backend of both frameworks is tested against it.
+Imports only NumPy. Every backend of both frameworks is tested against it. Its public
+names are those of its modules, each listed once in that module's ``__all__``.
 """
 
-from ratiokl.spec.options import (
-    BACKENDS,
-    BackendName,
-    Coefficient,
-    KLEstimator,
-    LossAgg,
-    Objective,
-    PolicyKLEstimator,
-    RatioLevel,
-    RolloutCorrection,
-    DEFAULT_LOG_RATIO_BOUND,
-    KL_ESTIMATORS,
-    LOSS_AGGS,
-    OBJECTIVES,
-    POLICY_KL_ESTIMATORS,
-    RATIO_LEVELS,
-    ROLLOUT_CORRECTIONS,
-    PolicyLossOptions,
-    kl_estimator_code,
-    option_code,
-    policy_loss_options,
-)
-from ratiokl.spec.policy_loss import (
-    POLICY_LOSS_DEFAULTS,
-    policy_loss,
-    policy_loss_from_logps,
-    policy_loss_grad,
-    sequence_index,
-)
-from ratiokl.spec.rollout import (
-    DEFAULT_ROLLOUT_BOUNDS,
-    ROLLOUT_METRIC_NAMES,
-    RolloutOptions,
-    rollout_options,
-    rollout_weights,
-)
-from ratiokl.spec.reference import (
-    check_action_ids,
-    check_temperatures,
-    entropy,
-    entropy_grad,
-    kl_dlogp,
-    kl_value,
-    ratio_kl,
-    ratio_kl_grad,
-    selected_logprobs,
-    selected_logprobs_grad,
-)
-from ratiokl.spec.tolerances import GRAD_ROUNDOFF, Tolerance, forward_tolerance, grad_tolerance
+from ratiokl.spec import options, reference, rollout, tolerances
+# Before the star imports: the package's ``policy_loss`` is then the function.
+from ratiokl.spec import policy_loss as _policy_loss
+from ratiokl.spec.options import *  # noqa: F401,F403
+from ratiokl.spec.policy_loss import *  # noqa: F401,F403
+from ratiokl.spec.reference import *  # noqa: F401,F403
+from ratiokl.spec.rollout import *  # noqa: F401,F403
+from ratiokl.spec.tolerances import *  # noqa: F401,F403
 
-__all__ = [
-    "BACKENDS",
-    "BackendName",
-    "Coefficient",
-    "KLEstimator",
-    "LossAgg",
-    "Objective",
-    "OBJECTIVES",
-    "PolicyKLEstimator",
-    "RatioLevel",
-    "RolloutCorrection",
-    "RolloutOptions",
-    "DEFAULT_LOG_RATIO_BOUND",
-    "DEFAULT_ROLLOUT_BOUNDS",
-    "LOSS_AGGS",
-    "POLICY_LOSS_DEFAULTS",
-    "POLICY_KL_ESTIMATORS",
-    "PolicyLossOptions",
-    "RATIO_LEVELS",
-    "ROLLOUT_CORRECTIONS",
-    "ROLLOUT_METRIC_NAMES",
-    "entropy",
-    "entropy_grad",
-    "policy_loss",
-    "policy_loss_from_logps",
-    "policy_loss_grad",
-    "policy_loss_options",
-    "sequence_index",
-    "GRAD_ROUNDOFF",
-    "KL_ESTIMATORS",
-    "Tolerance",
-    "check_action_ids",
-    "check_temperatures",
-    "forward_tolerance",
-    "grad_tolerance",
-    "kl_dlogp",
-    "kl_estimator_code",
-    "kl_value",
-    "option_code",
-    "ratio_kl",
-    "ratio_kl_grad",
-    "rollout_options",
-    "rollout_weights",
-    "selected_logprobs",
-    "selected_logprobs_grad",
-]
+__all__ = [*options.__all__, *_policy_loss.__all__, *rollout.__all__, *reference.__all__,
+           *tolerances.__all__]

@@ -315,16 +315,9 @@ def _from_logits(policy_logits, ref_logits, action_ids, mask, old_logps, advanta
 
 
 def policy_loss(
-    policy_logits: np.ndarray,
-    ref_logits: Optional[np.ndarray],
-    action_ids: np.ndarray,
-    mask: np.ndarray,
-    old_logps: np.ndarray,
-    advantages: ArrayLike,
-    *,
-    ref_logps: Optional[np.ndarray] = None,
-    temperature: ArrayLike = 1.0,
-    **options,
+    policy_logits: np.ndarray, ref_logits: Optional[np.ndarray], action_ids: np.ndarray,
+    mask: np.ndarray, old_logps: np.ndarray, advantages: ArrayLike, *,
+    ref_logps: Optional[np.ndarray] = None, temperature: ArrayLike = 1.0, **options,
 ) -> Tuple[float, Dict[str, float]]:
     """Float64 ``(loss, metrics)`` of ``policy_loss`` (same arguments as the frameworks').
 
@@ -338,16 +331,9 @@ def policy_loss(
 
 
 def policy_loss_grad(
-    policy_logits: np.ndarray,
-    ref_logits: Optional[np.ndarray],
-    action_ids: np.ndarray,
-    mask: np.ndarray,
-    old_logps: np.ndarray,
-    advantages: ArrayLike,
-    *,
-    ref_logps: Optional[np.ndarray] = None,
-    temperature: ArrayLike = 1.0,
-    **options,
+    policy_logits: np.ndarray, ref_logits: Optional[np.ndarray], action_ids: np.ndarray,
+    mask: np.ndarray, old_logps: np.ndarray, advantages: ArrayLike, *,
+    ref_logps: Optional[np.ndarray] = None, temperature: ArrayLike = 1.0, **options,
 ) -> np.ndarray:
     """Gradient of the loss w.r.t. ``policy_logits``: float64 ``[..., V]``, 0 on inactive rows.
 

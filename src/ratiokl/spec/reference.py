@@ -127,6 +127,15 @@ def _isolate(logits, action_ids, mask, temperature):
     return z, ids, mask, temp
 
 
+def _isolate_checked(logits, action_ids, mask, temperature):
+    """:func:`_isolate` after :func:`check_action_ids` on the active rows (``mask=None``: all)."""
+    logits = np.asarray(logits, dtype=np.float64)
+    if mask is None:
+        mask = np.ones(logits.shape[:-1], dtype=bool)
+    check_action_ids(action_ids, mask, logits.shape[-1])
+    return _isolate(logits, action_ids, mask, temperature)
+
+
 def _logsumexp(z: np.ndarray) -> np.ndarray:
     """Row log-sum-exp, max-shifted; ``-inf`` entries contribute 0, NaN propagates."""
     with np.errstate(invalid="ignore", over="ignore"):
@@ -145,12 +154,7 @@ def selected_logprobs(
     temperature: ArrayLike = 1.0,
 ) -> np.ndarray:
     """``logp = logits[a]/T - logsumexp(logits/T)`` per row, float64 ``[...]``; 0 on inactive rows."""
-    logits = np.asarray(logits, dtype=np.float64)
-    lead = logits.shape[:-1]
-    if mask is None:
-        mask = np.ones(lead, dtype=bool)
-    check_action_ids(action_ids, mask, logits.shape[-1])
-    z, ids, mask, _ = _isolate(logits, action_ids, mask, temperature)
+    z, ids, mask, _ = _isolate_checked(logits, action_ids, mask, temperature)
     with np.errstate(invalid="ignore", over="ignore"):
         z_sel = np.take_along_axis(z, ids[..., None], axis=-1)[..., 0]
         logp = z_sel - _logsumexp(z)
@@ -237,15 +241,9 @@ def _ref_logps(ref_logits, ref_logps, action_ids, mask, temperature):
 
 
 def ratio_kl(
-    policy_logits: np.ndarray,
-    ref_logits: Optional[np.ndarray],
-    action_ids: np.ndarray,
-    mask: np.ndarray,
-    old_logps: np.ndarray,
-    *,
-    ref_logps: Optional[np.ndarray] = None,
-    kl_estimator: str = "k3",
-    temperature: ArrayLike = 1.0,
+    policy_logits: np.ndarray, ref_logits: Optional[np.ndarray], action_ids: np.ndarray,
+    mask: np.ndarray, old_logps: np.ndarray, *, ref_logps: Optional[np.ndarray] = None,
+    kl_estimator: str = "k3", temperature: ArrayLike = 1.0,
 ) -> Tuple[np.ndarray, np.ndarray]:
     """Per-token importance ratio and KL penalty, float64 ``[...]`` each.
 
@@ -274,12 +272,7 @@ def selected_logprobs_grad(
 
     ``grad[v] = g * (onehot(a)[v] - softmax(logits/T)[v]) / T``; exactly 0 on inactive rows.
     """
-    logits = np.asarray(logits, dtype=np.float64)
-    lead = logits.shape[:-1]
-    if mask is None:
-        mask = np.ones(lead, dtype=bool)
-    check_action_ids(action_ids, mask, logits.shape[-1])
-    z, ids, mask, temp = _isolate(logits, action_ids, mask, temperature)
+    z, ids, mask, temp = _isolate_checked(logits, action_ids, mask, temperature)
     g = np.where(mask, np.asarray(grad_logp, dtype=np.float64), 0.0)
     with np.errstate(invalid="ignore", over="ignore"):
         softmax = np.exp(z - _logsumexp(z)[..., None])
@@ -290,17 +283,9 @@ def selected_logprobs_grad(
 
 
 def ratio_kl_grad(
-    policy_logits: np.ndarray,
-    ref_logits: Optional[np.ndarray],
-    action_ids: np.ndarray,
-    mask: np.ndarray,
-    old_logps: np.ndarray,
-    grad_ratio: np.ndarray,
-    grad_kl: np.ndarray,
-    *,
-    ref_logps: Optional[np.ndarray] = None,
-    kl_estimator: str = "k3",
-    temperature: ArrayLike = 1.0,
+    policy_logits: np.ndarray, ref_logits: Optional[np.ndarray], action_ids: np.ndarray,
+    mask: np.ndarray, old_logps: np.ndarray, grad_ratio: np.ndarray, grad_kl: np.ndarray, *,
+    ref_logps: Optional[np.ndarray] = None, kl_estimator: str = "k3", temperature: ArrayLike = 1.0,
 ) -> np.ndarray:
     """Gradient of ``sum(grad_ratio * ratio + grad_kl * kl)`` w.r.t. ``policy_logits``.
 

@@ -281,13 +281,8 @@ def logprobs_entropy(
 
 
 def ratio_kl(
-    policy: torch.Tensor,
-    ref: Optional[torch.Tensor],
-    ids: torch.Tensor,
-    mask: torch.Tensor,
-    old_logps: torch.Tensor,
-    ref_logps: Optional[torch.Tensor],
-    kl_code: int,
+    policy: torch.Tensor, ref: Optional[torch.Tensor], ids: torch.Tensor, mask: torch.Tensor,
+    old_logps: torch.Tensor, ref_logps: Optional[torch.Tensor], kl_code: int,
     temperature: Temperature,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Float32 ``(ratio[N], kl[N])``; differentiable w.r.t. ``policy`` only."""

@@ -290,13 +290,8 @@ class VocabParallel:
 
     def ratio_kl(
         self,
-        policy: torch.Tensor,
-        ref: Optional[torch.Tensor],
-        ids: torch.Tensor,
-        mask: torch.Tensor,
-        old_logps: torch.Tensor,
-        ref_logps: Optional[torch.Tensor],
-        kl_code: int,
+        policy: torch.Tensor, ref: Optional[torch.Tensor], ids: torch.Tensor, mask: torch.Tensor,
+        old_logps: torch.Tensor, ref_logps: Optional[torch.Tensor], kl_code: int,
         temperature: Temperature,
     ) -> Tuple[torch.Tensor, torch.Tensor]:
         """Float32 ``(ratio[N], kl[N])``; differentiable w.r.t. this rank's ``policy`` shard."""
