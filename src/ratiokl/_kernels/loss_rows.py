@@ -42,16 +42,6 @@ ROWS_WARPS = 8
 
 
 @triton.jit
-def row_block(mask_ptr, start, N, BLOCK: tl.constexpr):
-    """The block of rows ``[start, start + BLOCK)`` of a one-program loop over ``N`` rows:
-    ``(offs, inside, active)``, its row offsets, which are below ``N`` and which of those are
-    active (``mask != 0``; a row past ``N`` reads nothing and is inactive)."""
-    offs = start + tl.arange(0, BLOCK)
-    inside = offs < N
-    return offs, inside, tl.load(mask_ptr + offs, mask=inside, other=0) != 0
-
-
-@triton.jit
 def token_weights_kernel(
     mask_ptr,  # [N] bool, nonzero = active row
     w_ptr,  # [N] f32 output: mask / D
@@ -59,13 +49,16 @@ def token_weights_kernel(
     BLOCK: tl.constexpr,
 ):
     """``w = where(mask, 1 / D, 0)``, ``D = max(number of active rows, 1)``; one program."""
+    cols = tl.arange(0, BLOCK)
     count = tl.zeros([BLOCK], tl.int32)
     for start in range(0, N, BLOCK):
-        _, _, active = row_block(mask_ptr, start, N, BLOCK)
-        count += active.to(tl.int32)
+        offs = start + cols
+        count += (tl.load(mask_ptr + offs, mask=offs < N, other=0) != 0).to(tl.int32)
     inv = tl.div_rn(1.0, tl.maximum(tl.sum(count, axis=0), 1).to(tl.float32))
     for start in range(0, N, BLOCK):
-        offs, inside, active = row_block(mask_ptr, start, N, BLOCK)
+        offs = start + cols
+        inside = offs < N
+        active = tl.load(mask_ptr + offs, mask=inside, other=0) != 0
         tl.store(w_ptr + offs, tl.where(active, inv, 0.0), mask=inside)
 
 
@@ -93,6 +86,7 @@ def policy_metrics_kernel(
     mean of ``old - logp``. Inactive rows are selected out (never multiplied),
     so NaN there stays out. One program.
     """
+    cols = tl.arange(0, BLOCK)
     count = tl.zeros([BLOCK], tl.int32)
     n_clip = tl.zeros([BLOCK], tl.int32)
     n_low = tl.zeros([BLOCK], tl.int32)
@@ -104,7 +98,9 @@ def policy_metrics_kernel(
     ent = tl.zeros([BLOCK], tl.float32)
     total = tl.zeros([BLOCK], tl.float32)
     for start in range(0, N, BLOCK):
-        offs, inside, active = row_block(mask_ptr, start, N, BLOCK)
+        offs = start + cols
+        inside = offs < N
+        active = tl.load(mask_ptr + offs, mask=inside, other=0) != 0
         bits = tl.where(active, tl.load(clip_ptr + offs, mask=inside, other=0), 0)
         low = (bits & CLIP_LOW) != 0
         high = (bits & CLIP_HIGH) != 0

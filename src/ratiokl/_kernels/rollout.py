@@ -18,7 +18,6 @@ import triton
 import triton.language as tl
 
 from ratiokl._kernels.codes import K3
-from ratiokl._kernels.loss_rows import row_block
 from ratiokl._kernels.numerics import kl_and_dkl
 
 #: ``CORRECT`` codes: no weight (metrics only), truncate, mask.
@@ -56,12 +55,15 @@ def rollout_weights_kernel(
     BLOCK: tl.constexpr,
 ):
     """Weights and metrics of ``ratiokl.spec.rollout`` over ``N`` rows; one program."""
-    count = tl.zeros([BLOCK], tl.int32)  # per lane: active rows,
-    n_masked = tl.zeros([BLOCK], tl.int32)  # those the mask modes give weight 0,
-    w_sum = tl.zeros([BLOCK], tl.float32)  # their weights w (before importance weights)
-    k3_sum = tl.zeros([BLOCK], tl.float32)  # and their k3 of the token log-weight
+    cols = tl.arange(0, BLOCK)
+    count = tl.zeros([BLOCK], tl.int32)
+    n_masked = tl.zeros([BLOCK], tl.int32)
+    w_sum = tl.zeros([BLOCK], tl.float32)
+    k3_sum = tl.zeros([BLOCK], tl.float32)
     for start in range(0, N, BLOCK):
-        offs, inside, active = row_block(mask_ptr, start, N, BLOCK)
+        offs = start + cols
+        inside = offs < N
+        active = tl.load(mask_ptr + offs, mask=inside, other=0) != 0
         # The token log-weight lw_t = old - rollout; inactive rows read nothing.
         lw_tok = tl.load(old_ptr + offs, mask=active, other=0.0) - tl.load(
             rollout_ptr + offs, mask=active, other=0.0)
