@@ -55,11 +55,11 @@ def rollout_weights_kernel(
     BLOCK: tl.constexpr,
 ):
     """Weights and metrics of ``ratiokl.spec.rollout`` over ``N`` rows; one program."""
+    count = tl.zeros([BLOCK], tl.int32)  # per lane: active rows,
+    n_masked = tl.zeros([BLOCK], tl.int32)  # those the mask modes give weight 0,
+    w_sum = tl.zeros([BLOCK], tl.float32)  # their weights w (before importance weights)
+    k3_sum = tl.zeros([BLOCK], tl.float32)  # and their k3 of the token log-weight
     cols = tl.arange(0, BLOCK)
-    count = tl.zeros([BLOCK], tl.int32)
-    n_masked = tl.zeros([BLOCK], tl.int32)
-    w_sum = tl.zeros([BLOCK], tl.float32)
-    k3_sum = tl.zeros([BLOCK], tl.float32)
     for start in range(0, N, BLOCK):
         offs = start + cols
         inside = offs < N
