@@ -1,6 +1,7 @@
 """Draw PNG plots from a results JSON written by ``benchmarks/run.py``.
 
     python benchmarks/plot.py benchmarks/results/h200.json [--out-dir DIR] [--timing device]
+        [--ops OP,...] [--providers NAME,...]
 
 One figure per operation: for each timed mode, ms per provider (log scale)
 and % of the read ceiling, grouped by case, under one timing (default
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 _MODES = ("fwd", "fwd+bwd", "bwd")
-_METRICS = (("ms", "median ms (log)"), ("pct_read_ceiling", "% of read ceiling"))
+_METRICS = (("ms", "ms (log)"), ("pct_read_ceiling", "% of read ceiling"))
 
 
 def _case(r: Dict[str, Any]) -> str:
@@ -59,6 +60,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--out-dir", type=Path, help="default: beside the results file")
     ap.add_argument("--timing", choices=("user", "device"), default="user",
                     help="which timing's records to draw (default: user)")
+    ap.add_argument("--ops", help="comma list of ops to draw (default: every op)")
+    ap.add_argument("--providers", help="comma list of providers to draw (default: all)")
     args = ap.parse_args(argv)
     try:
         import matplotlib
@@ -70,8 +73,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               "(pip install matplotlib, then run again)")
         return 0
     data = json.loads(args.results.read_text())
+    ops = None if args.ops is None else set(args.ops.split(","))
+    provs = None if args.providers is None else set(args.providers.split(","))
     ok = [r for r in data["records"] if r["status"] == "ok" and r["ms"]
-          and r.get("timing", "device") == args.timing]
+          and r.get("timing", "device") == args.timing
+          and (ops is None or r["op"] in ops) and (provs is None or r["provider"] in provs)]
     out_dir = args.out_dir or args.results.parent
     out_dir.mkdir(parents=True, exist_ok=True)
     suffix = "" if args.timing == "user" else f"_{args.timing}"
