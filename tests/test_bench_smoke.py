@@ -85,6 +85,8 @@ def _check_coverage(data, providers, step_providers):
 def _check_consistency(data, cases):
     ceil = data["ceilings"]
     assert ceil["copy_gbps"] > 0 and ceil["read_gbps"] > 0
+    floor = ceil["autograd_floor_issue_ms"]  # the host floor beside the issue times
+    assert 0 < floor["fwd"] < floor["fwd+bwd"], floor
     for r in data["records"]:
         assert all(k in r for k in REQUIRED), r
         assert r["status"] == "ok", r
@@ -135,7 +137,7 @@ def _check_files_and_summary(data, out, stdout):
         elif row["ms"] > 0 and eager[0]["ms"] > 0:
             assert row["x_torch-eager"] == pytest.approx(eager[0]["ms"] / row["ms"])
     for title in ("ms by provider, user timing", "ms by provider, device timing",
-                  "issue ms by provider", "lmhead-step"):
+                  "issue ms by provider", "an autograd.Function doing nothing", "lmhead-step"):
         assert title in stdout
 
 
@@ -284,3 +286,22 @@ def test_cispo_and_logp_entropy_targets_against_the_same_calls_without():
                 "policy_loss_ref_logps_cispo" in g.ops]
     assert [(g.providers, "selected_logprobs_entropy" in g.ops) for g in headline] == [
         ((tt,), True)]
+
+
+def test_the_bare_gemms_run_on_the_losss_own_gradient():
+    """``gemm-only``'s upstream gradient is the policy loss's gradient of the step's logits
+    (not random data: a GEMM's clock follows its data): zero on inactive rows, each active
+    row summing to ~0 (``d logp / d z`` does), the logits' shape and dtype."""
+    import torch
+    from _cases import Case
+    from _inputs import make_inputs
+
+    case = Case(n=64, v=96, density=0.5, dtype="float32", hidden=16)
+    x = make_inputs(case, torch.device("cpu"))
+    grad = x.grad_logits
+    assert grad.shape == (case.n, case.v) and grad.dtype == torch.float32
+    active = x.mask.reshape(-1)
+    assert not active.all() and active.any()
+    assert torch.count_nonzero(grad[~active]) == 0
+    assert torch.count_nonzero(grad[active]) > 0
+    assert torch.allclose(grad[active].sum(-1), torch.zeros(int(active.sum())), atol=1e-6)
