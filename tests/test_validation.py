@@ -140,9 +140,9 @@ def test_bad_objective_options_are_rejected_in_both_frameworks(options, match):
 
 @pytest.mark.parametrize("framework", ["torch", "jax"])
 @pytest.mark.parametrize("ratio_level", ["token", "sequence"])
-def test_inplace_grad_where_it_cannot_apply_warns(framework, ratio_level):
-    """``inplace_grad=True`` on the two-pass route (the native backend, GSPO) says it has no
-    effect instead of doing nothing silently; the result is the plain call's."""
+def test_inplace_grad_where_it_cannot_apply_raises(framework, ratio_level):
+    """``inplace_grad=True`` on the two-pass route (the native backend, GSPO) raises a
+    ``ValueError`` that says why and where the opt-in works, instead of doing nothing."""
     mod = pytest.importorskip(framework)
     loss = importlib.import_module(f"ratiokl.{framework}.loss")
     rng = np.random.default_rng(0)
@@ -153,7 +153,9 @@ def test_inplace_grad_where_it_cannot_apply_warns(framework, ratio_level):
         lambda a: mod.numpy.asarray(a))
     logits, ids, mask, old, adv = (conv(a) for a in arrays)
     kw = dict(backend="native", ratio_level=ratio_level, check_ids=False)
-    with pytest.warns(UserWarning, match=r"inplace_grad=True\) has no effect"):
-        value, _ = loss.policy_loss(logits, None, ids, mask, old, adv, inplace_grad=True, **kw)
-    plain, _ = loss.policy_loss(logits, None, ids, mask, old, adv, **kw)
-    assert float(value) == float(plain)
+    why = "GSPO" if ratio_level == "sequence" else "no one-kernel policy loss"
+    with pytest.raises(ValueError, match=rf"inplace_grad=True` cannot apply here: .*{why}.*"
+                                         r"backend 'triton'.*pass inplace_grad=False"):
+        loss.policy_loss(logits, None, ids, mask, old, adv, inplace_grad=True, **kw)
+    value, _ = loss.policy_loss(logits, None, ids, mask, old, adv, **kw)  # the plain call
+    assert np.isfinite(float(value))

@@ -37,12 +37,11 @@ it the vocabulary-parallel route runs the native math.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 
-__all__ = ["Backend", "warn_inplace_ignored"]
+__all__ = ["Backend", "inplace_grad_error"]
 
 
 @dataclass(frozen=True)
@@ -58,13 +57,15 @@ class Backend:
     shard_logps: Optional[Callable] = None  # JAX vocab_axis block with kernels; None: ops
 
 
-def warn_inplace_ignored(sequence_ratio: bool) -> None:
-    """Say that ``policy_loss(inplace_grad=True)`` takes the two-pass route here, where the
-    gradient is a new array (the one-kernel loss alone writes it into the logits)."""
+def inplace_grad_error(sequence_ratio: bool, compiling: bool = False) -> ValueError:
+    """The error for ``policy_loss(inplace_grad=True)`` where the two-pass route runs: it
+    writes the gradient as a new array, so the opt-in cannot apply; says where it works."""
     why = ('`ratio_level="sequence"` (GSPO) takes the two-pass route' if sequence_ratio
+           else "torch.compile plans the gradient's buffer itself" if compiling
            else "this backend has no one-kernel policy loss (backend 'native', or "
                 "vocabulary-sharded logits)")
-    warnings.warn(
-        f"policy_loss(inplace_grad=True) has no effect: {why}, which writes the gradient "
-        "as a new array; pass inplace_grad=False to silence this",
-        UserWarning, stacklevel=4)
+    return ValueError(
+        f"`inplace_grad=True` cannot apply here: {why}. It writes the gradient into the "
+        "logits' buffer on the one-kernel policy loss only: backend 'triton' (or 'auto' on "
+        "a GPU, or 'interpret'), ratio_level='token', logits not vocabulary-sharded, and in "
+        "PyTorch outside torch.compile; pass inplace_grad=False here")

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ratiokl._backend import Backend, warn_inplace_ignored
+from ratiokl._backend import Backend, inplace_grad_error
 from ratiokl._requirements import unmet
 from ratiokl.jax import _checks, _jax_triton, _rollout
 from ratiokl.jax._checks import Temperature
@@ -261,7 +261,7 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
         )
         return rows.checked((loss, {**metrics, **rollout_metrics}))
     if inplace_grad:
-        warn_inplace_ignored(opts.sequence_ratio)
+        raise inplace_grad_error(opts.sequence_ratio)
     from ratiokl.jax import _objective
 
     # The entropy from the same read of the logits (entropy_mean always; in the loss with

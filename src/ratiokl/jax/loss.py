@@ -283,8 +283,8 @@ def policy_loss(
         TRL's options.
       log_ratio_bound: bound on ``|log ratio|`` (and on ``|d|`` before k3's exp)
         applied before ``exp``, zero gradient beyond it; None: no bound.
-      inplace_grad: opt-in, fused (Triton) path only (elsewhere a UserWarning says
-        it has no effect): the
+      inplace_grad: opt-in, fused (Triton) path only (elsewhere a ``ValueError``
+        says where it works): the
         gradient's buffer aliases ``policy_logits``' (``input_output_aliases``),
         so a step needs no ``[N, V]`` gradient allocation -- where XLA can
         reuse the logits' buffer: donate them (``jax.jit(...,

@@ -29,7 +29,7 @@ from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
 import torch
 
-from ratiokl._backend import Backend, warn_inplace_ignored
+from ratiokl._backend import Backend, inplace_grad_error
 from ratiokl._requirements import unmet
 from ratiokl.spec import BACKENDS, kl_estimator_code, policy_loss_options, rollout_options
 from ratiokl.torch import _checks, _rollout
@@ -301,8 +301,8 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
             inplace_grad, adv_rows=adv_rows,
         )
         return rows.checked((loss, {**metrics, **rollout_metrics}))
-    if inplace_grad and not torch.compiler.is_compiling():  # documented: ignored there
-        warn_inplace_ignored(opts.sequence_ratio)
+    if inplace_grad:  # the two-pass route writes a new gradient: the opt-in cannot apply
+        raise inplace_grad_error(opts.sequence_ratio, torch.compiler.is_compiling())
     from ratiokl.torch import _objective
 
     # The entropy from the same read of the logits (entropy_mean always; in the loss with

@@ -269,8 +269,8 @@ def policy_loss(
         TRL's options.
       log_ratio_bound: bound on ``|log ratio|`` (and on ``|d|`` before k3's exp)
         applied before ``exp``, zero gradient beyond it; None: no bound.
-      inplace_grad: opt-in, fused path in eager mode only (elsewhere a UserWarning
-        says it has no effect; under torch.compile it is ignored silently):
+      inplace_grad: opt-in, fused path in eager mode only (elsewhere, where the
+        two-pass route writes a new gradient, a ``ValueError`` says where it works):
         the forward writes ``d loss / d policy_logits`` into ``policy_logits``'
         own (contiguous) buffer, so a step needs no ``[N, V]`` gradient
         allocation. The logits are consumed: afterwards they hold the gradient
