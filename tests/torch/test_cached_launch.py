@@ -13,6 +13,8 @@ import itertools
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 triton = pytest.importorskip("triton")
 
@@ -93,3 +95,32 @@ def test_triton_launches_a_compiled_handle_as_the_fast_path_does():
     assert call in " ".join(source.split())
     assert "knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, " \
            "*bound_args.values())" in " ".join(source.split())
+
+
+_EDGES = (0, 1, 16, 2**31 - 1, 2**31, 2**32, 2**63 - 1, 2**63, 2**64 - 1)
+
+
+@given(st.lists(st.one_of(
+    st.integers(-2**63, 2**64 - 1),
+    st.sampled_from(_EDGES).flatmap(lambda e: st.integers(e - 17, e + 17)),
+    st.booleans(), st.floats(allow_nan=False), st.none(),
+    st.tuples(st.sampled_from((torch.float32, torch.bfloat16, torch.int64, torch.bool)),
+              st.integers(0, 16)),
+), min_size=2, max_size=2))
+@settings(max_examples=400, deadline=None)
+def test_one_key_never_covers_two_of_tritons_specialisations(pair):
+    """Drawn pairs of launch arguments (integers around every boundary Triton specialises
+    on, tensors at every byte offset, bools, floats, None): wherever Triton's own
+    specialisation tells them apart, the cached launch's key does too (else one compiled
+    kernel would run the other's launch)."""
+    args = []
+    for value in pair:
+        if isinstance(value, tuple):  # (dtype, element offset): a view off 16-byte alignment
+            dtype, offset = value
+            value = torch.zeros(32, dtype=dtype)[offset:]
+        elif isinstance(value, int) and not isinstance(value, bool) and value >= 2**64:
+            value = 2**64 - 1
+        args.append(value)
+    a, b = args
+    if _triton_specialization(a) != _triton_specialization(b):
+        assert specialization_key(0, (a,), {}) != specialization_key(0, (b,), {}), (a, b)
