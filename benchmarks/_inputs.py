@@ -124,32 +124,36 @@ def _step_inputs(case: Case, r: _Random) -> StepInputs:
     ids = r.ids(case)
     with torch.no_grad():
         logps = _exact_logps((hidden @ weight.T).view(case.batch, case.seq, case.v), ids)
-    x = StepInputs(
+    mask = r.mask(case)
+    old_logps = logps + 0.05 * r.randn(case.batch, case.seq)
+    ref_logps = logps + 0.05 * r.randn(case.batch, case.seq)
+    advantages = r.randn(case.batch)
+    return StepInputs(
         hidden=hidden.requires_grad_(True),
         weight=weight.requires_grad_(True),
         ids=ids,
-        mask=r.mask(case),
-        old_logps=logps + 0.05 * r.randn(case.batch, case.seq),
-        ref_logps=logps + 0.05 * r.randn(case.batch, case.seq),
-        advantages=r.randn(case.batch),
-        grad_logits=torch.empty(0),
+        mask=mask,
+        old_logps=old_logps,
+        ref_logps=ref_logps,
+        advantages=advantages,
+        grad_logits=_loss_gradient(hidden, weight, ids, mask, old_logps, ref_logps, advantages),
     )
-    x.grad_logits = _loss_gradient(x)
-    return x
 
 
-def _loss_gradient(x: StepInputs) -> torch.Tensor:
-    """The bare GEMMs' upstream gradient: the policy loss's own gradient of these logits
-    (``[N, V]``, their dtype), from the framework-ops backend. A GEMM's speed depends on
-    its data (clocks follow power): on a random gradient the three GEMMs ran as long as
-    the whole step with the loss on the H200, so only the loss's own gradient gives the
-    "GEMMs on the same data" baseline."""
+def _loss_gradient(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor,
+                   mask: torch.Tensor, old_logps: torch.Tensor, ref_logps: torch.Tensor,
+                   advantages: torch.Tensor) -> torch.Tensor:
+    """The bare GEMMs' upstream gradient: the policy loss's own gradient of the logits
+    ``hidden @ weight.T`` (``[N, V]``, their dtype), from the framework-ops backend. A GEMM's
+    speed depends on its data (clocks follow power): on a random gradient the three GEMMs
+    ran as long as the whole step with the loss on the H200, so only the loss's own
+    gradient gives the "GEMMs on the same data" baseline."""
     from ratiokl.torch import loss
 
-    batch, vocab = x.ids.shape[0], x.weight.shape[0]
-    logits = (x.hidden.detach() @ x.weight.detach().T).view(batch, -1, vocab).requires_grad_()
-    value, _ = loss.policy_loss(logits, None, x.ids, x.mask, x.old_logps, x.advantages,
-                                ref_logps=x.ref_logps, clip_eps=CLIP_EPS, kl_coef=KL_COEF,
+    batch, vocab = ids.shape[0], weight.shape[0]
+    logits = (hidden.detach() @ weight.detach().T).view(batch, -1, vocab).requires_grad_()
+    value, _ = loss.policy_loss(logits, None, ids, mask, old_logps, advantages,
+                                ref_logps=ref_logps, clip_eps=CLIP_EPS, kl_coef=KL_COEF,
                                 backend="native")
     (grad,) = torch.autograd.grad(value, logits)
     return grad.reshape(-1, vocab)
