@@ -9,6 +9,7 @@
 #          runs the I-th of N interleaved parts (pytest --part). At 2026-12-02 PyTorch took
 #          288 + 302 s in 2 parts on 8 workers, JAX 190+ + 194 s in 2 parts on 4 (10
 #          PyTorch workers ran out of GPU memory twice)
+#          SWEEP_OPS=op,op sweeps only those ops (tests/gpu/test_launch_plan_sweep.py)
 #   check  `ratiokl check` on the four backends (the conformance table)
 #   bench  the headline benchmark (both timings, every provider) and its report
 #   ab     a kernel change timed beside this tree: AB_TREE=DIR (a copy of another tree's

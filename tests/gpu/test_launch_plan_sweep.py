@@ -17,7 +17,8 @@ sweep reaches at its smallest shape and the named sizes of the sweep.
 Run on the H200: ``bash scripts/h200.sh sweep-torch`` and ``sweep-jax`` (the PyTorch half
 on 8 workers with expandable segments, the JAX half on 4: 10 and 6 ran out of GPU memory),
 each in interleaved parts that fit a device call: ``SWEEP_PART=1/2 bash scripts/h200.sh
-sweep-torch`` (pytest ``--part``).
+sweep-torch`` (pytest ``--part``). ``SWEEP_OPS=selected_logprobs_entropy`` sweeps only the
+named ops (comma-separated), every plan of theirs: for a change to one kernel.
 """
 
 from __future__ import annotations
@@ -252,11 +253,20 @@ OPTION_OPS = tuple(("policy_ref_logps", agg) for agg in AGGREGATIONS) + (
     ("policy_entropy_inplace", "token-mean"), ("policy_entropy_cispo", "seq-mean-token-sum"))
 
 
+def _swept(cases):
+    """``cases`` whose op is in ``$SWEEP_OPS`` (comma-separated op names), or all if unset:
+    after a change to one kernel, every plan of the ops that launch it, in less device time."""
+    only = [op for op in os.environ.get("SWEEP_OPS", "").split(",") if op]
+    unknown = set(only) - set(OPS) - {op for op, _ in OPTION_OPS}
+    assert not unknown, f"SWEEP_OPS: no such op {sorted(unknown)}; the ops: {OPS}"
+    return [case for case in cases if not only or case[0] in only]
+
+
 def _sweep_one(runner, dtype: str, vocab: int, n: int, with_options: bool) -> int:
     garbage = n % 2 == 1
     x = _inputs(n, vocab, dtype, garbage)
     scale = _scale(x)
-    cases = [(op, "token-mean") for op in OPS] + (list(OPTION_OPS) if with_options else [])
+    cases = _swept([(op, "token-mean") for op in OPS] + (list(OPTION_OPS) if with_options else []))
     for op, agg in cases:
         what = f"{runner.__name__} {op} {agg} {dtype} V={vocab} N={n} garbage={garbage}"
         fast, slow = runner(x, "triton", op, agg), runner(x, "native", op, agg)

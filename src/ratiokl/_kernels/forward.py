@@ -8,7 +8,11 @@ block reduction per tile. The row's tiles form fixed spans
 span's pair starts from ``(-inf, 0)`` and is folded into the row's pair at
 the span's end, exactly as ``split_forward`` folds its per-split partials
 when rows are few, so both paths give a row the same bits in any batch.
-Logits are scaled to base-2 units (``x * log2(e) / T``) so that the
+In the ``ENTROPY`` mode (no reference) the tile is read as ``[BLOCK_V / LANE, LANE]``
+and each lane of ``LANE`` adjacent logits keeps its own ``(max, sum, h)`` inside its
+thread (``numerics.lane_lse_h_step``), the lanes meeting once a span
+(``numerics.fold_lanes``): the entropy's third sum then costs no block reduction per
+tile (H200: 1.00x the plain forward's time, was 1.11x). Logits are scaled to base-2 units (``x * log2(e) / T``) so that the
 exponentials are ``exp2``.
 
 Inactive rows (mask 0) run zero loop iterations and a fully masked tail, so
@@ -32,9 +36,12 @@ from ratiokl._kernels.codes import KL_NONE
 from ratiokl._kernels.numerics import (
     LN2,
     LOG2E,
+    LANE,
     STREAM_STAGES,
+    fold_lanes,
     fold_lse2_h,
     kl_and_dkl,
+    lane_lse_h_step,
     lse_h_step,
     lse_step,
     shift_of,
@@ -134,6 +141,49 @@ def span_stats(
                 HAS_REF, ENTROPY, BLOCK_V, EVICT,
             )
     return m_p, s_p, h_p, m_r, s_r
+
+
+@triton.jit
+def lane_offsets(b, BLOCK_V: tl.constexpr):
+    """Offsets of tile ``b``'s columns as ``[BLOCK_V // LANE, LANE]``: a lane per row."""
+    lanes = tl.arange(0, BLOCK_V // LANE)
+    return (b * BLOCK_V + lanes[:, None] * LANE + tl.arange(0, LANE)[None, :]).to(tl.int64)
+
+
+@triton.jit
+def empty_lanes(BLOCK_V: tl.constexpr):
+    """Per-lane ``(m, s, h) = (-inf, 0, 0)`` of a tile's ``BLOCK_V // LANE`` lanes."""
+    zero = tl.full((BLOCK_V // LANE,), 0.0, tl.float32)
+    return tl.full((BLOCK_V // LANE,), -float("inf"), tl.float32), zero, zero
+
+
+@triton.jit
+def entropy_tail_lanes(p_row, V, stride_pv, k, on, m, s, h, BLOCK_V: tl.constexpr):
+    """Fold the masked tail tile into the lanes (nothing read unless ``on``)."""
+    offs = lane_offsets(V // BLOCK_V, BLOCK_V)
+    x = tl.load(p_row + offs * stride_pv, mask=(offs < V) & on, other=-float("inf"))
+    return lane_lse_h_step(x.to(tl.float32), k, m, s, h)
+
+
+@triton.jit
+def entropy_span_stats(p_row, V, stride_pv, k, t0, t1, tail_on, BLOCK_V: tl.constexpr):
+    """``(m, s, h)`` of the policy row's whole tiles ``[t0, t1)`` and, if ``tail_on``, the tail.
+
+    The entropy forward's span partial (no reference): folded lane by lane
+    (``numerics.lane_lse_h_step``) from ``(-inf, 0, 0)`` and the lanes met at the end
+    (``numerics.fold_lanes``), exactly as ``logp_forward_kernel`` folds the same span, so
+    the partial's bits do not depend on the kernel. Summed in another order than
+    :func:`span_stats`, so its ``(m, s)`` may differ from the plain forward's in the last
+    bits.
+    """
+    m, s, h = empty_lanes(BLOCK_V)
+    for b in tl.range(t0, t1, num_stages=STREAM_STAGES):
+        x = tl.load(p_row + lane_offsets(b, BLOCK_V) * stride_pv).to(tl.float32)
+        m, s, h = lane_lse_h_step(x, k, m, s, h)
+    if V % BLOCK_V != 0:
+        if tail_on:
+            m, s, h = entropy_tail_lanes(p_row, V, stride_pv, k, tail_on, m, s, h, BLOCK_V)
+    return fold_lanes(m, s, h)
 
 
 @triton.jit
@@ -258,23 +308,21 @@ def logp_forward_kernel(
     # split partials, so both paths give the same bits. One loop keeps the loads pipelined.
     mp, sp, mr, sr = ninf, 0.0, ninf, 0.0
     m_p, s_p, m_r, s_r = ninf, 0.0, ninf, 0.0
-    if ENTROPY:  # the same spans and folds with the entropy's sum h (in m_r: no reference)
-        hp, h_p = 0.0, 0.0
+    if ENTROPY:  # the same spans, each folded lane by lane (entropy_span_stats); h in m_r
+        h_p = 0.0
+        ml, sl, hl = empty_lanes(BLOCK_V)
         for b in tl.range(0, n_full, num_stages=STREAM_STAGES):
-            offs = (b * BLOCK_V + cols).to(tl.int64)
-            x = tl.load(p_row + offs * stride_pv).to(tl.float32) * k
-            mp, sp, hp = lse_h_step(x, mp, sp, hp)
-            end = (b % TILES_PER_SPLIT) == TILES_PER_SPLIT - 1
-            fm, fs, fh = fold_lse2_h(m_p, s_p, h_p, mp, sp, hp)
-            m_p, s_p, h_p = tl.where(end, fm, m_p), tl.where(end, fs, s_p), tl.where(end, fh, h_p)
-            mp, sp, hp = tl.where(end, ninf, mp), tl.where(end, 0.0, sp), tl.where(end, 0.0, hp)
+            x = tl.load(p_row + lane_offsets(b, BLOCK_V) * stride_pv).to(tl.float32)
+            ml, sl, hl = lane_lse_h_step(x, k, ml, sl, hl)
+            if (b % TILES_PER_SPLIT) == TILES_PER_SPLIT - 1:  # a span ends: its lanes meet
+                fm, fs, fh = fold_lanes(ml, sl, hl)
+                m_p, s_p, h_p = fold_lse2_h(m_p, s_p, h_p, fm, fs, fh)
+                ml, sl, hl = empty_lanes(BLOCK_V)
         if V % BLOCK_V != 0:
-            mp, sp, hp, _, _ = tail_stats(p_row, r_row, V, stride_pv, stride_rv, k, active,
-                                          mp, sp, hp, ninf, 0.0, False, True, BLOCK_V, "")
-        open_span = ((V % BLOCK_V) != 0) | ((n_full % TILES_PER_SPLIT) != 0)
-        fm, fs, fh = fold_lse2_h(m_p, s_p, h_p, mp, sp, hp)
-        m_p, s_p, h_p = tl.where(open_span, fm, m_p), tl.where(open_span, fs, s_p), \
-            tl.where(open_span, fh, h_p)
+            ml, sl, hl = entropy_tail_lanes(p_row, V, stride_pv, k, active, ml, sl, hl, BLOCK_V)
+        if ((V % BLOCK_V) != 0) | ((n_full % TILES_PER_SPLIT) != 0):  # the open span
+            fm, fs, fh = fold_lanes(ml, sl, hl)
+            m_p, s_p, h_p = fold_lse2_h(m_p, s_p, h_p, fm, fs, fh)
         forward_epilogue(
             row, p_row, r_row, ids_ptr, mask_ptr, old_ptr, ref_logps_ptr, temp_ptr,
             logp_ptr, ratio_ptr, kl_ptr, dkl_ptr, lse_ptr,

@@ -76,6 +76,51 @@ def lse_h_step(x, m, s, h):
     return m_new, s, h
 
 
+#: Adjacent logits a thread folds on its own in the entropy forward: a tile is read as
+#: ``[BLOCK_V // LANE, LANE]`` and each of its rows (a "lane") keeps its own running
+#: ``(m, s, h)`` (:func:`lane_lse_h_step`), so a tile costs no block reduction; the lanes meet
+#: once a span (:func:`fold_lanes`). 8 bf16 = one 16-byte load per lane.
+LANE = tl.constexpr(8)
+
+
+@triton.jit
+def lane_lse_h_step(raw, k, m, s, h):
+    """Fold a tile ``raw [R, LANE]`` (float32 logits, natural units) into per-lane ``(m, s, h)``.
+
+    ``(m, s, h)`` are ``[R]``, in base-2 units (``x = raw k``, ``k = log2(e) / T > 0``):
+    lane ``r``'s running max, ``s = sum exp2(x - shift_of(m))`` and
+    ``h = sum exp2(x - shift_of(m)) x`` over the entries it has seen, as
+    :func:`lse_h_step` keeps them for a whole tile. Every reduction is along a lane,
+    inside one thread: no shuffle, no barrier. The max is taken of ``raw`` and scaled
+    once (``max(raw) k = max(raw k)`` for ``k > 0``; a poisoned ``k = NaN`` makes ``s``
+    NaN either way), and ``d = raw k - shift`` is the exponent's FMA. ``-inf`` entries add
+    exactly 0 to ``h`` (``max(d, -FLT_MAX)``, as in :func:`lse_h_step`); a NaN makes ``s``
+    NaN.
+    """
+    m_new = tl.maximum(m, tl.max(raw, axis=1) * k)
+    shift = shift_of(m_new)
+    scale = tl.exp2(m - shift)
+    d = raw * k - shift[:, None]
+    e = tl.exp2(d)
+    se = tl.sum(e, axis=1)
+    s = s * scale + se
+    h = h * scale + (tl.sum(e * tl.maximum(d, -FLT_MAX), axis=1) + shift * se)
+    return m_new, s, h
+
+
+@triton.jit
+def fold_lanes(m, s, h):
+    """The ``(m, s, h)`` of a span from its lanes' ``[R]`` triples (:func:`lane_lse_h_step`).
+
+    One block reduction of each: ``m = max m_r``, ``s = sum s_r exp2(m_r - shift)``,
+    ``h = sum h_r exp2(m_r - shift)`` with ``shift = shift_of(m)``; an empty lane
+    (``-inf, 0, 0``) adds 0.
+    """
+    m_span = tl.max(m, axis=0)
+    w = tl.exp2(m - shift_of(m_span))
+    return m_span, tl.sum(s * w, axis=0), tl.sum(h * w, axis=0)
+
+
 @triton.jit
 def fold_lse2_h(m_acc, s_acc, h_acc, m, s, h):
     """Fold a span's ``(m, s, h)`` into the running triple (as ``fold_lse2`` folds ``(m, s)``)."""

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from ratiokl._kernels.forward import (
+    entropy_span_stats,
     fold_lse2,
     forward_epilogue,
     span_stats,
@@ -52,13 +53,15 @@ def lse_partials_kernel(
     active = tl.load(mask_ptr + row) != 0
     t = tl.where(active, tl.load(temp_ptr + row * stride_t), 1.0)
     t0, t1, tail_on = split_span(split, V, active, TILES_PER_SPLIT, BLOCK_V)
-    m_p, s_p, h_p, m_r, s_r = span_stats(
-        policy_ptr + row * stride_pn, ref_ptr + row * stride_rn, V, stride_pv, stride_rv,
-        LOG2E / t, t0, t1, tail_on, HAS_REF, ENTROPY, BLOCK_V, "",
-    )
     if ENTROPY:  # no reference: h takes its slot
+        m_p, s_p, h_p = entropy_span_stats(policy_ptr + row * stride_pn, V, stride_pv,
+                                           LOG2E / t, t0, t1, tail_on, BLOCK_V)
         store_partial(part_ptr, row, split, m_p, s_p, h_p, 0.0, SPLITS)
     else:
+        m_p, s_p, _, m_r, s_r = span_stats(
+            policy_ptr + row * stride_pn, ref_ptr + row * stride_rn, V, stride_pv, stride_rv,
+            LOG2E / t, t0, t1, tail_on, HAS_REF, False, BLOCK_V, "",
+        )
         store_partial(part_ptr, row, split, m_p, s_p, m_r, s_r, SPLITS)
 
 

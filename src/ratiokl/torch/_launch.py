@@ -365,8 +365,9 @@ def entropy_forward(kernels: Callable, policy: Tensor, ids: Tensor, mask: Tensor
                     temp: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     """``(logp, entropy, lse)`` float32 ``[N]`` of ``policy [N, V]``, from the same pass.
 
-    The forward's launches in their ``ENTROPY`` mode (same plans, same bits for ``logp``
-    and ``lse`` as :func:`row_forward`); inactive rows 0.
+    The forward's launches in their ``ENTROPY`` mode (the same plans as :func:`row_forward`;
+    the row summed lane by lane, so ``logp`` and ``lse`` may differ from its in the last
+    bits); inactive rows 0.
     """
     logp, _, ent, _, lse = _forward_launch(kernels, policy, None, ids, mask, None, None, temp,
                                            KL.NONE.value, True, None, None, None)
