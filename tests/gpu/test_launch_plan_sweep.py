@@ -257,8 +257,9 @@ def _swept(cases):
     """``cases`` whose op is in ``$SWEEP_OPS`` (comma-separated op names), or all if unset:
     after a change to one kernel, every plan of the ops that launch it, in less device time."""
     only = [op for op in os.environ.get("SWEEP_OPS", "").split(",") if op]
-    unknown = set(only) - set(OPS) - {op for op, _ in OPTION_OPS}
-    assert not unknown, f"SWEEP_OPS: no such op {sorted(unknown)}; the ops: {OPS}"
+    known = set(OPS) | {op for op, _ in OPTION_OPS}
+    unknown = set(only) - known
+    assert not unknown, f"SWEEP_OPS: no such op {sorted(unknown)}; the ops: {sorted(known)}"
     return [case for case in cases if not only or case[0] in only]
 
 
