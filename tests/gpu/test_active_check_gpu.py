@@ -28,6 +28,10 @@ def test_flags_match_the_framework_test(n):
         bad = _checks._bad_rows(ids, mask, vocab, temp)
         expected = [int(bad["action_ids"].any()), int(bad["temperature"].any())]
         assert _launch.active_flags(ids, mask, vocab, temp).tolist() == expected
+        slot, _ = _checks._FLAG_SLOTS.take(ids.device)  # the pinned host slot the check writes through
+        _launch.active_flags(ids, mask, vocab, temp, out=slot)
+        torch.cuda.synchronize()
+        assert slot[:2].tolist() == expected
 
 
 def test_a_bad_id_raises_naming_its_position():
@@ -38,3 +42,25 @@ def test_a_bad_id_raises_naming_its_position():
     ids[2, 2049] = 257
     with pytest.raises(ValueError, match=r"action_ids\[2, 2049\] = 257 is outside \[0, 257\)"):
         selected_logprobs(logits, ids, backend="triton")
+
+
+def test_each_call_reads_its_own_flags_across_the_slot_ring():
+    """More calls than pinned slots, bad and good in turn, the GPU kept busy between them
+    (a call's flags must be read after its own kernel, never a neighbour's): each call
+    raises exactly when its own ids are bad, and a good call's values are right."""
+    from ratiokl.torch import _checks
+    from ratiokl.torch.loss import selected_logprobs
+
+    logits = torch.randn(64, 512, device="cuda")
+    ids = torch.randint(0, 512, (64,), device="cuda")
+    expected = torch.log_softmax(logits, -1).gather(-1, ids[:, None])[:, 0]
+    bad = ids.clone()
+    bad[37] = -1
+    for call in range(2 * _checks._FlagSlots.SLOTS + 3):
+        torch.cuda._sleep(20_000)  # the check's flags land well after the host asks
+        if call % 3 == 1:
+            with pytest.raises(ValueError, match=r"action_ids\[37\] = -1 is outside"):
+                selected_logprobs(logits, bad, backend="triton")
+        else:
+            out = selected_logprobs(logits, ids, backend="triton")
+            torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)

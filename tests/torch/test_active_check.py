@@ -78,3 +78,16 @@ def test_strided_inputs_of_the_leading_shape():
     active = wide_mask.nonzero()[0]
     wide_ids[active[0], active[1]] = vocab
     assert _launch.active_flags(wide_ids, wide_mask, vocab, None).tolist() == [1, 0]
+
+
+def test_flags_go_to_the_slot_given_and_only_its_first_two_entries():
+    """``out=`` (the pinned host slot on a GPU): the kernel writes its two flags there and
+    returns it; the slot's padding to 16 bytes is never touched."""
+    ids, mask, vocab, temp = _case(CHECK_BLOCK + 5, 3, torch.int64)
+    ids[mask.nonzero()[0, 0]] = vocab
+    slot = torch.full((4,), 7, dtype=torch.int32)
+    assert _launch.active_flags(ids, mask, vocab, temp, out=slot) is slot
+    assert slot.tolist() == [1, 0, 7, 7]
+    temp[mask.nonzero()[-1, 0]] = math.nan
+    _launch.active_flags(ids * 0, mask, vocab, temp, out=slot)
+    assert slot.tolist() == [0, 1, 7, 7]

@@ -5,9 +5,9 @@ writes two int32 flags: ``flags[0]`` = some active row has an id outside
 ``[0, V)``, ``flags[1]`` = some active row has a temperature outside
 ``(0, inf)`` (NaN included). It replaces a chain of framework ops (two
 comparisons, their ``|`` and ``&``, a reduction per test and a stack: about
-six launches of host and device time) ahead of the call's kernels; the host
-copies the flags behind an event and reads them once those kernels are queued
-(``ratiokl.torch._checks.ActiveCheck``). Inactive rows are selected out: what
+six launches of host and device time) ahead of the call's kernels; in PyTorch
+the flags go straight to a pinned host slot, which the host reads behind an
+event once those kernels are queued (``ratiokl.torch._checks.ActiveCheck``). Inactive rows are selected out: what
 they hold never sets a flag.
 """
 

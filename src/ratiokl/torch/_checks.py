@@ -9,9 +9,10 @@ queued. Errors name the argument and say how to fix it.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
-from typing import Optional, Tuple, Union
+from typing import Dict, Optional, Tuple, Union
 
 import torch
 
@@ -164,18 +165,51 @@ def _valid_temperature(temperature: torch.Tensor) -> torch.Tensor:
     return (temperature > 0) & (temperature < math.inf)
 
 
+class _FlagSlots:
+    """A ring of pinned host slots that ``active_check_kernel`` writes its flags into,
+    each with the event the host waits on.
+
+    Pinned host memory is mapped into every device's address space (unified
+    addressing), so the kernel stores the two flags straight into the slot the host
+    reads after the event: no device buffer, no copy to the host, no pinned allocation
+    or new event per call. Slots are 16 bytes (the kernel's pointer stays 16-byte
+    aligned: one compile) and reused round-robin; each call reads its own slot before
+    it returns, so a reuse ``SLOTS`` calls later never meets a pending write. One ring
+    per device (an event records on its own device's streams only).
+    """
+
+    SLOTS = 64
+
+    def __init__(self) -> None:
+        self._rings: Dict[int, Tuple[Tuple[torch.Tensor, torch.cuda.Event], ...]] = {}
+        self._turn = itertools.count()  # next() is atomic under the GIL: threads share it
+
+    def take(self, device: torch.device) -> Tuple[torch.Tensor, torch.cuda.Event]:
+        """The next int32 ``[4]`` pinned slot on ``device``'s ring (the kernel writes the
+        first two) and its event."""
+        ring = self._rings.get(device.index)
+        if ring is None:
+            flags = torch.zeros((self.SLOTS, 4), dtype=torch.int32, pin_memory=True)
+            ring = self._rings[device.index] = tuple(
+                (row, torch.cuda.Event()) for row in flags.unbind())
+        return ring[next(self._turn) % self.SLOTS]
+
+
+_FLAG_SLOTS = _FlagSlots()
+
+
 class ActiveCheck:
     """The host check of active ids and temperatures, queued on the device, read later.
 
-    ``ActiveCheck(ids, mask, V, temperature)`` queues the test (two flags: one
-    launch of ``active_check_kernel`` with ``one_launch``, the Triton backends' way, else
-    framework ops) and, on a GPU, an asynchronous copy of its result to pinned host memory
-    behind an event; the caller then queues its kernels and calls
-    :meth:`raise_if_bad`, which waits for that event only -- the GPU keeps
-    running the kernels queued after it, and the bad rows are NaN in them
-    either way. On the CPU (and while ``torch.compile`` traces) the test runs at
-    once, before anything is launched. The error
-    names the first bad position (:func:`check_active_ids`).
+    ``ActiveCheck(ids, mask, V, temperature)`` queues the test behind an event: with
+    ``one_launch`` (the Triton backends) one launch of ``active_check_kernel``, which
+    writes its two flags straight into a pinned host slot (:class:`_FlagSlots`), else
+    framework ops and an asynchronous copy of their result to pinned host memory. The
+    caller then queues its kernels and calls :meth:`raise_if_bad`, which waits for that
+    event only -- the GPU keeps running the kernels queued after it, and the bad rows
+    are NaN in them either way. On the CPU (and while ``torch.compile`` traces) the
+    test runs at once, before anything is launched. The error names the first bad
+    position (:func:`check_active_ids`).
     """
 
     def __init__(self, ids: torch.Tensor, mask: torch.Tensor, vocab_size: Optional[int],
@@ -191,20 +225,21 @@ class ActiveCheck:
         if one_launch:  # the Triton backends: one kernel (ratiokl._kernels.active_check)
             from ratiokl.torch import _launch
 
-            flags = _launch.active_flags(ids, mask, vocab_size,
-                                         temperature if has_temp else None)
+            self._flags, self._event = _FLAG_SLOTS.take(ids.device)
+            _launch.active_flags(ids, mask, vocab_size, temperature if has_temp else None,
+                                 out=self._flags)
         else:
             flags = torch.stack([b.any() for b in _bad_rows(*self._args).values()])
-        self._flags = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
-        self._flags.copy_(flags, non_blocking=True)
-        self._event = torch.cuda.Event()
+            self._flags = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+            self._flags.copy_(flags, non_blocking=True)
+            self._event = torch.cuda.Event()
         self._event.record()
 
     def raise_if_bad(self) -> None:
         """Raise ``ValueError`` if an active id or temperature was bad (else return)."""
         if self._event is not None:
             self._event.synchronize()
-            if bool(self._flags.any()):
+            if self._flags.numpy()[:2].any():
                 check_active_ids(*self._args)
 
 

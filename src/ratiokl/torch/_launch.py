@@ -217,18 +217,19 @@ def _stride(t: Tensor) -> int:
 
 
 def active_flags(ids: Tensor, mask: Tensor, vocab: Optional[int],
-                 temperature: Optional[Tensor]) -> Tensor:
+                 temperature: Optional[Tensor], out: Optional[Tensor] = None) -> Tensor:
     """int32 ``[2]``: (an active id outside ``[0, vocab)``, an active temperature outside
     ``(0, inf)``), from one launch; ``vocab`` / ``temperature`` None: not tested.
 
     Inputs of the leading shape, any strides (flattened; a 0-d temperature expanded
     over the rows is read with stride 0). CUDA tensors launch the kernel, CPU tensors its
-    interpreter twin (tests).
+    interpreter twin (tests). ``out``: where the flags go (its first two int32), e.g. a
+    pinned host slot the device writes through unified addressing; returned.
     """
     kernels = _raw if ids.device.type == "cuda" else _interpreter
     ids = ids.reshape(-1).contiguous()
     mask = mask.reshape(-1).contiguous()
-    flags = torch.empty(2, dtype=torch.int32, device=ids.device)
+    flags = torch.empty(2, dtype=torch.int32, device=ids.device) if out is None else out
     temp = mask if temperature is None else temperature.reshape(-1)
     if temp.stride(0) not in (0, 1):
         temp = temp.contiguous()
