@@ -90,10 +90,14 @@ def _run(backend, kernels, policy, ids, mask, old, adv, g):
 
     outs = {}
     if ("forward",) in kernels or ("backward",) in kernels:
-        leaf = policy.clone().requires_grad_(True)
+        # The backward only where its plan is run here (the forward's does not depend on it).
+        backward = ("backward",) in kernels
+        leaf = policy.clone().requires_grad_(backward)
         logp = loss.selected_logprobs(leaf, ids, mask, backend=backend, check_ids=False)
-        (logp * g).sum().backward()
-        outs.update(logp=logp.detach(), logp_grad=leaf.grad)
+        outs.update(logp=logp.detach())
+        if backward:
+            (logp * g).sum().backward()
+            outs.update(logp_grad=leaf.grad)
     if ("fused", "grad") in kernels:
         for name, coef in (("loss", 0.0), ("entropy_loss", 0.05)):
             leaf = policy.clone().requires_grad_(True)
