@@ -15,7 +15,8 @@
 #   ab     a kernel change timed beside this tree: AB_TREE=DIR (a copy of another tree's
 #          src/, carried to the device) and src/ take turns, AB_ROUNDS times (2), each a
 #          suite run of AB_OPS with ratiokl and Liger; results ab_<tree>_<round>.json, packed
-#          with their logs into ab.tgz (the device returns few files)
+#          with their logs into ab.tgz (the device returns few files); AB_PROVIDERS picks
+#          the providers (ratiokl-torch-triton,liger)
 #   all    all four in turn (longer than one call)
 # Logs and results go to ${OUT:-gpu-out} (draw plots anywhere with benchmarks/plot.py).
 set -uo pipefail
@@ -81,7 +82,7 @@ if [ "$part" = ab ]; then
     for tree in src "${AB_TREE:?set AB_TREE to the other src folder}"; do
       tag=${tree//\//_}_$round
       PYTHONPATH=$site$tree timeout 200 python3 benchmarks/run.py \
-        --preset headline --providers ratiokl-torch-triton,liger --ops "$ab_ops" \
+        --preset headline --providers "${AB_PROVIDERS:-ratiokl-torch-triton,liger}" --ops "$ab_ops" \
         --out "$out/ab_$tag.json" > "$out/ab_$tag.log" 2>&1
       echo "ab $tag rc=$?"
     done

@@ -13,14 +13,25 @@ By default the conformance fixtures (a test's ``case_name``) run on ``jax-interp
 and in the strided pass on ``torch-interpret``, only for ``representative_cases``, one
 per group (the rule and why: ``tests/helpers/conformance_subset.py``). A ``--backends`` that names it (any value but
 the default ``*``, e.g. ``--backends=jax-interpret`` or ``jax-*``) runs all of them, as
-``ratiokl check --backend jax-interpret`` does.
+``ratiokl check --backend jax-interpret`` does. ``--fixture-subset`` runs that subset on
+every target (a second stack's run, where the first has run them all).
 """
 
 from __future__ import annotations
 
 import fnmatch
 import functools
+import os
 from typing import List
+
+# XLA's CPU backend compiles every JAX program of the suite without LLVM's optimisation
+# passes: the tests' arrays are tiny, so compiling is most of a JAX test's time (a
+# policy-loss fixture's value and gradient: 1.4 of 1.8 s), and -O0 takes about a third
+# off it. XLA's CPU fast math is off at every level; the suite passes at both. Set before
+# anything initialises JAX; the subprocess tests inherit it.
+if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_backend_optimization_level=0").strip()
 
 import pytest
 from conformance_subset import SUBSET_PAIRS, SUBSET_TARGETS, representative_cases
@@ -36,6 +47,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="comma-separated globs of conformance targets to run "
         f"(default: all of {', '.join(conformance.TARGETS)}; unavailable ones are skipped; "
         f"{', '.join(SUBSET_TARGETS)} on one fixture per group unless named here)",
+    )
+    parser.addoption(
+        "--fixture-subset", action="store_true",
+        help="every target runs the conformance fixtures one per group, as the subset "
+        "targets do by default (a second stack's run: .ci/run's block (b))",
     )
     parser.addoption(
         "--part", default=None, metavar="I/N",
@@ -71,8 +87,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item
 
 
 def _keep_subsets(config: pytest.Config, items: List[pytest.Item]) -> None:
-    """Deselect the fixtures a :data:`SUBSET_TARGETS` target skips (``--backends`` left at ``*``)."""
-    if not _subsets(config):
+    """Deselect the fixtures a :data:`SUBSET_TARGETS` target skips (``--backends`` left at
+    ``*``), on every target with ``--fixture-subset``."""
+    everywhere = config.getoption("--fixture-subset")
+    if not (everywhere or _subsets(config)):
         return
     keep = set(representative_cases(conformance.list_cases()))
     selected, deselected = [], []
@@ -80,7 +98,8 @@ def _keep_subsets(config: pytest.Config, items: List[pytest.Item]) -> None:
         params = getattr(item, "callspec", None)
         params = params.params if params is not None else {}
         pairs = {(k, v) for k, v in params.items() if k in _TARGET_FIXTURES}
-        subset = any(v in SUBSET_TARGETS or (k, v) in SUBSET_PAIRS for k, v in pairs)
+        subset = everywhere or any(v in SUBSET_TARGETS or (k, v) in SUBSET_PAIRS
+                                   for k, v in pairs)
         skipped = subset and "case_name" in params and params["case_name"] not in keep
         (deselected if skipped else selected).append(item)
     if deselected:

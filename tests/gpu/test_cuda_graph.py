@@ -80,3 +80,22 @@ def test_a_captured_step_replays_the_eager_bits_on_new_data() -> None:
         assert torch.equal(clip, want_clip), seed
         assert torch.equal(leaf.grad, want_grad), seed
         assert torch.all(leaf.grad[~fresh["mask"]] == 0)
+
+
+@pytest.mark.parametrize("op", ["selected_logprobs", "policy_loss"])
+def test_check_ids_true_inside_a_capture_says_to_pass_false(op) -> None:
+    """The default check waits for the device: inside a capture it raises a ValueError that
+    names the fix before anything is queued, and the stream is usable after."""
+    x = _inputs(2)
+    call = {
+        "selected_logprobs": lambda: loss.selected_logprobs(x["logits"], x["ids"], x["mask"]),
+        "policy_loss": lambda: loss.policy_loss(x["logits"], None, x["ids"], x["mask"],
+                                                x["old"], x["adv"]),
+    }[op]
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(ValueError, match="check_ids=False inside the capture"):
+        with torch.cuda.graph(graph):
+            call()
+    torch.cuda.synchronize()
+    out = call()  # outside the capture the default check runs as ever
+    assert torch.isfinite(out[0] if op == "policy_loss" else out).all()

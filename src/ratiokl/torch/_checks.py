@@ -222,6 +222,12 @@ class ActiveCheck:
         has_temp = isinstance(temperature, torch.Tensor)
         if vocab_size is None and not has_temp:
             return  # nothing to test
+        if torch.cuda.is_current_stream_capturing():  # its wait would break the capture
+            raise ValueError(
+                "check_ids=True reads the active ids on the host, which a CUDA graph "
+                "capture cannot do; pass check_ids=False inside the capture (a bad id or "
+                "temperature then makes its row NaN), or check the ids before capturing"
+            )
         if one_launch:  # the Triton backends: one kernel (ratiokl._kernels.active_check)
             from ratiokl.torch import _launch
 
