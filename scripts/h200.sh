@@ -14,7 +14,7 @@
 #   bench  the headline benchmark (both timings, every provider) and its report
 #   ab     a kernel change timed beside this tree: AB_TREE=DIR (a copy of another tree's
 #          src/, carried to the device) and src/ take turns, AB_ROUNDS times (2), each a
-#          suite run of AB_OPS with ratiokl and Liger; results ab_<tree>_<round>.json, packed
+#          suite run of AB_OPS with ratiokl and Liger; results ab_<1|2><tree>_<round>.json, packed
 #          with their logs into ab.tgz (the device returns few files); AB_PROVIDERS picks
 #          the providers (ratiokl-torch-triton,liger)
 #   all    all four in turn (longer than one call)
@@ -79,8 +79,10 @@ fi
 if [ "$part" = ab ]; then
   ab_ops=${AB_OPS:-policy_loss_ref_logps,policy_loss_ref_logps_entropy,selected_logprobs_entropy,selected_logprobs,ratio_kl_ref_logps}
   for round in $(seq "${AB_ROUNDS:-2}"); do
+    side=0
     for tree in src "${AB_TREE:?set AB_TREE to the other src folder}"; do
-      tag=${tree//\//_}_$round
+      side=$((side + 1))  # in the tag too: AB_TREE=src (the tree against itself) keeps both
+      tag=${side}${tree//\//_}_$round
       PYTHONPATH=$site$tree timeout 200 python3 benchmarks/run.py \
         --preset headline --providers "${AB_PROVIDERS:-ratiokl-torch-triton,liger}" --ops "$ab_ops" \
         --out "$out/ab_$tag.json" > "$out/ab_$tag.log" 2>&1
