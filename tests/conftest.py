@@ -33,11 +33,11 @@ if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_backend_optimization_level=0").strip()
 
-import pytest
-from conformance_subset import SUBSET_PAIRS, SUBSET_TARGETS, representative_cases
-from parts import in_part, parse_part
+import pytest  # noqa: E402
+from conformance_subset import SUBSET_PAIRS, SUBSET_TARGETS, representative_cases  # noqa: E402
+from parts import in_part, parse_part  # noqa: E402
 
-from ratiokl import conformance
+from ratiokl import conformance  # noqa: E402
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -28,7 +28,7 @@ def test_flags_match_the_framework_test(n):
         bad = _checks._bad_rows(ids, mask, vocab, temp)
         expected = [int(bad["action_ids"].any()), int(bad["temperature"].any())]
         assert _launch.active_flags(ids, mask, vocab, temp).tolist() == expected
-        slot, _ = _checks._FLAG_SLOTS.take(ids.device)  # the pinned host slot the check writes through
+        slot, _ = _checks._FLAG_SLOTS.take(ids.device)  # the pinned slot the route uses
         _launch.active_flags(ids, mask, vocab, temp, out=slot)
         torch.cuda.synchronize()
         assert slot[:2].tolist() == expected

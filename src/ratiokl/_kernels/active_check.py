@@ -7,8 +7,8 @@ writes two int32 flags: ``flags[0]`` = some active row has an id outside
 comparisons, their ``|`` and ``&``, a reduction per test and a stack: about
 six launches of host and device time) ahead of the call's kernels; in PyTorch
 the flags go straight to a pinned host slot, which the host reads behind an
-event once those kernels are queued (``ratiokl.torch._checks.ActiveCheck``). Inactive rows are selected out: what
-they hold never sets a flag.
+event once those kernels are queued (``ratiokl.torch._checks.ActiveCheck``).
+Inactive rows are selected out: what they hold never sets a flag.
 """
 
 import triton
