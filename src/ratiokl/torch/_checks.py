@@ -173,9 +173,12 @@ class _FlagSlots:
     addressing), so the kernel stores the two flags straight into the slot the host
     reads after the event: no device buffer, no copy to the host, no pinned allocation
     or new event per call. Slots are 16 bytes (the kernel's pointer stays 16-byte
-    aligned: one compile) and reused round-robin; each call reads its own slot before
-    it returns, so a reuse ``SLOTS`` calls later never meets a pending write. One ring
-    per device (an event records on its own device's streams only).
+    aligned: one compile) and reused round-robin. A call reads its own slot before it
+    returns, but one that raises between queuing the check and reading it (a bad
+    argument validated later, such as ``rollout_logps``) leaves its write pending, on
+    any stream: :meth:`take` waits for a slot's last event before handing it out again
+    (at once in the usual case, that event having been waited for ``SLOTS`` calls ago).
+    One ring per device (an event records on its own device's streams only).
     """
 
     SLOTS = 64
@@ -192,7 +195,9 @@ class _FlagSlots:
             flags = torch.zeros((self.SLOTS, 4), dtype=torch.int32, pin_memory=True)
             ring = self._rings[device.index] = tuple(
                 (row, torch.cuda.Event()) for row in flags.unbind())
-        return ring[next(self._turn) % self.SLOTS]
+        slot, event = ring[next(self._turn) % self.SLOTS]
+        event.synchronize()  # a never-recorded event returns at once
+        return slot, event
 
 
 _FLAG_SLOTS = _FlagSlots()
