@@ -220,8 +220,9 @@ _DENSITY = ("ratiokl-torch-triton", "ratiokl-jax-triton")
 _SLOW = ("torch-eager", "torch-compile")
 _NATIVE = ("ratiokl-torch-native", "ratiokl-jax-native", "torch-eager")
 _HEADLINE_OPS = ("selected_logprobs", "ratio_kl", "ratio_kl_ref_logps", "policy_loss_ref_logps")
-#: The lm_head step's providers on a GPU: ratiokl's loss, Liger's, and the bare GEMMs.
-_STEP = ("ratiokl-torch-triton", "liger", "gemm-only")
+#: The lm_head step's providers on a GPU: ratiokl's loss on the logits and from the hidden
+#: states (row chunks), Liger's, and the bare GEMMs.
+_STEP = ("ratiokl-torch-triton", "ratiokl-torch-triton-linear", "liger", "gemm-only")
 #: PERF.md's lm_head shape: N = 8192 tokens, hidden size 4096, V = 151,936, bf16.
 _STEP_GROUP = Group((Case(8192, 151936, 1.0, "bfloat16", hidden=4096),), _STEP, (LMHEAD,))
 

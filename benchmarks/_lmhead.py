@@ -12,7 +12,9 @@ the three GEMMs is the comparison:
   hidden states with ``T + 1`` positions per sequence (the layout it takes,
   as a trainer computes them; the extra position is ignored), the same ``W``;
 - ``gemm-only``: the forward GEMM and, for a random gradient of the logits'
-  shape and dtype, the two backward GEMMs (``dH = G @ W``, ``dW = G.T @ hidden``).
+  shape and dtype, the two backward GEMMs (``dH = G @ W``, ``dW = G.T @ hidden``);
+- ratiokl's chunked path, ``ratiokl.torch.loss.linear_policy_loss`` on ``hidden`` and
+  ``W`` themselves (:func:`linear_step`): the same loss, the logits never all in memory.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 
 from _cases import TorchOp
 
-__all__ = ["gemm_only", "liger_step", "step"]
+__all__ = ["gemm_only", "liger_step", "linear_step", "step"]
 
 #: A loss on ``[B, T', V]`` logits: ``logits -> (loss, aux)``.
 LossOf = Callable[[torch.Tensor], Any]
@@ -52,6 +54,14 @@ def liger_step(x: Any, grpo_loss: Callable[[torch.Tensor, Any], Any]) -> TorchOp
     extra = torch.randn(b, 1, h.shape[1], dtype=h.dtype, device=h.device)
     padded = torch.cat([h.view(b, t, -1), extra], dim=1).view(b * (t + 1), -1)
     return step(x, lambda logits: grpo_loss(logits, x), padded.requires_grad_(True))
+
+
+def linear_step(x: Any, loss_of: Callable[[torch.Tensor, torch.Tensor], Any]) -> TorchOp:
+    """``loss_of(hidden viewed [B, T, H], W)``: a loss that takes the hidden states and the
+    lm_head weight itself; the gradient reaches ``(hidden, W)``."""
+    batch = x.ids.shape[0]
+    return TorchOp(lambda: loss_of(x.hidden.view(batch, -1, x.hidden.shape[-1]), x.weight),
+                   (x.hidden, x.weight))
 
 
 def gemm_only(x: Any) -> TorchOp:

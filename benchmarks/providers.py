@@ -148,6 +148,17 @@ def _ratiokl_torch(backend: str) -> Callable[[str, Any, bool], TorchOp]:
     return build
 
 
+def _ratiokl_torch_linear(op: str, x: Any, check_ids: bool) -> TorchOp:
+    """The lm_head step through ``linear_policy_loss`` (row chunks of its default size): the
+    ``policy_loss_ref_logps`` call's loss from the hidden states and ``W``."""
+    from ratiokl.torch import loss
+
+    kw = {} if check_ids else {"check_ids": False}
+    return _lmhead.linear_step(x, lambda hidden, weight: loss.linear_policy_loss(
+        hidden, weight, x.ids, x.mask, x.old_logps, x.advantages, ref_logps=x.ref_logps,
+        clip_eps=CLIP_EPS, kl_coef=KL_COEF, **kw))
+
+
 def _ratiokl_torch_compiled(op: str, x: Any, check_ids: bool) -> TorchOp:
     """``torch.compile(fullgraph=True)`` of the same call (``check_ids=False``: the check
     cannot compile); the tensors are arguments of the compiled function, as in a step."""
@@ -280,6 +291,9 @@ PROVIDERS: Dict[str, Provider] = {
     for p in (
         Provider("ratiokl-torch-triton", "torch", _ratiokl_torch("triton"), _torch_triton,
                  user_check_ids=True, inputs=(LOGITS, HIDDEN)),
+        # The lm_head step from hidden states in row chunks (no [N, V] logits).
+        Provider("ratiokl-torch-triton-linear", "torch", _ratiokl_torch_linear, _torch_triton,
+                 user_check_ids=True, inputs=(HIDDEN,)),
         Provider("ratiokl-torch-triton-inplace", "torch", _ratiokl_torch_inplace,
                  _torch_triton, _policy_loss_only, user_check_ids=True),
         # The same call with check_ids=False under both timings: what the default id

@@ -9,6 +9,8 @@ A :class:`Backend` runs on flattened, validated inputs::
     policy_loss(policy, ref, ids, mask, old, ref_logps, adv, iw, weights,
                 temperature, opts, inplace_grad) -> (loss, metrics)   [fused; or None]
     token_weights(mask, opts, normalizer, width) -> weights | None     [or None]
+    linear_policy_loss(hidden, weight, ids, mask, old, ref_logps, adv, iw, weights,
+                       temperature, opts, chunk_rows) -> (loss, metrics)  [or None]
     rollout_weights(mask, old, rollout, seq, iw, rollout_opts, bound)
         -> (weights, metrics)                                          [or None]
     shard_logps(shards, ids, mask, temperature, axis, entropy)
@@ -54,6 +56,7 @@ class Backend:
     policy_loss: Optional[Callable] = None  # fused; None: two passes
     token_weights: Optional[Callable] = None  # one-launch aggregation weights; None: ops
     rollout_weights: Optional[Callable] = None  # one-launch rollout correction; None: ops
+    linear_policy_loss: Optional[Callable] = None  # from hidden states in row chunks; None: no
     shard_logps: Optional[Callable] = None  # JAX vocab_axis block with kernels; None: ops
 
 

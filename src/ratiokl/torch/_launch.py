@@ -428,9 +428,9 @@ def fused_policy_loss(
     ``adv``: float32 ``[N // adv_rows]``, one advantage per ``adv_rows`` rows (1: per
     token; ``T``: per sequence of ``T`` rows, as given, never expanded to ``[N]``).
     Two launches: ``policy_loss_kernel`` (per-row values and, with
-    ``write_grad``, the gradient of ``sum_t w_t loss_t``) and
-    ``policy_metrics_kernel`` (the loss and the metrics). ``coefs``: float32
-    ``[5]`` (``kl_coef``, ratio floor, ratio ceiling, negative-advantage cap,
+    ``write_grad``, the gradient of ``sum_t w_t loss_t``: :func:`policy_loss_rows`) and
+    ``policy_metrics_kernel`` (the loss and the metrics: :func:`policy_metrics`). ``coefs``:
+    float32 ``[5]`` (``kl_coef``, ratio floor, ratio ceiling, negative-advantage cap,
     ``entropy_coef``); ``kl_code`` ``KL.NONE``: no reference; ``objective``: ``OBJECTIVES`` code;
     ``entropy_grad``: the entropy bonus is in the loss and its gradient (``entropy_coef``
     is not the number 0). ``grad_out``: a row-major ``[N, V]`` buffer for the gradient
@@ -442,32 +442,61 @@ def fused_policy_loss(
     if grad_out is None:
         grad_out = torch.empty((n_rows if write_grad else 0, vocab), dtype=policy.dtype,
                                device=device)
-    loss = torch.empty((), dtype=torch.float32, device=device)
-    metrics = torch.empty(len(METRIC_NAMES), dtype=torch.float32, device=device)
     if n_rows == 0:
-        return loss.zero_(), metrics.zero_(), grad_out
+        return (torch.zeros((), dtype=torch.float32, device=device),
+                torch.zeros(len(METRIC_NAMES), dtype=torch.float32, device=device), grad_out)
+    plan = launch_plan(vocab, policy.element_size(), n_rows, write_grad)
+    # One scratch allocation (host time: one allocator call, not eight): the six row
+    # values, then the spans' partials.
+    rows, parts = row_scratch(n_rows, plan.spans.splits, device)
+    policy_loss_rows(kernels, policy, ref, ids, mask, old, ref_logps, temp, adv, adv_rows, iw,
+                     w, coefs, write_grad, kl_code, has_neg_cap, bound, objective,
+                     entropy_grad, rows, parts[0], grad_out)
+    loss, metrics = policy_metrics(kernels, mask, rows, old)
+    return loss, metrics, grad_out
+
+
+def row_scratch(n_rows: int, splits: int, device: torch.device,
+                part_sets: int = 1) -> Tuple[Tuple[Tensor, ...], Tuple[Tensor, ...]]:
+    """``(rows, parts)`` from one allocation: :func:`policy_loss_rows`'s six row values
+    (``[width >= N]`` float32 each, the clip bits int32) and ``part_sets`` scratches for the
+    spans' partials (``N * splits * PARTIAL_FIELDS`` float32 each). Each piece starts 64-byte
+    aligned, as its own allocation would (the kernel's specialisation, hence its compile,
+    does not depend on N mod 16); the kernels index the rows below N only.
+    """
+    width = -(-n_rows // 16) * 16
+    part = width * splits * PARTIAL_FIELDS.value
+    scratch = torch.empty(width * 6 + part * part_sets, dtype=torch.float32, device=device)
+    loss_rows, logp, ratio, kl, ent, bits = scratch[:6 * width].view(6, width).unbind()
+    parts = scratch[6 * width:].view(part_sets, part).unbind() if part_sets > 1 else \
+        (scratch[6 * width:],)
+    return (loss_rows, logp, ratio, kl, ent, bits.view(torch.int32)), parts
+
+
+def policy_loss_rows(
+    kernels: Callable, policy: Tensor, ref: Optional[Tensor], ids: Tensor, mask: Tensor,
+    old: Tensor, ref_logps: Optional[Tensor], temp: Tensor, adv: Tensor, adv_rows: int,
+    iw: Optional[Tensor], w: Tensor, coefs: Tensor, write_grad: bool, kl_code: int,
+    has_neg_cap: bool, bound: float, objective: int, entropy_grad: bool,
+    rows: Sequence[Tensor], parts: Tensor, grad_out: Tensor,
+) -> None:
+    """One launch of ``policy_loss_kernel`` on ``policy [N, V]`` (``N >= 1``): writes the six
+    row values ``rows = (w * loss_t, logp, ratio, kl, entropy, clip bits)`` (each at least
+    ``[N]``, any offset: a row block's slice of a longer array) and, with ``write_grad``, the
+    gradient of ``sum_t w_t loss_t`` into ``grad_out [N, V]`` (row-major; ``policy`` itself in
+    the in-place mode). ``parts``: float32 scratch of at least ``N * SPLITS *
+    PARTIAL_FIELDS`` (:func:`row_scratch`). Arguments as in :func:`fused_policy_loss`.
+    """
+    n_rows, vocab = policy.shape
     has_ref = ref is not None
     ref_t = ref if has_ref else policy  # never read without HAS_REF
     plan = launch_plan(vocab, policy.element_size(), n_rows, write_grad)
-    # One scratch allocation (host time: one allocator call, not eight): the six row
-    # values the metrics kernel reads, then the spans' partials [N, SPLITS, PARTIAL_FIELDS].
-    # Each piece starts 64-byte aligned, as its own allocation would (the kernel's
-    # specialisation, hence its compile, does not depend on N mod 16).
-    width = -(-n_rows // 16) * 16
-    fields = PARTIAL_FIELDS.value
-    scratch = torch.empty(width * (6 + fields * plan.spans.splits), dtype=torch.float32,
-                          device=device)
-    # Rows of ``width >= N`` values: the kernels index them below N only.
-    loss_rows, logp, ratio, kl, ent, bits = scratch[:6 * width].view(6, width).unbind()
-    bits = bits.view(torch.int32)
-    parts = scratch[6 * width:]
     n_counters = plan.counters(n_rows)  # 0: none used, no memset (any buffer will do)
-    counts = torch.zeros(n_counters, dtype=torch.int32, device=device) if n_counters \
-        else bits
+    counts = torch.zeros(n_counters, dtype=torch.int32, device=policy.device) if n_counters \
+        else rows[5]
     kernels(policy_loss_kernel)[(plan.programs(n_rows),)](
         policy, ref_t, ids, mask, old, w if ref_logps is None else ref_logps, temp, adv,
-        w if iw is None else iw, w, coefs,
-        loss_rows, logp, ratio, kl, ent, bits, grad_out, parts, counts,
+        w if iw is None else iw, w, coefs, *rows, grad_out, parts, counts,
         n_rows, vocab, policy.stride(0), policy.stride(1), ref_t.stride(0), ref_t.stride(1),
         _stride(temp), adv_rows,
         HAS_REF=has_ref, HAS_IW=iw is not None, KL_CODE=kl_code, HAS_NEG_CAP=has_neg_cap,
@@ -476,11 +505,27 @@ def fused_policy_loss(
         TILES_PER_SPLIT=plan.spans.tiles_per_split, SPANS=plan.spans_per_program,
         BLOCK_V=plan.config.block_v, num_warps=plan.config.num_warps,
     )
+
+
+def policy_metrics(kernels: Callable, mask: Tensor, rows: Sequence[Tensor],
+                   old: Tensor) -> Tuple[Tensor, Tensor]:
+    """``(loss, metrics)``, float32 ``[]`` and ``[8]`` (``METRIC_NAMES``), from the row values
+    :func:`policy_loss_rows` wrote for all ``N = mask.numel()`` rows (``N >= 1``): one launch
+    of ``policy_metrics_kernel``."""
+    loss = torch.empty((), dtype=torch.float32, device=mask.device)
+    metrics = torch.empty(len(METRIC_NAMES), dtype=torch.float32, device=mask.device)
+    loss_rows, logp, ratio, kl, ent, bits = rows
     kernels(policy_metrics_kernel)[(1,)](
-        mask, logp, ratio, kl, ent, bits, old, loss_rows, metrics, loss, n_rows,
+        mask, logp, ratio, kl, ent, bits, old, loss_rows, metrics, loss, mask.numel(),
         BLOCK=ROWS_BLOCK, num_warps=ROWS_WARPS,
     )
-    return loss, metrics, grad_out
+    return loss, metrics
+
+
+def kernels_for(device: torch.device) -> Callable:
+    """The launcher of eager launches outside any op (:meth:`KernelOp.direct`): the cached
+    compiled handle on CUDA, the interpreter twin on the CPU."""
+    return _raw if device.type == "cuda" else _interpreter
 
 
 def scale_rows_(kernels: Callable, grad: Tensor, g: Tensor, mask: Tensor) -> None:

@@ -35,8 +35,8 @@ from ratiokl.spec import BACKENDS, kl_estimator_code, policy_loss_options, rollo
 from ratiokl.torch import _checks, _rollout
 from ratiokl.torch._checks import Temperature
 
-__all__ = ["BACKENDS", "backend_name", "policy_loss", "ratio_kl", "resolve",
-           "selected_logprobs"]
+__all__ = ["BACKENDS", "backend_name", "linear_policy_loss", "policy_loss", "ratio_kl",
+           "resolve", "selected_logprobs"]
 
 
 def _native() -> Backend:
@@ -46,11 +46,12 @@ def _native() -> Backend:
 
 
 def _triton() -> Backend:
-    from ratiokl.torch import _triton
+    from ratiokl.torch import _linear, _triton
 
     return Backend(_triton.selected_logprobs, _triton.ratio_kl, _triton.logprobs_entropy,
                    _triton.policy_loss, _triton.token_weights,
-                   rollout_weights=_triton.rollout_weights)
+                   rollout_weights=_triton.rollout_weights,
+                   linear_policy_loss=_linear.policy_loss)
 
 
 #: Backend name -> its loader (plain imports: torch.compile traces through them).
@@ -141,17 +142,21 @@ def _flat(values: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 
 
 def _rows(logits: torch.Tensor, lead: Tuple[int, ...], ids: torch.Tensor, mask, temperature,
-          backend: str, check_ids: bool, vocab_group, **per_token) -> _Rows:
+          backend: str, check_ids: bool, vocab_group, vocab: Optional[int] = None,
+          **per_token) -> _Rows:
     """Steps 1-3 for the inputs every op shares (``logits`` and ``ids`` already checked).
 
-    ``per_token`` holds the call's other tensors by argument name, for the device check.
+    ``per_token`` holds the call's other tensors by argument name, for the device check;
+    ``vocab``: the ids' range where ``logits`` is not ``[..., V]`` (hidden states: the
+    lm_head weight's rows; None: ``logits.shape[-1]``).
     """
     if mask is None:
         mask = torch.ones(lead, dtype=torch.bool, device=logits.device)
     mask = _checks.check_mask(mask, lead)
     temperature = _checks.check_temperature(temperature, lead)
+    first = {"hidden" if vocab else "policy_logits": logits}
     device = _checks.check_same_device(
-        policy_logits=logits, action_ids=ids, mask=mask,
+        **first, action_ids=ids, mask=mask,
         temperature=temperature if isinstance(temperature, torch.Tensor) else None, **per_token,
     )
     if check_ids and torch.compiler.is_compiling():
@@ -163,7 +168,8 @@ def _rows(logits: torch.Tensor, lead: Tuple[int, ...], ids: torch.Tensor, mask, 
     name = backend_name(backend, device)
     check = None
     if check_ids:  # sharded logits: their ids are checked against the global V later
-        check = _checks.ActiveCheck(ids, mask, None if vocab_group else logits.shape[-1],
+        check = _checks.ActiveCheck(ids, mask, None if vocab_group else
+                                    vocab or logits.shape[-1],
                                     temperature, one_launch=name == "triton")
     if vocab_group is None:
         run = _loaded(name)
@@ -317,5 +323,83 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
     loss, metrics = _objective.policy_objective(
         as_rows(logp, lead), None if logp_ref is None else as_rows(logp_ref, lead),
         as_rows(rows.mask, lead), inputs, opts, as_rows(entropy, lead),
+    )
+    return rows.checked((loss, {**metrics, **rollout_metrics}))
+
+
+def _lead_hidden(hidden: torch.Tensor, weight: torch.Tensor,
+                 action_ids: torch.Tensor) -> Tuple[int, ...]:
+    """Check ``hidden [..., H]`` and ``weight [V, H]`` (same dtype), then the ids."""
+    _checks.check_logits("hidden", hidden)
+    _checks.check_logits("weight", weight)
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"`weight` must be the lm_head weight [V, H] with H = hidden.shape[-1] = "
+            f"{hidden.shape[-1]}; got shape {list(weight.shape)}"
+        )
+    if weight.dtype != hidden.dtype:
+        raise TypeError(
+            f"`hidden` ({hidden.dtype}) and `weight` ({weight.dtype}) must share a dtype: "
+            "the logits are their product; cast one, e.g. `hidden.to(weight.dtype)`"
+        )
+    lead = tuple(hidden.shape[:-1])
+    _checks.check_ids(action_ids, lead)
+    return lead
+
+
+def linear_policy_loss(hidden, weight, action_ids, mask, old_logps, advantages, *, ref_logps,
+                       chunk_rows, clip_eps, clip_eps_high, dual_clip, ratio_cap, kl_coef,
+                       kl_estimator, loss_agg, loss_normalizer, objective, entropy_coef,
+                       segment_ids, importance_weights, log_ratio_bound, temperature, backend,
+                       check_ids, rollout_logps, rollout_correction,
+                       rollout_bounds) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """``ratiokl.torch.loss.linear_policy_loss`` (documented there)."""
+    if torch.compiler.is_compiling():
+        raise ValueError(
+            "linear_policy_loss runs eagerly (its row chunks launch the kernels one by one); "
+            "call it outside the torch.compile region, or compile the logits and call "
+            "policy_loss"
+        )
+    if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
+        raise ValueError(f"`chunk_rows` must be a positive int; got {chunk_rows!r}")
+    opts = policy_loss_options(
+        clip_eps=clip_eps, clip_eps_high=clip_eps_high, dual_clip=dual_clip,
+        ratio_cap=ratio_cap, kl_coef=kl_coef, kl_estimator=kl_estimator, loss_agg=loss_agg,
+        ratio_level="token", log_ratio_bound=log_ratio_bound, objective=objective,
+        entropy_coef=entropy_coef, cached=True,
+    )
+    lead = _lead_hidden(hidden, weight, action_ids)
+    if ref_logps is not None or opts.uses_kl:
+        _reference(hidden, lead, None, ref_logps)
+    inputs = _checks.token_inputs(lead, old_logps, advantages, segment_ids,
+                                  importance_weights, loss_normalizer)
+    rows = _rows(
+        hidden, lead, action_ids, mask, temperature, backend, check_ids, None,
+        vocab=weight.shape[0], weight=weight, old_logps=old_logps, ref_logps=ref_logps,
+        advantages=advantages, segment_ids=segment_ids, importance_weights=importance_weights,
+    )
+    run = rows.run
+    if run.linear_policy_loss is None:
+        raise ValueError(
+            "linear_policy_loss runs the Triton kernels: pass CUDA tensors with "
+            "backend='auto' or 'triton' (or CPU tensors with backend='interpret', Triton's "
+            "interpreter); backend 'native' has no chunked path"
+        )
+    rollout = rollout_options(rollout_correction, rollout_bounds, rollout_logps is not None,
+                              cached=True)
+    rollout_metrics = {}
+    if rollout is not None:
+        inputs, rollout_metrics = _rollout.correct(run, rows.mask, lead, inputs, rollout_logps,
+                                                   rollout, opts.log_ratio_bound)
+    mask_rows = _checks.as_rows(rows.mask, lead)
+    weights = run.token_weights(rows.mask, opts, inputs.loss_normalizer, mask_rows.shape[-1])
+    if weights is None:
+        from ratiokl.torch import _objective
+
+        weights = _objective.aggregation_weights(mask_rows, inputs, opts).reshape(-1)
+    loss, metrics = run.linear_policy_loss(
+        rows.logits, weight, rows.ids, rows.mask, _flat(inputs.old_logps), _flat(ref_logps),
+        _flat(inputs.advantages), _flat(inputs.importance_weights), weights,
+        rows.temperature, opts, chunk_rows,
     )
     return rows.checked((loss, {**metrics, **rollout_metrics}))

@@ -25,7 +25,7 @@ from ratiokl.spec import (
 from ratiokl.torch import _route
 from ratiokl.torch._checks import Temperature
 
-__all__ = ["policy_loss", "ratio_kl", "selected_logprobs"]
+__all__ = ["linear_policy_loss", "policy_loss", "ratio_kl", "selected_logprobs"]
 
 #: A coefficient a trainer may change every step: a Python number or a 0-d float tensor.
 Coefficient = Union[float, torch.Tensor]
@@ -305,6 +305,85 @@ def policy_loss(
         segment_ids=segment_ids, importance_weights=importance_weights,
         log_ratio_bound=log_ratio_bound, temperature=temperature, backend=backend,
         check_ids=check_ids, vocab_group=vocab_group, inplace_grad=inplace_grad,
+        rollout_logps=rollout_logps, rollout_correction=rollout_correction,
+        rollout_bounds=rollout_bounds,
+    )
+
+
+def linear_policy_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    action_ids: torch.Tensor,
+    mask: torch.Tensor,
+    old_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    ref_logps: Optional[torch.Tensor] = None,
+    chunk_rows: int = 2048,
+    clip_eps: Coefficient = 0.2,
+    clip_eps_high: Optional[Coefficient] = None,
+    dual_clip: Optional[float] = None,
+    ratio_cap: Optional[float] = None,
+    kl_coef: Coefficient = 0.0,
+    kl_estimator: PolicyKLEstimator = "k3",
+    loss_agg: LossAgg = "token-mean",
+    loss_normalizer: Union[None, float, torch.Tensor] = None,
+    objective: Objective = "ppo",
+    entropy_coef: Coefficient = 0.0,
+    segment_ids: Optional[torch.Tensor] = None,
+    importance_weights: Optional[torch.Tensor] = None,
+    rollout_logps: Optional[torch.Tensor] = None,
+    rollout_correction: Optional[RolloutCorrection] = None,
+    rollout_bounds: Tuple[float, float] = DEFAULT_ROLLOUT_BOUNDS,
+    log_ratio_bound: Optional[float] = DEFAULT_LOG_RATIO_BOUND,
+    temperature: Temperature = 1.0,
+    backend: BackendName = "auto",
+    check_ids: bool = True,
+) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """:func:`policy_loss` of the logits ``hidden @ weight.T``, never holding them for all rows.
+
+    The rows go through ``chunk_rows`` at a time: a GEMM writes a chunk's logits into one
+    reusable ``[chunk_rows, V]`` buffer, the fused policy-loss kernel turns them into
+    ``g = d loss / d logits`` in place, and two GEMMs give the chunk's rows of
+    ``d loss / d hidden = g @ weight`` and add ``g.T @ hidden`` to ``d loss / d weight``.
+    The loss and the metrics are those of :func:`policy_loss` on the same logits (one
+    metrics pass over all rows after the chunks).
+
+    Args:
+      hidden: ``[..., H]`` last hidden states (float32, float16 or bfloat16, any strides).
+      weight: ``[V, H]`` lm_head weight, ``hidden``'s dtype and device (a tied embedding
+        works: it is the same ``[V, H]``).
+      action_ids, mask, old_logps, advantages, ref_logps: as in :func:`policy_loss`, of the
+        leading shape ``[...]``; the reference enters as log-probs only (reference logits
+        would need the reference model's own hidden states).
+      chunk_rows: rows per chunk. Memory beyond the gradients is one
+        ``[chunk_rows, V]`` buffer in ``weight``'s dtype plus O(N): 0.58 GiB at the default
+        2048 rows for V = 151,936 in bf16. Smaller saves memory; the fused kernel's time
+        per row is flat from about 1024 rows up (H200 measurements: docs/performance.md).
+      clip_eps ... rollout_bounds, log_ratio_bound, temperature, check_ids: as in
+        :func:`policy_loss` (``ratio_level="token"`` only: GSPO's sequence ratio needs
+        every row's log-prob before any gradient).
+      backend: ``"auto"`` / ``"triton"`` on CUDA tensors, ``"interpret"`` on CPU tensors
+        (Triton's interpreter); there is no native chunked path.
+
+    Returns:
+      ``(loss, metrics)`` as :func:`policy_loss`. Differentiable w.r.t. ``hidden`` and
+      ``weight`` (whichever requires a gradient): both gradients are computed in the
+      forward and scaled by the upstream value in the backward, so the loss
+      backpropagates once. ``d weight`` accumulates over chunks in ``weight``'s dtype (one
+      rounding per chunk in bf16, as the materialised step rounds its one GEMM once).
+      Inactive rows get exactly zero ``d hidden`` and add nothing to ``d weight``, whatever
+      their hidden states hold (NaN included). Runs eagerly: under ``torch.compile`` it
+      is a ``ValueError``.
+    """
+    return _route.linear_policy_loss(
+        hidden, weight, action_ids, mask, old_logps, advantages, ref_logps=ref_logps,
+        chunk_rows=chunk_rows, clip_eps=clip_eps, clip_eps_high=clip_eps_high,
+        dual_clip=dual_clip, ratio_cap=ratio_cap, kl_coef=kl_coef, kl_estimator=kl_estimator,
+        loss_agg=loss_agg, loss_normalizer=loss_normalizer, objective=objective,
+        entropy_coef=entropy_coef, segment_ids=segment_ids,
+        importance_weights=importance_weights, log_ratio_bound=log_ratio_bound,
+        temperature=temperature, backend=backend, check_ids=check_ids,
         rollout_logps=rollout_logps, rollout_correction=rollout_correction,
         rollout_bounds=rollout_bounds,
     )
