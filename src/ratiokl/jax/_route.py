@@ -40,7 +40,7 @@ from ratiokl.jax import _checks, _jax_triton, _rollout
 from ratiokl.jax._checks import Temperature
 from ratiokl.spec import BACKENDS, kl_estimator_code, policy_loss_options, rollout_options
 
-__all__ = ["backend_name", "policy_loss", "ratio_kl", "resolve",
+__all__ = ["backend_name", "linear_policy_loss", "policy_loss", "ratio_kl", "resolve",
            "selected_logprobs"]
 
 
@@ -169,14 +169,19 @@ def _lead(logits: jax.Array,
 
 
 def _rows(logits: jax.Array, lead: Tuple[int, ...], ids: jax.Array, mask, temperature,
-          backend: str, check_ids: bool, vocab_axis: Optional[str]) -> _Rows:
-    """Steps 1-3 for the inputs every op shares (``logits`` and ``ids`` already checked)."""
+          backend: str, check_ids: bool, vocab_axis: Optional[str],
+          vocab: Optional[int] = None) -> _Rows:
+    """Steps 1-3 for the inputs every op shares (``logits`` and ``ids`` already checked).
+
+    ``vocab``: the ids' range where ``logits`` is not ``[..., V]`` (hidden states: the
+    lm_head weight's rows; None: ``logits.shape[-1]``).
+    """
     mask = jnp.ones(lead, dtype=bool) if mask is None else _checks.check_mask(mask, lead)
     temperature = _checks.check_temperature(temperature, lead)
     check_ids = _checks.check_bool_option("check_ids", check_ids)
     name = backend_name(backend)
     if vocab_axis is None:
-        vocab, run = logits.shape[-1], resolve(name)
+        vocab, run = vocab or logits.shape[-1], resolve(name)
     else:
         from ratiokl.jax import _vocab_parallel
 
@@ -275,5 +280,71 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
     loss, metrics = _objective.policy_objective(
         as_rows(logp, lead), None if logp_ref is None else as_rows(logp_ref, lead),
         as_rows(rows.mask, lead), inputs, opts, as_rows(entropy, lead),
+    )
+    return rows.checked((loss, {**metrics, **rollout_metrics}))
+
+
+def _lead_hidden(hidden: jax.Array, weight: jax.Array,
+                 action_ids: jax.Array) -> Tuple[jax.Array, jax.Array, Tuple[int, ...]]:
+    """Check ``hidden [..., H]`` and ``weight [V, H]`` (same dtype), then the ids."""
+    hidden = _checks.check_logits("hidden", hidden)
+    weight = _checks.check_logits("weight", weight)
+    if weight.ndim != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"`weight` must be the lm_head weight [V, H] with H = hidden.shape[-1] = "
+            f"{hidden.shape[-1]}; got shape {list(weight.shape)}"
+        )
+    if weight.dtype != hidden.dtype:
+        raise TypeError(
+            f"`hidden` ({hidden.dtype}) and `weight` ({weight.dtype}) must share a dtype: "
+            "the logits are their product; cast one, e.g. `hidden.astype(weight.dtype)`"
+        )
+    lead = tuple(hidden.shape[:-1])
+    return hidden, _checks.check_ids(action_ids, lead), lead
+
+
+def linear_policy_loss(hidden, weight, action_ids, mask, old_logps, advantages, *, ref_logps,
+                       chunk_rows, clip_eps, clip_eps_high, dual_clip, ratio_cap, kl_coef,
+                       kl_estimator, loss_agg, loss_normalizer, objective, entropy_coef,
+                       segment_ids, importance_weights, log_ratio_bound, temperature, backend,
+                       check_ids, rollout_logps, rollout_correction,
+                       rollout_bounds) -> Tuple[jax.Array, Dict[str, jax.Array]]:
+    """``ratiokl.jax.loss.linear_policy_loss`` (documented there)."""
+    if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
+        raise ValueError(f"`chunk_rows` must be a positive int; got {chunk_rows!r}")
+    opts = policy_loss_options(
+        clip_eps=clip_eps, clip_eps_high=clip_eps_high, dual_clip=dual_clip,
+        ratio_cap=ratio_cap, kl_coef=kl_coef, kl_estimator=kl_estimator, loss_agg=loss_agg,
+        ratio_level="token", log_ratio_bound=log_ratio_bound, objective=objective,
+        entropy_coef=entropy_coef,
+    )
+    hidden, ids, lead = _lead_hidden(hidden, weight, action_ids)
+    if ref_logps is not None or opts.uses_kl:
+        _, ref_logps = _checks.check_ref(None, ref_logps, hidden.shape)
+    inputs = _checks.token_inputs(lead, old_logps, advantages, segment_ids,
+                                  importance_weights, loss_normalizer)
+    rows = _rows(hidden, lead, ids, mask, temperature, backend, check_ids, None,
+                 vocab=weight.shape[0])
+    run = rows.run
+    if run.linear_policy_loss is None:
+        raise ValueError(
+            "linear_policy_loss runs the Triton kernels: backend='auto' or 'triton' on a GPU "
+            "(or 'interpret', Triton's CPU interpreter); backend 'native' has no chunked path"
+        )
+    rollout = rollout_options(rollout_correction, rollout_bounds, rollout_logps is not None)
+    rollout_metrics = {}
+    if rollout is not None:
+        inputs, rollout_metrics = _rollout.correct(rows.mask, lead, inputs, rollout_logps,
+                                                   rollout, opts.log_ratio_bound)
+    mask_rows = _checks.as_rows(rows.mask, lead)
+    weights = run.token_weights(rows.mask, opts, inputs.loss_normalizer, mask_rows.shape[-1])
+    if weights is None:
+        from ratiokl.jax import _objective
+
+        weights = _objective.aggregation_weights(mask_rows, inputs, opts).reshape(-1)
+    loss, metrics = run.linear_policy_loss(
+        rows.logits, weight, rows.ids, rows.mask, _flat(inputs.old_logps), _flat(ref_logps),
+        _flat(inputs.advantages), _flat(inputs.importance_weights), weights,
+        rows.temperature, opts, chunk_rows,
     )
     return rows.checked((loss, {**metrics, **rollout_metrics}))

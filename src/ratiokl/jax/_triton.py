@@ -48,16 +48,20 @@ from ratiokl.jax._checks import Temperature
 from ratiokl.jax._launch import Static, TritonCall
 from ratiokl.spec import PolicyLossOptions
 
-__all__ = ["backend", "logprobs_entropy", "policy_loss", "ratio_kl", "selected_logprobs",
-           "shard_logps", "token_weights", "varies_over"]
+__all__ = ["backend", "fused_static", "kernel_coefficients", "kernel_rows", "logprobs_entropy",
+           "policy_loss", "ratio_kl", "selected_logprobs", "shard_logps", "token_weights",
+           "varies_over"]
 
 
 def backend(call: TritonCall) -> Backend:
     """The backend whose kernels launch through ``call`` (every function below, bound)."""
     bind = functools.partial
+    from ratiokl.jax import _linear
+
     return Backend(bind(selected_logprobs, call), bind(ratio_kl, call),
                    bind(logprobs_entropy, call), bind(policy_loss, call),
-                   bind(token_weights, call), shard_logps=bind(shard_logps, call))
+                   bind(token_weights, call), shard_logps=bind(shard_logps, call),
+                   linear_policy_loss=bind(_linear.policy_loss, call))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 8, 9))
@@ -90,7 +94,7 @@ def _op_bwd(call, kl_code, has_ref, residuals, cotangents):
 _op.defvjp(_op_fwd, _op_bwd)
 
 
-def _rows(ids: jax.Array, mask: jax.Array, temperature: Temperature):
+def kernel_rows(ids: jax.Array, mask: jax.Array, temperature: Temperature):
     """Kernel-ready ids (int32/int64), bool mask and float32 temperature (``[1]`` or ``[N]``).
 
     The kernels read the bool mask as it is (one byte per row, as torch's), so
@@ -113,7 +117,7 @@ def selected_logprobs(
 
     Differentiable w.r.t. ``logits`` (gradient in its dtype).
     """
-    ids, mask_k, temp = _rows(ids, mask, temperature)
+    ids, mask_k, temp = kernel_rows(ids, mask, temperature)
     # Placeholders, never read (KL_CODE = 0): an existing array, so nothing is computed.
     logp, _, _ = _op(call, logits, logits, ids, mask_k, temp, temp, temp, KL.NONE.value, False)
     return logp
@@ -159,7 +163,7 @@ def logprobs_entropy(
 ) -> Tuple[jax.Array, jax.Array]:
     """Float32 ``(logp[N], entropy[N])`` from one read of ``logits[N, V]``; 0 on inactive
     rows, NaN on bad-id rows. Differentiable w.r.t. ``logits`` through both."""
-    ids, mask_k, temp = _rows(ids, mask, temperature)
+    ids, mask_k, temp = kernel_rows(ids, mask, temperature)
     return _entropy_op(call, logits, ids, mask_k, temp)
 
 
@@ -173,7 +177,7 @@ def ratio_kl(
 
     Differentiable w.r.t. ``policy`` only.
     """
-    ids, mask_k, temp = _rows(ids, mask, temperature)
+    ids, mask_k, temp = kernel_rows(ids, mask, temperature)
     old = jax.lax.stop_gradient(old_logps.astype(jnp.float32))
     if ref is None:
         ref_in, has_ref = policy, False  # placeholder, never read (HAS_REF = False)
@@ -210,6 +214,26 @@ def _fused_bwd(call, static, inplace, residuals, cotangents):
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+def fused_static(opts: PolicyLossOptions, ref_logits: bool, ref_logps: bool,
+                 iw: bool) -> Static:
+    """The fused kernel's compile-time options for ``opts``: whether reference logits,
+    reference log-probs (either gives the KL) and importance weights are given."""
+    has_ref = ref_logits or ref_logps
+    return (ref_logits, iw, opts.kl_code if has_ref else KL.NONE.value,
+            opts.neg_cap is not None, opts.log_ratio_bound or 0.0, opts.objective_code,
+            opts.uses_entropy)
+
+
+def kernel_coefficients(opts: PolicyLossOptions) -> jax.Array:
+    """Float32 ``[5]`` the fused kernel reads at run time (no derivative): ``(kl_coef, ratio
+    floor, ratio ceiling, negative-advantage cap, entropy_coef)``; traced values pass through."""
+    return lax.stop_gradient(jnp.stack([
+        jnp.asarray(c, jnp.float32) for c in (
+            opts.kl_coef, opts.ratio_low, opts.ratio_high,
+            jnp.inf if opts.neg_cap is None else opts.neg_cap, opts.entropy_coef)
+    ]))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -268,20 +292,11 @@ def policy_loss(
     ``policy`` donated to ``jit``). Returns the float32 0-d loss and the
     stop-gradient metrics.
     """
-    ids, mask_k, temp = _rows(ids, mask, temperature)
+    ids, mask_k, temp = kernel_rows(ids, mask, temperature)
     stop = lax.stop_gradient
     old, adv, weights = stop(old), stop(adv), stop(weights)
-    has_ref = ref is not None or ref_logps is not None
-    static: Static = (
-        ref is not None, iw is not None, opts.kl_code if has_ref else KL.NONE.value,
-        opts.neg_cap is not None, opts.log_ratio_bound or 0.0, opts.objective_code,
-        opts.uses_entropy,
-    )
-    coefs = stop(jnp.stack([
-        jnp.asarray(c, jnp.float32) for c in (
-            opts.kl_coef, opts.ratio_low, opts.ratio_high,
-            jnp.inf if opts.neg_cap is None else opts.neg_cap, opts.entropy_coef)
-    ]))
+    static = fused_static(opts, ref is not None, ref_logps is not None, iw is not None)
+    coefs = kernel_coefficients(opts)
     ref_in = policy if ref is None else stop(ref)  # placeholder, never read
     ref_lp = weights if ref_logps is None else stop(ref_logps)
     loss_rows, logp, ratio, kl, ent, bits = _fused(
@@ -368,7 +383,7 @@ def shard_logps(
             "backend='native'"
         )
     local_vocab = shards[0].shape[-1]
-    ids_k, mask_k, temp = _rows(ids, mask, temperature)
+    ids_k, mask_k, temp = kernel_rows(ids, mask, temperature)
     start = lax.axis_index(axis) * local_vocab
     has_ref = len(shards) > 1
     blocks = [lax.stop_gradient(x) for x in shards]

@@ -34,7 +34,7 @@ from ratiokl.spec import (
 #: A coefficient a trainer may change every step: a Python number or a 0-d float array.
 Coefficient = Union[float, jax.Array]
 
-__all__ = ["policy_loss", "ratio_kl", "selected_logprobs"]
+__all__ = ["linear_policy_loss", "policy_loss", "ratio_kl", "selected_logprobs"]
 
 
 def selected_logprobs(
@@ -318,6 +318,63 @@ def policy_loss(
         segment_ids=segment_ids, importance_weights=importance_weights,
         log_ratio_bound=log_ratio_bound, temperature=temperature, backend=backend,
         check_ids=check_ids, vocab_axis=vocab_axis, inplace_grad=inplace_grad,
+        rollout_logps=rollout_logps, rollout_correction=rollout_correction,
+        rollout_bounds=rollout_bounds,
+    )
+
+
+def linear_policy_loss(
+    hidden: jax.Array,
+    weight: jax.Array,
+    action_ids: jax.Array,
+    mask: jax.Array,
+    old_logps: jax.Array,
+    advantages: jax.Array,
+    *,
+    ref_logps: Optional[jax.Array] = None,
+    chunk_rows: int = 2048,
+    clip_eps: Coefficient = 0.2,
+    clip_eps_high: Optional[Coefficient] = None,
+    dual_clip: Optional[float] = None,
+    ratio_cap: Optional[float] = None,
+    kl_coef: Coefficient = 0.0,
+    kl_estimator: PolicyKLEstimator = "k3",
+    loss_agg: LossAgg = "token-mean",
+    loss_normalizer: Union[None, float, jax.Array] = None,
+    objective: Objective = "ppo",
+    entropy_coef: Coefficient = 0.0,
+    segment_ids: Optional[jax.Array] = None,
+    importance_weights: Optional[jax.Array] = None,
+    rollout_logps: Optional[jax.Array] = None,
+    rollout_correction: Optional[RolloutCorrection] = None,
+    rollout_bounds: Tuple[float, float] = DEFAULT_ROLLOUT_BOUNDS,
+    log_ratio_bound: Optional[float] = DEFAULT_LOG_RATIO_BOUND,
+    temperature: Temperature = 1.0,
+    backend: BackendName = "auto",
+    check_ids: bool = True,
+) -> Tuple[jax.Array, Dict[str, jax.Array]]:
+    """:func:`policy_loss` of the logits ``hidden @ weight.T``, never holding them for all rows.
+
+    ``ratiokl.torch.loss.linear_policy_loss`` in JAX: the same arguments, math and results
+    (its docstring has them). The full chunks of ``chunk_rows`` rows run in a
+    ``lax.fori_loop``, so one ``[chunk_rows, V]`` logits buffer lives at a time, and the
+    call traces under ``jit`` (``chunk_rows`` is static). ``hidden [..., H]`` and ``weight
+    [V, H]`` share a float dtype; the reference enters as ``ref_logps`` only;
+    ``ratio_level="token"`` only. Backends: ``"auto"`` / ``"triton"`` on a GPU,
+    ``"interpret"`` (Triton's interpreter) anywhere; ``"native"`` has no chunked path.
+    Differentiable w.r.t. ``hidden`` and ``weight``: both gradients come from the forward
+    (``d weight`` accumulated over chunks in ``weight``'s dtype) and the backward scales
+    them by the upstream value. Inactive rows get exactly zero ``d hidden`` and add nothing
+    to ``d weight``, whatever their hidden states hold.
+    """
+    return _route.linear_policy_loss(
+        hidden, weight, action_ids, mask, old_logps, advantages, ref_logps=ref_logps,
+        chunk_rows=chunk_rows, clip_eps=clip_eps, clip_eps_high=clip_eps_high,
+        dual_clip=dual_clip, ratio_cap=ratio_cap, kl_coef=kl_coef, kl_estimator=kl_estimator,
+        loss_agg=loss_agg, loss_normalizer=loss_normalizer, objective=objective,
+        entropy_coef=entropy_coef, segment_ids=segment_ids,
+        importance_weights=importance_weights, log_ratio_bound=log_ratio_bound,
+        temperature=temperature, backend=backend, check_ids=check_ids,
         rollout_logps=rollout_logps, rollout_correction=rollout_correction,
         rollout_bounds=rollout_bounds,
     )
