@@ -51,7 +51,10 @@ def _chunks(call: TritonCall, static: Static, chunk: int, want_grad: bool, hidde
         h = part(hidden)
         mask_c = part(mask)
         logits = jnp.matmul(h, weight.T).astype(weight.dtype)
-        outs = fused(logits, logits, part(ids), mask_c, part(old), part(ref_lp),
+        # The reference-logits slot is never read (no reference logits): any other array,
+        # not the logits, whose buffer the gradient takes over (an operand passed twice
+        # cannot be donated, and XLA would copy it).
+        outs = fused(logits, weight, part(ids), mask_c, part(old), part(ref_lp),
                      part(temp) if per_row_temp else temp, part(adv), part(iw), part(w), coefs)
         rows = tuple(lax.dynamic_update_slice_in_dim(r, x, start, 0)
                      for r, x in zip(rows, outs[:6]))
