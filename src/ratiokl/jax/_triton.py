@@ -297,7 +297,9 @@ def policy_loss(
     old, adv, weights = stop(old), stop(adv), stop(weights)
     static = fused_static(opts, ref is not None, ref_logps is not None, iw is not None)
     coefs = kernel_coefficients(opts)
-    ref_in = policy if ref is None else stop(ref)  # placeholder, never read
+    # Without reference logits their slot is never read: any array but the logits, whose
+    # buffer the in-place gradient takes over (an operand passed twice cannot be donated).
+    ref_in = weights if ref is None else stop(ref)
     ref_lp = weights if ref_logps is None else stop(ref_logps)
     loss_rows, logp, ratio, kl, ent, bits = _fused(
         call, policy, ref_in, ids, mask_k, old, ref_lp, temp, adv,
