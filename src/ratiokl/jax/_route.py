@@ -326,11 +326,19 @@ def linear_policy_loss(hidden, weight, action_ids, mask, old_logps, advantages, 
     rows = _rows(hidden, lead, ids, mask, temperature, backend, check_ids, None,
                  vocab=weight.shape[0])
     run = rows.run
-    if run.linear_policy_loss is None:
-        raise ValueError(
-            "linear_policy_loss runs the Triton kernels: backend='auto' or 'triton' on a GPU "
-            "(or 'interpret', Triton's CPU interpreter); backend 'native' has no chunked path"
-        )
+    if run.linear_policy_loss is None:  # "native": the logits of every row at once
+        logits = jnp.where(rows.mask.reshape(lead)[..., None], hidden,
+                           jnp.zeros((), hidden.dtype)) @ weight.T
+        return rows.checked(policy_loss(  # the ids were checked above
+            logits, None, ids, mask, old_logps, advantages, ref_logps=ref_logps,
+            clip_eps=clip_eps, clip_eps_high=clip_eps_high, dual_clip=dual_clip,
+            ratio_cap=ratio_cap, kl_coef=kl_coef, kl_estimator=kl_estimator, loss_agg=loss_agg,
+            loss_normalizer=loss_normalizer, ratio_level="token", objective=objective,
+            entropy_coef=entropy_coef, segment_ids=segment_ids,
+            importance_weights=importance_weights, log_ratio_bound=log_ratio_bound,
+            temperature=temperature, backend=backend, check_ids=False, vocab_axis=None,
+            inplace_grad=False, rollout_logps=rollout_logps,
+            rollout_correction=rollout_correction, rollout_bounds=rollout_bounds))
     rollout = rollout_options(rollout_correction, rollout_bounds, rollout_logps is not None)
     rollout_metrics = {}
     if rollout is not None:

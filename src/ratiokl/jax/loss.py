@@ -361,7 +361,10 @@ def linear_policy_loss(
     call traces under ``jit`` (``chunk_rows`` is static). ``hidden [..., H]`` and ``weight
     [V, H]`` share a float dtype; the reference enters as ``ref_logps`` only;
     ``ratio_level="token"`` only. Backends: ``"auto"`` / ``"triton"`` on a GPU,
-    ``"interpret"`` (Triton's interpreter) anywhere; ``"native"`` has no chunked path.
+    ``"interpret"`` (Triton's interpreter) anywhere: the chunks; ``"native"`` (what
+    ``"auto"`` picks without a GPU) computes every row's logits at once (inactive rows'
+    hidden states zeroed first) and runs :func:`policy_loss` on them: the same results, no
+    memory saved.
     Differentiable w.r.t. ``hidden`` and ``weight``: both gradients come from the forward
     (``d weight`` accumulated over chunks in ``weight``'s dtype) and the backward scales
     them by the upstream value. Inactive rows get exactly zero ``d hidden`` and add nothing

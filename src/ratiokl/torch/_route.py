@@ -354,12 +354,6 @@ def linear_policy_loss(hidden, weight, action_ids, mask, old_logps, advantages, 
                        check_ids, rollout_logps, rollout_correction,
                        rollout_bounds) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """``ratiokl.torch.loss.linear_policy_loss`` (documented there)."""
-    if torch.compiler.is_compiling():
-        raise ValueError(
-            "linear_policy_loss runs eagerly (its row chunks launch the kernels one by one); "
-            "call it outside the torch.compile region, or compile the logits and call "
-            "policy_loss"
-        )
     if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
         raise ValueError(f"`chunk_rows` must be a positive int; got {chunk_rows!r}")
     opts = policy_loss_options(
@@ -379,11 +373,24 @@ def linear_policy_loss(hidden, weight, action_ids, mask, old_logps, advantages, 
         advantages=advantages, segment_ids=segment_ids, importance_weights=importance_weights,
     )
     run = rows.run
-    if run.linear_policy_loss is None:
+    if run.linear_policy_loss is None:  # "native": the logits of every row at once
+        zero = torch.zeros((), dtype=hidden.dtype, device=hidden.device)
+        logits = torch.where(rows.mask.reshape(lead)[..., None], hidden, zero) @ weight.t()
+        return rows.checked(policy_loss(  # the ids were checked above
+            logits, None, action_ids, mask, old_logps, advantages, ref_logps=ref_logps,
+            clip_eps=clip_eps, clip_eps_high=clip_eps_high, dual_clip=dual_clip,
+            ratio_cap=ratio_cap, kl_coef=kl_coef, kl_estimator=kl_estimator, loss_agg=loss_agg,
+            loss_normalizer=loss_normalizer, ratio_level="token", objective=objective,
+            entropy_coef=entropy_coef, segment_ids=segment_ids,
+            importance_weights=importance_weights, log_ratio_bound=log_ratio_bound,
+            temperature=temperature, backend=backend, check_ids=False, vocab_group=None,
+            inplace_grad=False, rollout_logps=rollout_logps,
+            rollout_correction=rollout_correction, rollout_bounds=rollout_bounds))
+    if torch.compiler.is_compiling():
         raise ValueError(
-            "linear_policy_loss runs the Triton kernels: pass CUDA tensors with "
-            "backend='auto' or 'triton' (or CPU tensors with backend='interpret', Triton's "
-            "interpreter); backend 'native' has no chunked path"
+            "linear_policy_loss on the Triton backends runs eagerly (its row chunks launch "
+            "the kernels one by one); call it outside the torch.compile region, or compile "
+            "the logits and call policy_loss"
         )
     rollout = rollout_options(rollout_correction, rollout_bounds, rollout_logps is not None,
                               cached=True)

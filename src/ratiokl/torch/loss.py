@@ -364,7 +364,9 @@ def linear_policy_loss(
         :func:`policy_loss` (``ratio_level="token"`` only: GSPO's sequence ratio needs
         every row's log-prob before any gradient).
       backend: ``"auto"`` / ``"triton"`` on CUDA tensors, ``"interpret"`` on CPU tensors
-        (Triton's interpreter); there is no native chunked path.
+        (Triton's interpreter): the chunks. ``"native"`` (what ``"auto"`` picks for CPU
+        tensors) computes every row's logits at once (inactive rows' hidden states zeroed
+        first) and runs :func:`policy_loss` on them: the same results, no memory saved.
 
     Returns:
       ``(loss, metrics)`` as :func:`policy_loss`. Differentiable w.r.t. ``hidden`` and
@@ -374,7 +376,7 @@ def linear_policy_loss(
       rounding per chunk in bf16, as the materialised step rounds its one GEMM once).
       Inactive rows get exactly zero ``d hidden`` and add nothing to ``d weight``, whatever
       their hidden states hold (NaN included). Runs eagerly: under ``torch.compile`` it
-      is a ``ValueError``.
+      is a ``ValueError`` on the Triton backends.
     """
     return _route.linear_policy_loss(
         hidden, weight, action_ids, mask, old_logps, advantages, ref_logps=ref_logps,
