@@ -160,6 +160,19 @@ def _flat(values: Optional[jax.Array]) -> Optional[jax.Array]:
     return None if values is None else values.reshape(-1).astype(jnp.float32)
 
 
+
+def _aggregation_weights(run: Backend, mask, lead: Tuple[int, ...], inputs: _checks.TokenInputs,
+                         opts) -> jax.Array:
+    """The fused kernel's per-row aggregation weights ``w`` (float32 ``[N]``): the backend's
+    one launch where every active token weighs the same, else the framework's ops."""
+    mask_rows = _checks.as_rows(mask, lead)
+    weights = run.token_weights(mask, opts, inputs.loss_normalizer, mask_rows.shape[-1])
+    if weights is None:
+        from ratiokl.jax import _objective
+
+        weights = _objective.aggregation_weights(mask_rows, inputs, opts).reshape(-1)
+    return weights
+
 def _lead(logits: jax.Array,
           action_ids: jax.Array) -> Tuple[jax.Array, jax.Array, Tuple[int, ...]]:
     """Check the logits, then the ids (first: a flattened ``[N, V]`` names the ids)."""
@@ -253,12 +266,7 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
                                                    rollout, opts.log_ratio_bound)
     if run.policy_loss is not None and not opts.sequence_ratio:  # one kernel: the loss,
         # the metrics' row values and the gradient together
-        mask_rows = as_rows(rows.mask, lead)
-        weights = run.token_weights(rows.mask, opts, inputs.loss_normalizer, mask_rows.shape[-1])
-        if weights is None:
-            from ratiokl.jax import _objective
-
-            weights = _objective.aggregation_weights(mask_rows, inputs, opts).reshape(-1)
+        weights = _aggregation_weights(run, rows.mask, lead, inputs, opts)
         loss, metrics = run.policy_loss(
             rows.logits, ref, rows.ids, rows.mask, _flat(inputs.old_logps), _flat(ref_logps),
             _flat(inputs.advantages), _flat(inputs.importance_weights), weights,
@@ -344,12 +352,7 @@ def linear_policy_loss(hidden, weight, action_ids, mask, old_logps, advantages, 
     if rollout is not None:
         inputs, rollout_metrics = _rollout.correct(rows.mask, lead, inputs, rollout_logps,
                                                    rollout, opts.log_ratio_bound)
-    mask_rows = _checks.as_rows(rows.mask, lead)
-    weights = run.token_weights(rows.mask, opts, inputs.loss_normalizer, mask_rows.shape[-1])
-    if weights is None:
-        from ratiokl.jax import _objective
-
-        weights = _objective.aggregation_weights(mask_rows, inputs, opts).reshape(-1)
+    weights = _aggregation_weights(run, rows.mask, lead, inputs, opts)
     loss, metrics = run.linear_policy_loss(
         rows.logits, weight, rows.ids, rows.mask, _flat(inputs.old_logps), _flat(ref_logps),
         _flat(inputs.advantages), _flat(inputs.importance_weights), weights,

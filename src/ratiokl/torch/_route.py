@@ -202,6 +202,19 @@ def _reference(policy_logits: torch.Tensor, lead: Tuple[int, ...],
         )
 
 
+
+def _aggregation_weights(run: Backend, mask, lead: Tuple[int, ...], inputs: _checks.TokenInputs,
+                         opts) -> torch.Tensor:
+    """The fused kernel's per-row aggregation weights ``w`` (float32 ``[N]``): the backend's
+    one launch where every active token weighs the same, else the framework's ops."""
+    mask_rows = _checks.as_rows(mask, lead)
+    weights = run.token_weights(mask, opts, inputs.loss_normalizer, mask_rows.shape[-1])
+    if weights is None:
+        from ratiokl.torch import _objective
+
+        weights = _objective.aggregation_weights(mask_rows, inputs, opts).reshape(-1)
+    return weights
+
 def _lead(logits: torch.Tensor, action_ids: torch.Tensor) -> Tuple[int, ...]:
     """Check the logits, then the ids (first: a flattened ``[N, V]`` names the ids)."""
     _checks.check_logits("policy_logits", logits)
@@ -292,12 +305,7 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
                                                    rollout, opts.log_ratio_bound)
     if run.policy_loss is not None and not opts.sequence_ratio and not _compiled_backward(
             rows.logits):  # one kernel: the loss, the metrics' row values and the gradient
-        mask_rows = _checks.as_rows(rows.mask, lead)
-        weights = run.token_weights(rows.mask, opts, inputs.loss_normalizer, mask_rows.shape[-1])
-        if weights is None:
-            from ratiokl.torch import _objective
-
-            weights = _objective.aggregation_weights(mask_rows, inputs, opts).reshape(-1)
+        weights = _aggregation_weights(run, rows.mask, lead, inputs, opts)
         if inplace_grad:  # the launch consumes the logits: check before it
             rows.checked(None)
         adv, adv_rows = _checks.kernel_advantages(inputs.advantages)
@@ -398,12 +406,7 @@ def linear_policy_loss(hidden, weight, action_ids, mask, old_logps, advantages, 
     if rollout is not None:
         inputs, rollout_metrics = _rollout.correct(run, rows.mask, lead, inputs, rollout_logps,
                                                    rollout, opts.log_ratio_bound)
-    mask_rows = _checks.as_rows(rows.mask, lead)
-    weights = run.token_weights(rows.mask, opts, inputs.loss_normalizer, mask_rows.shape[-1])
-    if weights is None:
-        from ratiokl.torch import _objective
-
-        weights = _objective.aggregation_weights(mask_rows, inputs, opts).reshape(-1)
+    weights = _aggregation_weights(run, rows.mask, lead, inputs, opts)
     loss, metrics = run.linear_policy_loss(
         rows.logits, weight, rows.ids, rows.mask, _flat(inputs.old_logps), _flat(ref_logps),
         _flat(inputs.advantages), _flat(inputs.importance_weights), weights,
