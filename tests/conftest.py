@@ -21,7 +21,10 @@ from __future__ import annotations
 
 import fnmatch
 import functools
+import importlib.util
 import os
+import subprocess
+import sys
 from typing import List
 
 # XLA's CPU backend compiles every JAX program of the suite without LLVM's optimisation
@@ -32,6 +35,31 @@ from typing import List
 if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_backend_optimization_level=0").strip()
+
+
+def _xla_knows(flag: str) -> bool:
+    """Whether this jaxlib's XLA accepts ``flag`` in ``XLA_FLAGS`` (an unknown flag aborts
+    every JAX process; XLA adds and retires flags between releases). Asked in a
+    subprocess, 0.4 s: building ``CompileOptions`` parses ``XLA_FLAGS``; a jaxlib without
+    that private module answers no."""
+    if importlib.util.find_spec("jaxlib") is None:
+        return False
+    probe = subprocess.run(
+        [sys.executable, "-c", "from jaxlib import _jax; _jax.CompileOptions()"],
+        env=dict(os.environ, XLA_FLAGS=flag), capture_output=True, timeout=120)
+    return probe.returncode == 0
+
+
+# And with XLA's CPU loop emitters instead of the MLIR fusion emitters it uses by default,
+# which took half of what is left of a compile (8 policy-loss fixtures: 2.4 s of compiling
+# instead of 4.8; block (a)'s jax-native conformance 66 -> 39 s on 2 workers). Code
+# generation only: fast math stays off, and the suite passes with either. `ratiokl check`
+# outside pytest (CI's block (c), the H200) keeps XLA's defaults. Decided once, in the
+# process pytest starts (its xdist workers and the subprocess tests inherit XLA_FLAGS).
+_EMITTERS = "--xla_cpu_use_fusion_emitters"
+if (_EMITTERS not in os.environ.get("XLA_FLAGS", "")
+        and "PYTEST_XDIST_WORKER" not in os.environ and _xla_knows(f"{_EMITTERS}=false")):
+    os.environ["XLA_FLAGS"] += f" {_EMITTERS}=false"
 
 import pytest  # noqa: E402
 from conformance_subset import SUBSET_PAIRS, SUBSET_TARGETS, representative_cases  # noqa: E402
@@ -84,6 +112,35 @@ def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item
         chosen = in_part([item.nodeid for item in items], index, count)
         config.hook.pytest_deselected(items=[i for i, c in zip(items, chosen) if not c])
         items[:] = [i for i, c in zip(items, chosen) if c]
+    items.sort(key=_start_rank)
+
+
+#: The suite's longest tests (nodeid prefixes; 10-60 s each on CI's 2 cores: subprocesses
+#: with their own JAX or torch start-up and compiles, and torch.compile, whose C++ builds
+#: took 50 s with an empty Inductor cache), slowest first. They start before every other
+#: test, in this order, so that none is left to start on one xdist worker while the other
+#: has run out of tests: `.ci/run` runs with `--dist worksteal`, where an idle worker takes
+#: the end of the other's queue. Only the order changes; a name missing here runs in its
+#: place.
+_SLOWEST = (
+    "tests/test_vocab_parallel_bench.py::test_cpu_dry_run_passes_its_checks",
+    "tests/jax/test_vocab_parallel.py::test_triton_path_through_the_interpreter",
+    "tests/torch/test_compile.py::test_compiled_matches_eager",
+    "tests/torch/test_vocab_parallel.py::test_sharded_matches_unsharded[4]",
+    "tests/jax/test_vocab_parallel.py::test_transforms_policy_loss_and_sharding_modes",
+    "tests/torch/test_vocab_parallel.py::test_interpret_backend_sharded_matches_unsharded",
+    "tests/test_bench_smoke.py::test_cpu_smoke_run_writes_complete_consistent_records",
+    "tests/jax/test_vocab_parallel.py::test_conformance_fixtures_sharded_over_four_devices",
+    "tests/torch/test_vocab_parallel.py::test_sharded_matches_unsharded[2]",
+    "tests/torch/test_policy_loss.py::test_torch_compile_fullgraph_matches_eager",
+)
+
+
+def _start_rank(item: pytest.Item) -> int:
+    """Where ``item`` starts: its place in :data:`_SLOWEST`, else after all of them
+    (``list.sort`` is stable: the rest keep pytest's order)."""
+    return next((rank for rank, prefix in enumerate(_SLOWEST) if item.nodeid.startswith(prefix)),
+                len(_SLOWEST))
 
 
 def _keep_subsets(config: pytest.Config, items: List[pytest.Item]) -> None:
