@@ -5,15 +5,18 @@ heuristics for the shapes at their boundaries (the GPU sweep's shapes). Here
 the cheapest sweep shape of every plan the sweep reaches is run through the
 ``"interpret"`` backend -- which takes the GPU's plan, the span meeting
 included -- and compared with the native path; a plan the sweep reaches that
-no chosen shape takes fails the test. The JAX launch of the fused kernel is run
-on its meeting plan through JAX's ``backend="interpret"`` (its grid checked). The fused
-kernel runs with and without an entropy bonus (``entropy_coef``: another
-compile of pass 2), on rows whose last one masks half its vocabulary with
-``-inf``.
+no chosen shape takes fails the test. A shape of hundreds of rows (plans the GPU takes
+only with that many) runs a 64th of them, with the heuristics' row thresholds divided by
+64 too: the same plans (checked), a 64th of the interpreter's programs. The JAX launch of
+the fused kernel is run on its meeting plan through JAX's ``backend="interpret"`` (its
+grid checked). The fused kernel runs with and without an entropy bonus
+(``entropy_coef``: another compile of pass 2), on rows whose last one masks half its
+vocabulary with ``-inf``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import numpy as np
@@ -23,14 +26,19 @@ import torch
 pytest.importorskip("triton")
 
 from ratiokl import spec  # noqa: E402
+from ratiokl._kernels import fused_loss, heuristics  # noqa: E402
 from ratiokl._kernels.fused_loss import launch_plan  # noqa: E402
 from ratiokl._kernels.plans import plans, sweep_rows, sweep_vocabularies  # noqa: E402
 
 DTYPE = {4: torch.float32, 2: torch.bfloat16}
-#: Above this many rows about 16 are active: the plans depend on the row count, not on how
-#: many rows are active, and the interpreter's time on the active ones (an inactive row's
-#: programs return at once). At N = 1024, 80 % active, four shapes took 90-110 s each.
-_ALL_ACTIVE_UP_TO = 256
+#: A shape of more rows than this runs ``1 / _ROW_SCALE`` of them, with the heuristics' row
+#: thresholds (the forward's split below ``_SPLIT_BELOW_ROWS`` rows, the backward's
+#: ``_BACKWARD_PROGRAMS``) divided by ``_ROW_SCALE`` as well (:func:`_scaled_rows`): a 1024-row
+#: plan at 16 rows. A row's program runs the same code at any row count; the plans taken
+#: are checked to be the shape's own. The interpreter's time goes with the programs, active
+#: or not: the seven shapes of 528 and 1024 rows (16 of them active) took 70 s of CI here.
+_SCALE_ABOVE = 256
+_ROW_SCALE = 64
 
 
 @functools.lru_cache(maxsize=None)
@@ -72,8 +80,6 @@ def _inputs(n: int, vocab: int, dtype: torch.dtype, seed: int):
     policy = (torch.randn(n, vocab, generator=g) * 2).to(dtype)
     ids = torch.randint(0, vocab, (n,), generator=g)
     mask = torch.rand(n, generator=g) < 0.8
-    if n > _ALL_ACTIVE_UP_TO:  # a plan depends on N alone: few active rows, a cheap run
-        mask &= torch.arange(n) % (n // 16) == 0
     mask[0] = True
     if n >= 3:  # an inactive row of garbage
         mask[1], ids[1] = False, -3
@@ -116,15 +122,49 @@ def _run(backend, kernels, policy, ids, mask, old, adv, g):
     return {k: v.float().numpy().astype(np.float64) for k, v in outs.items()}
 
 
+def _head(plan):
+    return plan[:2] if plan[0] == "fused" else plan[:1]
+
+
+def _clear_row_caches():
+    heuristics.backward_splits.cache_clear()
+    fused_loss.launch_plan.cache_clear()
+
+
+@contextlib.contextmanager
+def _scaled_rows(n: int):
+    """Rows to run for a shape of ``n`` rows, with the heuristics' row thresholds divided
+    by :data:`_ROW_SCALE` while the block runs when ``n`` is above :data:`_SCALE_ABOVE`
+    (the row-dependent choices cached by the heuristics are dropped on the way in and out)."""
+    if n <= _SCALE_ABOVE:
+        yield n
+        return
+    mp = pytest.MonkeyPatch()
+    try:
+        for name in ("_SPLIT_BELOW_ROWS", "_BACKWARD_PROGRAMS"):
+            mp.setattr(heuristics, name, getattr(heuristics, name) // _ROW_SCALE)
+        _clear_row_caches()
+        rows = n // _ROW_SCALE
+        assert rows >= 3, f"{n} rows: too few left to carry the inactive and masked rows"
+        yield rows
+    finally:
+        mp.undo()
+        _clear_row_caches()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("shape, kernels", _chosen(),
                          ids=[f"{'fp32' if s[0] == 4 else 'bf16'}-V{s[1]}-N{s[2]}"
                               for s, _ in _chosen()])
 def test_plan_runs_on_the_interpreter(shape, kernels):
     itemsize, vocab, n = shape
-    x = _inputs(n, vocab, DTYPE[itemsize], seed=vocab + n)
-    with np.errstate(all="ignore"):
-        fast = _run("interpret", kernels, *x)
+    wanted = {p for p in plans(n, vocab, itemsize) if _head(p) in kernels}
+    with _scaled_rows(n) as rows:
+        taken = {p for p in plans.__wrapped__(rows, vocab, itemsize) if _head(p) in kernels}
+        assert taken == wanted, f"{rows} rows stand in for {n}: plans {taken} != {wanted}"
+        x = _inputs(rows, vocab, DTYPE[itemsize], seed=vocab + n)
+        with np.errstate(all="ignore"):
+            fast = _run("interpret", kernels, *x)
     slow = _run("native", kernels, *x)
     active = x[0][x[2]].float()
     scale = float(active[torch.isfinite(active)].abs().max())
