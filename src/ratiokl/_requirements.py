@@ -53,6 +53,9 @@ REQUIREMENTS: Dict[str, Requirement] = {
                     "the oldest jax-triton whose triton_call takes ratiokl's launches; "
                     "0.3.1 runs on Triton 3.6, 0.4.x needs Python >= 3.12, JAX >= 0.11 "
                     "and Triton >= 3.7"),
+        Requirement("trl", "1.15", "trl",
+                    "the first TRL whose GRPOTrainer scores completions through a patched "
+                    "model forward (ratiokl.adapters.trl's seam); tested: 1.16 on the CPU"),
     )
 }
 

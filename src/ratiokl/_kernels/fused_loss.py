@@ -296,7 +296,7 @@ def policy_loss_kernel(
     ref_ptr,  # [N, V] reference logits, strides (stride_rn, stride_rv); read iff HAS_REF
     ids_ptr,  # [N] int32/int64 action ids
     mask_ptr,  # [N] bool, nonzero = active row
-    old_ptr,  # [N] f32 behaviour-policy log-probs
+    old_ptr,  # [N] f32 behaviour-policy log-probs; read iff not ON_POLICY
     ref_logps_ptr,  # [N] f32 reference log-probs; read iff KL_CODE != KL_NONE and not HAS_REF
     temp_ptr,  # [N] f32 temperature at temp_ptr + i * stride_t (stride_t = 0: one scalar)
     adv_ptr,  # [N // adv_rows] f32 advantages: row i reads adv[i // adv_rows]
@@ -332,6 +332,7 @@ def policy_loss_kernel(
     HAS_NEG_CAP: tl.constexpr,  # coef_ptr[3] = min(dual_clip, ratio_cap) caps A < 0
     BOUND: tl.constexpr,  # log_ratio_bound; 0: no bound
     OBJECTIVE: tl.constexpr,  # OBJECTIVES: 0 PPO, 1 CISPO
+    ON_POLICY: tl.constexpr,  # no old log-probs: old = sg(logp), r = 1 (dr/dlogp = 1)
     ENTROPY_GRAD: tl.constexpr,  # entropy_coef may be non-zero: - coef * H in loss and gradient
     WRITE_GRAD: tl.constexpr,  # False: no gradient wanted, the row is read once (forward only)
     SPLITS: tl.constexpr,  # spans of a row (launch_plan)
@@ -376,7 +377,9 @@ def policy_loss_kernel(
     if KL_CODE != KL_NONE:
         if not HAS_REF:
             logp_ref = tl.load(ref_logps_ptr + row)
-    old = tl.load(old_ptr + row)
+    old = 0.0
+    if not ON_POLICY:
+        old = tl.load(old_ptr + row)
     adv = tl.load(adv_ptr + row // adv_rows)
     iw = 1.0
     if HAS_IW:
@@ -430,6 +433,8 @@ def policy_loss_kernel(
     ratio_low = tl.load(coef_ptr + 1)
     ratio_high = tl.load(coef_ptr + 2)
     neg_cap = tl.load(coef_ptr + 3)
+    if ON_POLICY:  # a constant to token_objective: lr = 0, its gradient through logp alone
+        old = logp
     loss, dloss, r, kl, bits = token_objective(
         logp, old, adv, iw, logp_ref, kl_coef, ratio_low, ratio_high, neg_cap, KL_CODE,
         HAS_NEG_CAP, BOUND, OBJECTIVE

@@ -271,7 +271,7 @@ def as_rows(x: jax.Array, lead: Tuple[int, ...]) -> jax.Array:
 class TokenInputs:
     """``policy_loss``'s per-token inputs, validated, under stop-gradient, laid out ``[R, T]``."""
 
-    old_logps: jax.Array  # float32
+    old_logps: Optional[jax.Array]  # float32; None: on-policy
     advantages: jax.Array  # float32, broadcast over tokens
     segment_ids: Optional[jax.Array]  # integer
     importance_weights: Optional[jax.Array]  # float32
@@ -334,14 +334,15 @@ def token_inputs(
     importance_weights: Any,
     loss_normalizer: Any,
 ) -> TokenInputs:
-    """Validate ``policy_loss``'s per-token arguments (errors name the argument)."""
-    old = check_row_values("old_logps", old_logps, lead)
+    """Validate ``policy_loss``'s per-token arguments (errors name the argument);
+    ``old_logps`` None (on-policy) stays None."""
+    old = None if old_logps is None else check_row_values("old_logps", old_logps, lead)
     weights = None
     if importance_weights is not None:
         weights = check_row_values("importance_weights", importance_weights, lead)
         weights = _floats(weights, lead)
     return TokenInputs(
-        old_logps=_floats(old, lead),
+        old_logps=None if old is None else _floats(old, lead),
         advantages=_check_advantages(advantages, lead),
         segment_ids=_check_segments(segment_ids, lead),
         importance_weights=weights,

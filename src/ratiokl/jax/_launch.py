@@ -194,8 +194,9 @@ def backward_op(call: TritonCall, terms: Tuple[bool, bool, bool],
 
 # --- the fused policy loss ----------------------------------------------------------------
 
-#: (has_ref, has_iw, kl_code, has_neg_cap, bound, objective code, entropy_grad): static.
-Static = Tuple[bool, bool, int, bool, float, int, bool]
+#: (has_ref, has_iw, kl_code, has_neg_cap, bound, objective code, entropy_grad, on_policy):
+#: static (on_policy: no old log-probs, ``old`` is a placeholder the kernel never reads).
+Static = Tuple[bool, bool, int, bool, float, int, bool, bool]
 
 
 def _fused_call(call: TritonCall, static: Static, write_grad: bool, inplace: bool, policy, ref,
@@ -216,7 +217,7 @@ def _fused_call(call: TritonCall, static: Static, write_grad: bool, inplace: boo
     ]
     if n_rows == 0:
         return tuple(jnp.zeros(s.shape, s.dtype) for s in shapes)
-    has_ref, has_iw, kl_code, has_neg_cap, bound, objective, entropy_grad = static
+    has_ref, has_iw, kl_code, has_neg_cap, bound, objective, entropy_grad, on_policy = static
     plan = launch_plan(vocab, policy.dtype.itemsize, n_rows, write_grad)
     n_counters = plan.counters(n_rows)  # 0: none used, none zeroed (any buffer will do)
     scratch = [jax.ShapeDtypeStruct((n_rows, plan.spans.splits, PARTIAL_FIELDS.value),
@@ -232,8 +233,8 @@ def _fused_call(call: TritonCall, static: Static, write_grad: bool, inplace: boo
         N=n_rows, V=vocab, stride_pn=vocab, stride_pv=1, stride_rn=vocab, stride_rv=1,
         stride_t=0 if temp.shape[0] == 1 else 1, adv_rows=1,
         HAS_REF=has_ref, HAS_IW=has_iw, KL_CODE=kl_code, HAS_NEG_CAP=has_neg_cap, BOUND=bound,
-        OBJECTIVE=objective, ENTROPY_GRAD=entropy_grad, WRITE_GRAD=write_grad,
-        SPLITS=plan.spans.splits, TILES_PER_SPLIT=plan.spans.tiles_per_split,
+        OBJECTIVE=objective, ON_POLICY=on_policy, ENTROPY_GRAD=entropy_grad,
+        WRITE_GRAD=write_grad, SPLITS=plan.spans.splits, TILES_PER_SPLIT=plan.spans.tiles_per_split,
         SPANS=plan.spans_per_program, BLOCK_V=plan.config.block_v, **aliases,
     )
     return tuple(outs[:len(shapes)])

@@ -74,8 +74,10 @@ def _chunks(call: TritonCall, static: Static, chunk: int, want_grad: bool, hidde
         carry = step(full * chunk, rest, carry)
     (loss_rows, logp, ratio, kl, ent, bits), grad_hidden, grad_weight = carry
     stop = lax.stop_gradient
+    on_policy = static[7]  # old is a placeholder: the metrics' old log-probs are logp
     means, total = _launch.metrics_op(call)(
-        *(stop(x) for x in (mask, logp, ratio, kl, ent, bits, old, loss_rows)))
+        *(stop(x) for x in (mask, logp, ratio, kl, ent, bits, logp if on_policy else old,
+                            loss_rows)))
     return total, means, grad_hidden, grad_weight
 
 
@@ -109,17 +111,19 @@ _linear.defvjp(_linear_fwd, _linear_bwd)
 
 
 def policy_loss(call: TritonCall, hidden: jax.Array, weight: jax.Array, ids: jax.Array,
-                mask: jax.Array, old: jax.Array, ref_logps: Optional[jax.Array],
+                mask: jax.Array, old: Optional[jax.Array], ref_logps: Optional[jax.Array],
                 adv: jax.Array, iw: Optional[jax.Array], weights: jax.Array,
                 temperature: Temperature, opts: PolicyLossOptions,
                 chunk_rows: int) -> Tuple[jax.Array, Dict[str, jax.Array]]:
     """``(loss, metrics)`` of ``hidden [N, H]`` and ``weight [V, H]`` (same dtype),
     ``chunk_rows`` rows at a time; the other inputs as the backends' fused ``policy_loss``
-    takes them, all ``[N]``. Differentiable w.r.t. ``hidden`` and ``weight``."""
+    takes them, all ``[N]`` (``old`` None: on-policy). Differentiable w.r.t. ``hidden``
+    and ``weight``."""
     ids, mask_k, temp = kernel_rows(ids, mask, temperature)
     stop = lax.stop_gradient
-    old, adv, weights = stop(old), stop(adv), stop(weights)
-    static = fused_static(opts, False, ref_logps is not None, iw is not None)
+    adv, weights = stop(adv), stop(weights)
+    static = fused_static(opts, False, ref_logps is not None, iw is not None, old is not None)
+    old = weights if old is None else stop(old)  # on-policy: a placeholder, never read
     ref_lp = weights if ref_logps is None else stop(ref_logps)  # a placeholder when absent
     loss, means = _linear(
         call, hidden, weight, ids, mask_k, old, ref_lp, temp, adv,

@@ -202,7 +202,9 @@ def policy_objective(
       The float32 0-d loss and a dict of float32 0-d metrics (stop-gradient).
     """
     logp = jnp.where(mask, logp, 0.0)
-    old = jnp.where(mask, inputs.old_logps, 0.0)
+    # On-policy (no old_logps): old = sg(logp), r = 1 with the gradient of logp.
+    old = lax.stop_gradient(logp) if inputs.old_logps is None else jnp.where(
+        mask, inputs.old_logps, 0.0)
     adv = jnp.where(mask, inputs.advantages, 0.0)
     need_segments = opts.sequence_ratio or opts.seq_aggregation
     if need_segments:

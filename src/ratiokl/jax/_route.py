@@ -259,7 +259,8 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
     as_rows = _checks.as_rows
     # The rollout options are checked on every call; only a call with rollout_logps
     # visits the correction (its weights, folded into importance_weights, and metrics).
-    rollout = rollout_options(rollout_correction, rollout_bounds, rollout_logps is not None)
+    rollout = rollout_options(rollout_correction, rollout_bounds, rollout_logps is not None,
+                              old_given=old_logps is not None)
     rollout_metrics = {}
     if rollout is not None:
         inputs, rollout_metrics = _rollout.correct(rows.mask, lead, inputs, rollout_logps,
@@ -347,7 +348,8 @@ def linear_policy_loss(hidden, weight, action_ids, mask, old_logps, advantages, 
             temperature=temperature, backend=backend, check_ids=False, vocab_axis=None,
             inplace_grad=False, rollout_logps=rollout_logps,
             rollout_correction=rollout_correction, rollout_bounds=rollout_bounds))
-    rollout = rollout_options(rollout_correction, rollout_bounds, rollout_logps is not None)
+    rollout = rollout_options(rollout_correction, rollout_bounds, rollout_logps is not None,
+                              old_given=old_logps is not None)
     rollout_metrics = {}
     if rollout is not None:
         inputs, rollout_metrics = _rollout.correct(rows.mask, lead, inputs, rollout_logps,

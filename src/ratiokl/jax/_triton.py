@@ -217,13 +217,14 @@ _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
 def fused_static(opts: PolicyLossOptions, ref_logits: bool, ref_logps: bool,
-                 iw: bool) -> Static:
+                 iw: bool, old: bool) -> Static:
     """The fused kernel's compile-time options for ``opts``: whether reference logits,
-    reference log-probs (either gives the KL) and importance weights are given."""
+    reference log-probs (either gives the KL), importance weights and old log-probs (else
+    on-policy) are given."""
     has_ref = ref_logits or ref_logps
     return (ref_logits, iw, opts.kl_code if has_ref else KL.NONE.value,
             opts.neg_cap is not None, opts.log_ratio_bound or 0.0, opts.objective_code,
-            opts.uses_entropy)
+            opts.uses_entropy, not old)
 
 
 def kernel_coefficients(opts: PolicyLossOptions) -> jax.Array:
@@ -278,15 +279,16 @@ def token_weights(call: TritonCall, mask: jax.Array, opts: PolicyLossOptions,
 def policy_loss(
     call: TritonCall, policy: jax.Array, ref: Optional[jax.Array], ids: jax.Array,
     mask: jax.Array,
-    old: jax.Array, ref_logps: Optional[jax.Array], adv: jax.Array, iw: Optional[jax.Array],
-    weights: jax.Array, temperature: Temperature, opts: PolicyLossOptions,
-    inplace_grad: bool,
+    old: Optional[jax.Array], ref_logps: Optional[jax.Array], adv: jax.Array,
+    iw: Optional[jax.Array], weights: jax.Array, temperature: Temperature,
+    opts: PolicyLossOptions, inplace_grad: bool,
 ) -> Tuple[jax.Array, Dict[str, jax.Array]]:
     """The fused ``(loss, metrics)`` of flattened rows: one kernel for the loss, the
     metrics' row values and the policy-logit gradient, one for the means.
 
     ``old``, ``adv``, ``iw`` (or None), ``ref_logps`` (or None) and the
-    aggregation ``weights`` are float32 ``[N]``; ``policy`` ``[N, V]`` is the only
+    aggregation ``weights`` are float32 ``[N]`` (``old`` None: on-policy, the kernel's
+    ``ON_POLICY``); ``policy`` ``[N, V]`` is the only
     differentiable input. ``inplace_grad``: the gradient's buffer aliases
     ``policy``'s (``input_output_aliases``; without a copy where XLA may, e.g.
     ``policy`` donated to ``jit``). Returns the float32 0-d loss and the
@@ -294,18 +296,20 @@ def policy_loss(
     """
     ids, mask_k, temp = kernel_rows(ids, mask, temperature)
     stop = lax.stop_gradient
-    old, adv, weights = stop(old), stop(adv), stop(weights)
-    static = fused_static(opts, ref is not None, ref_logps is not None, iw is not None)
+    adv, weights = stop(adv), stop(weights)
+    static = fused_static(opts, ref is not None, ref_logps is not None, iw is not None,
+                          old is not None)
+    old_in = weights if old is None else stop(old)  # on-policy: a placeholder, never read
     coefs = kernel_coefficients(opts)
     # Without reference logits their slot is never read: any array but the logits, whose
     # buffer the in-place gradient takes over (an operand passed twice cannot be donated).
     ref_in = weights if ref is None else stop(ref)
     ref_lp = weights if ref_logps is None else stop(ref_logps)
     loss_rows, logp, ratio, kl, ent, bits = _fused(
-        call, policy, ref_in, ids, mask_k, old, ref_lp, temp, adv,
+        call, policy, ref_in, ids, mask_k, old_in, ref_lp, temp, adv,
         weights if iw is None else stop(iw), weights, coefs, static, inplace_grad,
     )
-    rows = (mask_k, logp, ratio, kl, ent, bits, old, loss_rows)
+    rows = (mask_k, logp, ratio, kl, ent, bits, logp if old is None else old_in, loss_rows)
     means, total = _launch.metrics_op(call)(*(stop(x) for x in rows))  # no derivative: none asked
     loss = _rows_total(loss_rows.shape[0], loss_rows, total)
     return loss, {name: means[i] for i, name in enumerate(METRIC_NAMES)}

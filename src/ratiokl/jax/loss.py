@@ -175,7 +175,7 @@ def policy_loss(
     ref_logits: Optional[jax.Array],
     action_ids: jax.Array,
     mask: jax.Array,
-    old_logps: jax.Array,
+    old_logps: Optional[jax.Array],
     advantages: jax.Array,
     *,
     ref_logps: Optional[jax.Array] = None,
@@ -236,7 +236,10 @@ def policy_loss(
     Args:
       policy_logits, ref_logits, action_ids, mask, old_logps, ref_logps: as in
         :func:`ratio_kl`; ``ref_logits`` and ``ref_logps`` may both be None when
-        ``kl_coef == 0``.
+        ``kl_coef == 0``. ``old_logps`` None: on-policy, ``old_logp = sg(logp)`` (one
+        optimisation step per rollout: ``r = 1`` in value, ``dr/dlogp = 1``; the ratio
+        is never clipped and ``approx_kl`` is 0), as TRL and Liger do when the behaviour
+        policy's log-probs were not computed; not with ``rollout_logps``.
       temperature, backend, check_ids, vocab_axis: as in :func:`ratio_kl`. Every option
         but ``loss_normalizer`` is a static Python value; arrays may be traced.
       advantages: floating, per token ``[..., T]`` or per sequence ``[...]`` / ``[..., 1]``.
@@ -328,7 +331,7 @@ def linear_policy_loss(
     weight: jax.Array,
     action_ids: jax.Array,
     mask: jax.Array,
-    old_logps: jax.Array,
+    old_logps: Optional[jax.Array],
     advantages: jax.Array,
     *,
     ref_logps: Optional[jax.Array] = None,

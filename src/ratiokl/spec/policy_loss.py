@@ -3,7 +3,8 @@
 Built on the per-token log-probs of :mod:`ratiokl.spec.reference`. Per active
 token ``t`` (inactive tokens contribute nothing and get a zero gradient)::
 
-    lr    = logp - old_logp                     (ratio_level="token")
+    lr    = logp - old_logp                     (ratio_level="token"; no old_logps, on-policy:
+                                                 old_logp = sg(logp), so r = 1, dr/dlogp = 1)
           = mean over t's sequence of lr        (ratio_level="sequence", GSPO)
     lr_b  = clip(lr, -bound, bound)             (log_ratio_bound; None: no bound)
     r     = exp(lr_b)
@@ -188,7 +189,7 @@ def _aggregation(mask, seq, n_seq, opts: PolicyLossOptions, loss_normalizer):
 def policy_loss_from_logps(
     logp: np.ndarray,
     logp_ref: Optional[np.ndarray],
-    old_logps: np.ndarray,
+    old_logps: Optional[np.ndarray],
     advantages: ArrayLike,
     mask: np.ndarray,
     *,
@@ -233,12 +234,15 @@ def _policy_terms(logp, logp_ref, old_logps, advantages, mask, entropy, *, loss_
         raise ValueError("`entropy_coef` != 0 needs the per-token `entropy`")
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         logp = np.where(mask, np.asarray(logp, np.float64), 0.0)
-        old = np.where(mask, np.asarray(old_logps, np.float64), 0.0)
+        # On-policy (no old_logps): old = sg(logp), so r = 1 with dr/dlogp = r.
+        old = logp if old_logps is None else np.where(
+            mask, np.asarray(old_logps, np.float64), 0.0)
         adv = np.where(mask, _advantages(advantages, lead), 0.0)
         w = 1.0 if importance_weights is None else np.asarray(importance_weights, np.float64)
         w = np.where(mask, w, 0.0)
         seq, n_seq = sequence_index(mask, segment_ids)
-        rollout = rollout_options(rollout_correction, rollout_bounds, rollout_logps is not None)
+        rollout = rollout_options(rollout_correction, rollout_bounds, rollout_logps is not None,
+                                  old_given=old_logps is not None)
         rollout_metrics = {}
         if rollout is not None:
             w_rollout, rollout_metrics = rollout_weights(
@@ -316,7 +320,7 @@ def _from_logits(policy_logits, ref_logits, action_ids, mask, old_logps, advanta
 
 def policy_loss(
     policy_logits: np.ndarray, ref_logits: Optional[np.ndarray], action_ids: np.ndarray,
-    mask: np.ndarray, old_logps: np.ndarray, advantages: ArrayLike, *,
+    mask: np.ndarray, old_logps: Optional[np.ndarray], advantages: ArrayLike, *,
     ref_logps: Optional[np.ndarray] = None, temperature: ArrayLike = 1.0, **options,
 ) -> Tuple[float, Dict[str, float]]:
     """Float64 ``(loss, metrics)`` of ``policy_loss`` (same arguments as the frameworks').
@@ -332,7 +336,7 @@ def policy_loss(
 
 def policy_loss_grad(
     policy_logits: np.ndarray, ref_logits: Optional[np.ndarray], action_ids: np.ndarray,
-    mask: np.ndarray, old_logps: np.ndarray, advantages: ArrayLike, *,
+    mask: np.ndarray, old_logps: Optional[np.ndarray], advantages: ArrayLike, *,
     ref_logps: Optional[np.ndarray] = None, temperature: ArrayLike = 1.0, **options,
 ) -> np.ndarray:
     """Gradient of the loss w.r.t. ``policy_logits``: float64 ``[..., V]``, 0 on inactive rows.

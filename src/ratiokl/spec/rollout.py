@@ -100,11 +100,13 @@ def rollout_options(
     rollout_bounds: Sequence[float],
     logps_given: bool,
     *,
+    old_given: bool = True,
     cached: bool = True,
 ) -> Optional[RolloutOptions]:
     """Check the rollout options; None when there is nothing to do (no ``rollout_logps``).
 
-    ``logps_given``: whether ``rollout_logps`` was passed (a correction needs it).
+    ``logps_given``: whether ``rollout_logps`` was passed (a correction needs it);
+    ``old_given``: whether ``old_logps`` was (the weight and the metrics need it).
     Errors name the argument and the fix. With ``cached`` the checks run once per
     distinct option set (``torch.compile``, which sees through caches, passes False).
     """
@@ -115,10 +117,10 @@ def rollout_options(
         )
     check = _cached_rollout_options if cached else _rollout_options
     # A tuple: hashable, for the cache; its values are checked there.
-    return check(rollout_correction, tuple(rollout_bounds), bool(logps_given))
+    return check(rollout_correction, tuple(rollout_bounds), bool(logps_given), bool(old_given))
 
 
-def _rollout_options(correction, bounds, logps_given) -> Optional[RolloutOptions]:
+def _rollout_options(correction, bounds, logps_given, old_given=True) -> Optional[RolloutOptions]:
     code = NO_CORRECTION if correction is None else option_code(
         "rollout_correction", correction, ROLLOUT_CORRECTIONS)
     low, high = _checked_bounds(bounds, truncates=code != NO_CORRECTION and code not in _MASK_CODES)
@@ -130,6 +132,12 @@ def _rollout_options(correction, bounds, logps_given) -> Optional[RolloutOptions
                 "rollout_correction=None"
             )
         return None
+    if not old_given:
+        raise ValueError(
+            "`rollout_logps` needs `old_logps`: the rollout weight and metrics compare the "
+            "behaviour policy's log-probs with the engine's (exp(old_logp - rollout_logp)); "
+            "pass old_logps, or leave rollout_logps out"
+        )
     return RolloutOptions(code=code, low=low, high=high)
 
 

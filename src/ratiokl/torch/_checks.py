@@ -302,7 +302,7 @@ def as_rows(x: torch.Tensor, lead: Tuple[int, ...]) -> torch.Tensor:
 class TokenInputs:
     """``policy_loss``'s per-token inputs, validated, detached, laid out ``[R, T]``."""
 
-    old_logps: torch.Tensor  # float32
+    old_logps: Optional[torch.Tensor]  # float32; None: on-policy
     advantages: torch.Tensor  # float32, broadcast over tokens
     segment_ids: Optional[torch.Tensor]  # integer
     importance_weights: Optional[torch.Tensor]  # float32
@@ -361,8 +361,9 @@ def token_inputs(
     importance_weights: object,
     loss_normalizer: object,
 ) -> TokenInputs:
-    """Validate ``policy_loss``'s per-token arguments (errors name the argument)."""
-    old = check_row_values("old_logps", old_logps, lead)
+    """Validate ``policy_loss``'s per-token arguments (errors name the argument);
+    ``old_logps`` None (on-policy) stays None."""
+    old = None if old_logps is None else check_row_values("old_logps", old_logps, lead)
     weights = None
     if importance_weights is not None:
         weights = check_row_values("importance_weights", importance_weights, lead)
@@ -379,7 +380,7 @@ def token_inputs(
             )
         segs = as_rows(segment_ids, lead)
     return TokenInputs(
-        old_logps=as_rows(old.detach().float(), lead),
+        old_logps=None if old is None else as_rows(old.detach().float(), lead),
         advantages=_check_advantages(advantages, lead),
         segment_ids=segs,
         importance_weights=weights,

@@ -418,7 +418,7 @@ TOKEN_WEIGHTS = KernelOp(token_weights, fake=lambda mask, *_: mask.new_empty(
 
 def fused_policy_loss(
     kernels: Callable, policy: Tensor, ref: Optional[Tensor], ids: Tensor, mask: Tensor,
-    old: Tensor, ref_logps: Optional[Tensor], temp: Tensor, adv: Tensor, adv_rows: int,
+    old: Optional[Tensor], ref_logps: Optional[Tensor], temp: Tensor, adv: Tensor, adv_rows: int,
     iw: Optional[Tensor], w: Tensor, coefs: Tensor, write_grad: bool, kl_code: int, has_neg_cap: bool, bound: float,
     objective: int, entropy_grad: bool, *, grad_out: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
@@ -427,6 +427,7 @@ def fused_policy_loss(
 
     ``adv``: float32 ``[N // adv_rows]``, one advantage per ``adv_rows`` rows (1: per
     token; ``T``: per sequence of ``T`` rows, as given, never expanded to ``[N]``).
+    ``old`` None: on-policy (``old = sg(logp)``: the kernel's ``ON_POLICY``).
     Two launches: ``policy_loss_kernel`` (per-row values and, with
     ``write_grad``, the gradient of ``sum_t w_t loss_t``: :func:`policy_loss_rows`) and
     ``policy_metrics_kernel`` (the loss and the metrics: :func:`policy_metrics`). ``coefs``:
@@ -475,7 +476,7 @@ def row_scratch(n_rows: int, splits: int, device: torch.device,
 
 def policy_loss_rows(
     kernels: Callable, policy: Tensor, ref: Optional[Tensor], ids: Tensor, mask: Tensor,
-    old: Tensor, ref_logps: Optional[Tensor], temp: Tensor, adv: Tensor, adv_rows: int,
+    old: Optional[Tensor], ref_logps: Optional[Tensor], temp: Tensor, adv: Tensor, adv_rows: int,
     iw: Optional[Tensor], w: Tensor, coefs: Tensor, write_grad: bool, kl_code: int,
     has_neg_cap: bool, bound: float, objective: int, entropy_grad: bool,
     rows: Sequence[Tensor], parts: Tensor, grad_out: Tensor,
@@ -495,28 +496,29 @@ def policy_loss_rows(
     counts = torch.zeros(n_counters, dtype=torch.int32, device=policy.device) if n_counters \
         else rows[5]
     kernels(policy_loss_kernel)[(plan.programs(n_rows),)](
-        policy, ref_t, ids, mask, old, w if ref_logps is None else ref_logps, temp, adv,
+        policy, ref_t, ids, mask, w if old is None else old,
+        w if ref_logps is None else ref_logps, temp, adv,
         w if iw is None else iw, w, coefs, *rows, grad_out, parts, counts,
         n_rows, vocab, policy.stride(0), policy.stride(1), ref_t.stride(0), ref_t.stride(1),
         _stride(temp), adv_rows,
         HAS_REF=has_ref, HAS_IW=iw is not None, KL_CODE=kl_code, HAS_NEG_CAP=has_neg_cap,
-        BOUND=bound, OBJECTIVE=objective, ENTROPY_GRAD=entropy_grad, WRITE_GRAD=write_grad,
-        SPLITS=plan.spans.splits,
+        BOUND=bound, OBJECTIVE=objective, ON_POLICY=old is None, ENTROPY_GRAD=entropy_grad,
+        WRITE_GRAD=write_grad, SPLITS=plan.spans.splits,
         TILES_PER_SPLIT=plan.spans.tiles_per_split, SPANS=plan.spans_per_program,
         BLOCK_V=plan.config.block_v, num_warps=plan.config.num_warps,
     )
 
 
 def policy_metrics(kernels: Callable, mask: Tensor, rows: Sequence[Tensor],
-                   old: Tensor) -> Tuple[Tensor, Tensor]:
+                   old: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
     """``(loss, metrics)``, float32 ``[]`` and ``[8]`` (``METRIC_NAMES``), from the row values
     :func:`policy_loss_rows` wrote for all ``N = mask.numel()`` rows (``N >= 1``): one launch
-    of ``policy_metrics_kernel``."""
+    of ``policy_metrics_kernel``. ``old`` None (on-policy): the rows' own log-probs."""
     loss = torch.empty((), dtype=torch.float32, device=mask.device)
     metrics = torch.empty(len(METRIC_NAMES), dtype=torch.float32, device=mask.device)
     loss_rows, logp, ratio, kl, ent, bits = rows
     kernels(policy_metrics_kernel)[(1,)](
-        mask, logp, ratio, kl, ent, bits, old, loss_rows, metrics, loss, mask.numel(),
+        mask, logp, ratio, kl, ent, bits, logp if old is None else old, loss_rows, metrics, loss, mask.numel(),
         BLOCK=ROWS_BLOCK, num_warps=ROWS_WARPS,
     )
     return loss, metrics

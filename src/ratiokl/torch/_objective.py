@@ -195,7 +195,9 @@ def policy_objective(
     """
     zero = torch.zeros((), dtype=torch.float32, device=logp.device)
     logp = torch.where(mask, logp, zero)
-    old = torch.where(mask, inputs.old_logps, zero)
+    # On-policy (no old_logps): old = sg(logp), r = 1 with the gradient of logp.
+    old = logp.detach() if inputs.old_logps is None else torch.where(
+        mask, inputs.old_logps, zero)
     adv = torch.where(mask, inputs.advantages, zero)
     need_segments = opts.sequence_ratio or opts.seq_aggregation
     if need_segments:

@@ -298,6 +298,7 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
     # The rollout options are checked on every call; only a call with rollout_logps
     # visits the correction (its weights, folded into importance_weights, and metrics).
     rollout = rollout_options(rollout_correction, rollout_bounds, rollout_logps is not None,
+                              old_given=old_logps is not None,
                               cached=not torch.compiler.is_compiling())
     rollout_metrics = {}
     if rollout is not None:
@@ -401,7 +402,7 @@ def linear_policy_loss(hidden, weight, action_ids, mask, old_logps, advantages, 
             "the logits and call policy_loss"
         )
     rollout = rollout_options(rollout_correction, rollout_bounds, rollout_logps is not None,
-                              cached=True)
+                              old_given=old_logps is not None, cached=True)
     rollout_metrics = {}
     if rollout is not None:
         inputs, rollout_metrics = _rollout.correct(run, rows.mask, lead, inputs, rollout_logps,

@@ -194,8 +194,8 @@ class _InplaceLoss(torch.autograd.Function):
 
 
 def policy_loss(policy: torch.Tensor, ref: Optional[torch.Tensor], ids: torch.Tensor,
-                mask: torch.Tensor, old: torch.Tensor, ref_logps: Optional[torch.Tensor],
-                adv: torch.Tensor, iw: Optional[torch.Tensor], weights: torch.Tensor,
+                mask: torch.Tensor, old: Optional[torch.Tensor],
+                ref_logps: Optional[torch.Tensor], adv: torch.Tensor, iw: Optional[torch.Tensor], weights: torch.Tensor,
                 temperature: Temperature, opts: PolicyLossOptions, inplace_grad: bool, *,
                 adv_rows: int = 1) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """The fused ``(loss, metrics)`` of flattened rows: one kernel for the loss, the
@@ -204,7 +204,7 @@ def policy_loss(policy: torch.Tensor, ref: Optional[torch.Tensor], ids: torch.Te
     ``old``, ``iw`` (or None), ``ref_logps`` (or None) and the aggregation
     ``weights`` are float32 ``[N]``, detached; ``adv`` float32 ``[N // adv_rows]``
     (one advantage per ``adv_rows`` rows: per-sequence advantages reach the kernel as
-    given). The gradient is
+    given); ``old`` None: on-policy. The gradient is
     computed in the forward only when one is wanted (grad mode on, the logits
     require it); ``inplace_grad`` then writes it into ``policy``'s buffer
     (eager; ignored while compiling, where the compiler plans buffers).

@@ -162,7 +162,7 @@ def policy_loss(
     ref_logits: Optional[torch.Tensor],
     action_ids: torch.Tensor,
     mask: torch.Tensor,
-    old_logps: torch.Tensor,
+    old_logps: Optional[torch.Tensor],
     advantages: torch.Tensor,
     *,
     ref_logps: Optional[torch.Tensor] = None,
@@ -223,7 +223,10 @@ def policy_loss(
     Args:
       policy_logits, ref_logits, action_ids, mask, old_logps, ref_logps: as in
         :func:`ratio_kl`; ``ref_logits`` and ``ref_logps`` may both be None when
-        ``kl_coef == 0``.
+        ``kl_coef == 0``. ``old_logps`` None: on-policy, ``old_logp = sg(logp)`` (one
+        optimisation step per rollout: ``r = 1`` in value, ``dr/dlogp = 1``; the ratio
+        is never clipped and ``approx_kl`` is 0), as TRL and Liger do when the behaviour
+        policy's log-probs were not computed; not with ``rollout_logps``.
       temperature, backend, check_ids, vocab_group: as in :func:`ratio_kl`.
       advantages: floating, per token ``[..., T]`` or per sequence ``[...]`` / ``[..., 1]``.
       clip_eps: ratio floor ``1 - clip_eps``; clip_eps_high: ceiling
@@ -315,7 +318,7 @@ def linear_policy_loss(
     weight: torch.Tensor,
     action_ids: torch.Tensor,
     mask: torch.Tensor,
-    old_logps: torch.Tensor,
+    old_logps: Optional[torch.Tensor],
     advantages: torch.Tensor,
     *,
     ref_logps: Optional[torch.Tensor] = None,

@@ -1,0 +1,11 @@
+"""Drop-in adapters: a trainer's own loss step computed by ratiokl.
+
+Each module imports its trainer lazily (only when used) and translates that trainer's
+configuration into ratiokl's options once, at construction, refusing with a
+``ValueError`` that names the configuration field whatever ratiokl would compute
+differently:
+
+- :mod:`ratiokl.adapters.trl` -- TRL's ``GRPOTrainer`` (``trl >= 1.15``) with the policy
+  loss and its gradients from the last hidden states and the lm_head weight
+  (:func:`ratiokl.torch.loss.linear_policy_loss`), never the ``[N, V]`` logits.
+"""
