@@ -30,6 +30,9 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=${site}src
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+# A fresh device machine once had no writable ~/.triton ("Could not create or locate cache
+# dir"): Triton's cache goes under /tmp unless the caller chose a folder.
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv \
   > "$out/gpu.csv" 2>&1
 pytest_gpu() {  # verbosity is the caller's (-q with -v is the default verbosity: dots)

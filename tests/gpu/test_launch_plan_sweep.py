@@ -118,7 +118,8 @@ def _policy_options(op: str, agg: str, backend: str, coefficient):
 
     The op's name says them: ``gspo``, ``inplace``, ``cispo``, ``entropy`` (an entropy
     bonus of 0.05; ``entropy_tensor``: as a 0-d array, ``coefficient(0.05)``), a
-    ``ref_logps`` ending; ``policy_fwd`` takes no gradient.
+    ``ref_logps`` ending; ``policy_fwd*`` takes no gradient (the runners); ``on_policy``:
+    no old log-probs (the runners pass None).
     """
     kw = dict(kl_coef=0.1, loss_agg=agg)
     if "gspo" in op:
@@ -129,13 +130,13 @@ def _policy_options(op: str, agg: str, backend: str, coefficient):
         kw["objective"] = "cispo"
     if "entropy" in op:
         kw["entropy_coef"] = coefficient(0.05) if "tensor" in op else 0.05
-    return kw, op == "policy_fwd" or op.endswith("ref_logps")
+    return kw, op.startswith("policy_fwd") or op.endswith("ref_logps")
 
 
 def _torch_ops(x, backend: str, op: str, agg: str = "token-mean"):
     from ratiokl.torch import loss
 
-    leaf = x["policy"].detach().clone().requires_grad_(op != "policy_fwd")
+    leaf = x["policy"].detach().clone().requires_grad_(not op.startswith("policy_fwd"))
     lead = (1, leaf.shape[0])  # one row of sequences for the sequence aggregations
     common = dict(backend=backend, check_ids=False)
     if op == "selected_logprobs":
@@ -156,7 +157,8 @@ def _torch_ops(x, backend: str, op: str, agg: str = "token-mean"):
                                        lambda v: torch.tensor(v, device="cuda"))
         value, metrics = loss.policy_loss(
             leaf.view(*lead, -1), None if by_logps else x["ref"].view(*lead, -1),
-            x["ids"].view(lead), x["mask"].view(lead), x["old"].view(lead), x["adv"].view(lead),
+            x["ids"].view(lead), x["mask"].view(lead),
+            None if "on_policy" in op else x["old"].view(lead), x["adv"].view(lead),
             ref_logps=x["ref_logps"].view(lead) if by_logps else None, **common, **kw)
         outs, obj = {"loss": value, **metrics}, value * -1.7
     if leaf.requires_grad:
@@ -194,11 +196,11 @@ def _jax_ops(x, backend: str, op: str, agg: str = "token-mean"):
         r = lambda a: a.reshape(lead)  # noqa: E731
         value, metrics = loss.policy_loss(
             policy.reshape(*lead, -1), None if by_logps else j["ref"].reshape(*lead, -1),
-            r(j["ids"]), r(j["mask"]), r(j["old"]), r(j["adv"]),
+            r(j["ids"]), r(j["mask"]), None if "on_policy" in op else r(j["old"]), r(j["adv"]),
             ref_logps=r(j["ref_logps"]) if by_logps else None, **common, **kw)
         return value * -1.7, {"loss": value, **metrics}
 
-    if op == "policy_fwd":
+    if op.startswith("policy_fwd"):
         outs = jax.jit(lambda p: run(p)[1])(j["policy"])
     else:
         grad, outs = jax.jit(jax.grad(run, has_aux=True))(j["policy"])
@@ -240,7 +242,7 @@ def _compare(fast, slow, dtype: str, scale: float, n: int, what: str) -> None:
 #: Every (V, N) of the sweep: ``policy_entropy`` is the fused kernel with its entropy term
 #: (``entropy_coef`` 0.05) in pass 2, at every launch plan.
 OPS = ("selected_logprobs", "selected_logprobs_entropy", "ratio_kl", "ratio_kl_ref_logps",
-       "policy", "policy_fwd", "policy_entropy")
+       "policy", "policy_fwd", "policy_entropy", "policy_on_policy")
 #: Once per (dtype, V), at the row count nearest 128: every aggregation, GSPO, in place,
 #: CISPO (token and sequence ratio), and the entropy bonus with each of them (a 0-d tensor
 #: coefficient once).
@@ -250,7 +252,8 @@ OPTION_OPS = tuple(("policy_ref_logps", agg) for agg in AGGREGATIONS) + (
     ("policy_entropy_ref_logps", "seq-mean-token-mean"),
     ("policy_entropy_ref_logps", "seq-mean-token-sum-norm"),
     ("policy_entropy_tensor", "token-sum"), ("policy_entropy_gspo", "seq-mean-token-mean"),
-    ("policy_entropy_inplace", "token-mean"), ("policy_entropy_cispo", "seq-mean-token-sum"))
+    ("policy_entropy_inplace", "token-mean"), ("policy_entropy_cispo", "seq-mean-token-sum"),
+    ("policy_fwd_on_policy", "token-mean"))
 
 
 def _swept(cases):
