@@ -29,8 +29,8 @@ root_doc = "README"
 # toctree when Sphinx reads it (README stays plain Markdown on GitHub); the test
 # tests/test_docs.py checks that every page under docs/ is listed here.
 NAV = [
-    ("Guides", ["docs/install", "docs/api", "docs/policy_loss", "docs/vocab_parallel",
-                "docs/design", "docs/performance", "PERF"]),
+    ("Guides", ["docs/install", "docs/api", "docs/policy_loss", "docs/trainers",
+                "docs/vocab_parallel", "docs/design", "docs/performance", "PERF"]),
     ("API reference", ["docs/reference/torch", "docs/reference/jax", "docs/reference/spec",
                        "docs/reference/conformance"]),
     ("Repository notes", ["benchmarks/README", "fixtures/README"]),
