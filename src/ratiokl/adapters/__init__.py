@@ -7,5 +7,8 @@ differently:
 
 - :mod:`ratiokl.adapters.trl` -- TRL's ``GRPOTrainer`` (``trl >= 1.15``) with the policy
   loss and its gradients from the last hidden states and the lm_head weight
-  (:func:`ratiokl.torch.loss.linear_policy_loss`), never the ``[N, V]`` logits.
+  (:func:`ratiokl.torch.loss.linear_policy_loss`), never the ``[N, V]`` logits;
+- :mod:`ratiokl.adapters.tunix` -- Tunix's GRPO learner (``google-tunix >= 0.1.7``, JAX)
+  with the policy loss ``"ratiokl_grpo"`` (:func:`ratiokl.jax.loss.policy_loss` on the
+  model's logits), registered in Tunix's function registry on import.
 """
