@@ -89,8 +89,10 @@ def _forward(hidden: torch.Tensor, weight: torch.Tensor, want_hidden: bool, want
     write_grad = want_hidden or want_weight
     grad_hidden = torch.empty((n_rows, width), dtype=hidden.dtype, device=device) \
         if want_hidden else None
-    grad_weight = torch.zeros_like(weight, memory_format=torch.contiguous_format) \
-        if want_weight else None
+    # d weight: the first chunk's product is written (no zero fill, no read of zeros: a
+    # [V, H] pass each), the later chunks' are added.
+    grad_weight = (torch.empty_like if n_rows else torch.zeros_like)(
+        weight, memory_format=torch.contiguous_format) if want_weight else None
     if n_rows == 0:
         return (torch.zeros((), dtype=torch.float32, device=device),
                 torch.zeros(len(METRIC_NAMES), dtype=torch.float32, device=device),
@@ -125,7 +127,10 @@ def _forward(hidden: torch.Tensor, weight: torch.Tensor, want_hidden: bool, want
             if want_weight:
                 kept = torch.where(mask[part, None], h, torch.zeros((), dtype=h.dtype,
                                                                     device=device))
-                grad_weight.addmm_(logits.t(), kept)
+                if start == 0:
+                    torch.mm(logits.t(), kept, out=grad_weight)
+                else:
+                    grad_weight.addmm_(logits.t(), kept)
         loss, metrics = policy_metrics(kernels, mask, rows, old)
     return loss, metrics, grad_hidden, grad_weight
 
