@@ -179,3 +179,23 @@ def test_refused_configurations_name_the_field(config, field):
     args = trl.GRPOConfig(output_dir="unused", report_to="none", use_cpu=True, **config)
     with pytest.raises(ValueError, match=f"`{field}="):
         adapter.loss_options(args)
+
+
+def test_bf16_autocast_step_matches_trl(tiny, tmp_path):
+    """Under bf16 autocast (``GRPOConfig(bf16=True)`` on a GPU) a backbone may hand back
+    bf16 hidden states beside the float32 head (Llama's does not on the CPU: its final
+    norm's output is made bf16 here): the head is cast to their dtype for the call, and
+    the step stays TRL's within bf16."""
+    trainer = _trainer(tiny, tmp_path, loss_type="bnpo", beta=0.04)
+    trainer.model.model.norm.register_forward_hook(lambda m, i, out: out.to(torch.bfloat16))
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    batch = _batch(old=True, ref=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want_loss, want_grads, _ = _step(
+            trainer, lambda m, b: trl.GRPOTrainer._compute_loss(trainer, m, b), batch)
+        got_loss, got_grads, _ = _step(trainer, trainer._compute_loss, batch)
+    assert got_loss == pytest.approx(want_loss, rel=2e-2, abs=1e-3)
+    for param, want in want_grads.items():
+        rel = float((got_grads[param] - want).norm() / (want.norm() + 1e-12))
+        assert rel < 3e-2, (param, rel)
