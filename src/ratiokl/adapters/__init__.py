@@ -12,3 +12,16 @@ differently:
   with the policy loss ``"ratiokl_grpo"`` (:func:`ratiokl.jax.loss.policy_loss` on the
   model's logits), registered in Tunix's function registry on import.
 """
+
+from __future__ import annotations
+
+from typing import Any, NoReturn
+
+
+def refuse(adapter: str, fallback: str, field: str, value: Any, why: str) -> NoReturn:
+    """Raise the adapters' one ``ValueError``: ``adapter`` cannot compute ``field=value``
+    (``why``); ``fallback`` is the trainer's own code path for that configuration."""
+    raise ValueError(
+        f"{adapter} cannot compute `{field}={value!r}`: {why}. Use {fallback} for this "
+        "configuration, or change the field"
+    )

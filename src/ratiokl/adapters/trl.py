@@ -48,11 +48,12 @@ sequence) and ``cispo_clip_ratio``.
 from __future__ import annotations
 
 import types
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Callable, Dict, NoReturn, Tuple
 
 import torch
 
 from ratiokl._requirements import unmet
+from ratiokl.adapters import refuse
 from ratiokl.spec import BackendName
 from ratiokl.torch.loss import linear_policy_loss
 
@@ -75,11 +76,8 @@ _MULTIMODAL = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "image_
                "token_type_ids", "mm_token_type_ids", "image_position_ids")
 
 
-def _refuse(field: str, value: Any, why: str) -> None:
-    raise ValueError(
-        f"ratiokl.adapters.trl.GRPOTrainer cannot compute `{field}={value!r}`: {why}. Use "
-        "trl.GRPOTrainer for this configuration, or change the field"
-    )
+def _refuse(field: str, value: Any, why: str) -> NoReturn:
+    refuse("ratiokl.adapters.trl.GRPOTrainer", "trl.GRPOTrainer", field, value, why)
 
 
 def loss_options(args: "trl.GRPOConfig") -> Dict[str, Any]:

@@ -48,12 +48,13 @@ aggregation).
 from __future__ import annotations
 
 import inspect
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, NoReturn, Tuple
 
 import jax
 import jax.numpy as jnp
 
 from ratiokl._requirements import unmet
+from ratiokl.adapters import refuse
 from ratiokl.jax.loss import policy_loss
 
 _PROBLEM = unmet("google-tunix")
@@ -73,11 +74,8 @@ _LOSS_AGG = {"token-mean": "token-mean", "sequence-mean-token-mean": "seq-mean-t
              "sequence-mean-token-scale": "seq-mean-token-sum-norm"}
 
 
-def _refuse(field: str, value: Any, why: str) -> None:
-    raise ValueError(
-        f"the {NAME!r} policy loss cannot compute `{field}={value!r}`: {why}. Use Tunix's "
-        "'grpo' policy loss for this configuration, or change the field"
-    )
+def _refuse(field: str, value: Any, why: str) -> NoReturn:
+    refuse(f"the {NAME!r} policy loss", "Tunix's 'grpo' policy loss", field, value, why)
 
 
 def loss_options(algo_config: Any) -> Dict[str, Any]:

@@ -518,7 +518,8 @@ def policy_metrics(kernels: Callable, mask: Tensor, rows: Sequence[Tensor],
     metrics = torch.empty(len(METRIC_NAMES), dtype=torch.float32, device=mask.device)
     loss_rows, logp, ratio, kl, ent, bits = rows
     kernels(policy_metrics_kernel)[(1,)](
-        mask, logp, ratio, kl, ent, bits, logp if old is None else old, loss_rows, metrics, loss, mask.numel(),
+        mask, logp, ratio, kl, ent, bits, logp if old is None else old, loss_rows, metrics,
+        loss, mask.numel(),
         BLOCK=ROWS_BLOCK, num_warps=ROWS_WARPS,
     )
     return loss, metrics

@@ -114,7 +114,8 @@ def _forward(hidden: torch.Tensor, weight: torch.Tensor, want_hidden: bool, want
             h = hidden[part]
             logits = torch.mm(h, weight.t(), out=logits_buffer[:end - start])
             policy_loss_rows(
-                kernels, logits, None, ids[part], mask[part], None if old is None else old[part],
+                kernels, logits, None, ids[part], mask[part],
+                None if old is None else old[part],
                 None if ref_logps is None else ref_logps[part],
                 temp[part] if per_row_temp else temp, adv[part], 1,
                 None if iw is None else iw[part], w[part], coefs, write_grad, kl_code,
@@ -139,11 +140,12 @@ def policy_loss(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor,
                 mask: torch.Tensor, old: Optional[torch.Tensor],
                 ref_logps: Optional[torch.Tensor], adv: torch.Tensor,
                 iw: Optional[torch.Tensor], weights: torch.Tensor, temperature: Temperature,
-                opts: PolicyLossOptions, chunk_rows: int) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+                opts: PolicyLossOptions,
+                chunk_rows: int) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """``(loss, metrics)`` of ``hidden [N, H]`` and ``weight [V, H]`` (same dtype and device),
     ``chunk_rows`` rows at a time; the other inputs as the backends' fused ``policy_loss``
-    takes them, all ``[N]`` (``adv`` per token; ``old`` None: on-policy). Differentiable w.r.t. ``hidden`` and
-    ``weight`` (whichever requires a gradient, in grad mode)."""
+    takes them, all ``[N]`` (``adv`` per token; ``old`` None: on-policy). Differentiable
+    w.r.t. ``hidden`` and ``weight`` (whichever requires a gradient, in grad mode)."""
     grad_on = torch.is_grad_enabled()
     wants = (grad_on and hidden.requires_grad, grad_on and weight.requires_grad)
     inputs = (ids, mask, old, ref_logps, adv, iw, weights, temperature, opts, chunk_rows)

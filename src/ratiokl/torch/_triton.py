@@ -195,8 +195,9 @@ class _InplaceLoss(torch.autograd.Function):
 
 def policy_loss(policy: torch.Tensor, ref: Optional[torch.Tensor], ids: torch.Tensor,
                 mask: torch.Tensor, old: Optional[torch.Tensor],
-                ref_logps: Optional[torch.Tensor], adv: torch.Tensor, iw: Optional[torch.Tensor], weights: torch.Tensor,
-                temperature: Temperature, opts: PolicyLossOptions, inplace_grad: bool, *,
+                ref_logps: Optional[torch.Tensor], adv: torch.Tensor,
+                iw: Optional[torch.Tensor], weights: torch.Tensor, temperature: Temperature,
+                opts: PolicyLossOptions, inplace_grad: bool, *,
                 adv_rows: int = 1) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """The fused ``(loss, metrics)`` of flattened rows: one kernel for the loss, the
     metrics' row values and the policy-logit gradient, one for the means.
