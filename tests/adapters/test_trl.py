@@ -199,3 +199,14 @@ def test_bf16_autocast_step_matches_trl(tiny, tmp_path):
     for param, want in want_grads.items():
         rel = float((got_grads[param] - want).norm() / (want.norm() + 1e-12))
         assert rel < 3e-2, (param, rel)
+
+
+@pytest.mark.parametrize("keyword, value", [
+    ("ratiokl_chunk_rows", 0), ("ratiokl_chunk_rows", 2.5), ("ratiokl_backend", "cuda"),
+])
+def test_bad_adapter_arguments_name_themselves(tiny, tmp_path, keyword, value):
+    """Checked at construction, before TRL loads anything, naming the adapter's argument."""
+    with pytest.raises(ValueError, match=f"`{keyword}`"):
+        adapter.GRPOTrainer(model=tiny[0], reward_funcs=lambda completions, **_: [0.0],
+                            args=trl.GRPOConfig(output_dir=str(tmp_path), report_to="none",
+                                                use_cpu=True), **{keyword: value})

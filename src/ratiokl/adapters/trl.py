@@ -54,7 +54,7 @@ import torch
 
 from ratiokl._requirements import unmet
 from ratiokl.adapters import refuse
-from ratiokl.spec import BackendName
+from ratiokl.spec import BACKENDS, BackendName
 from ratiokl.torch.loss import linear_policy_loss
 
 _PROBLEM = unmet("trl")
@@ -179,6 +179,13 @@ class GRPOTrainer(trl.GRPOTrainer):
     def __init__(self, *args, ratiokl_chunk_rows: int = 2048,
                  ratiokl_backend: BackendName = "auto", ratiokl_check_ids: bool = True,
                  **kwargs) -> None:
+        if isinstance(ratiokl_chunk_rows, bool) or not isinstance(ratiokl_chunk_rows, int) \
+                or ratiokl_chunk_rows < 1:
+            raise ValueError(f"`ratiokl_chunk_rows` must be a positive int (completion tokens "
+                             f"per chunk); got {ratiokl_chunk_rows!r}")
+        if ratiokl_backend not in BACKENDS:
+            raise ValueError(f"`ratiokl_backend` must be one of {', '.join(map(repr, BACKENDS))}"
+                             f"; got {ratiokl_backend!r}")
         super().__init__(*args, **kwargs)
         self._ratiokl_options = loss_options(self.args)
         self._ratiokl_call = {"chunk_rows": ratiokl_chunk_rows, "backend": ratiokl_backend,
