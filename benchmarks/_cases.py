@@ -26,6 +26,8 @@ __all__ = [
     "FWD_BWD",
     "Group",
     "KL_COEF",
+    "HIDDEN_OPS",
+    "LINEAR_LOGP",
     "LMHEAD",
     "LOGP_ENTROPY_OP",
     "OPS",
@@ -72,6 +74,12 @@ ROLLOUT_OPS: Dict[str, str] = {
 #: The in-situ lm_head step: ``logits = hidden @ W.T`` -> loss -> gradients of hidden and W.
 #: Its cases have ``hidden > 0`` and their own inputs (``_inputs.StepInputs``).
 LMHEAD = "lmhead-step"
+#: The log-prob seam from hidden states: ``hidden @ W.T`` -> per-token ``(logp, entropy)``
+#: (what verl's, OpenRLHF's and TRL's actor forwards return), timed forward and forward +
+#: backward to hidden and W with the entropy's gradient (random upstream gradients of both).
+LINEAR_LOGP = "lmhead-logprobs"
+#: The ops whose inputs are hidden states and the lm_head weight (``_inputs.StepInputs``).
+HIDDEN_OPS: Tuple[str, ...] = (LMHEAD, LINEAR_LOGP)
 
 FWD, BWD, FWD_BWD = "fwd", "bwd", "fwd+bwd"
 #: Modes that are timed; ``bwd`` is derived as ``fwd+bwd - fwd`` (see README).
@@ -115,7 +123,8 @@ def uses_ref_logits(op: str) -> bool:
 
 
 def timed_modes(op: str) -> Tuple[str, ...]:
-    """The modes timed for ``op``: the lm_head step is a training step (``fwd+bwd``) only."""
+    """The modes timed for ``op``: the lm_head step is a training step (``fwd+bwd``) only;
+    the log-prob seam is timed both ways (a rollout's or reference's forward, a step)."""
     return (FWD_BWD,) if op == LMHEAD else TIMED_MODES
 
 
@@ -161,7 +170,7 @@ class Case:
 def min_bytes(op: str, mode: str, case: Case) -> Optional[int]:
     """Minimum HBM traffic of ``op`` in ``mode`` on ``case`` (per-row vectors ignored);
     None for the lm_head step (GEMM-bound: its yardstick is the bare GEMMs, not bytes)."""
-    if op == LMHEAD:
+    if op in HIDDEN_OPS:
         return None
     row_bytes = case.v * case.itemsize
     fwd = case.active * row_bytes * (2 if uses_ref_logits(op) else 1)
@@ -224,7 +233,16 @@ _HEADLINE_OPS = ("selected_logprobs", "ratio_kl", "ratio_kl_ref_logps", "policy_
 #: states (row chunks), Liger's, and the bare GEMMs.
 _STEP = ("ratiokl-torch-triton", "ratiokl-torch-triton-linear", "liger", "gemm-only")
 #: PERF.md's lm_head shape: N = 8192 tokens, hidden size 4096, V = 151,936, bf16.
-_STEP_GROUP = Group((Case(8192, 151936, 1.0, "bfloat16", hidden=4096),), _STEP, (LMHEAD,))
+_STEP_CASE = Case(8192, 151936, 1.0, "bfloat16", hidden=4096)
+_STEP_GROUP = Group((_STEP_CASE,), _STEP, (LMHEAD,))
+#: The log-prob seam's providers: ratiokl from the hidden states (both frameworks) and on
+#: materialised logits, the trainers' own fused heads (TRL's chunked function, verl's
+#: kernel, cut-cross-entropy's NLL without entropy) and the bare GEMMs.
+_SEAM = ("ratiokl-torch-triton-linear", "ratiokl-jax-triton-linear", "ratiokl-torch-triton",
+         "trl-chunked", "verl-fused", "cce", "gemm-only")
+#: Memory flat in N: the two chunked ops at 4x and 8x the headline rows, beside the GEMMs.
+_GROWTH = Group(tuple(Case(n, 151936, 1.0, "bfloat16", hidden=4096) for n in (32768, 65536)),
+                ("ratiokl-torch-triton-linear", "gemm-only"), (LMHEAD, LINEAR_LOGP))
 
 
 def _grid(ns, vs, densities, dtypes) -> Tuple[Case, ...]:
@@ -267,13 +285,25 @@ PRESETS: Dict[str, Preset] = {
         ops=OPS,
         timing=Timing(warmup_ms=1, rep_ms=5, cpu_reps=7),
     ),
+    # The hidden-state ops (issue 35's targets): the log-prob seam with the trainers' fused
+    # heads, the lm_head loss step with its JAX twin, and both chunked ops at 4x / 8x rows.
+    "linear": Preset(
+        groups=(
+            Group((_STEP_CASE,), _SEAM, (LINEAR_LOGP,)),
+            Group((_STEP_CASE,), _STEP + ("ratiokl-jax-triton-linear",), (LMHEAD,)),
+            _GROWTH,
+        ),
+        ops=(LINEAR_LOGP,),
+        timing=Timing(warmup_ms=10, rep_ms=60, cpu_reps=3),
+    ),
     # CI on the CPU: tiny, native providers, every op; a tiny lm_head step (bf16, as on
     # the GPU) with ratiokl's native loss and the bare GEMMs.
     "cpu-smoke": Preset(
         groups=(
             Group(_grid((32,), (256,), (0.5,), ("float32",)), _NATIVE),
             Group((Case(32, 256, 0.5, "bfloat16", hidden=64),),
-                  ("ratiokl-torch-native", "gemm-only"), (LMHEAD,)),
+                  ("ratiokl-torch-native", "ratiokl-torch-native-linear", "gemm-only"),
+                  HIDDEN_OPS),
         ),
         ops=OPS,
         timing=Timing(warmup_ms=1, rep_ms=5, cpu_reps=3),

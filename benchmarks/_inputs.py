@@ -69,6 +69,9 @@ class StepInputs:
     ref_logps: torch.Tensor  # [B, T] float32
     advantages: torch.Tensor  # [B] float32
     grad_logits: torch.Tensor  # [N, V] case dtype: the bare GEMMs' upstream gradient
+    cot_a: torch.Tensor  # [B, T] float32 upstream gradient of the seam's logp
+    cot_b: torch.Tensor  # [B, T] float32 upstream gradient of the seam's entropy
+    seam_grad_logits: torch.Tensor  # [N, V] case dtype: the seam's own logits gradient
 
 
 class _Random:
@@ -128,6 +131,7 @@ def _step_inputs(case: Case, r: _Random) -> StepInputs:
     old_logps = logps + 0.05 * r.randn(case.batch, case.seq)
     ref_logps = logps + 0.05 * r.randn(case.batch, case.seq)
     advantages = r.randn(case.batch)
+    cot_a, cot_b = r.randn(case.batch, case.seq), r.randn(case.batch, case.seq)
     return StepInputs(
         hidden=hidden.requires_grad_(True),
         weight=weight.requires_grad_(True),
@@ -137,6 +141,9 @@ def _step_inputs(case: Case, r: _Random) -> StepInputs:
         ref_logps=ref_logps,
         advantages=advantages,
         grad_logits=_loss_gradient(hidden, weight, ids, mask, old_logps, ref_logps, advantages),
+        cot_a=cot_a,
+        cot_b=cot_b,
+        seam_grad_logits=_seam_gradient(hidden, weight, ids, mask, cot_a, cot_b),
     )
 
 
@@ -157,6 +164,26 @@ def _loss_gradient(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor
                                 backend="native")
     (grad,) = torch.autograd.grad(value, logits)
     return grad.reshape(-1, vocab)
+
+
+def _seam_gradient(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor,
+                   mask: torch.Tensor, cot_a: torch.Tensor, cot_b: torch.Tensor) -> torch.Tensor:
+    """The log-prob seam's own logits gradient (``cot_a`` on logp, ``cot_b`` on the entropy;
+    ``[N, V]``, their dtype), computed in row chunks of fp32 framework ops: the bare GEMMs'
+    upstream gradient for the seam (the loss's own data, as :func:`_loss_gradient` says)."""
+    flat_ids, active = ids.reshape(-1), mask.reshape(-1)
+    ga, gb = cot_a.reshape(-1), cot_b.reshape(-1)
+    out = torch.empty(hidden.shape[0], weight.shape[0], dtype=hidden.dtype, device=hidden.device)
+    with torch.no_grad():
+        for start in range(0, hidden.shape[0], _CHUNK_ROWS):
+            rows = slice(start, start + _CHUNK_ROWS)
+            log_p = torch.log_softmax((hidden[rows] @ weight.T).float(), dim=-1)
+            p = log_p.exp()
+            entropy = -(p * log_p).sum(-1, keepdim=True)
+            onehot = torch.zeros_like(p).scatter_(1, flat_ids[rows, None], 1.0)
+            grad = ga[rows, None] * (onehot - p) - gb[rows, None] * p * (log_p + entropy)
+            out[rows] = torch.where(active[rows, None], grad, 0.0).to(out.dtype)
+    return out
 
 
 def make_inputs(case: Case, device: torch.device,
@@ -181,8 +208,8 @@ def _to_jax(tensor: torch.Tensor) -> Any:
         return jnp.asarray(host, dtype=dtype)
 
 
-def jax_inputs(inputs: TorchInputs) -> Dict[str, Any]:
+def jax_inputs(inputs: Union[TorchInputs, StepInputs]) -> Dict[str, Any]:
     """Every field of ``inputs`` as a JAX array (same names)."""
-    if inputs.policy.is_cuda:
+    if inputs.ids.is_cuda:
         torch.cuda.synchronize()
     return {f.name: _to_jax(getattr(inputs, f.name)) for f in fields(inputs)}

@@ -64,7 +64,8 @@ def linear_step(x: Any, loss_of: Callable[[torch.Tensor, torch.Tensor], Any]) ->
                    (x.hidden, x.weight))
 
 
-def gemm_only(x: Any) -> TorchOp:
-    """The bare GEMMs: forward ``hidden @ W.T``; backward for the fixed random gradient
-    ``x.grad_logits``."""
-    return TorchOp(lambda: (x.hidden @ x.weight.T, ()), (x.hidden, x.weight), (x.grad_logits,))
+def gemm_only(x: Any, grad_logits: torch.Tensor) -> TorchOp:
+    """The bare GEMMs: forward ``hidden @ W.T``; backward for the fixed gradient
+    ``grad_logits`` ``[N, V]`` (the measured op's own: ``x.grad_logits`` for the loss,
+    ``x.seam_grad_logits`` for the log-prob seam)."""
+    return TorchOp(lambda: (x.hidden @ x.weight.T, ()), (x.hidden, x.weight), (grad_logits,))

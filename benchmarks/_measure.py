@@ -23,7 +23,8 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
-from _cases import BWD, FWD, LOGP_ENTROPY_OP, USER, Case, Timing, TorchOp, min_bytes
+from _cases import (BWD, FWD, LINEAR_LOGP, LOGP_ENTROPY_OP, USER, Case, Timing, TorchOp,
+                    min_bytes)
 from _harness import (
     RECORD_FIELDS,
     cpu_ms,
@@ -45,7 +46,7 @@ __all__ = ["derive_bwd", "make_record", "measure_jax", "measure_torch"]
 def _torch_cotangents(op: str, x: Any) -> Optional[Tuple[torch.Tensor, ...]]:
     if op == "selected_logprobs":
         return (x.cot_a,)
-    if op.startswith("ratio_kl") or op == LOGP_ENTROPY_OP:  # two per-token outputs
+    if op.startswith("ratio_kl") or op in (LOGP_ENTROPY_OP, LINEAR_LOGP):  # two outputs
         return (x.cot_a, x.cot_b)
     return None  # scalar loss: upstream gradient 1
 
@@ -55,7 +56,7 @@ def _jax_cotangents(op: str, rest: Dict[str, Any]) -> Any:
 
     if op == "selected_logprobs":
         return rest["cot_a"]
-    if op.startswith("ratio_kl") or op == LOGP_ENTROPY_OP:
+    if op.startswith("ratio_kl") or op in (LOGP_ENTROPY_OP, LINEAR_LOGP):
         return (rest["cot_a"], rest["cot_b"])
     return jnp.ones((), jnp.float32)
 
@@ -142,8 +143,10 @@ def measure_jax(build: Callable[[], Callable[..., Any]], op: str, mode: str,
     """
     import jax
 
-    policy = xj["policy"]
-    rest = {k: v for k, v in xj.items() if k != "policy"}
+    # What the gradient reaches: the logits, or (hidden-state ops) the hidden states and W.
+    wrt = ("policy",) if "policy" in xj else ("hidden", "weight")
+    policy = xj["policy"] if "policy" in xj else (xj["hidden"], xj["weight"])
+    rest = {k: v for k, v in xj.items() if k not in wrt}
     start = time.perf_counter()
     if key not in cache:
         cache[key] = _jax_compiled(build(), op, mode, policy, rest)

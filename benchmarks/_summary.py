@@ -13,13 +13,14 @@ two timings existed read as device timing.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from _cases import (
     CISPO_OP,
     DEVICE,
     ENTROPY_COEF,
     ENTROPY_OP,
+    LINEAR_LOGP,
     LMHEAD,
     LOGP_ENTROPY_OP,
     ROLLOUT_OPS,
@@ -36,7 +37,9 @@ _TG = "ratiokl-torch-triton-graph"
 _TU, _TC = "ratiokl-torch-triton-unchecked", "ratiokl-torch-triton-compiled"
 _GEMM = "gemm-only"
 _PROVIDERS = (_TT, _TU, _TC, _TT + "-inplace", _TG, _JT, "ratiokl-torch-native", "ratiokl-jax-native",
-              "torch-eager", "torch-compile", "liger", _GEMM)
+              "torch-eager", "torch-compile", "liger", "ratiokl-torch-triton-linear",
+              "ratiokl-jax-triton-linear", "ratiokl-torch-native-linear", "trl-chunked",
+              "verl-fused", "cce", _GEMM)
 _HEAD = {"N": 8192, "V": 151936, "dtype": "bfloat16"}
 #: The lm_head step's shape (hidden size aside, the headline's).
 _STEP = _HEAD
@@ -185,6 +188,7 @@ def check_targets(records: Sequence[Dict[str, Any]],
             "<=", bound) for mode, bound in (("fwd", 1.05), ("fwd+bwd", 1.08))]
     if has(LMHEAD, _STEP):
         checks.append(_lmhead_check(idx))
+    checks += _hidden_checks(idx, has)
     for op in (o for o in _OPS if has(o)):
         checks += _head_checks(idx, op)
     for op in (o for o in _OPS if has(o, _CPU)):
@@ -257,6 +261,40 @@ def _lmhead_check(idx: Index) -> Dict[str, Any]:
     extra = (ours - gemms) / alone["ms"] if None not in (ours, gemms) and alone else None
     return _check("lmhead-step (ratiokl - gemm-only) user time / policy_loss_ref_logps "
                   "fwd+bwd device time", extra, "<=", 1.15)
+
+
+#: Issue 35's targets for the chunked hidden-state ops at the lm_head shape, user timing:
+#: (op, mode, provider, yardstick provider, bound): time / yardstick's time <= bound.
+_HIDDEN_TARGETS = (
+    (LINEAR_LOGP, "fwd", "ratiokl-torch-triton-linear", _GEMM, 1.03),
+    (LINEAR_LOGP, "fwd+bwd", "ratiokl-torch-triton-linear", _GEMM, 1.03),
+    (LMHEAD, "fwd+bwd", "ratiokl-torch-triton-linear", _GEMM, 1.02),
+    (LINEAR_LOGP, "fwd", "ratiokl-jax-triton-linear", "ratiokl-torch-triton-linear", 1.05),
+    (LINEAR_LOGP, "fwd+bwd", "ratiokl-jax-triton-linear", "ratiokl-torch-triton-linear", 1.05),
+    (LMHEAD, "fwd+bwd", "ratiokl-jax-triton-linear", "ratiokl-torch-triton-linear", 1.05),
+)
+#: Their memory target: extra peak beyond the gradients of hidden and W (GiB).
+_HIDDEN_EXTRA_GIB = 0.35
+
+
+def _hidden_checks(idx: Index, has: Callable[..., bool]) -> List[Dict[str, Any]]:
+    """The hidden-state ops against the bare GEMMs (and JAX against PyTorch), and their
+    memory beyond the two gradients (hidden ``[N, H]`` and W ``[V, H]`` in bf16)."""
+    out = []
+    for op, mode, prov, base, bound in _HIDDEN_TARGETS:
+        if has(op, _STEP):
+            out.append(_check(f"{op} {mode} {prov} time / {base} time (user timing)",
+                              _ratio(_get(idx, prov, op, mode, shape=_STEP),
+                                     _get(idx, base, op, mode, shape=_STEP)), "<=", bound))
+    grads = 2 * 4096 * (_STEP["N"] + _STEP["V"])  # bf16 d hidden and d W, bytes
+    for op in (LINEAR_LOGP, LMHEAD):
+        if has(op, _STEP):
+            peak = _val(_get(idx, "ratiokl-torch-triton-linear", op, "fwd+bwd", shape=_STEP),
+                        "peak_extra_bytes")
+            out.append(_check(f"{op} fwd+bwd ratiokl-torch-triton-linear extra peak beyond the "
+                              "gradients (GiB)", None if peak is None else (peak - grads) / 2**30,
+                              "<=", _HIDDEN_EXTRA_GIB))
+    return out
 
 
 def _few_rows_checks(idx: Index, ceilings: Optional[Dict[str, Any]], op: str,
@@ -348,7 +386,9 @@ def tables(records: Sequence[Dict[str, Any]],
                  "issue ms (device)", "issue ms (user)"] + [f"x {p}" for p in PEERS],
          detail),
         _few_rows_table(idx, ceilings),
-        _lmhead_table(idx),
+        _hidden_table(idx, LMHEAD, "fwd+bwd"),
+        _hidden_table(idx, LINEAR_LOGP, "fwd"),
+        _hidden_table(idx, LINEAR_LOGP, "fwd+bwd"),
         ("PERF.md targets", ["target", "value", "needs", "status"], targets),
     ]
 
@@ -378,12 +418,21 @@ def _few_rows_table(idx: Index, ceilings: Optional[Dict[str, Any]]) -> Table:
              "graph ms (device)", "device GB/s", "pure read GB/s", "device / pure read"], out)
 
 
-def _lmhead_table(idx: Index) -> Table:
-    """The lm_head step per provider, under both timings, against the bare GEMMs."""
+#: The hidden-state ops' table titles, by op.
+_HIDDEN_TITLES = {
+    LMHEAD: "lmhead-step (hidden @ W.T -> loss -> grads of hidden and W)",
+    LINEAR_LOGP: "lmhead-logprobs (hidden @ W.T -> per-token logp and entropy; backward to "
+                 "hidden and W with the entropy's gradient)",
+}
+
+
+def _hidden_table(idx: Index, op: str, mode: str) -> Table:
+    """A hidden-state op in ``mode`` per provider, under both timings, against the bare GEMMs
+    (one GEMM forward, three forward + backward, on the op's own gradient)."""
     out = []
-    for n, v, d, dtype in sorted({k[2:6] for k in idx if k[0] == LMHEAD}):
+    for n, v, d, dtype in sorted({k[2:6] for k in idx if k[0] == op and k[1] == mode}):
         shape = {"N": n, "V": v, "dtype": dtype}
-        get = lambda p, t: _get(idx, p, LMHEAD, "fwd+bwd", d, shape, t)  # noqa: E731
+        get = lambda p, t: _get(idx, p, op, mode, d, shape, t)  # noqa: E731
         for p in _PROVIDERS:
             user, dev = get(p, USER), get(p, DEVICE)
             if not (user or dev):
@@ -393,7 +442,7 @@ def _lmhead_table(idx: Index) -> Table:
                         _fmt(_ratio(user, get(_GEMM, USER)), ".3f"),
                         _fmt(_val(dev, "ms"), ".3f"), _fmt(_ratio(dev, get(_GEMM, DEVICE)), ".3f"),
                         _fmt(None if peak is None else peak / 2**30, ".2f"), _issue(dev)])
-    return ("lmhead-step (hidden @ W.T -> loss -> grads of hidden and W), fwd+bwd",
+    return (f"{_HIDDEN_TITLES[op]}, {mode}",
             ["case", "provider", "user ms", "x gemm-only (user)", "device ms",
              "x gemm-only (device)", "extra peak GiB (user)", "issue ms (device)"], out)
 

@@ -14,7 +14,8 @@ a tuple of tensors, or a scalar loss) and ``aux`` anything else the op returns.
 Peers are written as trainers write them: upcast to fp32, ``log_softmax``,
 ``gather`` (``torch-eager``), and ``torch.compile`` of exactly that
 (``torch-compile``). Liger-Kernel lives in ``_liger``, the lm_head step's
-builders (its ratiokl and Liger losses, the bare GEMMs) in ``_lmhead``.
+builders (its ratiokl and Liger losses, the bare GEMMs) in ``_lmhead``, the log-prob seam's
+(TRL's, verl's and cut-cross-entropy's fused heads, ratiokl's two routes) in ``_seam``.
 """
 
 from __future__ import annotations
@@ -27,13 +28,16 @@ import torch
 
 import _liger
 import _lmhead
+import _seam
 from _cases import (
     CLIP_EPS,
     CISPO_OP,
     ENTROPY_COEF,
     ENTROPY_OP,
     FWD,
+    HIDDEN_OPS,
     KL_COEF,
+    LINEAR_LOGP,
     LMHEAD,
     LOGP_ENTROPY_OP,
     ROLLOUT_OPS,
@@ -44,7 +48,7 @@ from _cases import (
 
 __all__ = ["PROVIDERS", "Provider", "eager_op", "ratiokl_op"]
 
-#: Input kinds: logits in (every op but the lm_head step), hidden states in (``LMHEAD``).
+#: Input kinds: logits in (every op but the hidden-state ones), hidden states in (``HIDDEN_OPS``).
 LOGITS, HIDDEN = "logits", "hidden"
 
 
@@ -76,7 +80,7 @@ class Provider:
 
     def why_not(self, op: str, mode: str) -> Optional[str]:
         """Why this provider does not run ``op`` in ``mode`` (None: it does)."""
-        kind = HIDDEN if op == LMHEAD else LOGITS
+        kind = HIDDEN if op in HIDDEN_OPS else LOGITS
         if kind not in self.inputs:
             return f"{self.name} does not take {kind} inputs"
         return self.unsupported(op, mode)
@@ -140,6 +144,8 @@ def _ratiokl_torch(backend: str) -> Callable[[str, Any, bool], TorchOp]:
         from ratiokl.torch import loss
 
         a = vars(x)
+        if op == LINEAR_LOGP:  # one GEMM, then the log-probs and entropy on [N, V] logits
+            return _seam.ratiokl_materialised(x, backend, check_ids)
         if op == LMHEAD:  # the policy loss (reference log-probs given) on hidden @ W.T
             return _lmhead.step(x, lambda logits: ratiokl_op(
                 loss, "policy_loss_ref_logps", {**a, "policy": logits}, backend, check_ids))
@@ -148,15 +154,42 @@ def _ratiokl_torch(backend: str) -> Callable[[str, Any, bool], TorchOp]:
     return build
 
 
-def _ratiokl_torch_linear(op: str, x: Any, check_ids: bool) -> TorchOp:
-    """The lm_head step through ``linear_policy_loss`` (row chunks of its default size): the
-    ``policy_loss_ref_logps`` call's loss from the hidden states and ``W``."""
-    from ratiokl.torch import loss
+def _ratiokl_torch_linear(backend: str) -> Callable[[str, Any, bool], TorchOp]:
+    """The hidden-state ops in row chunks (their default size): the lm_head step through
+    ``linear_policy_loss`` (the ``policy_loss_ref_logps`` call's loss from the hidden states
+    and ``W``), the seam through ``linear_selected_logprobs``."""
+    def build(op: str, x: Any, check_ids: bool) -> TorchOp:
+        from ratiokl.torch import loss
+
+        if op == LINEAR_LOGP:
+            return _seam.ratiokl_linear(x, backend, check_ids)
+        kw = {"backend": backend, **({} if check_ids else {"check_ids": False})}
+        return _lmhead.linear_step(x, lambda hidden, weight: loss.linear_policy_loss(
+            hidden, weight, x.ids, x.mask, x.old_logps, x.advantages, ref_logps=x.ref_logps,
+            clip_eps=CLIP_EPS, kl_coef=KL_COEF, **kw))
+
+    return build
+
+
+def _ratiokl_jax_linear(op: str, check_ids: bool) -> Callable[..., Any]:
+    """The hidden-state ops of ``ratiokl.jax.loss`` on ``(hidden, W)`` (``_measure`` jits and
+    differentiates with respect to both), as :func:`_ratiokl_torch_linear`."""
+    from ratiokl.jax import loss
 
     kw = {} if check_ids else {"check_ids": False}
-    return _lmhead.linear_step(x, lambda hidden, weight: loss.linear_policy_loss(
-        hidden, weight, x.ids, x.mask, x.old_logps, x.advantages, ref_logps=x.ref_logps,
-        clip_eps=CLIP_EPS, kl_coef=KL_COEF, **kw))
+
+    def f(hw: Any, r: Dict[str, Any]) -> Any:
+        hidden, weight = hw
+        b = r["ids"].shape[0]
+        hidden = hidden.reshape(b, -1, hidden.shape[-1])
+        if op == LINEAR_LOGP:
+            return loss.linear_selected_logprobs(hidden, weight, r["ids"], r["mask"],
+                                                 return_entropy=True, **kw), ()
+        return loss.linear_policy_loss(hidden, weight, r["ids"], r["mask"], r["old_logps"],
+                                       r["advantages"], ref_logps=r["ref_logps"],
+                                       clip_eps=CLIP_EPS, kl_coef=KL_COEF, **kw)
+
+    return f
 
 
 def _ratiokl_torch_compiled(op: str, x: Any, check_ids: bool) -> TorchOp:
@@ -269,7 +302,7 @@ def _eager(compile_it: bool) -> Callable[[str, Any, Optional[bool]], TorchOp]:
 
 
 def _liger_unsupported(op: str, mode: str) -> Optional[str]:
-    if op in (ENTROPY_OP, LOGP_ENTROPY_OP):
+    if op in (ENTROPY_OP, LOGP_ENTROPY_OP, LINEAR_LOGP):
         return "Liger's GRPO loss has no entropy bonus"
     if op == CISPO_OP:
         return "Liger's GRPO loss has no CISPO objective"
@@ -279,7 +312,11 @@ def _liger_unsupported(op: str, mode: str) -> Optional[str]:
 
 
 def _gemm_only(op: str, x: Any, check_ids: Optional[bool]) -> TorchOp:
-    return _lmhead.gemm_only(x)
+    return _lmhead.gemm_only(x, x.seam_grad_logits if op == LINEAR_LOGP else x.grad_logits)
+
+
+def _peer_seam_only(op: str, mode: str) -> Optional[str]:
+    return None if op == LINEAR_LOGP else "a trainer's fused log-prob head (the seam only)"
 
 
 def _torch_triton() -> Optional[str]:
@@ -292,7 +329,13 @@ PROVIDERS: Dict[str, Provider] = {
         Provider("ratiokl-torch-triton", "torch", _ratiokl_torch("triton"), _torch_triton,
                  user_check_ids=True, inputs=(LOGITS, HIDDEN)),
         # The lm_head step from hidden states in row chunks (no [N, V] logits).
-        Provider("ratiokl-torch-triton-linear", "torch", _ratiokl_torch_linear, _torch_triton,
+        Provider("ratiokl-torch-triton-linear", "torch", _ratiokl_torch_linear("triton"),
+                 _torch_triton, user_check_ids=True, inputs=(HIDDEN,)),
+        Provider("ratiokl-torch-native-linear", "torch", _ratiokl_torch_linear("native"),
+                 lambda: _missing_module("ratiokl.torch.loss"), user_check_ids=True,
+                 inputs=(HIDDEN,)),
+        Provider("ratiokl-jax-triton-linear", "jax", _ratiokl_jax_linear,
+                 lambda: _needs_jax_gpu() or _missing_module("ratiokl.jax.loss"),
                  user_check_ids=True, inputs=(HIDDEN,)),
         Provider("ratiokl-torch-triton-inplace", "torch", _ratiokl_torch_inplace,
                  _torch_triton, _policy_loss_only, user_check_ids=True),
@@ -321,5 +364,14 @@ PROVIDERS: Dict[str, Provider] = {
                  lambda: _needs_cuda() or _missing_module("liger_kernel.ops.grpo_loss"),
                  _liger_unsupported, inputs=(LOGITS, HIDDEN)),
         Provider("gemm-only", "torch", _gemm_only, lambda: None, inputs=(HIDDEN,)),
+        Provider("trl-chunked", "torch", _seam.trl_chunked,
+                 lambda: _needs_cuda() or _missing_module("trl.kernels"), _peer_seam_only,
+                 inputs=(HIDDEN,)),
+        Provider("verl-fused", "torch", _seam.verl_fused,
+                 lambda: _needs_cuda() or _missing_module("verl.utils.kernel.kernels"),
+                 _peer_seam_only, inputs=(HIDDEN,)),
+        Provider("cce", "torch", _seam.cce,
+                 lambda: _needs_cuda() or _missing_module("cut_cross_entropy"),
+                 _peer_seam_only, inputs=(HIDDEN,)),
     )
 }

@@ -29,6 +29,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence  # noqa: E402
 import torch  # noqa: E402
 
 from _cases import (  # noqa: E402
+    LINEAR_LOGP,
     LMHEAD,
     OPS,
     PRESETS,
@@ -47,8 +48,9 @@ from _summary import LEGEND, check_targets, render, speedups, tables  # noqa: E4
 from providers import PROVIDERS, Provider  # noqa: E402
 
 _START = time.perf_counter()
-#: Every op ``--ops`` may name: the logits-in ops, the rollout-correction ones, the lm_head step.
-_ALL_OPS = OPS + tuple(ROLLOUT_OPS) + (LMHEAD,)
+#: Every op ``--ops`` may name: the logits-in ops, the rollout-correction ones, the hidden-state
+#: ops (the lm_head step, the log-prob seam).
+_ALL_OPS = OPS + tuple(ROLLOUT_OPS) + (LMHEAD, LINEAR_LOGP)
 
 
 def _log(msg: str) -> None:
