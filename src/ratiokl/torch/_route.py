@@ -32,7 +32,7 @@ import torch
 from ratiokl._backend import Backend, inplace_grad_error
 from ratiokl._requirements import unmet
 from ratiokl.spec import BACKENDS, kl_estimator_code, policy_loss_options, rollout_options
-from ratiokl.torch import _checks, _rollout
+from ratiokl.torch import _checks, _once, _rollout
 from ratiokl.torch._checks import Temperature
 
 __all__ = ["BACKENDS", "backend_name", "linear_policy_loss", "policy_loss", "ratio_kl",
@@ -270,8 +270,10 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
                 kl_estimator, loss_agg, loss_normalizer, ratio_level, objective, entropy_coef,
                 segment_ids, importance_weights, log_ratio_bound, temperature, backend,
                 check_ids, vocab_group, inplace_grad, rollout_logps, rollout_correction,
-                rollout_bounds) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-    """``ratiokl.torch.loss.policy_loss`` (documented there)."""
+                rollout_bounds, op: str = "policy_loss",
+                ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """``ratiokl.torch.loss.policy_loss`` (documented there); ``op``: the public call the
+    second-backward error names (``linear_policy_loss`` on its native route)."""
     opts = policy_loss_options(
         clip_eps=clip_eps, clip_eps_high=clip_eps_high, dual_clip=dual_clip,
         ratio_cap=ratio_cap, kl_coef=kl_coef, kl_estimator=kl_estimator, loss_agg=loss_agg,
@@ -333,6 +335,8 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
         as_rows(logp, lead), None if logp_ref is None else as_rows(logp_ref, lead),
         as_rows(rows.mask, lead), inputs, opts, as_rows(entropy, lead),
     )
+    # Once, as the one-kernel loss backpropagates (ratiokl.torch._once).
+    loss = _once.backward_once(loss, op)
     return rows.checked((loss, {**metrics, **rollout_metrics}))
 
 
@@ -394,7 +398,8 @@ def linear_policy_loss(hidden, weight, action_ids, mask, old_logps, advantages, 
             importance_weights=importance_weights, log_ratio_bound=log_ratio_bound,
             temperature=temperature, backend=backend, check_ids=False, vocab_group=None,
             inplace_grad=False, rollout_logps=rollout_logps,
-            rollout_correction=rollout_correction, rollout_bounds=rollout_bounds))
+            rollout_correction=rollout_correction, rollout_bounds=rollout_bounds,
+            op="linear_policy_loss"))
     if torch.compiler.is_compiling():
         raise ValueError(
             "linear_policy_loss on the Triton backends runs eagerly (its row chunks launch "

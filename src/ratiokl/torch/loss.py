@@ -290,6 +290,9 @@ def policy_loss(
       above.
       Inactive tokens contribute nothing and get exactly zero gradient whatever
       they hold; no active token gives loss 0 and zero metrics, never NaN.
+      The loss backpropagates once per call on every backend (the one-kernel path
+      scales its stored gradient in place): a second backward through it
+      (``retain_graph=True``) raises ``RuntimeError``; call ``policy_loss`` again.
 
     References:
       Schulman et al. (2017) PPO, arXiv:1707.06347; Ye et al. (2019) dual-clip,
@@ -375,7 +378,8 @@ def linear_policy_loss(
       ``(loss, metrics)`` as :func:`policy_loss`. Differentiable w.r.t. ``hidden`` and
       ``weight`` (whichever requires a gradient): both gradients are computed in the
       forward and scaled by the upstream value in the backward, so the loss
-      backpropagates once. ``d weight`` accumulates over chunks in ``weight``'s dtype (one
+      backpropagates once, on every backend (a second backward raises
+      ``RuntimeError``). ``d weight`` accumulates over chunks in ``weight``'s dtype (one
       rounding per chunk in bf16, as the materialised step rounds its one GEMM once).
       Inactive rows get exactly zero ``d hidden`` and add nothing to ``d weight``, whatever
       their hidden states hold (NaN included). Runs eagerly: under ``torch.compile`` it
