@@ -159,11 +159,11 @@ def _rows(logits: torch.Tensor, lead: Tuple[int, ...], ids: torch.Tensor, mask, 
         **first, action_ids=ids, mask=mask,
         temperature=temperature if isinstance(temperature, torch.Tensor) else None, **per_token,
     )
-    if check_ids and torch.compiler.is_compiling():
+    if check_ids and vocab_group is not None and torch.compiler.is_compiling():
         raise ValueError(
-            "check_ids=True reads the active ids on the host, which torch.compile cannot "
-            "trace; pass check_ids=False under torch.compile (a bad id or temperature then "
-            "makes its row NaN)"
+            "check_ids=True with `vocab_group` agrees the ranks' shapes and checks the ids "
+            "on the host, which torch.compile cannot trace; pass check_ids=False under "
+            "torch.compile (a bad id or temperature then makes its row NaN)"
         )
     name = backend_name(backend, device)
     check = None
@@ -171,6 +171,7 @@ def _rows(logits: torch.Tensor, lead: Tuple[int, ...], ids: torch.Tensor, mask, 
         check = _checks.ActiveCheck(ids, mask, None if vocab_group else
                                     vocab or logits.shape[-1],
                                     temperature, one_launch=name == "triton")
+        mask = check.mask  # under torch.compile: the checking op's output
     if vocab_group is None:
         run = _loaded(name)
     else:

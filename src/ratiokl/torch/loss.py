@@ -66,10 +66,12 @@ def selected_logprobs(
       check_ids: check active ids (and a per-row temperature) and raise
         ``ValueError`` naming the first bad position. The check is queued before
         the kernels and read after them, so the GPU never waits for the host; the
-        call returns once the GPU has reached it. False (required under
-        ``torch.compile`` and inside a CUDA graph capture, where True raises a
-        ``ValueError`` saying so): no host read, and a row with a bad active id or
-        temperature gives NaN (and NaN gradient), as it does whether checked or not.
+        call returns once the GPU has reached it. Under ``torch.compile`` it is an op
+        of the compiled graph, run before the kernels (on a GPU one host sync there).
+        False (required inside a CUDA graph capture, and under ``torch.compile`` with
+        ``vocab_group``, where True raises a ``ValueError`` saying so): no host read,
+        and a row with a bad active id or temperature gives NaN (and NaN gradient), as
+        it does whether checked or not.
       vocab_group: a ``torch.distributed`` process group over which ``logits``
         is sharded along the vocabulary (rank r holds a contiguous column
         block, in rank order; see docs/vocab_parallel.md). ``action_ids`` are
