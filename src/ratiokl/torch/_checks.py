@@ -30,6 +30,7 @@ __all__ = [
     "check_logits",
     "check_ids",
     "check_mask",
+    "check_no_transforms",
     "check_row_values",
     "check_same_device",
     "check_temperature",
@@ -41,6 +42,24 @@ LOGIT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 Temperature = Union[float, torch.Tensor]
 Normalizer = Union[None, float, torch.Tensor]
+
+
+def check_no_transforms() -> None:
+    """Raise ``RuntimeError`` inside a ``torch.func`` transform (``grad``, ``vmap``, ...).
+
+    The ops' ``autograd.Function``s give analytic (some in-place, computed in the forward)
+    gradients and no batching rules, so functorch cannot transform them; the error says
+    what to use. Not asked while ``torch.compile`` traces (Dynamo handles its own).
+    """
+    if not torch.compiler.is_compiling() and torch._C._are_functorch_transforms_active():
+        raise RuntimeError(
+            "ratiokl.torch.loss functions do not support torch.func transforms (grad, vmap, "
+            "jacrev, jvp, ...): their gradients are custom autograd Functions without "
+            "functorch rules. Call them outside the transform: take gradients with "
+            "loss.backward() or torch.autograd.grad, and pass the batch as the leading "
+            "shape [...] instead of vmap (every op takes any leading shape); ratiokl.jax "
+            "supports jax.grad and jax.vmap"
+        )
 
 
 def _require_tensor(name: str, value: object) -> torch.Tensor:

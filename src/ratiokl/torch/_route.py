@@ -217,7 +217,9 @@ def _aggregation_weights(run: Backend, mask, lead: Tuple[int, ...], inputs: _che
     return weights
 
 def _lead(logits: torch.Tensor, action_ids: torch.Tensor) -> Tuple[int, ...]:
-    """Check the logits, then the ids (first: a flattened ``[N, V]`` names the ids)."""
+    """Check the call context and the logits, then the ids (first: a flattened ``[N, V]``
+    names the ids)."""
+    _checks.check_no_transforms()
     _checks.check_logits("policy_logits", logits)
     lead = tuple(logits.shape[:-1])
     _checks.check_ids(action_ids, lead)
@@ -343,7 +345,9 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
 
 def _lead_hidden(hidden: torch.Tensor, weight: torch.Tensor,
                  action_ids: torch.Tensor) -> Tuple[int, ...]:
-    """Check ``hidden [..., H]`` and ``weight [V, H]`` (same dtype), then the ids."""
+    """Check the call context, ``hidden [..., H]`` and ``weight [V, H]`` (same dtype), then
+    the ids."""
+    _checks.check_no_transforms()
     _checks.check_logits("hidden", hidden)
     _checks.check_logits("weight", weight)
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:

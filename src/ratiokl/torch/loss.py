@@ -3,6 +3,10 @@
 Signatures and documentation; each function is one call into
 ``ratiokl.torch._route``, which validates the inputs once, queues the check of
 active ids (``check_ids``), runs the backend and reads the check.
+
+They work under autograd and ``torch.compile``; inside a ``torch.func`` transform
+(``grad``, ``vmap``, ...) they raise ``RuntimeError`` (use ``backward()`` and the leading
+shape ``[...]``, or ``ratiokl.jax``).
 """
 
 from __future__ import annotations
