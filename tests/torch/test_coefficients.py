@@ -1,4 +1,4 @@
-"""Coefficients as 0-d tensors, per-row inputs with any strides, and check_ids under compile.
+"""Coefficients as 0-d tensors and per-row inputs with any strides.
 
 * ``kl_coef``, ``clip_eps``, ``clip_eps_high`` and ``entropy_coef`` given as 0-d
   tensors give the bits of the same Python numbers on every backend (the fused
@@ -7,8 +7,9 @@
   of the number 0, and ``torch.compile`` traces them: new values, no recompile;
 * per-row inputs that flatten to a stride-0 view (per-sequence advantages of
   one sequence, expanded masks / ids / old log-probs) reach the kernels as
-  contiguous rows;
-* ``check_ids=True`` under ``torch.compile`` raises an error that says what to pass.
+  contiguous rows.
+
+(``check_ids=True`` under ``torch.compile``: tests/torch/test_compile.py.)
 """
 
 from __future__ import annotations
@@ -171,17 +172,6 @@ def test_compiled_step_traces_entropy_coef_without_recompiling(backend: str, gra
             (g_want,) = torch.autograd.grad(step(leaf, *rows, coef)[0], leaf)
             torch.testing.assert_close(g_got, g_want, rtol=1e-5, atol=1e-7)
     assert len(frames) == 1, f"{len(frames)} compiles for 4 values of entropy_coef"
-
-
-def test_check_ids_under_compile_says_to_pass_false() -> None:
-    torch._dynamo.reset()
-    x = _inputs(4)
-
-    def step(logits, ids, mask):
-        return loss.selected_logprobs(logits, ids, mask, backend="native")
-
-    with pytest.raises(Exception, match="pass check_ids=False under torch.compile"):
-        torch.compile(step, fullgraph=True)(x["logits"], x["ids"], x["mask"])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -134,3 +134,46 @@ def test_a_compiled_gradient_takes_the_two_pass_kernels(wants_grad) -> None:
     # The two-pass forward: the policy's log-probs and entropies in one launch.
     two_pass = [op for op in ops if "interpret_entropy_forward" in op]
     assert (bool(fused), bool(two_pass)) == (not wants_grad, wants_grad), ops
+
+
+def _checked_step(logits, ids, mask, old, adv, temperature, backend):
+    """``policy_loss`` with the default ``check_ids=True`` and a per-row temperature."""
+    value, _ = loss.policy_loss(logits, None, ids, mask, old, adv, temperature=temperature,
+                                backend=backend)
+    return value
+
+
+@pytest.mark.parametrize("fullgraph", [True, False], ids=["fullgraph", "default"])
+@pytest.mark.parametrize("backend", ["native", "interpret"])
+def test_check_ids_runs_inside_the_compiled_graph(backend, fullgraph) -> None:
+    """``check_ids=True`` under ``torch.compile``: the check is an op of the compiled graph
+    (no graph break), good inputs give the eager value and gradient, and a bad active id
+    or temperature raises ratiokl's ``ValueError`` naming its position when the compiled
+    step runs (the same graph: no new trace)."""
+    if backend == "interpret":
+        pytest.importorskip("triton")
+    torch._dynamo.reset()
+    logits, ids, mask, old, adv = _step_inputs(6, seed=2)
+    temperature = 0.5 + torch.rand(2, 6, generator=torch.Generator().manual_seed(3))
+    args = (ids, mask, old, adv, temperature, backend)
+    if not fullgraph:
+        explained = torch._dynamo.explain(_checked_step)(logits, *args)
+        assert explained.graph_break_count == 0, explained.break_reasons
+    step = torch.compile(_checked_step, fullgraph=fullgraph)
+    value = step(logits, *args)
+    (grad,) = torch.autograd.grad(value, logits)
+    want = _checked_step(logits, *args)
+    (want_grad,) = torch.autograd.grad(want, logits)
+    scale = float(logits.detach().abs().max() / temperature.min())
+    fwd = spec.forward_tolerance(scale)
+    np.testing.assert_allclose(value.item(), want.item(), **fwd.as_dict())
+    grad_tol = spec.grad_tolerance("float32", scale, float(want_grad.abs().max()))
+    np.testing.assert_allclose(grad.numpy(), want_grad.numpy(), **grad_tol.as_dict())
+
+    bad_mask, bad_ids, bad_temp = mask.clone(), ids.clone(), temperature.clone()
+    bad_mask[1, 4], bad_ids[1, 4] = True, -3
+    with pytest.raises(ValueError, match=r"action_ids\[1, 4\] = -3 is outside \[0, 29\)"):
+        step(logits, bad_ids, bad_mask, old, adv, temperature, backend)
+    bad_mask[1, 4], bad_mask[0, 2], bad_temp[0, 2] = False, True, 0.0
+    with pytest.raises(ValueError, match=r"temperature\[0, 2\] = 0.0 on an active row"):
+        step(logits, ids, bad_mask, old, adv, bad_temp, backend)

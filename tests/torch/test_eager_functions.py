@@ -90,8 +90,10 @@ def test_eager_fused_second_backward_fails_loudly() -> None:
     leaf = x["policy"].clone().requires_grad_(True)
     loss = _launch.POLICY_LOSS.run("eager", *_fused_args(x, leaf))[0]
     (2.0 * loss).backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+    grad = leaf.grad.clone()
+    with pytest.raises(RuntimeError, match="policy_loss backpropagates once.*retain_graph"):
         loss.backward()
+    assert torch.equal(leaf.grad, grad)  # refused before the stored gradient was scaled
 
 
 def test_eager_without_a_gradient_skips_the_autograd_function(monkeypatch) -> None:

@@ -142,15 +142,6 @@ def test_gradient_of_one_input_and_no_gradient():
     assert metrics["ratio_mean"].item() == pytest.approx(full[1]["ratio_mean"].item())
 
 
-def test_backpropagates_once():
-    hidden, weight, ids, mask, old, ref, adv = _data(seed=4)
-    h = hidden.clone().requires_grad_()
-    value, _ = loss.linear_policy_loss(h, weight, ids, mask, old, adv, backend="interpret")
-    value.backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="once"):
-        value.backward()
-
-
 def test_bad_active_id_raises():
     hidden, weight, ids, mask, old, ref, adv = _data(seed=5)
     ids = ids.clone()

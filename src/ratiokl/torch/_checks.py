@@ -30,6 +30,7 @@ __all__ = [
     "check_logits",
     "check_ids",
     "check_mask",
+    "check_no_transforms",
     "check_row_values",
     "check_same_device",
     "check_temperature",
@@ -41,6 +42,24 @@ LOGIT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 Temperature = Union[float, torch.Tensor]
 Normalizer = Union[None, float, torch.Tensor]
+
+
+def check_no_transforms() -> None:
+    """Raise ``RuntimeError`` inside a ``torch.func`` transform (``grad``, ``vmap``, ...).
+
+    The ops' ``autograd.Function``s give analytic (some in-place, computed in the forward)
+    gradients and no batching rules, so functorch cannot transform them; the error says
+    what to use. Not asked while ``torch.compile`` traces (Dynamo handles its own).
+    """
+    if not torch.compiler.is_compiling() and torch._C._are_functorch_transforms_active():
+        raise RuntimeError(
+            "ratiokl.torch.loss functions do not support torch.func transforms (grad, vmap, "
+            "jacrev, jvp, ...): their gradients are custom autograd Functions without "
+            "functorch rules. Call them outside the transform: take gradients with "
+            "loss.backward() or torch.autograd.grad, and pass the batch as the leading "
+            "shape [...] instead of vmap (every op takes any leading shape); ratiokl.jax "
+            "supports jax.grad and jax.vmap"
+        )
 
 
 def _require_tensor(name: str, value: object) -> torch.Tensor:
@@ -203,6 +222,31 @@ class _FlagSlots:
 _FLAG_SLOTS = _FlagSlots()
 
 
+_CAPTURE_ERROR = (
+    "check_ids=True reads the active ids on the host, which a CUDA graph capture cannot "
+    "do; pass check_ids=False inside the capture (a bad id or temperature then makes its "
+    "row NaN), or check the ids before capturing"
+)
+
+
+@torch.library.custom_op("ratiokl::checked_mask", mutates_args=())
+def _checked_mask(ids: torch.Tensor, mask: torch.Tensor, vocab_size: int,
+                  temperature: Optional[torch.Tensor]) -> torch.Tensor:
+    """A copy of ``mask``, once :func:`check_active_ids` passed: the check under
+    ``torch.compile``. Opaque to the compiler (it runs when the compiled graph runs, and
+    raises ratiokl's ``ValueError``), and its output is the mask every later op reads, so
+    the compiler can neither drop it nor move the kernels before it."""
+    if mask.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise ValueError(_CAPTURE_ERROR)
+    check_active_ids(ids, mask, vocab_size, temperature)
+    return mask.clone()
+
+
+@_checked_mask.register_fake
+def _checked_mask_fake(ids, mask, vocab_size, temperature):
+    return torch.empty_like(mask)
+
+
 class ActiveCheck:
     """The host check of active ids and temperatures, queued on the device, read later.
 
@@ -212,27 +256,32 @@ class ActiveCheck:
     framework ops and an asynchronous copy of their result to pinned host memory. The
     caller then queues its kernels and calls :meth:`raise_if_bad`, which waits for that
     event only -- the GPU keeps running the kernels queued after it, and the bad rows
-    are NaN in them either way. On the CPU (and while ``torch.compile`` traces) the
-    test runs at once, before anything is launched. The error names the first bad
-    position (:func:`check_active_ids`).
+    are NaN in them either way. On the CPU the test runs at once, before anything is
+    launched. While ``torch.compile`` traces, the test becomes the ``ratiokl::checked_mask``
+    op (``vocab_size`` needed), run inside the compiled graph before the kernels (on a GPU
+    one host sync there), whose output the caller reads as the mask (:attr:`mask`). The
+    error names the first bad position (:func:`check_active_ids`).
     """
 
     def __init__(self, ids: torch.Tensor, mask: torch.Tensor, vocab_size: Optional[int],
                  temperature: Optional[Temperature] = None, *, one_launch: bool = False) -> None:
         self._args = (ids, mask, vocab_size, temperature)
         self._flags = self._event = None
-        if ids.device.type != "cuda" or torch.compiler.is_compiling():
+        has_temp = isinstance(temperature, torch.Tensor)
+        #: The mask the call's kernels read: ``mask``, or under ``torch.compile`` the
+        #: checking op's copy of it.
+        self.mask = mask
+        if torch.compiler.is_compiling():
+            self.mask = _checked_mask(ids, mask, vocab_size,
+                                      temperature if has_temp else None)
+            return
+        if ids.device.type != "cuda":
             check_active_ids(*self._args)  # nothing to overlap with: check now
             return
-        has_temp = isinstance(temperature, torch.Tensor)
         if vocab_size is None and not has_temp:
             return  # nothing to test
         if torch.cuda.is_current_stream_capturing():  # its wait would break the capture
-            raise ValueError(
-                "check_ids=True reads the active ids on the host, which a CUDA graph "
-                "capture cannot do; pass check_ids=False inside the capture (a bad id or "
-                "temperature then makes its row NaN), or check the ids before capturing"
-            )
+            raise ValueError(_CAPTURE_ERROR)
         if one_launch:  # the Triton backends: one kernel (ratiokl._kernels.active_check)
             from ratiokl.torch import _launch
 

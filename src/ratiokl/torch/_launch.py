@@ -71,6 +71,7 @@ from ratiokl._kernels.loss_rows import (
 )
 from ratiokl._kernels.rollout import rollout_weights_kernel
 from ratiokl.torch._cached_launch import cached
+from ratiokl.torch._once import spend
 
 __all__ = [
     "BACKWARD", "ENTROPY_FORWARD", "FORWARD", "KernelOp", "POLICY_LOSS", "ROLLOUT_WEIGHTS",
@@ -557,6 +558,7 @@ _FUSED_INPUTS = sum(p.kind is p.POSITIONAL_OR_KEYWORD
 
 
 def _fused_backward(ctx, g_loss, *_unused):
+    spend(ctx, "policy_loss")  # before the stored gradient is read: it is scaled in place
     if g_loss is None:
         return (None,) * _FUSED_INPUTS
     grad, mask = ctx.saved_tensors

@@ -37,6 +37,7 @@ from ratiokl.spec import PolicyLossOptions
 from ratiokl.torch._checks import Temperature
 from ratiokl.torch._launch import SCALE_ROWS, kernels_for, policy_loss_rows, policy_metrics, \
     row_scratch
+from ratiokl.torch._once import spend
 from ratiokl.torch._triton import kernel_coefficients, kernel_temperature
 
 __all__ = ["policy_loss"]
@@ -58,13 +59,9 @@ class _LinearLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_loss, _g_metrics):
+        spend(ctx, "linear_policy_loss")  # the gradients are scaled in place: once
         if g_loss is None:
             return None, None, None
-        if ctx.grads is None:
-            raise RuntimeError(
-                "linear_policy_loss gives its gradients once (they are computed in the "
-                "forward); call it again to backpropagate again"
-            )
         (grad_hidden, grad_weight), ctx.grads = ctx.grads, None
         g = g_loss.to(torch.float32)
         with np.errstate(all="ignore"):  # the interpreter's NumPy noise (CPU)

@@ -32,7 +32,7 @@ import torch
 from ratiokl._backend import Backend, inplace_grad_error
 from ratiokl._requirements import unmet
 from ratiokl.spec import BACKENDS, kl_estimator_code, policy_loss_options, rollout_options
-from ratiokl.torch import _checks, _rollout
+from ratiokl.torch import _checks, _once, _rollout
 from ratiokl.torch._checks import Temperature
 
 __all__ = ["BACKENDS", "backend_name", "linear_policy_loss", "policy_loss", "ratio_kl",
@@ -159,11 +159,11 @@ def _rows(logits: torch.Tensor, lead: Tuple[int, ...], ids: torch.Tensor, mask, 
         **first, action_ids=ids, mask=mask,
         temperature=temperature if isinstance(temperature, torch.Tensor) else None, **per_token,
     )
-    if check_ids and torch.compiler.is_compiling():
+    if check_ids and vocab_group is not None and torch.compiler.is_compiling():
         raise ValueError(
-            "check_ids=True reads the active ids on the host, which torch.compile cannot "
-            "trace; pass check_ids=False under torch.compile (a bad id or temperature then "
-            "makes its row NaN)"
+            "check_ids=True with `vocab_group` agrees the ranks' shapes and checks the ids "
+            "on the host, which torch.compile cannot trace; pass check_ids=False under "
+            "torch.compile (a bad id or temperature then makes its row NaN)"
         )
     name = backend_name(backend, device)
     check = None
@@ -171,6 +171,7 @@ def _rows(logits: torch.Tensor, lead: Tuple[int, ...], ids: torch.Tensor, mask, 
         check = _checks.ActiveCheck(ids, mask, None if vocab_group else
                                     vocab or logits.shape[-1],
                                     temperature, one_launch=name == "triton")
+        mask = check.mask  # under torch.compile: the checking op's output
     if vocab_group is None:
         run = _loaded(name)
     else:
@@ -216,7 +217,9 @@ def _aggregation_weights(run: Backend, mask, lead: Tuple[int, ...], inputs: _che
     return weights
 
 def _lead(logits: torch.Tensor, action_ids: torch.Tensor) -> Tuple[int, ...]:
-    """Check the logits, then the ids (first: a flattened ``[N, V]`` names the ids)."""
+    """Check the call context and the logits, then the ids (first: a flattened ``[N, V]``
+    names the ids)."""
+    _checks.check_no_transforms()
     _checks.check_logits("policy_logits", logits)
     lead = tuple(logits.shape[:-1])
     _checks.check_ids(action_ids, lead)
@@ -270,8 +273,10 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
                 kl_estimator, loss_agg, loss_normalizer, ratio_level, objective, entropy_coef,
                 segment_ids, importance_weights, log_ratio_bound, temperature, backend,
                 check_ids, vocab_group, inplace_grad, rollout_logps, rollout_correction,
-                rollout_bounds) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-    """``ratiokl.torch.loss.policy_loss`` (documented there)."""
+                rollout_bounds, op: str = "policy_loss",
+                ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """``ratiokl.torch.loss.policy_loss`` (documented there); ``op``: the public call the
+    second-backward error names (``linear_policy_loss`` on its native route)."""
     opts = policy_loss_options(
         clip_eps=clip_eps, clip_eps_high=clip_eps_high, dual_clip=dual_clip,
         ratio_cap=ratio_cap, kl_coef=kl_coef, kl_estimator=kl_estimator, loss_agg=loss_agg,
@@ -333,12 +338,16 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
         as_rows(logp, lead), None if logp_ref is None else as_rows(logp_ref, lead),
         as_rows(rows.mask, lead), inputs, opts, as_rows(entropy, lead),
     )
+    # Once, as the one-kernel loss backpropagates (ratiokl.torch._once).
+    loss = _once.backward_once(loss, op)
     return rows.checked((loss, {**metrics, **rollout_metrics}))
 
 
 def _lead_hidden(hidden: torch.Tensor, weight: torch.Tensor,
                  action_ids: torch.Tensor) -> Tuple[int, ...]:
-    """Check ``hidden [..., H]`` and ``weight [V, H]`` (same dtype), then the ids."""
+    """Check the call context, ``hidden [..., H]`` and ``weight [V, H]`` (same dtype), then
+    the ids."""
+    _checks.check_no_transforms()
     _checks.check_logits("hidden", hidden)
     _checks.check_logits("weight", weight)
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
@@ -394,7 +403,8 @@ def linear_policy_loss(hidden, weight, action_ids, mask, old_logps, advantages, 
             importance_weights=importance_weights, log_ratio_bound=log_ratio_bound,
             temperature=temperature, backend=backend, check_ids=False, vocab_group=None,
             inplace_grad=False, rollout_logps=rollout_logps,
-            rollout_correction=rollout_correction, rollout_bounds=rollout_bounds))
+            rollout_correction=rollout_correction, rollout_bounds=rollout_bounds,
+            op="linear_policy_loss"))
     if torch.compiler.is_compiling():
         raise ValueError(
             "linear_policy_loss on the Triton backends runs eagerly (its row chunks launch "

@@ -10,11 +10,10 @@ the host check.
 Memory: the forward of ``selected_logprobs`` / ``ratio_kl`` saves O(N)
 (``lse``, ``ratio``, ``dkl``; the logits are referenced, not copied); the
 fused ``policy_loss`` stores its ``[N, V]`` gradient in the forward when one
-is wanted (the backward scales it in place, so the loss backpropagates once;
-a second ``backward`` with ``retain_graph=True`` fails autograd's in-place
-check rather than returning a wrong gradient) and reads each row once when
-none is; ``inplace_grad=True`` writes the gradient into the logits' own
-buffer.
+is wanted (the backward scales it in place, so the loss backpropagates once:
+a second ``backward`` with ``retain_graph=True`` raises ``_once``'s error, as on
+every backend) and reads each row once when none is; ``inplace_grad=True`` writes
+the gradient into the logits' own buffer.
 """
 
 from __future__ import annotations
@@ -41,6 +40,7 @@ from ratiokl.torch._launch import (
     binding_for,
 )
 from ratiokl.torch._checks import Temperature
+from ratiokl.torch._once import spend
 
 __all__ = [
     "kernel_coefficients", "kernel_temperature", "policy_loss", "ratio_kl",
@@ -181,13 +181,9 @@ class _InplaceLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_loss, _g_metrics):
+        spend(ctx, "policy_loss(inplace_grad=True)")  # the buffer is the caller's after one
         if g_loss is None:
             return None, None
-        if ctx.grad is None:
-            raise RuntimeError(
-                "policy_loss(inplace_grad=True) gives its gradient once: the logits' buffer "
-                "was already handed back; use inplace_grad=False to backward more than once"
-            )
         SCALE_ROWS.direct(ctx.grad.device, ctx.grad, g_loss.to(torch.float32), ctx.mask)
         grad, ctx.grad = ctx.grad, None  # once: the buffer is the caller's now
         return grad, None

@@ -3,6 +3,10 @@
 Signatures and documentation; each function is one call into
 ``ratiokl.torch._route``, which validates the inputs once, queues the check of
 active ids (``check_ids``), runs the backend and reads the check.
+
+They work under autograd and ``torch.compile``; inside a ``torch.func`` transform
+(``grad``, ``vmap``, ...) they raise ``RuntimeError`` (use ``backward()`` and the leading
+shape ``[...]``, or ``ratiokl.jax``).
 """
 
 from __future__ import annotations
@@ -66,10 +70,12 @@ def selected_logprobs(
       check_ids: check active ids (and a per-row temperature) and raise
         ``ValueError`` naming the first bad position. The check is queued before
         the kernels and read after them, so the GPU never waits for the host; the
-        call returns once the GPU has reached it. False (required under
-        ``torch.compile`` and inside a CUDA graph capture, where True raises a
-        ``ValueError`` saying so): no host read, and a row with a bad active id or
-        temperature gives NaN (and NaN gradient), as it does whether checked or not.
+        call returns once the GPU has reached it. Under ``torch.compile`` it is an op
+        of the compiled graph, run before the kernels (on a GPU one host sync there).
+        False (required inside a CUDA graph capture, and under ``torch.compile`` with
+        ``vocab_group``, where True raises a ``ValueError`` saying so): no host read,
+        and a row with a bad active id or temperature gives NaN (and NaN gradient), as
+        it does whether checked or not.
       vocab_group: a ``torch.distributed`` process group over which ``logits``
         is sharded along the vocabulary (rank r holds a contiguous column
         block, in rank order; see docs/vocab_parallel.md). ``action_ids`` are
@@ -290,6 +296,9 @@ def policy_loss(
       above.
       Inactive tokens contribute nothing and get exactly zero gradient whatever
       they hold; no active token gives loss 0 and zero metrics, never NaN.
+      The loss backpropagates once per call on every backend (the one-kernel path
+      scales its stored gradient in place): a second backward through it
+      (``retain_graph=True``) raises ``RuntimeError``; call ``policy_loss`` again.
 
     References:
       Schulman et al. (2017) PPO, arXiv:1707.06347; Ye et al. (2019) dual-clip,
@@ -375,7 +384,8 @@ def linear_policy_loss(
       ``(loss, metrics)`` as :func:`policy_loss`. Differentiable w.r.t. ``hidden`` and
       ``weight`` (whichever requires a gradient): both gradients are computed in the
       forward and scaled by the upstream value in the backward, so the loss
-      backpropagates once. ``d weight`` accumulates over chunks in ``weight``'s dtype (one
+      backpropagates once, on every backend (a second backward raises
+      ``RuntimeError``). ``d weight`` accumulates over chunks in ``weight``'s dtype (one
       rounding per chunk in bf16, as the materialised step rounds its one GEMM once).
       Inactive rows get exactly zero ``d hidden`` and add nothing to ``d weight``, whatever
       their hidden states hold (NaN included). Runs eagerly: under ``torch.compile`` it
