@@ -210,3 +210,11 @@ def test_bad_adapter_arguments_name_themselves(tiny, tmp_path, keyword, value):
         adapter.GRPOTrainer(model=tiny[0], reward_funcs=lambda completions, **_: [0.0],
                             args=trl.GRPOConfig(output_dir=str(tmp_path), report_to="none",
                                                 use_cpu=True), **{keyword: value})
+
+
+def test_backend_the_trainer_cannot_run_is_refused_at_construction(tiny, tmp_path):
+    """``"triton"`` on a CPU trainer: refused when the trainer is built (not at the first
+    loss step, after generation), naming ``ratiokl_backend``, the device and the fix."""
+    with pytest.raises(ValueError, match=r"`ratiokl_backend='triton'`.* cpu.*"
+                                         r"ratiokl_backend='auto'"):
+        _trainer(tiny, tmp_path, backend="triton")
