@@ -145,6 +145,22 @@ def test_bench_without_a_suite_says_it_needs_a_checkout(tmp_path, monkeypatch, c
     assert "not in the wheel" in err and "--suite" in err
 
 
+def test_bench_writes_outside_the_current_folder_by_default(tmp_path, monkeypatch, capsys):
+    """Without ``--out`` the results go to the temporary folder (named at the end), not into
+    the folder it runs in (a checkout): nothing is created there."""
+    calls = []
+    monkeypatch.setattr(_bench, "_script", lambda suite, name, arguments: calls.append(
+        arguments) or 0)
+    here = tmp_path / "checkout"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    assert main(["bench"]) == 0
+    out = Path(calls[0][calls[0].index("--out") + 1])
+    assert list(here.iterdir()) == []
+    assert out.parent.is_dir() and out.name == f"{_bench.DEFAULT_PRESET}.json"
+    assert not out.is_relative_to(here) and str(out) in capsys.readouterr().out
+
+
 def test_bench_plot_only_draws_or_explains(tmp_path):
     """``--plot-only`` hands an existing results file to benchmarks/plot.py."""
     results = tmp_path / "r.json"
