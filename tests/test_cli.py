@@ -110,6 +110,19 @@ def test_check_contiguous_only_runs_one_pass(capsys):
     assert captured.err == ""
 
 
+def test_check_case_takes_the_group_names_the_table_prints(capsys):
+    """``--case vocab_2`` (a group as the table prints it) selects that group's cases (the
+    case names add the dtype: vocab_2_fp32, ...)."""
+    if conformance.target_status("torch-native") is not None:
+        pytest.skip(conformance.target_status("torch-native"))
+    group = [n for n, e in conformance.load_manifest()["cases"].items() if e["group"] == "vocab_2"]
+    assert group and conformance.list_cases("vocab_2") == sorted(group)
+    assert main(["check", "--backend", "torch-native", "--case", "vocab_2",
+                 "--contiguous-only", "--no-progress"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert ["torch-native", "vocab_2", f"{len(group)}/{len(group)}"] in [r[:3] for r in rows]
+
+
 def test_check_prints_unavailable_reasons_in_full(monkeypatch, capsys):
     reason = "line one of a long reason.\nline two: https://example.invalid/install"
     real = conformance.target_status
