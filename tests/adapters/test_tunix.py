@@ -26,6 +26,8 @@ from tunix.rl.grpo import grpo_learner  # noqa: E402
 from tunix.rl.rollout import base_rollout  # noqa: E402
 from tunix.tests import test_common  # noqa: E402
 
+from readme_blocks import block_importing  # noqa: E402
+
 from ratiokl.adapters import tunix as adapter  # noqa: E402
 
 VOCAB, PAD, EOS = 32, 0, 1
@@ -183,3 +185,13 @@ def test_learner_built_trains_with_the_ratiokl_loss():
     want, _ = adapter.grpo_loss_fn(model, example, learner.algo_config, cluster.rollout.pad_id(),
                                    cluster.rollout.eos_id())
     assert np.isfinite(float(want)) and float(got) == float(want)
+
+
+def test_the_readmes_tunix_block_runs_here():
+    """The README's Tunix block, as printed, in Tunix's environment (without TRL)."""
+    block = block_importing("ratiokl.adapters.tunix")
+    namespace = {}
+    exec(compile(block.code, f"README.md:{block.line}", "exec"), namespace)
+    assert namespace["GRPOLearner"] is adapter.GRPOLearner
+    assert function_registry.get_policy_loss_fn(
+        namespace["algo_config"].policy_loss_fn) is adapter.grpo_loss_fn
