@@ -7,6 +7,7 @@ docstrings, which are Google-style sections around reStructuredText markup (``co
 ``::`` literal blocks, :func: roles): napoleon reads the sections, Sphinx the markup.
 """
 
+import re
 import shutil
 from pathlib import Path
 
@@ -99,8 +100,48 @@ def _restore_data_doc(app, what, name, obj, options, lines):
         lines[:] = _data_docs.pop(name)
 
 
+# A grouped Args entry ("policy_logits, ref_logits, ...: as in ratio_kl ...") reads once in
+# help(); napoleon gives each name its own copy of the text. The site keeps the text under
+# the group's first name and points the others at it.
+_PARAM = re.compile(r":param (\S+): ?(.*)")
+
+
+def _param_entries(lines):
+    """``[start, end)`` line spans of napoleon's ``:param NAME: text`` entries (the text's
+    continuation lines are indented)."""
+    spans, i = [], 0
+    while i < len(lines):
+        if _PARAM.match(lines[i]):
+            end = i + 1
+            while end < len(lines) and lines[end].startswith(" ") and lines[end].strip():
+                end += 1
+            spans.append((i, end))
+            i = end
+        else:
+            i += 1
+    return spans
+
+
+def _shared_param_text_once(app, what, name, obj, options, lines):
+    """Each entry of a run whose text equals the run's first entry's: ``see ``first````."""
+    spans, shared = _param_entries(lines), {}
+    first = first_text = previous_end = None
+    for start, end in spans:
+        match = _PARAM.match(lines[start])
+        text = " ".join([match.group(2)] + [line.strip() for line in lines[start + 1:end]])
+        if start == previous_end and text == first_text:
+            shared[start] = (end, f":param {match.group(1)}: see ``{first}``")
+        else:
+            first, first_text = match.group(1), text
+        previous_end = end
+    for start in sorted(shared, reverse=True):
+        end, line = shared[start]
+        lines[start:end] = [line]
+
+
 def setup(app):
     app.connect("source-read", _toctrees)
     app.connect("build-finished", _index_html)
     app.connect("autodoc-process-docstring", _save_data_doc, priority=400)
     app.connect("autodoc-process-docstring", _restore_data_doc, priority=600)
+    app.connect("autodoc-process-docstring", _shared_param_text_once, priority=600)

@@ -180,7 +180,8 @@ def min_bytes(op: str, mode: str, case: Case) -> Optional[int]:
 
 @dataclass(frozen=True)
 class Timing:
-    """Timer budget: warmup and repetition time (ms) on a GPU; repetitions on a CPU."""
+    """Timer budget: warmup and repetition time (ms) on a GPU; on a CPU, ``warmup_ms`` of
+    warm-up calls (``_harness.cpu_ms``), then ``cpu_reps`` repetitions."""
 
     warmup_ms: int
     rep_ms: int
@@ -306,6 +307,6 @@ PRESETS: Dict[str, Preset] = {
                   HIDDEN_OPS),
         ),
         ops=OPS,
-        timing=Timing(warmup_ms=1, rep_ms=5, cpu_reps=3),
+        timing=Timing(warmup_ms=20, rep_ms=5, cpu_reps=5),
     ),
 }

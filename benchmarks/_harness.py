@@ -28,7 +28,11 @@ Device timing (what the kernels could do), the median of repeated runs:
   so the host stays ahead of the device (with a single flush, dispatch time
   leaked into N = 128 ops: a forward read 0.26 ms, more than its forward +
   backward). The median over batches is reported;
-- CPU: ``time.perf_counter`` around each (synchronised) call, no flush.
+- CPU: ``time.perf_counter`` around each (synchronised) call, no flush, after
+  warm-up calls (the preset's ``warmup_ms``, at least ``_CPU_WARMUP_CALLS``): the first
+  calls of a new shape and dtype (oneDNN's bf16 GEMM primitives, the allocator) can run
+  many times slower, and a median of three runs right after the first call could keep
+  them (the cpu-smoke lm_head step's user row once read 664x its GEMMs).
 
 Issue time (``issue_ms``): wall ms for the host to return from one call, the
 mean of ``_ISSUE_CALLS`` calls in a row. torch on CUDA: a device-side wait
@@ -95,6 +99,8 @@ _MIN_RUNS, _MAX_RUNS = 5, 200
 _USER_WARMUP_MS, _USER_REP_MS = 25, 100
 #: Calls in a row timed for the issue time.
 _ISSUE_CALLS = 10
+#: Warm-up calls before a CPU timing, at least (with a ``warmup_ms`` budget).
+_CPU_WARMUP_CALLS = 5
 
 _TORCH_FLUSH: Dict[str, torch.Tensor] = {}
 
@@ -305,8 +311,15 @@ def jax_gpu_ms(call: Callable[[], Any], warmup_ms: float, rep_ms: float, est_ms:
     return max(statistics.median(samples), 0.0) * 1e3
 
 
-def cpu_ms(call: Callable[[], Any], sync: Callable[[Any], Any], reps: int) -> float:
-    """Median wall-clock ms of ``sync(call())`` over ``reps`` runs (no cache flush)."""
+def cpu_ms(call: Callable[[], Any], sync: Callable[[Any], Any], reps: int,
+           warmup_ms: float = 0.0) -> float:
+    """Median wall-clock ms of ``sync(call())`` over ``reps`` runs (no cache flush), after
+    warm-up calls for ``warmup_ms`` and at least ``_CPU_WARMUP_CALLS`` (none if 0)."""
+    calls = _CPU_WARMUP_CALLS if warmup_ms > 0 else 0
+    deadline = time.perf_counter() + warmup_ms / 1e3
+    while calls > 0 or time.perf_counter() < deadline:
+        sync(call())
+        calls -= 1
     samples = []
     for _ in range(reps):
         start = time.perf_counter()

@@ -103,7 +103,7 @@ def measure_torch(t: TorchOp, op: str, mode: str, x: Any, budget: Timing, timing
     host = host_ms(fn, sync) if on_gpu else None
     issue, blocked = torch_issue_ms(fn, host)
     if not on_gpu:
-        ms, timer = cpu_ms(fn, sync, budget.cpu_reps), "cpu-median"
+        ms, timer = cpu_ms(fn, sync, budget.cpu_reps, budget.warmup_ms), "cpu-median"
     elif timing == USER:
         ms = user_ms(fn, est_ms)
         timer = "do_bench defaults (mean, L2 flushed, no head start; 20 runs over 5 ms)"
@@ -160,7 +160,8 @@ def measure_jax(build: Callable[[], Callable[..., Any]], op: str, mode: str,
     on_gpu = jax.default_backend() == "gpu"
     host = host_ms(call, jax.block_until_ready) if on_gpu else None
     if not on_gpu:
-        ms, timer = cpu_ms(call, jax.block_until_ready, budget.cpu_reps), "cpu-median"
+        ms = cpu_ms(call, jax.block_until_ready, budget.cpu_reps, budget.warmup_ms)
+        timer = "cpu-median"
     elif timing == USER:
         ms, timer = jax_wall_ms(call, est_ms), "jax wall loop (block_until_ready at the end)"
     else:

@@ -148,6 +148,25 @@ def _record(provider, op, mode, ms, density=1.0, n=8192, peak=0, pct=95.0, timin
             "gbps": gbps, "pct_read_ceiling": pct, "peak_extra_bytes": peak, "issue_ms": issue}
 
 
+def test_cpu_timing_samples_after_its_warm_up(monkeypatch):
+    """On a CPU the first calls of a shape run many times slower (oneDNN's bf16 GEMM
+    primitives, the allocator): the cpu-smoke preset's timing warms up first, so its
+    samples never hold them. A fake clock: each call moves it 100 ms for the first three
+    calls, 1 ms after."""
+    import _harness
+
+    clock, calls = [0.0], []
+
+    def call():
+        calls.append(None)
+        clock[0] += 0.1 if len(calls) <= 3 else 0.001
+
+    monkeypatch.setattr(_harness.time, "perf_counter", lambda: clock[0])
+    timing = PRESETS["cpu-smoke"].timing
+    assert _harness.cpu_ms(call, lambda _: None, timing.cpu_reps,
+                           timing.warmup_ms) == pytest.approx(1.0)
+
+
 def test_targets_pass_fail_and_missing():
     tt, tg = "ratiokl-torch-triton", "ratiokl-torch-triton-graph"
     recs = [

@@ -110,6 +110,19 @@ def test_check_contiguous_only_runs_one_pass(capsys):
     assert captured.err == ""
 
 
+def test_check_case_takes_the_group_names_the_table_prints(capsys):
+    """``--case vocab_2`` (a group as the table prints it) selects that group's cases (the
+    case names add the dtype: vocab_2_fp32, ...)."""
+    if conformance.target_status("torch-native") is not None:
+        pytest.skip(conformance.target_status("torch-native"))
+    group = [n for n, e in conformance.load_manifest()["cases"].items() if e["group"] == "vocab_2"]
+    assert group and conformance.list_cases("vocab_2") == sorted(group)
+    assert main(["check", "--backend", "torch-native", "--case", "vocab_2",
+                 "--contiguous-only", "--no-progress"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert ["torch-native", "vocab_2", f"{len(group)}/{len(group)}"] in [r[:3] for r in rows]
+
+
 def test_check_prints_unavailable_reasons_in_full(monkeypatch, capsys):
     reason = "line one of a long reason.\nline two: https://example.invalid/install"
     real = conformance.target_status
@@ -143,6 +156,22 @@ def test_bench_without_a_suite_says_it_needs_a_checkout(tmp_path, monkeypatch, c
     assert main(["bench", "--suite", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "not in the wheel" in err and "--suite" in err
+
+
+def test_bench_writes_outside_the_current_folder_by_default(tmp_path, monkeypatch, capsys):
+    """Without ``--out`` the results go to the temporary folder (named at the end), not into
+    the folder it runs in (a checkout): nothing is created there."""
+    calls = []
+    monkeypatch.setattr(_bench, "_script", lambda suite, name, arguments: calls.append(
+        arguments) or 0)
+    here = tmp_path / "checkout"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    assert main(["bench"]) == 0
+    out = Path(calls[0][calls[0].index("--out") + 1])
+    assert list(here.iterdir()) == []
+    assert out.parent.is_dir() and out.name == f"{_bench.DEFAULT_PRESET}.json"
+    assert not out.is_relative_to(here) and str(out) in capsys.readouterr().out
 
 
 def test_bench_plot_only_draws_or_explains(tmp_path):

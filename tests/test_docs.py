@@ -1,14 +1,20 @@
 """The docs' relative links resolve inside the repository, every page is in the
-documentation site's navigation (``conf.py``), and the README's tested version matrix
-names the dependency bounds of ``ratiokl._requirements``."""
+documentation site's navigation (``conf.py``), the README's tested version matrix
+names the dependency bounds of ``ratiokl._requirements``, and the Python blocks of the
+README and of the API reference pages run as printed (the trainer adapters' blocks in
+their trainers' tests)."""
 
 from __future__ import annotations
 
+import ast
+import inspect
 import re
 import runpy
 from pathlib import Path
 
 import pytest
+
+from readme_blocks import python_blocks
 
 from ratiokl._requirements import REQUIREMENTS
 
@@ -46,3 +52,97 @@ def test_readme_states_each_lower_bound():
     text = (ROOT / "README.md").read_text()
     for requirement in REQUIREMENTS.values():
         assert f"`{requirement.specifier}`" in text, requirement.specifier
+
+
+BLOCKS = python_blocks()
+#: The pages whose Python blocks run as printed: the README and the API reference's.
+RUNNABLE = [ROOT / "README.md", *sorted((ROOT / "docs" / "reference").glob("*.md"))]
+#: The module a block's imports need -> what provides it (skipped without).
+_NEEDS = {"ratiokl.torch": "torch", "ratiokl.jax": "jax", "torch": "torch", "jax": "jax"}
+
+
+@pytest.mark.parametrize("page, block", [(page, b) for page in RUNNABLE
+                                         for b in python_blocks(page)],
+                         ids=lambda x: str(x.relative_to(ROOT)) if isinstance(x, Path)
+                         else str(x.line))
+def test_python_block_runs_as_printed(page, block):
+    """Each block is valid Python; those that need no trainer run, each on its own (a
+    trainer adapter's block runs in its trainer's test: tests/adapters/)."""
+    if page.parent.name == "reference":
+        assert block.heading == "Example", "a reference page's code is its example"
+    tree = ast.parse(block.code)
+    imported = {node.module if isinstance(node, ast.ImportFrom) else alias.name
+                for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
+                for alias in node.names}
+    adapters = sorted(m for m in imported if m.startswith("ratiokl.adapters"))
+    assert len(adapters) <= 1, f"one block imports two trainers' adapters: {adapters}"
+    if adapters:
+        pytest.skip(f"runs in {adapters[0]}'s own test (tests/adapters/)")
+    for module in imported:
+        if module in _NEEDS:
+            pytest.importorskip(_NEEDS[module])
+    exec(compile(tree, f"{page.name}:{block.line}", "exec"), {"__name__": "docs"})
+
+
+def test_readme_api_at_a_glance_shows_the_defaults():
+    """In "The API at a glance", each function's first call passes every keyword at its
+    default (the PyTorch signature; JAX's takes the same)."""
+    torch_loss = pytest.importorskip("ratiokl.torch.loss")
+    (block,) = [b for b in BLOCKS if b.heading == "The API at a glance"]
+    seen = set()
+    for node in ast.walk(ast.parse(block.code)):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and isinstance(node.func.value, ast.Name) and node.func.value.id == "loss"):
+            continue
+        name = node.func.attr
+        if name in seen:
+            continue
+        seen.add(name)
+        params = inspect.signature(getattr(torch_loss, name)).parameters
+        for keyword in node.keywords:
+            assert ast.literal_eval(keyword.value) == params[keyword.arg].default, \
+                (name, keyword.arg)
+    assert seen == {"ratio_kl", "policy_loss", "selected_logprobs", "linear_policy_loss"}
+
+
+@pytest.mark.parametrize("page", sorted((ROOT / "docs" / "reference").glob("*.md")),
+                         ids=lambda p: p.name)
+def test_each_reference_page_has_an_example(page):
+    assert [b.heading for b in python_blocks(page)] == ["Example"]
+
+
+@pytest.mark.parametrize("module", ["ratiokl.torch.loss", "ratiokl.jax.loss",
+                                    "ratiokl.spec.reference", "ratiokl.spec.policy_loss",
+                                    "ratiokl.spec.rollout"])
+def test_reference_formulas_are_math(module):
+    """The formulas of the API reference's docstrings are ``.. math::`` blocks (rendered
+    on the site), not ``::`` literal blocks of plain text."""
+    loaded = pytest.importorskip(module)
+    docs = [loaded.__doc__] + [getattr(loaded, name).__doc__ or "" for name in loaded.__all__
+                               if inspect.isfunction(getattr(loaded, name))]
+    literal = [line.strip() for doc in docs for line in doc.splitlines()
+               if line.rstrip().endswith("::") and ".. math::" not in line]
+    assert literal == []
+    assert any(".. math::" in doc for doc in docs)
+
+
+def test_site_keeps_a_grouped_arguments_text_once():
+    """Napoleon copies a grouped entry's text ("a, b: text") to each name; the site's hook
+    (conf.py) keeps it under the first name and points the others at it, and leaves
+    entries with texts of their own alone."""
+    conf = runpy.run_path(str(ROOT / "conf.py"))
+    lines = [":param a: as in",
+             "          f; shared text.",
+             ":param b: as in",
+             "          f; shared text.",
+             ":param c: as in",
+             "          f; shared text.",
+             ":param d: its own text.",
+             ":param e: another text.",
+             "",
+             ":returns: x"]
+    conf["_shared_param_text_once"](None, "function", "f", None, {}, lines)
+    assert lines == [":param a: as in", "          f; shared text.",
+                     ":param b: see ``a``", ":param c: see ``a``",
+                     ":param d: its own text.", ":param e: another text.", "",
+                     ":returns: x"]

@@ -11,6 +11,7 @@ unseen for a session (docs/performance.md, "Software-pipelined streaming loops")
 from __future__ import annotations
 
 import importlib.util
+import warnings
 from pathlib import Path
 
 import pytest
@@ -37,12 +38,15 @@ STREAMING = {"logp_forward_kernel", "logp_backward_kernel", "policy_loss_kernel"
 @pytest.fixture(scope="module")
 def table(tmp_path_factory):
     """Every headline launch's resources, compiled into a cache of this process's own (the
-    other test workers may compile the same kernels into the shared one at the same time)."""
+    other test workers may compile the same kernels into the shared one at the same time).
+    Triton 3.9's warning that a compile left floating-point fusion to its default (which
+    3.10 changes) is an error here: the script sets it as the launches get it."""
     spec = importlib.util.spec_from_file_location("kernel_resources", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     launches = module.headline_launches(8192, 151_936, torch.bfloat16)
-    with pytest.MonkeyPatch.context() as patch:
+    with pytest.MonkeyPatch.context() as patch, warnings.catch_warnings():
+        warnings.filterwarnings("error", "TRITON_DEFAULT_FP_FUSION", UserWarning)
         patch.setenv("TRITON_CACHE_DIR", str(tmp_path_factory.mktemp("triton_cache")))
         return [module.resources(op, launch) for op, found in launches.items()
                 for launch in found]

@@ -92,6 +92,23 @@ def test_framework_module_without_its_framework_names_the_extra(framework):
     assert f"pip install 'ratiokl[{framework}]'" in proc.stdout
 
 
+@pytest.mark.parametrize("adapter, blocked", [
+    ("trl", "torch"), ("trl", "trl"), ("tunix", "jax"), ("tunix", "tunix"),
+])
+def test_adapter_without_its_framework_or_trainer_names_the_extra(adapter, blocked):
+    """``import ratiokl.adapters.<trainer>`` with its framework or its trainer unimportable
+    (blocked in ``sys.modules``, whatever is installed) says to install the adapter's extra,
+    as ``ratiokl.torch`` / ``ratiokl.jax`` do."""
+    code = (f"import sys; sys.modules[{blocked!r}] = None\n"
+            f"try:\n    import ratiokl.adapters.{adapter}\n"
+            "except ImportError as err:\n    print(type(err).__name__, err)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={"PYTHONPATH": str(SRC), "PATH": ""}, check=True, timeout=120)
+    assert proc.stdout.startswith(f"MissingDependency ratiokl.adapters.{adapter} needs "), \
+        proc.stdout + proc.stderr
+    assert f"pip install 'ratiokl[{adapter}]'" in proc.stdout
+
+
 def test_framework_too_old_names_the_versions(monkeypatch):
     fake = types.ModuleType("fakejax")
     fake.__version__ = "0.4.30"

@@ -2,7 +2,7 @@
 
 Read by the errors a backend raises when its dependency is missing or too old,
 by ``ratiokl check`` (the reason a target is unavailable) and by the import of
-``ratiokl.torch`` / ``ratiokl.jax``; ``tests/test_requirements.py`` and
+``ratiokl.torch`` / ``ratiokl.jax`` and of the adapters; ``tests/test_requirements.py`` and
 ``tests/test_docs.py`` keep the extras in ``pyproject.toml`` and the README's
 install table in step with it. Versions come from installed distribution
 metadata (nothing is imported), except in :func:`import_framework`, which
@@ -117,18 +117,21 @@ def require(distribution: str, *, needed_by: str, extra: Optional[str] = None) -
         raise MissingDependency(f"{needed_by} needs {distribution}: {reason}")
 
 
-def import_framework(distribution: str, *, needed_by: str) -> ModuleType:
-    """Import a framework (``torch``, ``jax``) for ``needed_by``; raise
-    :class:`MissingDependency` saying which extra to install if it is absent or too old
-    (the version is the module's own ``__version__``, so a build without pip metadata
-    passes too)."""
+def import_framework(distribution: str, *, needed_by: str, module: Optional[str] = None,
+                     extra: Optional[str] = None) -> ModuleType:
+    """Import a framework (``torch``, ``jax``, or a trainer: ``trl``, ``google-tunix``) for
+    ``needed_by``; raise :class:`MissingDependency` saying which extra to install if it is
+    absent or too old (the version is the module's own ``__version__``, so a build without
+    pip metadata passes too). ``module``: the import name, when not ``distribution``;
+    ``extra``: the ratiokl extra to suggest, when not the table's (an adapter's)."""
     try:
-        module = importlib.import_module(distribution)
+        imported = importlib.import_module(module or distribution)
     except ImportError as err:
         raise MissingDependency(
-            f"{needed_by} needs {distribution}: {version_problem(distribution, None)}"
+            f"{needed_by} needs {distribution}: "
+            f"{version_problem(distribution, None, extra=extra)}"
         ) from err
-    reason = version_problem(distribution, module.__version__)
+    reason = version_problem(distribution, imported.__version__, extra=extra)
     if reason is not None:
         raise MissingDependency(f"{needed_by} needs {distribution}: {reason}")
-    return module
+    return imported

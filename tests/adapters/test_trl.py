@@ -25,6 +25,8 @@ from datasets import Dataset  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 
+from readme_blocks import block_importing  # noqa: E402
+
 from ratiokl.adapters import trl as adapter  # noqa: E402
 
 WORDS = "a b c d e f g h i j k l m n o p q r s t".split()
@@ -210,3 +212,19 @@ def test_bad_adapter_arguments_name_themselves(tiny, tmp_path, keyword, value):
         adapter.GRPOTrainer(model=tiny[0], reward_funcs=lambda completions, **_: [0.0],
                             args=trl.GRPOConfig(output_dir=str(tmp_path), report_to="none",
                                                 use_cpu=True), **{keyword: value})
+
+
+def test_backend_the_trainer_cannot_run_is_refused_at_construction(tiny, tmp_path):
+    """``"triton"`` on a CPU trainer: refused when the trainer is built (not at the first
+    loss step, after generation), naming ``ratiokl_backend``, the device and the fix."""
+    with pytest.raises(ValueError, match=r"`ratiokl_backend='triton'`.* cpu.*"
+                                         r"ratiokl_backend='auto'"):
+        _trainer(tiny, tmp_path, backend="triton")
+
+
+def test_the_readmes_trl_block_runs_here():
+    """The README's TRL block, as printed, in TRL's environment (without Tunix)."""
+    block = block_importing("ratiokl.adapters.trl")
+    namespace = {}
+    exec(compile(block.code, f"README.md:{block.line}", "exec"), namespace)
+    assert namespace["GRPOTrainer"] is adapter.GRPOTrainer

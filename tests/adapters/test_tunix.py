@@ -5,7 +5,8 @@ hand-made ``TrainExample`` (prompts with padding, completions ending in padding)
 losses called as the GRPO learner calls them: the loss, every parameter's gradient
 (``nnx.grad``) and the logged ``aux`` entries must agree, on the native and interpreted
 Triton backends. The name is registered by the import and resolves through Tunix's
-registry; unmapped configurations are refused, naming the field.
+registry; unmapped configurations are refused, naming the field, when the adapter's
+``GRPOLearner`` is built on a real (toy) ``RLCluster``.
 """
 
 from __future__ import annotations
@@ -16,10 +17,16 @@ jax = pytest.importorskip("jax")
 pytest.importorskip("tunix")
 
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 from tunix.rl import algo_core, function_registry  # noqa: E402
+from tunix.rl import rl_cluster as rl_cluster_lib  # noqa: E402
 from tunix.rl.grpo import grpo_learner  # noqa: E402
+from tunix.rl.rollout import base_rollout  # noqa: E402
 from tunix.tests import test_common  # noqa: E402
+
+from readme_blocks import block_importing  # noqa: E402
 
 from ratiokl.adapters import tunix as adapter  # noqa: E402
 
@@ -129,3 +136,62 @@ def test_refused_configurations_name_the_field(fields, field):
         object.__setattr__(config, key, value)
     with pytest.raises(ValueError, match=f"`{field}="):
         adapter.loss_options(config)
+
+
+def _cluster(packing=None):
+    """A Tunix ``RLCluster`` of the toy transformer on one CPU device (vanilla rollout;
+    the model's vocabulary of ``VOCAB`` covers the mock tokenizer's)."""
+    vocab, model = test_common.MockVocab(), _model()
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
+    roles = (rl_cluster_lib.Role.ACTOR, rl_cluster_lib.Role.REFERENCE,
+             rl_cluster_lib.Role.ROLLOUT)
+    config = rl_cluster_lib.ClusterConfig(
+        role_to_mesh=dict.fromkeys(roles, mesh), rollout_engine="vanilla",
+        training_config=rl_cluster_lib.RLTrainingConfig(
+            actor_optimizer=optax.sgd(1e-3), eval_every_n_steps=10, max_steps=1,
+            max_seq_token_per_tpu=packing),
+        rollout_config=base_rollout.RolloutConfig(max_tokens_to_generate=4,
+                                                  max_prompt_length=8, kv_cache_size=64))
+    return rl_cluster_lib.RLCluster(actor=model, reference=model, tokenizer=vocab,
+                                    cluster_config=config)
+
+
+def _reward(prompts, completions, **_):
+    return [0.0] * len(completions)
+
+
+@pytest.mark.parametrize("fields, packing, field", [
+    ({"kl_clamp_value": 10.0}, None, "kl_clamp_value"),
+    ({"kl_loss_mode": "full"}, None, "kl_loss_mode"),
+    ({"loss_agg_mode": "sequence-mean-token-sum-norm"}, None, "loss_agg_mode"),
+    ({}, 64, "max_seq_token_per_tpu"),
+    ({"policy_loss_fn": "grpo"}, None, "policy_loss_fn"),
+])
+def test_learner_refuses_when_built(fields, packing, field):
+    """Refused by the learner's constructor, before any rollout (Tunix's own learner only
+    reaches the loss inside the first jitted train step)."""
+    config = _config(**{"policy_loss_fn": adapter.NAME, **fields})
+    with pytest.raises(ValueError, match=f"`{field}="):
+        adapter.GRPOLearner(_cluster(packing), config, _reward)
+
+
+def test_learner_built_trains_with_the_ratiokl_loss():
+    """A mapped configuration builds, and the actor trainer's loss is ``grpo_loss_fn``."""
+    cluster = _cluster()
+    config = _config(policy_loss_fn=adapter.NAME, beta=0.04)
+    learner = adapter.GRPOLearner(cluster, config, _reward)
+    model, example = cluster.actor_trainer.model, _example(True, True)
+    got, _ = cluster.actor_trainer.loss_fn(model, example, config)
+    want, _ = adapter.grpo_loss_fn(model, example, learner.algo_config, cluster.rollout.pad_id(),
+                                   cluster.rollout.eos_id())
+    assert np.isfinite(float(want)) and float(got) == float(want)
+
+
+def test_the_readmes_tunix_block_runs_here():
+    """The README's Tunix block, as printed, in Tunix's environment (without TRL)."""
+    block = block_importing("ratiokl.adapters.tunix")
+    namespace = {}
+    exec(compile(block.code, f"README.md:{block.line}", "exec"), namespace)
+    assert namespace["GRPOLearner"] is adapter.GRPOLearner
+    assert function_registry.get_policy_loss_fn(
+        namespace["algo_config"].policy_loss_fn) is adapter.grpo_loss_fn

@@ -16,6 +16,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -29,7 +30,8 @@ DEFAULT_PRESET = "cpu-smoke"
 DESCRIPTION = f"""\
 Run the benchmark suite of a ratiokl source checkout (benchmarks/run.py): every provider
 (ratiokl's backends, eager PyTorch, torch.compile, XLA, Liger-Kernel where installed)
-side by side, under both timings, writing a results JSON and a CSV beside it.
+side by side, under both timings, writing a results JSON and a CSV beside it (by default
+in the temporary folder, named at the end; --out keeps them elsewhere).
 
 The default preset, {DEFAULT_PRESET}, takes seconds on a CPU; the others (e.g. headline
 on a GPU) are listed under --preset. --plot draws PNG plots from the results
@@ -47,7 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "name lists the suite's presets)")
     parser.add_argument("--out", type=Path, metavar="PATH",
                         help="results JSON, CSV written beside it "
-                             "(default ./ratiokl-bench/<preset>.json)")
+                             "(default <temporary folder>/ratiokl-bench/<preset>.json, "
+                             "never the current folder)")
     parser.add_argument("--providers", metavar="LIST", help="comma list of providers to run")
     parser.add_argument("--ops", metavar="LIST", help="comma list of operations to run")
     parser.add_argument("--plot", action="store_true",
@@ -96,6 +99,12 @@ def _script(suite: Path, name: str, arguments: List[str]) -> int:
     return subprocess.call([sys.executable, str(suite / name), *arguments], cwd=suite.parent)
 
 
+def _default_out(preset: str) -> Path:
+    """Where results go without ``--out``: the temporary folder, not the current one (a
+    checkout, which would then hold untracked results)."""
+    return Path(tempfile.gettempdir()) / "ratiokl-bench" / f"{preset}.json"
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``ratiokl bench`` with parsed ``args``; returns the exit status."""
     suite = find_suite(args.suite)
@@ -113,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"ratiokl bench: unknown --preset {args.preset!r}; choose from "
               f"{', '.join(sorted(names))}", file=sys.stderr)
         return 2
-    out = (args.out or Path("ratiokl-bench") / f"{args.preset}.json").resolve()
+    out = (args.out or _default_out(args.preset)).resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
     arguments = ["--preset", args.preset, "--out", str(out)]
     for flag in ("providers", "ops"):
@@ -122,4 +131,6 @@ def run(args: argparse.Namespace) -> int:
     status = _script(suite, "run.py", arguments)
     if status == 0 and args.plot:
         status = _script(suite, "plot.py", [str(out)])
+    if status == 0:
+        print(f"ratiokl bench: results in {out}", flush=True)
     return status

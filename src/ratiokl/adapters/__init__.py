@@ -1,16 +1,18 @@
 """Drop-in adapters: a trainer's own loss step computed by ratiokl.
 
-Each module imports its trainer lazily (only when used) and translates that trainer's
-configuration into ratiokl's options once, at construction, refusing with a
-``ValueError`` that names the configuration field whatever ratiokl would compute
-differently:
+``import ratiokl`` imports no adapter. Each module imports its framework and trainer when
+it is imported (an ``ImportError`` naming the extra to install where one is missing) and
+translates that trainer's configuration into ratiokl's options once, when the trainer is
+built, refusing with a ``ValueError`` that names the configuration field whatever
+ratiokl would compute differently:
 
 - :mod:`ratiokl.adapters.trl` -- TRL's ``GRPOTrainer`` (``trl >= 1.15``) with the policy
   loss and its gradients from the last hidden states and the lm_head weight
   (:func:`ratiokl.torch.loss.linear_policy_loss`), never the ``[N, V]`` logits;
 - :mod:`ratiokl.adapters.tunix` -- Tunix's GRPO learner (``google-tunix >= 0.1.7``, JAX)
   with the policy loss ``"ratiokl_grpo"`` (:func:`ratiokl.jax.loss.policy_loss` on the
-  model's logits), registered in Tunix's function registry on import.
+  model's logits), registered in Tunix's function registry on import; its
+  ``GRPOLearner`` checks the configuration when built.
 """
 
 from __future__ import annotations

@@ -50,19 +50,20 @@ from __future__ import annotations
 import types
 from typing import Any, Callable, Dict, NoReturn, Tuple
 
-import torch
+from ratiokl._requirements import import_framework
 
-from ratiokl._requirements import unmet
-from ratiokl.adapters import refuse
-from ratiokl.spec import BACKENDS, BackendName
-from ratiokl.torch.loss import linear_policy_loss
+# Each says which extra to install when absent or too old (``ratiokl[trl]`` brings both).
+import_framework("torch", needed_by="ratiokl.adapters.trl", extra="trl")
+import_framework("trl", needed_by="ratiokl.adapters.trl")
 
-_PROBLEM = unmet("trl")
-if _PROBLEM is not None:
-    raise ImportError(f"ratiokl.adapters.trl needs TRL: {_PROBLEM}")
-
+import torch  # noqa: E402
 import trl  # noqa: E402
 from trl.trainer.utils import maybe_gather_lm_head_ctx  # noqa: E402
+
+from ratiokl.adapters import refuse  # noqa: E402
+from ratiokl.spec import BACKENDS, BackendName  # noqa: E402
+from ratiokl.torch._route import backend_name  # noqa: E402
+from ratiokl.torch.loss import linear_policy_loss  # noqa: E402
 
 __all__ = ["GRPOTrainer", "loss_options"]
 
@@ -135,6 +136,19 @@ def _check_head(model: torch.nn.Module) -> None:
                 "the MoE router loss is not added")
 
 
+def _check_backend(backend: str, device: torch.device) -> None:
+    """Refuse a ``ratiokl_backend`` the trainer's device cannot run (``"triton"`` off CUDA,
+    ``"interpret"`` off the CPU, either without a usable Triton), as ``linear_policy_loss``
+    would at the first loss step, after generation."""
+    try:
+        backend_name(backend, device)
+    except (ValueError, RuntimeError) as err:
+        raise ValueError(
+            f"`ratiokl_backend={backend!r}` cannot run on this trainer, whose model is on "
+            f"{device} ({err}). Pass ratiokl_backend='auto' (the Triton kernels on CUDA, "
+            "else the native path) or 'native'") from err
+
+
 def _install_head(model: torch.nn.Module, fp32: bool) -> None:
     """Patch ``model.forward``: ``model(..., ratiokl_loss=fn, ratiokl_tokens=T)`` runs the
     backbone and returns ``fn(hidden [B, T, H], weight [V, H])`` of the hidden states
@@ -171,7 +185,9 @@ class GRPOTrainer(trl.GRPOTrainer):
       ratiokl_chunk_rows: completion tokens per chunk (``linear_policy_loss``'s
         ``chunk_rows``): one ``[chunk_rows, V]`` buffer in the head's dtype.
       ratiokl_backend: ``"auto"`` (Triton on CUDA, else the native path), ``"native"``,
-        ``"triton"`` or ``"interpret"``.
+        ``"triton"`` or ``"interpret"``; checked against the trainer's device when built
+        (``ValueError``: ``"triton"`` off CUDA, ``"interpret"`` off the CPU, either
+        without a usable Triton).
       ratiokl_check_ids: check the completion ids against the vocabulary
         (``check_ids``).
     """
@@ -187,6 +203,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             raise ValueError(f"`ratiokl_backend` must be one of {', '.join(map(repr, BACKENDS))}"
                              f"; got {ratiokl_backend!r}")
         super().__init__(*args, **kwargs)
+        _check_backend(ratiokl_backend, self.accelerator.device)
         self._ratiokl_options = loss_options(self.args)
         self._ratiokl_call = {"chunk_rows": ratiokl_chunk_rows, "backend": ratiokl_backend,
                               "check_ids": ratiokl_check_ids}

@@ -1,12 +1,14 @@
 """Tunix's GRPO loss computed by :func:`ratiokl.jax.loss.policy_loss`.
 
 Importing this module registers the policy loss ``"ratiokl_grpo"`` in Tunix's function
-registry (``tunix.rl.function_registry``). Select it by name::
+registry (``tunix.rl.function_registry``). Select it by name and build the learner from
+this module (Tunix's ``GRPOLearner`` with the configuration checked when it is built)::
 
-    import ratiokl.adapters.tunix  # noqa: F401 (registers "ratiokl_grpo")
+    from ratiokl.adapters.tunix import GRPOLearner  # registers "ratiokl_grpo"
     from tunix.rl.grpo.grpo_learner import GRPOConfig
 
     algo_config = GRPOConfig(..., policy_loss_fn="ratiokl_grpo")
+    learner = GRPOLearner(rl_cluster, algo_config, reward_fns)
 
 The learner then calls :func:`grpo_loss_fn` where it would call Tunix's ``grpo`` loss.
 The model call is Tunix's own (``common.process_ids`` for positions and the causal
@@ -50,20 +52,21 @@ from __future__ import annotations
 import inspect
 from typing import Any, Dict, NoReturn, Tuple
 
-import jax
-import jax.numpy as jnp
+from ratiokl._requirements import import_framework
 
-from ratiokl._requirements import unmet
-from ratiokl.adapters import refuse
-from ratiokl.jax.loss import policy_loss
+# Each says which extra to install when absent or too old (``ratiokl[tunix]`` brings both).
+import_framework("jax", needed_by="ratiokl.adapters.tunix", extra="tunix")
+import_framework("google-tunix", module="tunix", needed_by="ratiokl.adapters.tunix")
 
-_PROBLEM = unmet("google-tunix")
-if _PROBLEM is not None:
-    raise ImportError(f"ratiokl.adapters.tunix needs Tunix: {_PROBLEM}")
-
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 from tunix.rl import common, function_registry  # noqa: E402
+from tunix.rl.grpo import grpo_learner  # noqa: E402
 
-__all__ = ["NAME", "grpo_loss_fn", "loss_options"]
+from ratiokl.adapters import refuse  # noqa: E402
+from ratiokl.jax.loss import policy_loss  # noqa: E402
+
+__all__ = ["NAME", "GRPOLearner", "grpo_loss_fn", "loss_options"]
 
 #: The policy loss's name in Tunix's registry (``GRPOConfig(policy_loss_fn=NAME)``).
 NAME = "ratiokl_grpo"
@@ -157,3 +160,22 @@ def grpo_loss_fn(model: Any, train_example: Any, algo_config: Any, pad_id: int, 
 
 
 function_registry.register_policy_loss_fn(NAME)(grpo_loss_fn)
+
+
+class GRPOLearner(grpo_learner.GRPOLearner):
+    """Tunix's ``GRPOLearner`` (same arguments) that refuses, when built, what the
+    ``"ratiokl_grpo"`` loss would refuse at the first train step: the module docstring's
+    list, each ``ValueError`` naming its field. Nothing has run yet then (no rollout)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # sets the fields read here; runs nothing
+        config = self.algo_config
+        if config.policy_loss_fn != NAME:
+            raise ValueError(
+                f"ratiokl.adapters.tunix.GRPOLearner runs the {NAME!r} policy loss; got "
+                f"`policy_loss_fn={config.policy_loss_fn!r}`. Set GRPOConfig(policy_loss_fn="
+                f"{NAME!r}), or use tunix's grpo_learner.GRPOLearner for its own loss")
+        loss_options(config)
+        packing = getattr(self._training_config, "max_seq_token_per_tpu", None)
+        if packing is not None:
+            _refuse("max_seq_token_per_tpu", packing, "packed sequences are not mapped yet")

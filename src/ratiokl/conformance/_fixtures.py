@@ -52,8 +52,11 @@ def load_manifest(root: Optional[Path] = None) -> Dict[str, Any]:
 
 
 def list_cases(pattern: str = "*", root: Optional[Path] = None) -> List[str]:
-    """Case names matching the glob ``pattern``, sorted."""
-    return sorted(fnmatch.filter(load_manifest(root)["cases"], pattern))
+    """Case names, sorted, whose name (``vocab_2_fp32``) or case group (``vocab_2``, as
+    ``ratiokl check`` prints it) matches the glob ``pattern``."""
+    cases = load_manifest(root)["cases"]
+    return sorted(name for name, entry in cases.items()
+                  if fnmatch.fnmatch(name, pattern) or fnmatch.fnmatch(entry["group"], pattern))
 
 
 def load_case(name: str, root: Optional[Path] = None) -> Case:

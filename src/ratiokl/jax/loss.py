@@ -48,18 +48,23 @@ def selected_logprobs(
     vocab_axis: Optional[str] = None,
     return_entropy: bool = False,
 ) -> Union[jax.Array, Tuple[jax.Array, jax.Array]]:
-    """Log-probability of the sampled action per token: ``logp = z[a] - logsumexp(z)``.
+    r"""Log-probability of the sampled action per token: ``logp = z[a] - logsumexp(z)``.
 
-    With ``z = logits / T``, computed in float32 whatever the logits' dtype::
+    With :math:`z = \mathrm{logits} / T` (row by row), computed in float32 whatever the
+    logits' dtype:
 
-        logp = logits[..., a] / T - logsumexp(logits / T, axis=-1)
+    .. math::
+
+        \log p_a = z_a - \log \sum_v e^{z_v}
 
     and, with ``return_entropy``, the entropy of the same distribution ``p = softmax(z)``
     from the same read of the logits (a running ``sum exp(z - m) * z`` beside the
-    log-sum-exp)::
+    log-sum-exp):
 
-        entropy = -sum_v p_v log p_v = logsumexp(z) - sum_v p_v z_v
-        d entropy / d logits_v = -p_v (log p_v + entropy) / T
+    .. math::
+
+        H = -\sum_v p_v \log p_v = \log \sum_v e^{z_v} - \sum_v p_v z_v, \qquad
+        \frac{\partial H}{\partial\, \mathrm{logits}_v} = -\frac{p_v (\log p_v + H)}{T}
 
     Args:
       logits: ``[..., V]`` float32, float16 or bfloat16.
@@ -123,14 +128,17 @@ def ratio_kl(
     check_ids: bool = True,
     vocab_axis: Optional[str] = None,
 ) -> Tuple[jax.Array, jax.Array]:
-    """Per-token importance ratio and KL penalty of the policy against a reference.
+    r"""Per-token importance ratio and KL penalty of the policy against a reference.
 
-    With ``logp`` from :func:`selected_logprobs` (float32 math)::
+    With ``logp`` from :func:`selected_logprobs` (float32 math) and ``logp_ref`` the same
+    on ``ref_logits`` (or the given ``ref_logps``):
 
-        logp_ref = the same on ref_logits (or the given ref_logps)
-        ratio    = exp(logp - old_logp)
-        d        = logp_ref - logp
-        kl       = k1: -d  |  k2: d*d/2  |  k3: exp(d) - d - 1   (default "k3")
+    .. math::
+
+        \mathrm{ratio} = e^{\log p - \log p_\mathrm{old}}, \qquad
+        d = \log p_\mathrm{ref} - \log p, \qquad
+        \mathrm{kl} = \begin{cases} -d & \text{k1} \\ d^2 / 2 & \text{k2} \\
+                      e^{d} - d - 1 & \text{k3 (the default)} \end{cases}
 
     Args:
       policy_logits: ``[..., V]`` float32, float16 or bfloat16.
@@ -202,21 +210,35 @@ def policy_loss(
     vocab_axis: Optional[str] = None,
     inplace_grad: bool = False,
 ) -> Tuple[jax.Array, Dict[str, jax.Array]]:
-    """PPO/GRPO clipped policy loss with a KL penalty, aggregated to one number.
+    r"""PPO/GRPO clipped policy loss with a KL penalty, aggregated to one number.
 
-    With ``logp`` from :func:`selected_logprobs`, per active token::
+    With ``logp`` from :func:`selected_logprobs`, per active token (:math:`A` the
+    advantage, :math:`b` = ``log_ratio_bound``, :math:`\epsilon, \epsilon_h` =
+    ``clip_eps``, ``clip_eps_high``, :math:`c_\mathrm{KL}, c_H` = ``kl_coef``,
+    ``entropy_coef``, :math:`\mathrm{iw}` = ``importance_weights``):
 
-        r    = exp(clip(logp - old_logp, -b, b))        (b = log_ratio_bound)
-        pg   = max(-A*r, -A*clip(r, 1-clip_eps, 1+clip_eps_high))
-               then min(pg, -A*dual_clip) for A < 0; ratio_cap caps r likewise
-        loss = w * importance_weight * pg + kl_coef * kl(logp_ref - logp) - entropy_coef * H
+    .. math::
 
-    with ``H = -sum_v p_v log p_v`` the entropy of the token's ``p = softmax(z / T)``
-    (``dH/dz_v = -p_v (log p_v + H) / T``; a ``-inf`` logit adds 0 to both), and ``w``
-    the rollout correction's weight (1 without ``rollout_correction``)::
+        r = \exp\big(\mathrm{clip}(\log p - \log p_\mathrm{old}, -b, b)\big), \qquad
+        \mathrm{pg} = \max\big(-A r,\; -A\, \mathrm{clip}(r, 1 - \epsilon, 1 + \epsilon_h)\big)
 
-        lw = old_logp - rollout_logp   (token), or its sum over the sequence (sequence)
-        e  = exp(clip(lw, -b, b));  w = min(e, hi) (truncate)  |  e if lo <= e <= hi else 0 (mask)
+        \mathrm{loss} = w \cdot \mathrm{iw} \cdot \mathrm{pg}
+                        + c_\mathrm{KL}\, \mathrm{kl}(\log p_\mathrm{ref} - \log p) - c_H H
+
+    then ``pg = min(pg, -A * dual_clip)`` for :math:`A < 0`, and ``ratio_cap`` caps
+    :math:`r` likewise; :math:`H = -\sum_v p_v \log p_v` is the entropy of the token's
+    :math:`p = \mathrm{softmax}(z / T)` (:math:`\partial H / \partial z_v = -p_v (\log p_v
+    + H) / T`; a ``-inf`` logit adds 0 to both), and :math:`w` the rollout correction's
+    weight (1 without ``rollout_correction``), from the token's
+    :math:`\ell = \log p_\mathrm{old} - \log p_\mathrm{rollout}` (or its sum over the
+    sequence, at the sequence level):
+
+    .. math::
+
+        e = \exp\big(\mathrm{clip}(\ell, -b, b)\big), \qquad
+        w = \begin{cases} \min(e, \mathrm{hi}) & \text{truncate} \\
+            e \text{ if } \mathrm{lo} \le e \le \mathrm{hi}, \text{ else } 0 & \text{mask}
+            \end{cases}
 
     ``objective="cispo"`` (MiniMax-M1) replaces ``pg`` by
     ``-sg(clip(r, 1-clip_eps, min(1+clip_eps_high, ratio_cap))) * A * logp``: the

@@ -1,25 +1,39 @@
-"""Float64 NumPy reference of the PPO/GRPO policy loss: the numeric spec.
+r"""Float64 NumPy reference of the PPO/GRPO policy loss: the numeric spec.
 
 Built on the per-token log-probs of :mod:`ratiokl.spec.reference`. Per active
-token ``t`` (inactive tokens contribute nothing and get a zero gradient)::
+token :math:`t` (inactive tokens contribute nothing and get a zero gradient), with
+:math:`\ell` the log-ratio ``logp - old_logp`` (``ratio_level="token"``; without
+``old_logps``, on-policy: ``old_logp = sg(logp)``, so :math:`r = 1`,
+:math:`dr/d\log p = 1`), or its mean over :math:`t`'s sequence
+(``ratio_level="sequence"``, GSPO), :math:`b` = ``log_ratio_bound`` (None: no bound),
+:math:`w` = ``importance_weights`` (default 1), :math:`\mathrm{kl}` one of
+``POLICY_KL_ESTIMATORS`` on :math:`d = \log p_\mathrm{ref} - \log p`:
 
-    lr    = logp - old_logp                     (ratio_level="token"; no old_logps, on-policy:
-                                                 old_logp = sg(logp), so r = 1, dr/dlogp = 1)
-          = mean over t's sequence of lr        (ratio_level="sequence", GSPO)
-    lr_b  = clip(lr, -bound, bound)             (log_ratio_bound; None: no bound)
-    r     = exp(lr_b)
-    q     = A >= 0: min(r, ratio_high)          ratio_high = min(1 + clip_eps_high, ratio_cap)
-            A <  0: min(max(r, 1 - clip_eps), neg_cap)   neg_cap = min(dual_clip, ratio_cap)
-    pg    = -A * q * w                          (w: importance_weights, default 1)
-    loss  = pg + kl_coef * kl                   (kl: POLICY_KL_ESTIMATORS on d = logp_ref - logp)
+.. math::
+
+    r = \exp\big(\mathrm{clip}(\ell, -b, b)\big), \qquad
+    q = \begin{cases} \min(r, r_\mathrm{high}) & A \ge 0 \\
+        \min\big(\max(r, 1 - \epsilon), c_\mathrm{neg}\big) & A < 0 \end{cases}
+
+    \mathrm{pg} = -A\, q\, w, \qquad
+    \mathrm{loss} = \mathrm{pg} + c_\mathrm{KL}\, \mathrm{kl}
+
+with :math:`r_\mathrm{high} = \min(1 + \epsilon_h, \mathrm{ratio\_cap})`,
+:math:`c_\mathrm{neg} = \min(\mathrm{dual\_clip}, \mathrm{ratio\_cap})`,
+:math:`\epsilon, \epsilon_h, c_\mathrm{KL}` = ``clip_eps``, ``clip_eps_high``,
+``kl_coef``.
 
 With ``rollout_logps`` the rollout correction's detached weight
 (:mod:`ratiokl.spec.rollout`) multiplies ``w``.
 
-With ``objective="cispo"`` (MiniMax-M1's CISPO) the policy term is instead::
+With ``objective="cispo"`` (MiniMax-M1's CISPO) the policy term is instead, with the
+weight :math:`w_c` detached, for every advantage:
 
-    wc    = clip(r, 1 - clip_eps, ratio_high)   (for every advantage; detached)
-    pg    = -A * wc * w * logp                  d pg / d logp = -A * wc * w
+.. math::
+
+    w_c = \mathrm{clip}(r, 1 - \epsilon, r_\mathrm{high}), \qquad
+    \mathrm{pg} = -A\, w_c\, w \log p, \qquad
+    \frac{d\, \mathrm{pg}}{d \log p} = -A\, w_c\, w
 
 so every active token carries a gradient, its size set by the clipped weight;
 ``clip_fraction_low`` / ``_high`` count ``r < 1 - clip_eps`` / ``r > ratio_high``
@@ -30,18 +44,28 @@ already); with ``ratio_level="sequence"`` ``r`` is the sequence ratio ``s_i``
 The PPO term equals ``max(-A*r, -A*clip(r, 1-eps, 1+eps_high))`` with the dual clip
 ``min(., -A*c)`` for ``A < 0`` (PPO, DAPO clip-higher, dual-clip PPO,
 INTELLECT-2's delta). Gradient with respect to ``logp`` (a clipped or capped
-branch, and a log-ratio outside the bound, carry none)::
+branch, and a log-ratio outside the bound, carry none; GSPO: through the token's own
+``logp`` only, i.e. ``sg(s_i) * pi_t / sg(pi_t)`` as in verl):
 
-    dr/dlogp  = r if |lr| <= bound else 0   (GSPO: the token's own logp only,
-                                             i.e. sg(s_i) * pi_t / sg(pi_t) as in verl)
-    dq/dr     = 1 on the unclipped branch, else 0
+.. math::
 
-With ``entropy_coef`` (``c_H``, verl's ``entropy_coeff``) the per-token loss gains an
-entropy bonus aggregated with the very weights of the policy term::
+    \frac{dr}{d \log p} = \begin{cases} r & |\ell| \le b \\ 0 & \text{otherwise}
+                          \end{cases}, \qquad
+    \frac{dq}{dr} = \begin{cases} 1 & \text{on the unclipped branch} \\
+                    0 & \text{otherwise} \end{cases}
 
-    H_t   = -sum_v p_v log p_v,   p = softmax(policy_logits_t / T)   (ratiokl.spec.entropy)
-    loss  = pg + kl_coef * kl - c_H * H_t,     i.e.  pg + kl_coef*kl - c_H * agg(H)
-    dH_t/dz_v = -p_v (log p_v + H_t) / T      (z: the logits; a ``-inf`` logit: p_v = 0, 0)
+With ``entropy_coef`` (:math:`c_H`, verl's ``entropy_coeff``) the per-token loss gains
+an entropy bonus aggregated with the very weights of the policy term
+(:func:`ratiokl.spec.entropy`; :math:`z` the logits, a ``-inf`` logit has
+:math:`p_v = 0` and adds 0):
+
+.. math::
+
+    H_t = -\sum_v p_v \log p_v, \quad p = \mathrm{softmax}(z_t / T), \qquad
+    \mathrm{loss}_t = \mathrm{pg} + c_\mathrm{KL}\, \mathrm{kl} - c_H H_t, \qquad
+    \frac{\partial H_t}{\partial z_v} = -\frac{p_v (\log p_v + H_t)}{T}
+
+i.e. ``agg(pg + kl_coef * kl) - c_H * agg(H)``.
 
 (``c_H > 0`` rewards entropy, ``c_H < 0`` penalises it). ``entropy_mean``, the mean of
 ``H_t`` over active tokens, is always reported, whatever ``c_H``.

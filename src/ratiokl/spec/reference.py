@@ -1,31 +1,44 @@
-"""Float64 NumPy reference of ratiokl's operator: the numeric spec.
+r"""Float64 NumPy reference of ratiokl's operator: the numeric spec.
 
 Every backend of both frameworks is tested against these functions. They are
 written for clarity, not speed, and hold the math in one place.
 
-Definitions, per row ``i`` of the leading shape ``[...]`` (vocabulary last)::
+Definitions, per row :math:`i` of the leading shape ``[...]`` (vocabulary last), with
+:math:`T_i` its temperature (:math:`0 < T_i < \infty`) and :math:`a_i` its sampled
+action id:
 
-    z        = logits[i] / T_i                       (T: temperature, 0 < T < inf)
-    lse      = logsumexp(z)
-    logp     = z[a_i] - lse                          (a_i: the sampled action id)
-    ratio    = exp(logp - old_logp)
-    d        = logp_ref - logp
-    kl       = k1: -d   |   k2: d*d/2   |   k3: exp(d) - d - 1
+.. math::
+
+    z = \mathrm{logits}_i / T_i, \qquad
+    \mathrm{lse} = \log \sum_v e^{z_v}, \qquad
+    \log p = z_{a_i} - \mathrm{lse}
+
+    \mathrm{ratio} = e^{\log p - \log p_\mathrm{old}}, \qquad
+    d = \log p_\mathrm{ref} - \log p, \qquad
+    \mathrm{kl} = \begin{cases} -d & \text{k1} \\ d^2 / 2 & \text{k2} \\
+                  e^{d} - d - 1 & \text{k3} \end{cases}
 
 Gradient with respect to the policy logits, for an upstream cotangent
-``g_logp`` on the row's log-prob::
+``g_logp`` on the row's log-prob:
 
-    dlogp / dlogits[v] = (onehot(a)[v] - softmax(z)[v]) / T
-    dratio / dlogp     = ratio
-    dkl / dlogp        = k1: 1   |   k2: -d   |   k3: 1 - exp(d)
+.. math::
+
+    \frac{\partial \log p}{\partial\, \mathrm{logits}_v}
+        = \frac{[v = a] - \mathrm{softmax}(z)_v}{T}, \qquad
+    \frac{\partial\, \mathrm{ratio}}{\partial \log p} = \mathrm{ratio}, \qquad
+    \frac{\partial\, \mathrm{kl}}{\partial \log p}
+        = \begin{cases} 1 & \text{k1} \\ -d & \text{k2} \\ 1 - e^{d} & \text{k3}
+          \end{cases}
 
 so ``grad_logits[v] = c * (onehot(a)[v] - softmax(z)[v]) / T`` with the
 per-row coefficient ``c = g_ratio * ratio + g_kl * dkl/dlogp``.
 
-The entropy of the row's (temperature-scaled) distribution ``p = softmax(z)``::
+The entropy of the row's (temperature-scaled) distribution :math:`p = \mathrm{softmax}(z)`:
 
-    entropy        = -sum_v p[v] log p[v]  = lse - sum_v p[v] z[v]
-    dentropy / dlogits[v] = -p[v] (log p[v] + entropy) / T
+.. math::
+
+    H = -\sum_v p_v \log p_v = \mathrm{lse} - \sum_v p_v z_v, \qquad
+    \frac{\partial H}{\partial\, \mathrm{logits}_v} = -\frac{p_v (\log p_v + H)}{T}
 
 where a ``-inf`` logit (vocabulary masking) has ``p[v] = 0`` and contributes 0 to
 both (never ``0 * -inf``).

@@ -1,16 +1,22 @@
-"""Rollout correction: its options, checked once per set, and its float64 reference.
+r"""Rollout correction: its options, checked once per set, and its float64 reference.
 
 The engine that sampled the tokens (vLLM, SGLang, ...) reports log-probs
 ``rollout_logps`` that differ from the trainer's ``old_logps`` (other kernels,
-precision, a stale copy of the weights). Per active token ``t``::
+precision, a stale copy of the weights). Per active token :math:`t`, with
+:math:`b` = ``log_ratio_bound`` (None: no bound) and the sequences those of
+``loss_agg`` (rows, or ``segment_ids``):
 
-    lw_t = old_logp_t - rollout_logp_t                  token log-weight
-    lw   = lw_t                                         "token-*"
-         = sum of lw_u over the active tokens u of      "sequence-*" (the sequences of
-           t's sequence                                  loss_agg: rows, or segment_ids)
-    e    = exp(clip(lw, -b, b))                         b = log_ratio_bound (None: no bound)
-    w    = min(e, hi)                                   "*-truncate" (truncated IS, TIS)
-         = e if lo <= e <= hi, else 0                   "*-mask" (rejection; IcePop)
+.. math::
+
+    \ell_t = \log p_{\mathrm{old},t} - \log p_{\mathrm{rollout},t}, \qquad
+    \ell = \begin{cases} \ell_t & \texttt{"token-*"} \\
+           \sum_{u \in \text{active tokens of } t\text{'s sequence}} \ell_u
+           & \texttt{"sequence-*"} \end{cases}
+
+    e = \exp\big(\mathrm{clip}(\ell, -b, b)\big), \qquad
+    w = \begin{cases} \min(e, \mathrm{hi}) & \texttt{"*-truncate"} \text{ (truncated IS, TIS)} \\
+        e \text{ if } \mathrm{lo} \le e \le \mathrm{hi}, \text{ else } 0
+        & \texttt{"*-mask"} \text{ (rejection; IcePop)} \end{cases}
 
 with ``(lo, hi) = rollout_bounds`` (``lo`` is read by the mask modes only). ``w``
 is detached and multiplies the per-token policy term together with
