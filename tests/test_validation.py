@@ -4,12 +4,15 @@ A per-row temperature that is 0, negative, infinite or NaN on an active row:
 ``ValueError`` naming the position with the host check, its row NaN (outputs
 and gradient, the other rows untouched) without it and under ``jit`` (where a
 ``checkify``-wrapped call raises). ``kl_coef < 0`` is rejected. Flattened
-``[B*T, V]`` logits with ``[B, T]`` ids name ``action_ids``.
+``[B*T, V]`` logits with ``[B, T]`` ids name ``action_ids``. ``backend="triton"`` without a
+GPU, ids of a dtype other than int64 / int32 (``uint8`` included) and integer advantages
+raise the same error type in both frameworks, naming the argument and what it got.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 
 import numpy as np
 import pytest
@@ -159,3 +162,51 @@ def test_inplace_grad_where_it_cannot_apply_raises(framework, ratio_level):
         loss.policy_loss(logits, None, ids, mask, old, adv, inplace_grad=True, **kw)
     value, _ = loss.policy_loss(logits, None, ids, mask, old, adv, **kw)  # the plain call
     assert np.isfinite(float(value))
+
+
+def _both_frameworks(arrays):
+    """``[(loss module, converted arrays)]`` for PyTorch and, if installed, JAX."""
+    from ratiokl.torch import loss as torch_loss
+
+    out = [(torch_loss, [torch.from_numpy(np.asarray(a)) for a in arrays])]
+    if importlib.util.find_spec("jax") is not None:
+        import jax.numpy as jnp
+
+        from ratiokl.jax import loss as jax_loss
+
+        out.append((jax_loss, [jnp.asarray(a) for a in arrays]))
+    return out
+
+
+def test_triton_without_a_gpu_is_a_value_error_in_both_frameworks():
+    """PyTorch's ``triton`` on CPU tensors and JAX's without a GPU: ``ValueError`` saying
+    what it needs and what to use instead (JAX raised ``RuntimeError``)."""
+    logits, ids, mask, _ = _inputs(1.0)
+    for loss, (x, a, m) in _both_frameworks((logits, ids, mask)):
+        if loss.__name__.startswith("ratiokl.jax"):
+            import jax
+
+            if jax.default_backend() == "gpu":
+                continue
+        with pytest.raises(ValueError, match=r"backend='triton' needs .*backend='native'"):
+            loss.selected_logprobs(x, a, m, backend="triton")
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "int16", "float32"])
+def test_ids_other_than_int64_or_int32_are_rejected_naming_the_dtype(dtype):
+    """``uint8`` ids were accepted although the message says int64 / int32."""
+    logits, ids, mask, _ = _inputs(1.0)
+    for loss, (x, a, m) in _both_frameworks((logits, ids.astype(dtype), mask)):
+        with pytest.raises(TypeError, match=rf"`action_ids` must be int(64|32) or int(32|64); "
+                                            rf"got (torch\.)?{dtype}"):
+            loss.selected_logprobs(x, a, m, backend="native")
+
+
+def test_integer_advantages_are_rejected_naming_the_dtype():
+    logits, ids, mask, _ = _inputs(1.0)
+    rows = np.zeros((B, T), np.float32)
+    arrays = (logits, ids, mask, rows, rows.astype(np.int32))
+    for loss, (x, a, m, old, adv) in _both_frameworks(arrays):
+        with pytest.raises(TypeError, match=r"`advantages` must be a floating .*got "
+                                            r"(torch\.)?int32"):
+            loss.policy_loss(x, None, a, m, old, adv, backend="native")

@@ -233,7 +233,7 @@ def test_integer_mask_is_accepted():
 _BAD_ARGS = [
     ({"policy": np.zeros((4, 6, V), np.float64)}, TypeError, "`policy_logits` must be float32"),
     ({"policy": np.zeros((4, 6, 0), np.float32)}, ValueError, "`policy_logits` must have shape"),
-    ({"ids": np.zeros((4, 6), np.float32)}, TypeError, "`action_ids` must have an integer"),
+    ({"ids": np.zeros((4, 6), np.float32)}, TypeError, "`action_ids` must be int32 or int64"),
     ({"ids": np.zeros((6, 4), np.int32)}, ValueError, "`action_ids` must have the logits'"),
     ({"mask": np.zeros((4, 6), np.float32)}, TypeError, "`mask` must be bool"),
     ({"mask": np.ones((2,), bool)}, ValueError, "`mask` must have the logits'"),
@@ -247,7 +247,7 @@ _BAD_ARGS = [
     ({"temperature": "1"}, TypeError, "`temperature` must be a Python float"),
     ({"kl_estimator": "k4"}, ValueError, "`kl_estimator` must be one of"),
     ({"backend": "cuda"}, ValueError, "`backend` must be one of"),
-    ({"backend": "triton"}, RuntimeError, "backend='triton' cannot run here"),
+    ({"backend": "triton"}, ValueError, "backend='triton' needs a GPU"),
     ({"check_ids": 1}, TypeError, "`check_ids` must be a Python bool"),
 ]
 

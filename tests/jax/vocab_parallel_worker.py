@@ -142,6 +142,7 @@ CI_FIXTURES = (
     "entropy_masked_vocab_fp32", "entropy_temperature_per_row_bf16", "entropy_peaked_fp16",
     "policy_entropy_masked_vocab_fp32", "policy_entropy_temperature_per_row_fp32",
     "policy_entropy_cispo_bf16", "policy_grpo_kl_k3_fp32",
+    "entropy_active_row_nan_inf_logits_fp32", "policy_entropy_active_row_nan_inf_logits_bf16",
 )
 
 

@@ -50,9 +50,13 @@ def _bounded(x, BOUND: tl.constexpr):
 
 @triton.jit
 def _inside(x, y, BOUND: tl.constexpr):
-    """``y`` where ``|x| <= BOUND``, else 0: the gradient a bound implies (``BOUND = 0``: ``y``)."""
+    """``y``, or 0 where ``|x| > BOUND``: the gradient a bound implies (``BOUND = 0``: ``y``).
+
+    A NaN ``x`` is not beyond the bound: ``y`` (NaN) stays, as in the spec and the native
+    backends (``|x| <= BOUND`` would have made a NaN log-ratio's gradient a silent 0).
+    """
     if BOUND > 0:
-        y = tl.where(tl.abs(x) <= BOUND, y, 0.0)
+        y = tl.where(tl.abs(x) > BOUND, 0.0, y)
     return y
 
 

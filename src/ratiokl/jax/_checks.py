@@ -79,11 +79,11 @@ def check_logits(name: str, logits: Any) -> jax.Array:
 
 
 def check_ids(action_ids: Any, lead: Tuple[int, ...]) -> jax.Array:
-    """``action_ids`` is an integer array of the leading shape."""
+    """``action_ids`` is an int32 or int64 array of the leading shape."""
     ids = _require_array("action_ids", action_ids)
-    if not jnp.issubdtype(ids.dtype, jnp.integer):
+    if ids.dtype not in (jnp.int32, jnp.int64):
         raise TypeError(
-            f"`action_ids` must have an integer dtype (int32 or int64); got {ids.dtype}. "
+            f"`action_ids` must be int32 or int64; got {ids.dtype}. "
             "Cast it with `action_ids.astype(jnp.int32)`"
         )
     _check_lead_shape("action_ids", ids, lead)
@@ -285,7 +285,10 @@ def _floats(x: jax.Array, lead: Tuple[int, ...]) -> jax.Array:
 def _check_advantages(advantages: Any, lead: Tuple[int, ...]) -> jax.Array:
     """Per token ``[...]``, or per sequence ``lead[:-1]`` / ``lead[:-1] + [1]``; ``[R, T]`` out."""
     if not isinstance(advantages, _ARRAYS) or not jnp.issubdtype(advantages.dtype, jnp.floating):
-        raise TypeError("`advantages` must be a floating jax.Array (float32 recommended)")
+        got = (advantages.dtype if isinstance(advantages, _ARRAYS)
+               else type(advantages).__name__)
+        raise TypeError(f"`advantages` must be a floating jax.Array (float32 recommended); "
+                        f"got {got}. Cast it with `advantages.astype(jnp.float32)`")
     shape = tuple(advantages.shape)
     if shape != lead and not (lead and shape in (lead[:-1], lead[:-1] + (1,))):
         raise ValueError(

@@ -130,10 +130,12 @@ def selected_logprobs(
 
 
 def _entropy_terms(z: jax.Array, lse: jax.Array) -> Tuple[jax.Array, jax.Array]:
-    """``(p, p * log p)`` of rows ``z``; ``p * log p`` exactly 0 where ``p = 0`` (a ``-inf``)."""
+    """``(p, p * log p)`` of rows ``z``; ``p * log p`` exactly 0 where ``p = 0`` (a ``-inf``
+    logit: never ``0 * -inf``) and NaN where ``p`` is NaN (a NaN or ``+inf`` logit in the
+    row: its entropy is NaN, never a finite sum that skipped it)."""
     log_p = z - lse[:, None]
     p = jnp.exp(log_p)
-    return p, jnp.where(p > 0.0, p * log_p, 0.0)
+    return p, jnp.where(p == 0.0, 0.0, p * log_p)
 
 
 def _entropy_forward(logits, ids, mask, temperature):

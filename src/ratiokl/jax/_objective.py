@@ -214,7 +214,10 @@ def policy_objective(
     if opts.sequence_ratio:
         seq_mean = _segment_totals(lax.stop_gradient(log_ratio), first, last) / counts
         # GSPO-token form (verl): value sg(s_i), gradient on the token's own logp.
-        log_ratio = jnp.where(mask, seq_mean + (logp - lax.stop_gradient(logp)), 0.0)
+        # An infinite logp (its action masked out with -inf) adds 0, not inf - inf = NaN:
+        # the value stays s_i (then beyond the bound: no gradient), as in the spec.
+        own = jnp.where(jnp.isinf(logp), 0.0, logp - lax.stop_gradient(logp))
+        log_ratio = jnp.where(mask, seq_mean + own, 0.0)
     ratio = jnp.exp(_bounded(log_ratio, opts.log_ratio_bound))
     if opts.cispo:  # the gradient goes through logp only, on every active token
         q, low, high, capped = _cispo_weight(ratio, opts)

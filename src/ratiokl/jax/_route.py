@@ -76,12 +76,19 @@ def _jax_triton_error() -> str:
         reason = unmet(distribution, extra="jax-triton")
         if reason:
             return reason
-    if jax.default_backend() != "gpu":
-        return f"JAX's default backend is {jax.default_backend()!r}, not a GPU"
+    if _no_gpu():
+        return _no_gpu()
     try:
         _jax_triton.import_jax_triton()
     except ImportError as err:
         return f"`import jax_triton` failed: {err}"
+    return ""
+
+
+def _no_gpu() -> str:
+    """Why there is no GPU for ``backend="triton"`` (JAX's default backend), or ``""``."""
+    if jax.default_backend() != "gpu":
+        return f"JAX's default backend is {jax.default_backend()!r}, not a GPU"
     return ""
 
 
@@ -99,8 +106,10 @@ def _interpret_error() -> str:
 def backend_name(backend: str) -> str:
     """The concrete backend for ``backend`` (a static string); raises if it cannot run here.
 
-    ``"auto"`` never fails for want of a GPU; an explicit backend that cannot
-    run here raises ``RuntimeError`` saying why, an unknown name ``ValueError``.
+    ``"auto"`` never fails for want of a GPU; ``"triton"`` without one raises
+    ``ValueError`` (as PyTorch's ``"triton"`` does for CPU tensors), an explicit backend
+    whose packages are missing, too old or fail to import ``RuntimeError`` saying why, an
+    unknown name ``ValueError``.
     """
     if backend not in BACKENDS:
         choices = ", ".join(repr(b) for b in BACKENDS)
@@ -118,6 +127,11 @@ def backend_name(backend: str) -> str:
         return "native" if _jax_triton_error() else "triton"
     if backend == "triton":
         reason = _jax_triton_error()
+        if reason and reason == _no_gpu():
+            raise ValueError(
+                f"backend='triton' needs a GPU; {reason}. Use backend='native' or 'auto' "
+                "(or 'interpret' to run the Triton kernels on the CPU)"
+            )
         if reason:
             raise RuntimeError(
                 f"backend='triton' cannot run here: {reason}. It needs a CUDA build of "

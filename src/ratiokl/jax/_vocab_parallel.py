@@ -97,8 +97,8 @@ def _shard_sums_fwd(logits, local_ids, owned, mask, temperature, shift, entropy)
     s = jnp.sum(e, axis=-1)
     z_a = jnp.where(owned, jnp.take_along_axis(z, local_ids[:, None], axis=-1)[:, 0], 0.0)
     sums = (s, z_a)
-    if entropy:  # a -inf logit (e = 0) adds exactly 0
-        sums += (jnp.sum(jnp.where(e > 0.0, e * (z - shift[:, None]), 0.0), axis=-1),)
+    if entropy:  # a -inf logit (e = 0) adds exactly 0; a NaN (e NaN) stays NaN
+        sums += (jnp.sum(jnp.where(e == 0.0, 0.0, e * (z - shift[:, None])), axis=-1),)
     return sums, (logits, local_ids, owned, mask, temperature, shift)
 
 
@@ -117,8 +117,8 @@ def _shard_sums_bwd(entropy, residuals, cotangents):
     onehot = owned[:, None] & (local_ids[:, None] == jnp.arange(logits.shape[-1])[None, :])
     grad = g_s[:, None] * e + jnp.where(onehot, g_z[:, None], 0.0)
     if entropy:  # d/dz of e (z - shift) = e (1 + z - shift); 0 where e = 0 (a -inf logit)
-        grad = grad + jnp.where(e > 0.0, cotangents[2][:, None] * e * (1.0 + z - shift[:, None]),
-                                0.0)
+        grad = grad + jnp.where(e == 0.0, 0.0,
+                                cotangents[2][:, None] * e * (1.0 + z - shift[:, None]))
     grad = jnp.where(mask[:, None], grad / t[:, None], 0.0)
     # Nothing flows to the temperature or the (stop-gradient) shift.
     return grad.astype(logits.dtype), None, None, None, jnp.zeros_like(temperature), None

@@ -68,7 +68,7 @@ def selected_logprobs(
 
     Args:
       logits: ``[..., V]`` float32, float16 or bfloat16.
-      action_ids: ``[...]`` integer sampled token ids, in ``[0, V)`` on active rows.
+      action_ids: ``[...]`` int32 or int64 sampled token ids, in ``[0, V)`` on active rows.
       mask: ``[...]`` bool (or integer 0/1), True for active tokens; None: all active.
       temperature: a positive Python float, or a floating ``[...]`` (or 0-d) array,
         per row; an entry that is not positive and finite on an active row is
@@ -144,7 +144,7 @@ def ratio_kl(
       policy_logits: ``[..., V]`` float32, float16 or bfloat16.
       ref_logits: reference-model logits of the same shape (any of those dtypes),
         or None when ``ref_logps`` is given. Evaluated under ``lax.stop_gradient``.
-      action_ids: ``[...]`` integer sampled token ids, in ``[0, V)`` on active rows.
+      action_ids: ``[...]`` int32 or int64 sampled token ids, in ``[0, V)`` on active rows.
       mask: ``[...]`` bool (or integer 0/1), True for active tokens.
       old_logps: ``[...]`` floating log-probs of the behaviour policy.
       ref_logps: ``[...]`` floating reference log-probs, instead of ``ref_logits``.

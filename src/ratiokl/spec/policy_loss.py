@@ -45,7 +45,9 @@ The PPO term equals ``max(-A*r, -A*clip(r, 1-eps, 1+eps_high))`` with the dual c
 ``min(., -A*c)`` for ``A < 0`` (PPO, DAPO clip-higher, dual-clip PPO,
 INTELLECT-2's delta). Gradient with respect to ``logp`` (a clipped or capped
 branch, and a log-ratio outside the bound, carry none; GSPO: through the token's own
-``logp`` only, i.e. ``sg(s_i) * pi_t / sg(pi_t)`` as in verl):
+``logp`` only, i.e. ``sg(s_i) * pi_t / sg(pi_t)`` as in verl; a NaN log-ratio is not
+beyond the bound, so its gradient stays NaN; a clipped token's gradient is selected, exactly
+0 whatever ``A``, ``w`` and ``dr`` hold):
 
 .. math::
 
@@ -169,7 +171,8 @@ def _advantages(advantages: ArrayLike, lead: Tuple[int, ...]) -> np.ndarray:
 
 def _kl_terms(d, kind: int, r, dr, bound):
     """KL value and its derivative w.r.t. ``logp`` (``dd/dlogp = -1``) per variant."""
-    inside = np.ones_like(d, dtype=bool) if bound is None else np.abs(d) <= bound
+    # A NaN d is not beyond the bound: its gradient stays NaN (never a silent 0).
+    inside = np.ones_like(d, dtype=bool) if bound is None else ~(np.abs(d) > bound)
     d_b = d if bound is None else np.clip(d, -bound, bound)
     k3 = np.expm1(d_b) - d_b
     k3_grad = np.where(inside, -np.expm1(d), 0.0)
@@ -281,13 +284,16 @@ def _policy_terms(logp, logp_ref, old_logps, advantages, mask, entropy, *, loss_
             lr = np.where(mask, per_seq[seq], 0.0)
         bound = opts.log_ratio_bound
         r = np.exp(lr if bound is None else np.clip(lr, -bound, bound))
-        dr = r if bound is None else np.where(np.abs(lr) <= bound, r, 0.0)
+        # Zero beyond the bound; a NaN log-ratio is not beyond it (its gradient stays NaN).
+        dr = r if bound is None else np.where(np.abs(lr) > bound, 0.0, r)
         if opts.cispo:
             wc, high, low, capped = _cispo_weight(r, opts)
             pg, dpg = -adv * wc * w * logp, -adv * wc * w
         else:
             q, dq, high, low, capped = _clipped(r, adv, opts)
-            pg, dpg = -adv * q * w, -adv * dq * dr * w
+            # A clipped branch carries no gradient, selected: whatever A, w or dr hold
+            # (an infinite one included), never 0 * inf.
+            pg, dpg = -adv * q * w, np.where(dq == 0.0, 0.0, -adv * dr * w)
         if logp_ref is None:
             kl, dkl = np.zeros(lead), np.zeros(lead)
         else:

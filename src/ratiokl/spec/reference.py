@@ -41,7 +41,8 @@ The entropy of the row's (temperature-scaled) distribution :math:`p = \mathrm{so
     \frac{\partial H}{\partial\, \mathrm{logits}_v} = -\frac{p_v (\log p_v + H)}{T}
 
 where a ``-inf`` logit (vocabulary masking) has ``p[v] = 0`` and contributes 0 to
-both (never ``0 * -inf``).
+both (never ``0 * -inf``). A NaN or ``+inf`` logit makes the entropy NaN, and its
+gradient NaN across the row (``p[v] = 0`` entries too: ``0 * NaN``).
 
 Inactive rows (``mask`` false) are neutral *by construction*: their inputs
 are replaced before any arithmetic, so whatever they hold (NaN, +-inf,
@@ -207,8 +208,9 @@ def entropy_grad(
 ) -> np.ndarray:
     """Gradient of ``sum(grad_entropy * entropy)`` w.r.t. ``logits``: float64 ``[..., V]``.
 
-    ``grad[v] = -g * p[v] (log p[v] + entropy) / T``; 0 where ``p[v] = 0`` and exactly 0 on
-    inactive rows.
+    ``grad[v] = -g * p[v] (log p[v] + entropy) / T``; 0 where ``p[v] = 0`` (a ``-inf``
+    logit) and exactly 0 on inactive rows. A row whose entropy is NaN (a NaN or ``+inf``
+    logit) has a NaN gradient at every ``v``, ``p[v] = 0`` included, whatever ``g``.
     """
     logits = np.asarray(logits, dtype=np.float64)
     lead = logits.shape[:-1]
@@ -217,8 +219,9 @@ def entropy_grad(
     g = np.where(mask, np.asarray(grad_entropy, dtype=np.float64), 0.0)
     p, log_p, ent = _softmax_terms(z)
     with np.errstate(invalid="ignore", over="ignore"):
+        # p = 0 adds 0 * entropy: exactly 0, or NaN when the row's entropy is NaN.
         terms = np.where(p > 0.0, p * (log_p + ent[..., None]),
-                         np.where(np.isnan(p), np.nan, 0.0))
+                         np.where(np.isnan(p), np.nan, 0.0 * ent[..., None]))
         grad = -(g / temp)[..., None] * terms
     return np.where(mask[..., None], grad, 0.0)
 

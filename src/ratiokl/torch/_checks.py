@@ -93,11 +93,11 @@ def _check_lead_shape(name: str, value: torch.Tensor, lead: Tuple[int, ...]) -> 
 
 
 def check_ids(action_ids: object, lead: Tuple[int, ...]) -> torch.Tensor:
-    """``action_ids`` is an integer tensor of the leading shape."""
+    """``action_ids`` is an int64 or int32 tensor of the leading shape."""
     ids = _require_tensor("action_ids", action_ids)
-    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+    if ids.dtype not in (torch.int64, torch.int32):
         raise TypeError(
-            f"`action_ids` must have an integer dtype (int64 or int32); got {ids.dtype}. "
+            f"`action_ids` must be int64 or int32; got {ids.dtype}. "
             "Cast it with `action_ids.long()`"
         )
     _check_lead_shape("action_ids", ids, lead)
@@ -361,7 +361,10 @@ class TokenInputs:
 def _check_advantages(advantages: object, lead: Tuple[int, ...]) -> torch.Tensor:
     """Per token ``[...]``, or per sequence ``lead[:-1]`` / ``lead[:-1] + [1]``; ``[R, T]`` out."""
     if not isinstance(advantages, torch.Tensor) or not advantages.dtype.is_floating_point:
-        raise TypeError("`advantages` must be a floating torch.Tensor (float32 recommended)")
+        got = (advantages.dtype if isinstance(advantages, torch.Tensor)
+               else type(advantages).__name__)
+        raise TypeError(f"`advantages` must be a floating torch.Tensor (float32 recommended); "
+                        f"got {got}. Cast it with `advantages.float()`")
     shape = tuple(advantages.shape)
     if shape != lead and not (lead and shape in (lead[:-1], lead[:-1] + (1,))):
         raise ValueError(

@@ -162,10 +162,12 @@ def _backward(
 
 
 def entropy_terms(z: torch.Tensor, lse: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(p, p * log p)`` of a chunk's rows, ``p * log p`` exactly 0 where ``p = 0``."""
+    """``(p, p * log p)`` of a chunk's rows, ``p * log p`` exactly 0 where ``p = 0`` (a
+    ``-inf`` logit: never ``0 * -inf``) and NaN where ``p`` is NaN (a NaN or ``+inf`` logit
+    in the row: its entropy is NaN, never a finite sum that skipped it)."""
     log_p = z - lse[:, None]
     p = log_p.exp()
-    return p, torch.where(p > 0.0, p * log_p, torch.zeros_like(p))
+    return p, torch.where(p == 0.0, torch.zeros_like(p), p * log_p)
 
 
 def _entropy_backward(logits, ids, mask, temperature, lse, ent, grad_logp,

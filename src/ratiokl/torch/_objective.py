@@ -206,8 +206,11 @@ def policy_objective(
     log_ratio = logp - old
     if opts.sequence_ratio:
         seq_mean = _segment_totals(log_ratio.detach(), first, last) / counts
-        # GSPO-token form (verl): value sg(s_i), gradient on the token's own logp.
-        log_ratio = torch.where(mask, seq_mean + (logp - logp.detach()), zero)
+        # GSPO-token form (verl): value sg(s_i), gradient on the token's own logp. An
+        # infinite logp (its action masked out with -inf) adds 0, not inf - inf = NaN: the
+        # value stays s_i (then beyond the bound: no gradient), as in the spec.
+        own = torch.where(torch.isinf(logp), zero, logp - logp.detach())
+        log_ratio = torch.where(mask, seq_mean + own, zero)
     ratio = torch.exp(_bounded(log_ratio, opts.log_ratio_bound))
     if opts.cispo:  # the gradient goes through logp only, on every active token
         q, low, high, capped = _cispo_weight(ratio, opts)

@@ -136,10 +136,11 @@ def _shard_stats(logits: torch.Tensor, mask: torch.Tensor, temperature: Temperat
         shift = _native.finite_shift(m[rows])[:, None]
         e = (z - shift).exp_()
         s[rows] = e.sum(dim=1)
-        if entropy:  # E[z] = shift + sum e (z - shift) / s; a -inf logit (e = 0) adds 0
-            h = torch.where(e > 0.0, e * (z - shift), torch.zeros_like(e)).sum(dim=1)
-            mu[rows] = torch.where(s[rows] > 0.0, shift[:, 0] + h / s[rows],
-                                   torch.zeros_like(h))
+        if entropy:  # E[z] = shift + sum e (z - shift) / s; a -inf logit (e = 0) adds 0,
+            # a NaN (e NaN) stays NaN: select on e == 0 only, never on e > 0.
+            h = torch.where(e == 0.0, torch.zeros_like(e), e * (z - shift)).sum(dim=1)
+            mu[rows] = torch.where(s[rows] == 0.0, torch.zeros_like(h),
+                                   shift[:, 0] + h / s[rows])
     return m, s, mu
 
 

@@ -66,7 +66,7 @@ def selected_logprobs(
 
     Args:
       logits: ``[..., V]`` float32, float16 or bfloat16, any strides.
-      action_ids: ``[...]`` integer sampled token ids, in ``[0, V)`` on active rows.
+      action_ids: ``[...]`` int64 or int32 sampled token ids, in ``[0, V)`` on active rows.
       mask: ``[...]`` bool (or integer 0/1), True for active tokens; None: all active.
       temperature: a positive Python float, or a floating ``[...]`` (or 0-d) tensor,
         per row; an entry that is not positive and finite on an active row is
@@ -138,7 +138,7 @@ def ratio_kl(
       policy_logits: ``[..., V]`` float32, float16 or bfloat16, any strides.
       ref_logits: reference-model logits of the same shape (any of those dtypes),
         or None when ``ref_logps`` is given. Evaluated without autograd.
-      action_ids: ``[...]`` integer sampled token ids, in ``[0, V)`` on active rows.
+      action_ids: ``[...]`` int64 or int32 sampled token ids, in ``[0, V)`` on active rows.
       mask: ``[...]`` bool (or integer 0/1), True for active tokens.
       old_logps: ``[...]`` floating log-probs of the behaviour policy.
       ref_logps: ``[...]`` floating reference log-probs, instead of ``ref_logits``.
