@@ -44,6 +44,7 @@ __all__ = [
     "LogitTransform",
     "check_chunk_rows",
     "check_head_shapes",
+    "linear_grad_magnitudes",
     "linear_logits",
     "linear_selected_logprobs",
     "linear_selected_logprobs_grad",
@@ -174,15 +175,9 @@ def linear_selected_logprobs(
     return logp, entropy(x, mask, temperature=temperature)
 
 
-def linear_selected_logprobs_grad(
-    hidden: np.ndarray, weight: np.ndarray, action_ids: np.ndarray, mask: Optional[np.ndarray],
-    grad_logp: np.ndarray, grad_entropy: Optional[np.ndarray] = None, *,
-    bias: Optional[np.ndarray] = None, temperature: ArrayLike = 1.0, logit_scale: float = 1.0,
-    logit_softcap: Optional[float] = None,
-) -> Tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
-    """float64 ``(d hidden, d weight, d bias)`` of ``sum(grad_logp * logp + grad_entropy *
-    entropy)`` (``d bias`` None without a bias). Inactive rows' ``d hidden`` is exactly 0
-    and they add nothing to ``d weight`` / ``d bias``."""
+def _head_grads(hidden, weight, action_ids, mask, grad_logp, grad_entropy, bias, temperature,
+                logit_scale, logit_softcap):
+    """float64 ``(du [..., V], where(mask, hidden, 0), weight, mask)`` of the gradient."""
     kept, mask = _rows_in(hidden, mask)
     check_action_ids(action_ids, mask, np.shape(weight)[0])
     transform = logit_transform(logit_scale, logit_softcap)
@@ -192,8 +187,41 @@ def linear_selected_logprobs_grad(
         dx = dx + entropy_grad(x, mask, grad_entropy, temperature=temperature)
     with np.errstate(invalid="ignore", over="ignore"):
         du = np.where(mask[..., None], dx * transform_slope(x, transform), 0.0)
-    w = np.asarray(weight, dtype=np.float64)
+    return du, kept, np.asarray(weight, dtype=np.float64), mask
+
+
+def _products(du, kept, weight, mask, with_bias: bool):
     rows_du, rows_h = du.reshape(-1, du.shape[-1]), kept.reshape(-1, kept.shape[-1])
-    d_hidden = np.where(mask[..., None], du @ w, 0.0)
-    d_bias = None if bias is None else rows_du.sum(axis=0)
-    return d_hidden, rows_du.T @ rows_h, d_bias
+    d_hidden = np.where(mask[..., None], du @ weight, 0.0)
+    return d_hidden, rows_du.T @ rows_h, rows_du.sum(axis=0) if with_bias else None
+
+
+def linear_selected_logprobs_grad(
+    hidden: np.ndarray, weight: np.ndarray, action_ids: np.ndarray, mask: Optional[np.ndarray],
+    grad_logp: np.ndarray, grad_entropy: Optional[np.ndarray] = None, *,
+    bias: Optional[np.ndarray] = None, temperature: ArrayLike = 1.0, logit_scale: float = 1.0,
+    logit_softcap: Optional[float] = None,
+) -> Tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
+    """float64 ``(d hidden, d weight, d bias)`` of ``sum(grad_logp * logp + grad_entropy *
+    entropy)`` (``d bias`` None without a bias). Inactive rows' ``d hidden`` is exactly 0
+    and they add nothing to ``d weight`` / ``d bias``."""
+    du, kept, w, mask = _head_grads(hidden, weight, action_ids, mask, grad_logp, grad_entropy,
+                                    bias, temperature, logit_scale, logit_softcap)
+    return _products(du, kept, w, mask, bias is not None)
+
+
+def linear_grad_magnitudes(
+    hidden: np.ndarray, weight: np.ndarray, action_ids: np.ndarray, mask: Optional[np.ndarray],
+    grad_logp: np.ndarray, grad_entropy: Optional[np.ndarray] = None, *,
+    bias: Optional[np.ndarray] = None, temperature: ArrayLike = 1.0, logit_scale: float = 1.0,
+    logit_softcap: Optional[float] = None,
+) -> Tuple[float, float, Optional[float]]:
+    """The largest entry of ``|du| @ |weight|``, ``|du|.T @ |hidden|`` and ``sum_rows |du|``:
+    what a gradient's rounding errors are relative to (each term of its sum rounds on its
+    own; the sum may cancel), for ``ratiokl.spec.linear_grad_tolerance``. Finite entries
+    only; 0 where there are none."""
+    du, kept, w, mask = _head_grads(hidden, weight, action_ids, mask, grad_logp, grad_entropy,
+                                    bias, temperature, logit_scale, logit_softcap)
+    du = np.where(np.isfinite(du), np.abs(du), 0.0)
+    products = _products(du, np.abs(kept), np.abs(w), mask, bias is not None)
+    return tuple(None if p is None else float(p.max(initial=0.0)) for p in products)

@@ -25,32 +25,37 @@ from ratiokl.spec import LogitTransform, transform_slope
 
 __all__ = ["chunk_grads", "chunk_logits", "head_logits", "ieee_fp32", "softcap_slope_"]
 
-#: torch >= 2.9 sets matmul precision per backend (``fp32_precision``); older releases have
-#: the one global ``float32_matmul_precision``.
+#: torch >= 2.9 also keeps a precision per backend (``fp32_precision``), which its legacy
+#: getters check against the global one ("mix of the legacy and new APIs").
 _PER_BACKEND = hasattr(torch.backends.cuda.matmul, "fp32_precision")
+
+
+def _global_precision() -> str:
+    """``torch.get_float32_matmul_precision()``, or its default where only the per-backend
+    flags were set (torch >= 2.9 then refuses to read the global one)."""
+    try:
+        return torch.get_float32_matmul_precision()
+    except RuntimeError:
+        return "highest"
 
 
 @contextlib.contextmanager
 def ieee_fp32() -> Iterator[None]:
     """float32 matmuls in float32 (no TF32 on CUDA, no bf16 on oneDNN) inside, the caller's
-    setting restored after. Host flags only: nothing reaches the device."""
-    if _PER_BACKEND:
-        flags = (torch.backends.cuda.matmul, torch.backends.mkldnn.matmul)
-        saved = [f.fp32_precision for f in flags]
-        for f in flags:
-            f.fp32_precision = "ieee"
-        try:
-            yield
-        finally:
-            for f, value in zip(flags, saved):
-                f.fp32_precision = value
-        return
-    saved = torch.get_float32_matmul_precision()
+    settings restored after. ``torch.set_float32_matmul_precision("highest")`` sets the
+    global flag and (torch >= 2.9) the CUDA and oneDNN matmul flags to ``"ieee"``, one
+    consistent state for every check; the per-backend flags are restored exactly. Host
+    flags only: nothing reaches the device."""
+    flags = (torch.backends.cuda.matmul, torch.backends.mkldnn.matmul) if _PER_BACKEND else ()
+    saved = _global_precision()
+    saved_flags = [f.fp32_precision for f in flags]
     torch.set_float32_matmul_precision("highest")
     try:
         yield
     finally:
         torch.set_float32_matmul_precision(saved)
+        for f, value in zip(flags, saved_flags):
+            f.fp32_precision = value
 
 
 def chunk_logits(kept: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
