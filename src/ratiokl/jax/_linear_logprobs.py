@@ -131,7 +131,10 @@ def _backward(static: _Static, hidden, weight, bias, ids, mask, temp, lse, ent, 
 
     def step(start, size: int, carry):
         grad_hidden, grad_weight, grad_bias = carry
-        part = lambda x: None if x is None else lax.dynamic_slice_in_dim(x, start, size)  # noqa: E731
+
+        def part(x):
+            return None if x is None else lax.dynamic_slice_in_dim(x, start, size)
+
         mask_c = part(mask)
         kept = _kept(part(hidden), mask_c)
         x = head_logits(kept, weight, bias, static.transform)

@@ -1,5 +1,8 @@
 """The route from a public ``ratiokl.torch.loss`` call to its launches, one function per op.
 
+The two ops from hidden states (``linear_selected_logprobs``, ``linear_policy_loss``) take
+the same steps in ``_linear_route``, with this module's helpers.
+
 Every call runs the same steps, each once:
 
 1. validate (``_checks``; shapes, dtypes and devices only -- no host sync) and
