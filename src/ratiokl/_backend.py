@@ -9,8 +9,10 @@ A :class:`Backend` runs on flattened, validated inputs::
     policy_loss(policy, ref, ids, mask, old, ref_logps, adv, iw, weights,
                 temperature, opts, inplace_grad) -> (loss, metrics)   [fused; or None]
     token_weights(mask, opts, normalizer, width) -> weights | None     [or None]
-    linear_policy_loss(hidden, weight, ids, mask, old, ref_logps, adv, iw, weights,
-                       temperature, opts, chunk_rows) -> (loss, metrics)  [or None]
+    linear_policy_loss(hidden, weight, bias, transform, ids, mask, old, ref_logps, adv, iw,
+                       weights, temperature, opts, chunk_rows) -> (loss, metrics)  [or None]
+    linear_selected_logprobs(hidden, weight, bias, ids, mask, temperature, transform,
+                             chunk_rows, entropy) -> logp | (logp, entropy)  [or None]
     rollout_weights(mask, old, rollout, seq, iw, rollout_opts, bound)
         -> (weights, metrics)                                          [or None]
     shard_logps(shards, ids, mask, temperature, axis, entropy)
@@ -32,7 +34,11 @@ mean of the log-ratio before the objective) takes the two-pass route:
 same read of the logits), then the framework's ``_objective``. ``rollout_weights`` (the
 rollout correction's weights and metrics in one launch; ``seq`` the sequence
 log-weights ``[R, 1]`` or ``[R, T]``, or None) is optional: without it the
-framework's ``_rollout`` ops compute the same. ``shard_logps`` (JAX's ``vocab_axis``: one
+framework's ``_rollout`` ops compute the same. The two ops from hidden states take
+``hidden [N, H]``, the lm_head ``weight [V, H]`` and ``bias [V]`` (or None) of one dtype and
+``transform``, the validated logit options (``ratiokl.spec.LogitTransform``); they are
+differentiable w.r.t. all three; ``linear_policy_loss`` None: the route materialises the
+logits and runs ``policy_loss``. ``shard_logps`` (JAX's ``vocab_axis``: one
 vocabulary block's log-probs with the kernels, inside ``shard_map``) is optional: without
 it the vocabulary-parallel route runs the native math.
 """
@@ -58,6 +64,7 @@ class Backend:
     rollout_weights: Optional[Callable] = None  # one-launch rollout correction; None: ops
     linear_policy_loss: Optional[Callable] = None  # from hidden states in row chunks; None: no
     shard_logps: Optional[Callable] = None  # JAX vocab_axis block with kernels; None: ops
+    linear_selected_logprobs: Optional[Callable] = None  # from hidden states in row chunks
 
 
 def inplace_grad_error(sequence_ratio: bool, compiling: bool = False) -> ValueError:

@@ -128,3 +128,48 @@ def test_native_backend_materialises_the_same_loss():
         _close(metrics[name], want[1][name])
     _close(gh, want[2])
     _close(gw, want[3])
+
+
+@pytest.mark.parametrize("backend", ["interpret", "native"])
+@pytest.mark.parametrize("softcap", [None, 2.5])
+def test_bias_logit_scale_softcap_match_the_materialised_route(backend, softcap):
+    """The head's options: the loss, metrics and the three gradients of the materialised
+    ``policy_loss`` on ``softcap((where(mask, h, 0) @ W.T + b) * scale)`` (float32 GEMM),
+    ``jax.grad``'s, under ``jit``; a -inf bias entry masks its token."""
+    from ratiokl.spec import LogitTransform, transform_logits
+
+    x = _data(seed=3)
+    rng = np.random.default_rng(3)
+    bias = (rng.standard_normal(V) * 0.5).astype(np.float32)
+    drop = rng.random(V) < 0.2
+    drop[x["ids"].reshape(-1)] = False
+    bias[drop] = -np.inf
+    temp = (rng.random((B, T)) + 0.5).astype(np.float32)
+    rest = tuple(jnp.asarray(x[k]) for k in ("ids", "mask", "old", "adv", "ref"))
+
+    def objective(h, w, b, ids, mask, old, adv, ref, chunked):
+        kw = dict(ref_logps=ref, check_ids=False, temperature=temp, **OPTIONS)
+        if not chunked:
+            kept = jnp.where(mask[..., None], h, 0.0)
+            u = jnp.matmul(kept, w.T, precision=jax.lax.Precision.HIGHEST) + b
+            logits = transform_logits(u, LogitTransform(0.7, softcap), jnp.tanh)
+            return jax_loss.policy_loss(logits, None, ids, mask, old, adv,
+                                        backend="interpret", **kw)
+        return jax_loss.linear_policy_loss(h, w, ids, mask, old, adv, bias=b, logit_scale=0.7,
+                                           logit_softcap=softcap, chunk_rows=7,
+                                           backend=backend, **kw)
+
+    results = []
+    for chunked in (False, True):
+        grad = jax.jit(jax.value_and_grad(objective, argnums=(0, 1, 2), has_aux=True),
+                       static_argnums=8)
+        results.append(grad(jnp.asarray(x["hidden"]), jnp.asarray(x["weight"]),
+                            jnp.asarray(bias), *rest, chunked))
+    (want, want_metrics), want_grads = results[0]
+    (got, metrics), grads = results[1]
+    _close(got, want)
+    for name in want_metrics:
+        _close(metrics[name], want_metrics[name])
+    for a, e in zip(grads, want_grads):
+        assert np.isfinite(np.asarray(a)).all()
+        _close(a, e)

@@ -182,3 +182,66 @@ def test_native_backend_materialises_the_same_loss():
         _close(metrics[name], want[1][name], torch.float32)
     _close(h.grad, want[2], torch.float32)
     _close(w.grad, want[3], torch.float32)
+
+
+def _head_options(seed):
+    """A bias with masked tokens (-inf, never a sampled one), a logit scale and a softcap."""
+    g = torch.Generator().manual_seed(seed)
+    bias = torch.randn(V, generator=g) * 0.5
+    bias[torch.rand(V, generator=g) < 0.2] = float("-inf")
+    return bias
+
+
+@pytest.mark.parametrize("backend", ["interpret", "native"])
+@pytest.mark.parametrize("softcap", [None, 2.5])
+def test_bias_logit_scale_softcap_match_the_materialised_route(backend, softcap):
+    """The head's options give the loss, metrics and the three gradients of the materialised
+    ``policy_loss`` on ``softcap((where(mask, h, 0) @ W.T + b) * scale)``, autograd's."""
+    from ratiokl.spec import LogitTransform, transform_logits
+
+    hidden, weight, ids, mask, old, ref, adv = _data(seed=7)
+    bias = _head_options(7)
+    ids = torch.where(torch.isinf(bias[ids]), torch.zeros_like(ids), ids)
+    bias[0] = 0.3  # the replacement id's token stays finite
+    kw = dict(ref_logps=ref, kl_coef=0.05, entropy_coef=0.01, temperature=torch.rand(B, T) + 0.5)
+    h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
+    kept = torch.where(mask[..., None], h, torch.zeros(()))
+    logits = transform_logits(kept @ w.t() + b, LogitTransform(0.7, softcap), torch.tanh)
+    want, want_metrics = loss.policy_loss(logits, None, ids, mask, old, adv,
+                                          backend="interpret", **kw)
+    want.backward()
+    want_grads = (h.grad, w.grad, b.grad)
+    h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
+    got, metrics = loss.linear_policy_loss(h, w, ids, mask, old, adv, bias=b, logit_scale=0.7,
+                                           logit_softcap=softcap, chunk_rows=7,
+                                           backend=backend, **kw)
+    got.backward()
+    _close(got, want, torch.float32)
+    for name in want_metrics:
+        _close(metrics[name], want_metrics[name], torch.float32)
+    for a, e in zip((h.grad, w.grad, b.grad), want_grads):
+        assert torch.isfinite(a).all()
+        _close(a, e, torch.float32)
+
+
+@pytest.mark.parametrize("backend", ["interpret", "native"])
+def test_inactive_garbage_stays_out_of_the_bias_gradient(backend):
+    hidden, weight, ids, mask, old, ref, adv = _data(seed=8)
+    bias = torch.randn(V)
+
+    def run(h_in, ids_in):
+        h, w, b = (t.clone().requires_grad_() for t in (h_in, weight, bias))
+        value, _ = loss.linear_policy_loss(h, w, ids_in, mask, old, adv, bias=b,
+                                           logit_scale=2.0, logit_softcap=5.0, chunk_rows=5,
+                                           backend=backend)
+        value.backward()
+        return value, h.grad, w.grad, b.grad
+
+    clean = run(hidden, ids)
+    dirty_h = hidden.clone()
+    dirty_h[~mask] = float("nan")
+    dirty_ids = torch.where(mask, ids, torch.full_like(ids, V + 3))
+    dirty = run(dirty_h, dirty_ids)
+    assert not dirty[1][~mask].any()
+    for a, b in zip(clean, dirty):
+        assert torch.equal(a, b)

@@ -87,6 +87,18 @@ class Case:
             return np.ones(self.lead_shape, dtype=bool)
         return np.asarray(self.arrays[key], dtype=bool)
 
+    @property
+    def vocab(self) -> int:
+        """``V``: the logits' last axis, or the lm_head weight's rows (``Op.vocab_arg``)."""
+        key = self.spec.vocab_arg
+        return int(self.arrays[key].shape[0] if key else self.logits.shape[-1])
+
+    @property
+    def also_differentiated(self) -> Tuple[str, ...]:
+        """The further arguments whose gradients this case compares (``Op.also_differentiate``
+        present in the case)."""
+        return tuple(k for k in self.spec.also_differentiate if k in self.arrays)
+
     def cotangents(self) -> Dict[str, np.ndarray]:
         return {o: self.arrays[f"cotangent_{o}"] for o in self.spec.cotangents}
 
@@ -104,7 +116,7 @@ class Case:
             "op": self.op,
             "dtype": self.dtype,
             "lead_shape": list(self.lead_shape),
-            "vocab": int(self.logits.shape[-1]),
+            "vocab": self.vocab,
             "options": dict(self.options),
             "tolerances": {k: t.as_dict() for k, t in sorted(self.tolerances.items())},
             "expect_error": self.expect_error,
@@ -162,12 +174,20 @@ def build_case(
             arrays[f"expected_{out}"] = np.asarray(value, dtype=np.float64)
         cot = {o: np.asarray(cotangents[o], dtype=np.float32) for o in op.cotangents}
         arrays.update({f"cotangent_{o}": c for o, c in cot.items()})
-        grad = np.asarray(op.reference_grad(args, cot), dtype=np.float64)
-        arrays["expected_grad"] = grad
-        mask = Case(name, group, op_name, dtype, arrays, options, {}).row_mask
-        finite = np.abs(grad[np.isfinite(grad)])
-        grad_scale = float(finite.max()) if finite.size else 0.0
-        tolerances = op.tolerances(op, dtype, _logit_scale(op, args, mask), grad_scale)
+        grads = op.reference_grad(args, cot)
+        if not op.also_differentiate:
+            grads = {op.differentiate: grads}
+        for key, grad in grads.items():
+            suffix = "" if key == op.differentiate else f"_{key}"
+            arrays[f"expected_grad{suffix}"] = np.asarray(grad, dtype=np.float64)
+        if op.case_tolerances is not None:
+            tolerances = op.case_tolerances(args, cot, dtype)
+        else:
+            grad = arrays["expected_grad"]
+            mask = Case(name, group, op_name, dtype, arrays, options, {}).row_mask
+            finite = np.abs(grad[np.isfinite(grad)])
+            grad_scale = float(finite.max()) if finite.size else 0.0
+            tolerances = op.tolerances(op, dtype, _logit_scale(op, args, mask), grad_scale)
     return Case(name, group, op_name, dtype, arrays, options, tolerances, expect_error, description)
 
 

@@ -8,7 +8,7 @@ Each adapter imports its framework lazily, so importing
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import numpy as np
@@ -53,6 +53,9 @@ class Outcome:
     grad_dtype: str
     #: Gradient of the unused interleaved slots when the logits were strided (must be 0).
     stride_gap_grad: Optional[np.ndarray] = None
+    #: The gradients of ``Op.also_differentiate``'s arguments, and their dtypes.
+    extra_grads: Dict[str, np.ndarray] = field(default_factory=dict)
+    extra_grad_dtypes: Dict[str, str] = field(default_factory=dict)
 
 
 def _framework(name: str) -> Optional[str]:
@@ -131,6 +134,7 @@ def _call_torch(case: Case, backend: str, strided: bool) -> Outcome:
     dtypes = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
     device = "cuda" if backend == "triton" else "cpu"
     leaf = None
+    extra_leaves = {}
 
     def convert(key: str, value: Any) -> Any:
         nonlocal leaf
@@ -138,6 +142,8 @@ def _call_torch(case: Case, backend: str, strided: bool) -> Outcome:
             return value
         if key in op.logit_args:
             t = torch.tensor(value, device=device).to(dtypes[case.dtype])
+            if key in case.also_differentiated:
+                extra_leaves[key] = t.requires_grad_(True)
             if key == op.differentiate:
                 if strided:
                     # Logits interleaved with NaN slots the kernel must never read.
@@ -158,8 +164,10 @@ def _call_torch(case: Case, backend: str, strided: bool) -> Outcome:
     outputs = op.unpack(getattr(loss, op.name)(*positional, **keywords, **op.fixed,
                                                backend=backend))
     cot = [torch.tensor(case.cotangents()[o], device=device) for o in op.cotangents]
-    grads = torch.autograd.grad([outputs[o] for o in op.cotangents], leaf, cot, allow_unused=True)
-    grad = grads[0] if grads[0] is not None else torch.zeros_like(leaf)
+    leaves = [leaf, *extra_leaves.values()]
+    grads = [g if g is not None else torch.zeros_like(t) for g, t in zip(torch.autograd.grad(
+        [outputs[o] for o in op.cotangents], leaves, cot, allow_unused=True), leaves)]
+    grad, extra = grads[0], dict(zip(extra_leaves, grads[1:]))
     gap = None
     if strided:
         grad, gap = grad[..., ::2], grad[..., 1::2]
@@ -169,12 +177,16 @@ def _call_torch(case: Case, backend: str, strided: bool) -> Outcome:
         grad=_torch_to_numpy(grad),
         grad_dtype=str(grad.dtype).replace("torch.", ""),
         stride_gap_grad=None if gap is None else _torch_to_numpy(gap),
+        extra_grads={k: _torch_to_numpy(g) for k, g in extra.items()},
+        extra_grad_dtypes={k: str(g.dtype).replace("torch.", "") for k, g in extra.items()},
     )
 
 
 @functools.lru_cache(maxsize=None)
-def _jax_value_and_grad(op_key: str, backend: str, statics: Tuple[Tuple[str, Any], ...]):
-    """A jitted ``(args, array_kwargs, cotangents) -> (outputs, grad)``, one per static setup.
+def _jax_value_and_grad(op_key: str, backend: str, statics: Tuple[Tuple[str, Any], ...],
+                        extra: Tuple[str, ...]):
+    """A jitted ``(args, array_kwargs, cotangents) -> (outputs, grads)``, one per static
+    setup; ``grads`` maps ``differentiate`` and the ``extra`` arguments to their gradients.
 
     Every array is a jit argument (traced, like a training step's inputs), so
     cases of equal shapes and dtypes share one compilation.
@@ -184,18 +196,20 @@ def _jax_value_and_grad(op_key: str, backend: str, statics: Tuple[Tuple[str, Any
     from ratiokl.jax import loss
 
     op = OPS[op_key]
-    index = op.positional.index(op.differentiate)
+    names = (op.differentiate, *extra)
 
-    def fn(logits, args, kwargs):
-        args = list(args)
-        args[index] = logits
+    def fn(diff, args, kwargs):
+        args = [diff.get(k, a) for k, a in zip(op.positional, args)]
+        kwargs = {k: diff.get(k, v) for k, v in kwargs.items()}
         outputs = op.unpack(getattr(loss, op.name)(*args, **kwargs, **dict(statics), **op.fixed,
                                                    backend=backend))
         return tuple(outputs[o] for o in op.cotangents), outputs
 
     @jax.jit
     def value_and_grad(args, kwargs, cotangents):
-        _, vjp, outputs = jax.vjp(lambda z: fn(z, args, kwargs), args[index], has_aux=True)
+        given = {**dict(zip(op.positional, args)), **kwargs}
+        _, vjp, outputs = jax.vjp(lambda d: fn(d, args, kwargs),
+                                  {k: given[k] for k in names}, has_aux=True)
         return outputs, vjp(cotangents)[0]
 
     return value_and_grad
@@ -229,13 +243,17 @@ def _call_jax(case: Case, backend: str, strided: bool) -> Outcome:
         getattr(loss, op.name)(*positional, **keywords, **op.fixed, backend=backend)
         raise AssertionError(f"{op.name} returned although {case.expect_error} was expected")
     cot = tuple(jnp.asarray(c) for c in case.cotangents().values())
-    outputs, grad = _jax_value_and_grad(case.op, backend, statics)(positional, arrays, cot)
+    outputs, grads = _jax_value_and_grad(case.op, backend, statics, case.also_differentiated)(
+        positional, arrays, cot)
     to_np = lambda x: np.asarray(x).astype(np.float32)
+    grad = grads.pop(op.differentiate)
     return Outcome(
         outputs={o: to_np(v) for o, v in outputs.items()},
         output_dtypes={o: str(v.dtype) for o, v in outputs.items()},
         grad=to_np(grad),
         grad_dtype=str(grad.dtype),
+        extra_grads={k: to_np(g) for k, g in grads.items()},
+        extra_grad_dtypes={k: str(g.dtype) for k, g in grads.items()},
     )
 
 

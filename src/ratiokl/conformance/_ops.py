@@ -54,6 +54,16 @@ class Op:
         row_mask: name of the argument holding the row mask (``None``: all rows active).
         tolerances: ``(op, dtype, logit_scale, grad_scale) -> {output|"grad": Tolerance}``.
         fixed: keyword arguments every call of this entry passes (``return_entropy``).
+        also_differentiate: further arguments whose gradients are compared (the ops from
+            hidden states: ``weight``, ``bias``); ``reference_grad`` then returns
+            ``{argument: gradient}`` for ``differentiate`` and these, the case stores
+            ``expected_grad_<argument>`` beside ``expected_grad`` and its tolerances
+            ``grad_<argument>``. An argument absent from a case (no ``bias``) is skipped.
+        case_tolerances: ``(arguments, cotangents, dtype) -> {output|"grad"|"grad_<arg>":
+            Tolerance}``, replacing ``tolerances`` where the bounds need the inputs (the ops
+            from hidden states: their gradients are GEMM sums).
+        vocab_arg: the argument whose first axis is the vocabulary (``weight``); None: the
+            last axis of ``differentiate``.
     """
 
     name: str
@@ -72,6 +82,9 @@ class Op:
         default=default_tolerances
     )
     fixed: Mapping[str, Any] = field(default_factory=dict)
+    also_differentiate: Tuple[str, ...] = ()
+    case_tolerances: Optional[Callable[[Arrays, Arrays, str], Dict[str, Tolerance]]] = None
+    vocab_arg: Optional[str] = None
 
     @property
     def arguments(self) -> Tuple[str, ...]:
@@ -153,6 +166,51 @@ def _policy_grad(args: Arrays, cot: Arrays) -> np.ndarray:
     return float(cot["loss"]) * grad
 
 
+_LINEAR_KW = ("bias", "temperature", "logit_scale", "logit_softcap")
+
+
+def _linear_args(args: Arrays):
+    return ((args["hidden"], args["weight"], args["action_ids"], args.get("mask")),
+            _spec_args(args, _LINEAR_KW))
+
+
+def _linear_reference(args: Arrays, entropy: bool) -> Dict[str, np.ndarray]:
+    positional, kw = _linear_args(args)
+    out = spec.linear_selected_logprobs(*positional, return_entropy=entropy, **kw)
+    return {"logp": out[0], "entropy": out[1]} if entropy else {"logp": out}
+
+
+def _linear_grad(args: Arrays, cot: Arrays) -> Dict[str, np.ndarray]:
+    positional, kw = _linear_args(args)
+    grads = spec.linear_selected_logprobs_grad(*positional, cot["logp"], cot.get("entropy"),
+                                               **kw)
+    return {k: g for k, g in zip(("hidden", "weight", "bias"), grads) if g is not None}
+
+
+def _linear_tolerances(args: Arrays, cot: Arrays, dtype: str) -> Dict[str, Tolerance]:
+    """``ratiokl.spec.linear_forward_tolerance`` / ``linear_grad_tolerance``: the logits are
+    the case's GEMM, rounded to ``dtype`` in the chunk, and the gradients GEMM sums."""
+    positional, kw = _linear_args(args)
+    mask = np.ones(np.shape(args["hidden"])[:-1], bool) if args.get("mask") is None \
+        else np.asarray(args["mask"], bool)
+    logits = spec.linear_logits(np.where(mask[..., None], args["hidden"], 0.0), args["weight"],
+                                kw.get("bias"), logit_scale=kw.get("logit_scale", 1.0),
+                                logit_softcap=kw.get("logit_softcap"))
+    temp = np.broadcast_to(np.asarray(kw.get("temperature", 1.0), np.float64), mask.shape)
+    with np.errstate(invalid="ignore"):
+        z = np.abs(logits[mask] / temp[mask][:, None])
+    scale = float(z[np.isfinite(z)].max(initial=0.0))
+    vocab = np.shape(args["weight"])[0]
+    tols = {"logp": spec.linear_forward_tolerance(dtype, scale, vocab),
+            "entropy": spec.linear_forward_tolerance(dtype, scale, vocab, entropy=True)}
+    magnitudes = spec.linear_grad_magnitudes(*positional, cot["logp"], cot.get("entropy"),
+                                             **kw)
+    for key, magnitude in zip(("grad", "grad_weight", "grad_bias"), magnitudes):
+        if magnitude is not None:
+            tols[key] = spec.linear_grad_tolerance(dtype, scale, magnitude)
+    return tols
+
+
 _SELECTED_LOGPROBS = Op(
     name="selected_logprobs",
     positional=("logits", "action_ids", "mask"),
@@ -183,6 +241,24 @@ _POLICY_LOSS = Op(
 )
 
 
+_LINEAR = Op(
+    name="linear_selected_logprobs",
+    positional=("hidden", "weight", "action_ids", "mask"),
+    keywords=_LINEAR_KW + ("chunk_rows",),
+    logit_args=("hidden", "weight", "bias"),
+    differentiate="hidden",
+    outputs=("logp",),
+    cotangents=("logp",),
+    neutral={"logp": 0.0},
+    unpack=lambda result: {"logp": result},
+    reference=lambda args: _linear_reference(args, False),
+    reference_grad=_linear_grad,
+    also_differentiate=("weight", "bias"),
+    case_tolerances=_linear_tolerances,
+    vocab_arg="weight",
+)
+
+
 OPS: Dict[str, Op] = {
     "ratio_kl": Op(
         name="ratio_kl",
@@ -206,6 +282,14 @@ OPS: Dict[str, Op] = {
         reference=_entropy_reference, reference_grad=_entropy_grad,
         fixed={"return_entropy": True}),
     "policy_loss": _POLICY_LOSS,
+    # From hidden states and the lm_head: gradients to hidden, weight and bias.
+    "linear_selected_logprobs": _LINEAR,
+    "linear_selected_logprobs_entropy": replace(
+        _LINEAR, outputs=("logp", "entropy"), cotangents=("logp", "entropy"),
+        neutral={"logp": 0.0, "entropy": 0.0},
+        unpack=lambda result: {"logp": result[0], "entropy": result[1]},
+        reference=lambda args: _linear_reference(args, True),
+        fixed={"return_entropy": True}),
     # The same call with the rollout correction: its arguments and metrics on top.
     "policy_loss_rollout": replace(
         _POLICY_LOSS, keywords=_ROLLOUT_KW,

@@ -51,6 +51,15 @@ def judge(case: Case, outcome: Outcome) -> Check:
     compare_close(check, "grad", outcome.grad, case.arrays["expected_grad"], case.tolerances["grad"])
     if outcome.grad.shape[:-1] == inactive.shape:
         compare_neutral(check, "grad", outcome.grad, inactive, 0.0, signed_zero_ok=True)
+    for key in case.also_differentiated:
+        name = f"grad_{key}"
+        if key not in outcome.extra_grads:
+            check.fail(f"{name}: missing")
+            continue
+        if outcome.extra_grad_dtypes[key] != case.dtype:
+            check.fail(f"{name}: dtype {outcome.extra_grad_dtypes[key]}, expected {case.dtype}")
+        compare_close(check, name, outcome.extra_grads[key], case.arrays[f"expected_{name}"],
+                      case.tolerances[name])
     if outcome.stride_gap_grad is not None and np.any(outcome.stride_gap_grad != 0):
         check.fail("grad: the strided view's unused slots received a non-zero gradient")
     return check

@@ -33,8 +33,8 @@ from ratiokl.jax import _objective
 from ratiokl.jax._checks import Temperature
 
 __all__ = [
-    "finite_or_zero", "logprobs_entropy", "ratio_kl", "row_temperature", "scaled_logits",
-    "selected_logprobs",
+    "finite_or_zero", "logprobs_entropy", "ratio_kl", "row_temperature", "rows_backward",
+    "rows_forward", "scaled_logits", "selected_logprobs",
 ]
 
 
@@ -162,6 +162,13 @@ def _logp_entropy_bwd(residuals, cotangents):
         g_logp = jnp.zeros_like(lse)
     if isinstance(g_ent, SymbolicZero):  # the entropy only logged (policy_loss's entropy_mean)
         return _logp_bwd((logits, ids, mask, temperature, lse), g_logp)
+    grad = _entropy_grad(logits, ids, mask, temperature, lse, ent, g_logp, g_ent)
+    return grad, None, None, jnp.zeros_like(temperature)
+
+
+def _entropy_grad(logits, ids, mask, temperature, lse, ent, g_logp, g_ent) -> jax.Array:
+    """``(g_logp (onehot - p) - g_ent p (log p + H)) / T`` in the logits' dtype; 0 on
+    inactive rows."""
     safe, _ = _safe_ids(ids, mask, logits.shape[-1])
     z, t = scaled_logits(logits, mask, temperature)
     p, p_log_p = _entropy_terms(z, lse)
@@ -169,8 +176,7 @@ def _logp_entropy_bwd(residuals, cotangents):
     c_logp = jnp.where(mask, g_logp, 0.0) / t
     c_ent = jnp.where(mask, g_ent, 0.0) / t
     grad = c_logp[:, None] * (onehot - p) - c_ent[:, None] * (p_log_p + p * ent[:, None])
-    grad = jnp.where(mask[:, None], grad, 0.0)
-    return grad.astype(logits.dtype), None, None, jnp.zeros_like(temperature)
+    return jnp.where(mask[:, None], grad, 0.0).astype(logits.dtype)
 
 
 # Symbolic zeros: a cotangent nothing produced (the entropy of policy_loss with
@@ -187,6 +193,29 @@ def logprobs_entropy(
     """
     t = row_temperature(temperature, logits.shape[0])
     return _logp_entropy(logits, ids, mask, t)
+
+
+def rows_forward(logits: jax.Array, ids: jax.Array, mask: jax.Array, temperature: jax.Array,
+                 entropy: bool) -> Tuple[jax.Array, Optional[jax.Array], jax.Array]:
+    """``(logp, entropy | None, lse)`` float32 ``[N]`` of ``logits [N, V]`` (``temperature``
+    float32 ``[N]``), with no derivative rule: the linear op's chunks, whose gradient is
+    :func:`rows_backward`."""
+    if not entropy:
+        logp, lse = _forward(logits, ids, mask, temperature)
+        return logp, None, lse
+    (logp, ent), (*_, lse, _) = _entropy_forward(logits, ids, mask, temperature)
+    return logp, ent, lse
+
+
+def rows_backward(logits: jax.Array, ids: jax.Array, mask: jax.Array, temperature: jax.Array,
+                  lse: jax.Array, ent: Optional[jax.Array], g_logp: Optional[jax.Array],
+                  g_ent: Optional[jax.Array]) -> jax.Array:
+    """``d / d logits`` of ``sum(g_logp * logp + g_ent * entropy)`` (None: a zero term) in
+    the logits' dtype, from :func:`rows_forward`'s ``lse`` and entropy."""
+    g_logp = jnp.zeros_like(lse) if g_logp is None else g_logp
+    if g_ent is None:
+        return _logp_bwd((logits, ids, mask, temperature, lse), g_logp)[0]
+    return _entropy_grad(logits, ids, mask, temperature, lse, ent, g_logp, g_ent)
 
 
 def ratio_kl(

@@ -1,5 +1,8 @@
 """The route from a public ``ratiokl.jax.loss`` call to its launches, one function per op.
 
+The two ops from hidden states (``linear_selected_logprobs``, ``linear_policy_loss``) take
+the same steps in ``_linear_route``, with this module's helpers.
+
 Every call runs the same steps, each once, mirroring ``ratiokl.torch._route``:
 
 1. validate (``_checks``; shapes, dtypes and Python scalars only, so it works
@@ -40,14 +43,15 @@ from ratiokl.jax import _checks, _jax_triton, _rollout
 from ratiokl.jax._checks import Temperature
 from ratiokl.spec import BACKENDS, kl_estimator_code, policy_loss_options, rollout_options
 
-__all__ = ["backend_name", "linear_policy_loss", "policy_loss", "ratio_kl", "resolve",
-           "selected_logprobs"]
+__all__ = ["backend_name", "policy_loss", "ratio_kl", "resolve", "selected_logprobs"]
 
 
 def _native() -> Backend:
-    from ratiokl.jax import _native
+    from ratiokl.jax import _linear_logprobs, _native
 
-    return Backend(_native.selected_logprobs, _native.ratio_kl, _native.logprobs_entropy)
+    return Backend(_native.selected_logprobs, _native.ratio_kl, _native.logprobs_entropy,
+                   linear_selected_logprobs=functools.partial(
+                       _linear_logprobs.selected_logprobs, _linear_logprobs.NATIVE_ROWS))
 
 
 def _triton() -> Backend:
@@ -303,75 +307,5 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
     loss, metrics = _objective.policy_objective(
         as_rows(logp, lead), None if logp_ref is None else as_rows(logp_ref, lead),
         as_rows(rows.mask, lead), inputs, opts, as_rows(entropy, lead),
-    )
-    return rows.checked((loss, {**metrics, **rollout_metrics}))
-
-
-def _lead_hidden(hidden: jax.Array, weight: jax.Array,
-                 action_ids: jax.Array) -> Tuple[jax.Array, jax.Array, Tuple[int, ...]]:
-    """Check ``hidden [..., H]`` and ``weight [V, H]`` (same dtype), then the ids."""
-    hidden = _checks.check_logits("hidden", hidden)
-    weight = _checks.check_logits("weight", weight)
-    if weight.ndim != 2 or weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(
-            f"`weight` must be the lm_head weight [V, H] with H = hidden.shape[-1] = "
-            f"{hidden.shape[-1]}; got shape {list(weight.shape)}"
-        )
-    if weight.dtype != hidden.dtype:
-        raise TypeError(
-            f"`hidden` ({hidden.dtype}) and `weight` ({weight.dtype}) must share a dtype: "
-            "the logits are their product; cast one, e.g. `hidden.astype(weight.dtype)`"
-        )
-    lead = tuple(hidden.shape[:-1])
-    return hidden, _checks.check_ids(action_ids, lead), lead
-
-
-def linear_policy_loss(hidden, weight, action_ids, mask, old_logps, advantages, *, ref_logps,
-                       chunk_rows, clip_eps, clip_eps_high, dual_clip, ratio_cap, kl_coef,
-                       kl_estimator, loss_agg, loss_normalizer, objective, entropy_coef,
-                       segment_ids, importance_weights, log_ratio_bound, temperature, backend,
-                       check_ids, rollout_logps, rollout_correction,
-                       rollout_bounds) -> Tuple[jax.Array, Dict[str, jax.Array]]:
-    """``ratiokl.jax.loss.linear_policy_loss`` (documented there)."""
-    if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
-        raise ValueError(f"`chunk_rows` must be a positive int; got {chunk_rows!r}")
-    opts = policy_loss_options(
-        clip_eps=clip_eps, clip_eps_high=clip_eps_high, dual_clip=dual_clip,
-        ratio_cap=ratio_cap, kl_coef=kl_coef, kl_estimator=kl_estimator, loss_agg=loss_agg,
-        ratio_level="token", log_ratio_bound=log_ratio_bound, objective=objective,
-        entropy_coef=entropy_coef,
-    )
-    hidden, ids, lead = _lead_hidden(hidden, weight, action_ids)
-    if ref_logps is not None or opts.uses_kl:
-        _, ref_logps = _checks.check_ref(None, ref_logps, hidden.shape)
-    inputs = _checks.token_inputs(lead, old_logps, advantages, segment_ids,
-                                  importance_weights, loss_normalizer)
-    rows = _rows(hidden, lead, ids, mask, temperature, backend, check_ids, None,
-                 vocab=weight.shape[0])
-    run = rows.run
-    if run.linear_policy_loss is None:  # "native": the logits of every row at once
-        logits = jnp.where(rows.mask.reshape(lead)[..., None], hidden,
-                           jnp.zeros((), hidden.dtype)) @ weight.T
-        return rows.checked(policy_loss(  # the ids were checked above
-            logits, None, ids, mask, old_logps, advantages, ref_logps=ref_logps,
-            clip_eps=clip_eps, clip_eps_high=clip_eps_high, dual_clip=dual_clip,
-            ratio_cap=ratio_cap, kl_coef=kl_coef, kl_estimator=kl_estimator, loss_agg=loss_agg,
-            loss_normalizer=loss_normalizer, ratio_level="token", objective=objective,
-            entropy_coef=entropy_coef, segment_ids=segment_ids,
-            importance_weights=importance_weights, log_ratio_bound=log_ratio_bound,
-            temperature=temperature, backend=backend, check_ids=False, vocab_axis=None,
-            inplace_grad=False, rollout_logps=rollout_logps,
-            rollout_correction=rollout_correction, rollout_bounds=rollout_bounds))
-    rollout = rollout_options(rollout_correction, rollout_bounds, rollout_logps is not None,
-                              old_given=old_logps is not None)
-    rollout_metrics = {}
-    if rollout is not None:
-        inputs, rollout_metrics = _rollout.correct(rows.mask, lead, inputs, rollout_logps,
-                                                   rollout, opts.log_ratio_bound)
-    weights = _aggregation_weights(run, rows.mask, lead, inputs, opts)
-    loss, metrics = run.linear_policy_loss(
-        rows.logits, weight, rows.ids, rows.mask, _flat(inputs.old_logps), _flat(ref_logps),
-        _flat(inputs.advantages), _flat(inputs.importance_weights), weights,
-        rows.temperature, opts, chunk_rows,
     )
     return rows.checked((loss, {**metrics, **rollout_metrics}))

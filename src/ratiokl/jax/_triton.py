@@ -56,12 +56,14 @@ __all__ = ["backend", "fused_static", "kernel_coefficients", "kernel_rows", "log
 def backend(call: TritonCall) -> Backend:
     """The backend whose kernels launch through ``call`` (every function below, bound)."""
     bind = functools.partial
-    from ratiokl.jax import _linear
+    from ratiokl.jax import _linear, _linear_logprobs
 
     return Backend(bind(selected_logprobs, call), bind(ratio_kl, call),
                    bind(logprobs_entropy, call), bind(policy_loss, call),
                    bind(token_weights, call), shard_logps=bind(shard_logps, call),
-                   linear_policy_loss=bind(_linear.policy_loss, call))
+                   linear_policy_loss=bind(_linear.policy_loss, call),
+                   linear_selected_logprobs=bind(_linear_logprobs.selected_logprobs,
+                                                 _linear_logprobs.triton_rows(call)))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 8, 9))

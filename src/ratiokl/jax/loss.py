@@ -1,7 +1,7 @@
 """JAX entry points: per-token log-probs, importance ratio, KL penalty, policy loss.
 
 Signatures and documentation; each function is one call into
-``ratiokl.jax._route``, which validates the inputs once, queues the check of
+``ratiokl.jax._route`` (``_linear_route`` for the two ops from hidden states), which validates the inputs once, queues the check of
 active ids (a host check on concrete inputs, a ``checkify`` check under
 tracing), runs the backend and reads the check.
 
@@ -17,7 +17,7 @@ from typing import Dict, Optional, Tuple, Union
 
 import jax
 
-from ratiokl.jax import _route
+from ratiokl.jax import _linear_route, _route
 from ratiokl.jax._checks import Temperature
 from ratiokl.spec import (
     DEFAULT_LOG_RATIO_BOUND,
@@ -34,7 +34,8 @@ from ratiokl.spec import (
 #: A coefficient a trainer may change every step: a Python number or a 0-d float array.
 Coefficient = Union[float, jax.Array]
 
-__all__ = ["linear_policy_loss", "policy_loss", "ratio_kl", "selected_logprobs"]
+__all__ = ["linear_policy_loss", "linear_selected_logprobs", "policy_loss", "ratio_kl",
+           "selected_logprobs"]
 
 
 def selected_logprobs(
@@ -348,6 +349,58 @@ def policy_loss(
     )
 
 
+def linear_selected_logprobs(
+    hidden: jax.Array,
+    weight: jax.Array,
+    action_ids: jax.Array,
+    mask: Optional[jax.Array] = None,
+    *,
+    bias: Optional[jax.Array] = None,
+    temperature: Temperature = 1.0,
+    logit_scale: float = 1.0,
+    logit_softcap: Optional[float] = None,
+    return_entropy: bool = False,
+    chunk_rows: int = 2048,
+    backend: BackendName = "auto",
+    check_ids: bool = True,
+) -> Union[jax.Array, Tuple[jax.Array, jax.Array]]:
+    """:func:`selected_logprobs` (and the entropy) of the lm_head's logits, never holding them
+    for all rows.
+
+    ``ratiokl.torch.loss.linear_selected_logprobs`` in JAX: the same arguments, math and
+    results (its docstring has them)::
+
+        x = softcap * tanh((hidden @ weight.T + bias) * logit_scale / softcap)
+        logp = x[a] / T - logsumexp(x / T),   entropy = -sum_v p_v log p_v
+
+    ``hidden [..., H]``, ``weight [V, H]`` and ``bias [V]`` (or None) share a float dtype;
+    ``logit_scale`` (positive), ``logit_softcap`` (positive or None), ``return_entropy``,
+    ``chunk_rows``, ``backend`` and ``check_ids`` are static. A ``jax.custom_vjp`` keeps
+    ``logp``, the entropy and the log-sum-exp (O(N)); the full chunks of ``chunk_rows`` rows
+    run in a ``lax.fori_loop`` (one ``[chunk_rows, V]`` logits array at a time) in the
+    forward and again in the backward, which recomputes each chunk's logits and adds its
+    share of ``d hidden``, ``d weight`` and ``d bias`` (the entropy's own gradient included;
+    a cotangent nothing produced drops its term). Works under ``jit``, ``grad``, ``vjp``
+    and ``vmap``. Backends: ``"triton"`` (``"auto"`` on a GPU) and ``"interpret"`` run the
+    row kernels of :func:`selected_logprobs` on each chunk, ``"native"`` (``"auto"`` without
+    a GPU) XLA's ops on the same chunks.
+
+    Returns ``logp`` float32 ``[...]``, or ``(logp, entropy)``: 0 on inactive rows, whose
+    hidden states enter no GEMM (``where(mask, hidden, 0)`` first: NaN and inf stay out),
+    whose ``d hidden`` is exactly 0 and which add nothing to ``d weight`` / ``d bias``. A
+    ``-inf`` bias entry masks its token (finite values and gradients).
+
+    Precision: every GEMM of the op runs at ``Precision.HIGHEST`` with float32 accumulation,
+    whatever ``jax_default_matmul_precision`` says (TF32-class by default on GPUs), so float32
+    inputs get float32 GEMMs as in PyTorch.
+    """
+    return _linear_route.linear_selected_logprobs(
+        hidden, weight, action_ids, mask, bias=bias, temperature=temperature,
+        logit_scale=logit_scale, logit_softcap=logit_softcap, return_entropy=return_entropy,
+        chunk_rows=chunk_rows, backend=backend, check_ids=check_ids,
+    )
+
+
 def linear_policy_loss(
     hidden: jax.Array,
     weight: jax.Array,
@@ -357,6 +410,9 @@ def linear_policy_loss(
     advantages: jax.Array,
     *,
     ref_logps: Optional[jax.Array] = None,
+    bias: Optional[jax.Array] = None,
+    logit_scale: float = 1.0,
+    logit_softcap: Optional[float] = None,
     chunk_rows: int = 2048,
     clip_eps: Coefficient = 0.2,
     clip_eps_high: Optional[Coefficient] = None,
@@ -378,10 +434,11 @@ def linear_policy_loss(
     backend: BackendName = "auto",
     check_ids: bool = True,
 ) -> Tuple[jax.Array, Dict[str, jax.Array]]:
-    """:func:`policy_loss` of the logits ``hidden @ weight.T``, never holding them for all rows.
+    """:func:`policy_loss` of the lm_head's logits, never holding them for all rows.
 
     ``ratiokl.torch.loss.linear_policy_loss`` in JAX: the same arguments, math and results
-    (its docstring has them). The full chunks of ``chunk_rows`` rows run in a
+    (its docstring has them), the logits those of :func:`linear_selected_logprobs`
+    (``bias``, ``logit_scale``, ``logit_softcap`` static Python numbers but the bias). The full chunks of ``chunk_rows`` rows run in a
     ``lax.fori_loop``, so one ``[chunk_rows, V]`` logits buffer lives at a time, and the
     call traces under ``jit`` (``chunk_rows`` is static). ``hidden [..., H]`` and ``weight
     [V, H]`` share a float dtype; the reference enters as ``ref_logps`` only;
@@ -390,13 +447,15 @@ def linear_policy_loss(
     ``"auto"`` picks without a GPU) computes every row's logits at once (inactive rows'
     hidden states zeroed first) and runs :func:`policy_loss` on them: the same results, no
     memory saved.
-    Differentiable w.r.t. ``hidden`` and ``weight``: both gradients come from the forward
-    (``d weight`` accumulated over chunks in ``weight``'s dtype) and the backward scales
-    them by the upstream value. Inactive rows get exactly zero ``d hidden`` and add nothing
-    to ``d weight``, whatever their hidden states hold.
+    Differentiable w.r.t. ``hidden``, ``weight`` and ``bias``: the gradients come from the
+    forward (``d weight`` accumulated over chunks in ``weight``'s dtype) and the backward
+    scales them by the upstream value. Inactive rows get exactly zero ``d hidden`` and add
+    nothing to ``d weight`` or ``d bias``, whatever their hidden states hold. The GEMMs run
+    at ``Precision.HIGHEST`` (float32 inputs: float32 GEMMs, as in PyTorch).
     """
-    return _route.linear_policy_loss(
+    return _linear_route.linear_policy_loss(
         hidden, weight, action_ids, mask, old_logps, advantages, ref_logps=ref_logps,
+        bias=bias, logit_scale=logit_scale, logit_softcap=logit_softcap,
         chunk_rows=chunk_rows, clip_eps=clip_eps, clip_eps_high=clip_eps_high,
         dual_clip=dual_clip, ratio_cap=ratio_cap, kl_coef=kl_coef, kl_estimator=kl_estimator,
         loss_agg=loss_agg, loss_normalizer=loss_normalizer, objective=objective,

@@ -304,7 +304,7 @@ def row_backward(
     kernels: Callable, logits: Tensor, ids: Tensor, mask: Tensor, temp: Tensor, lse: Tensor,
     g_logp: Optional[Tensor], g_ratio: Optional[Tensor] = None, ratio: Optional[Tensor] = None,
     g_kl: Optional[Tensor] = None, dkl: Optional[Tensor] = None, entropy: bool = False, *,
-    config: Optional[LaunchConfig] = None,
+    config: Optional[LaunchConfig] = None, out: Optional[Tensor] = None,
 ) -> Tensor:
     """``c * (onehot(a) - softmax(z)) / T``, ``[N, V]`` in the logits' dtype, row-major.
 
@@ -314,9 +314,12 @@ def row_backward(
     the entropy ``H``; the term is ``-g_kl * p * (log p + H) / T`` instead. Grid
     ``(N, S)`` with ``S = backward_splits(...)`` spans per
     row (no bit depends on ``S``); ``config`` overrides the tile (tuning sweeps).
+    ``out``: a row-major ``[N, V]`` buffer of the logits' dtype for the gradient, which may
+    be the (row-major) logits themselves: each program reads a tile before it writes it.
     """
     n_rows, vocab = logits.shape
-    grad = torch.empty((n_rows, vocab), dtype=logits.dtype, device=logits.device)
+    grad = torch.empty((n_rows, vocab), dtype=logits.dtype, device=logits.device) \
+        if out is None else out
     if n_rows == 0:
         return grad
     config = config or backward_config(vocab, logits.element_size())

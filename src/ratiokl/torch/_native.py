@@ -43,7 +43,7 @@ from ratiokl.torch import _objective
 from ratiokl.torch._checks import Temperature
 
 __all__ = ["entropy_terms", "finite_shift", "logprobs_entropy", "ratio_kl", "row_chunks",
-           "scaled_logits", "selected_logprobs"]
+           "rows_backward", "rows_forward", "scaled_logits", "selected_logprobs"]
 
 #: Bytes of one float32 chunk temporary, by device type (``"cpu"``, else the default). On
 #: a CPU the chunk's passes should hit its caches: selected_logprobs, N=1024, V=32768 fp32,
@@ -280,6 +280,31 @@ def logprobs_entropy(
     """Float32 ``(logp[N], entropy[N])`` of ``logits[N, V]``; differentiable w.r.t. ``logits``."""
     safe_ids, temp, bad = _prepare_rows(ids, mask, temperature, logits.shape[1])
     return _LogprobEntropy.apply(logits, safe_ids, mask, temp, bad)
+
+
+def rows_forward(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor,
+                 temperature: Temperature, entropy: bool
+                 ) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    """``(logp, entropy | None, lse)`` float32 ``[N]`` of ``logits [N, V]``, outside autograd
+    (the linear ops' chunks; :func:`rows_backward` is their gradient)."""
+    safe_ids, temp, bad = _prepare_rows(ids, mask, temperature, logits.shape[1])
+    logp, lse, ent = _forward(logits, safe_ids, mask, temp, bad, entropy)
+    return logp, ent, lse
+
+
+def rows_backward(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor,
+                  temperature: Temperature, lse: torch.Tensor, ent: Optional[torch.Tensor],
+                  grad_logp: Optional[torch.Tensor], grad_ent: Optional[torch.Tensor],
+                  out: torch.Tensor) -> torch.Tensor:
+    """``d / d logits`` of ``sum(grad_logp * logp + grad_ent * entropy)`` (None: a zero
+    term) in the logits' dtype, from :func:`rows_forward`'s ``lse`` and entropy; a new
+    tensor (``out`` is not used: the chunks are temporaries of their own)."""
+    del out
+    safe_ids, temp, _ = _prepare_rows(ids, mask, temperature, logits.shape[1])
+    if grad_ent is None:
+        grad_logp = torch.zeros_like(lse) if grad_logp is None else grad_logp
+        return _backward(logits, safe_ids, mask, temp, lse, grad_logp)
+    return _entropy_backward(logits, safe_ids, mask, temp, lse, ent, grad_logp, grad_ent)
 
 
 def ratio_kl(

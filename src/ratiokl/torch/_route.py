@@ -1,5 +1,8 @@
 """The route from a public ``ratiokl.torch.loss`` call to its launches, one function per op.
 
+The two ops from hidden states (``linear_selected_logprobs``, ``linear_policy_loss``) take
+the same steps in ``_linear_route``, with this module's helpers.
+
 Every call runs the same steps, each once:
 
 1. validate (``_checks``; shapes, dtypes and devices only -- no host sync) and
@@ -25,6 +28,7 @@ per-shard math of either in ``_vocab_parallel``.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
 import torch
@@ -35,23 +39,27 @@ from ratiokl.spec import BACKENDS, kl_estimator_code, policy_loss_options, rollo
 from ratiokl.torch import _checks, _once, _rollout
 from ratiokl.torch._checks import Temperature
 
-__all__ = ["BACKENDS", "backend_name", "linear_policy_loss", "policy_loss", "ratio_kl",
-           "resolve", "selected_logprobs"]
+__all__ = ["BACKENDS", "backend_name", "policy_loss", "ratio_kl", "resolve",
+           "selected_logprobs"]
 
 
 def _native() -> Backend:
-    from ratiokl.torch import _native
+    from ratiokl.torch import _linear_logprobs, _native
 
-    return Backend(_native.selected_logprobs, _native.ratio_kl, _native.logprobs_entropy)
+    return Backend(_native.selected_logprobs, _native.ratio_kl, _native.logprobs_entropy,
+                   linear_selected_logprobs=functools.partial(
+                       _linear_logprobs.selected_logprobs, _linear_logprobs.NATIVE_ROWS))
 
 
 def _triton() -> Backend:
-    from ratiokl.torch import _linear, _triton
+    from ratiokl.torch import _linear, _linear_logprobs, _triton
 
     return Backend(_triton.selected_logprobs, _triton.ratio_kl, _triton.logprobs_entropy,
                    _triton.policy_loss, _triton.token_weights,
                    rollout_weights=_triton.rollout_weights,
-                   linear_policy_loss=_linear.policy_loss)
+                   linear_policy_loss=_linear.policy_loss,
+                   linear_selected_logprobs=functools.partial(
+                       _linear_logprobs.selected_logprobs, _linear_logprobs.TRITON_ROWS))
 
 
 #: Backend name -> its loader (plain imports: torch.compile traces through them).
@@ -340,87 +348,4 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
     )
     # Once, as the one-kernel loss backpropagates (ratiokl.torch._once).
     loss = _once.backward_once(loss, op)
-    return rows.checked((loss, {**metrics, **rollout_metrics}))
-
-
-def _lead_hidden(hidden: torch.Tensor, weight: torch.Tensor,
-                 action_ids: torch.Tensor) -> Tuple[int, ...]:
-    """Check the call context, ``hidden [..., H]`` and ``weight [V, H]`` (same dtype), then
-    the ids."""
-    _checks.check_no_transforms()
-    _checks.check_logits("hidden", hidden)
-    _checks.check_logits("weight", weight)
-    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(
-            f"`weight` must be the lm_head weight [V, H] with H = hidden.shape[-1] = "
-            f"{hidden.shape[-1]}; got shape {list(weight.shape)}"
-        )
-    if weight.dtype != hidden.dtype:
-        raise TypeError(
-            f"`hidden` ({hidden.dtype}) and `weight` ({weight.dtype}) must share a dtype: "
-            "the logits are their product; cast one, e.g. `hidden.to(weight.dtype)`"
-        )
-    lead = tuple(hidden.shape[:-1])
-    _checks.check_ids(action_ids, lead)
-    return lead
-
-
-def linear_policy_loss(hidden, weight, action_ids, mask, old_logps, advantages, *, ref_logps,
-                       chunk_rows, clip_eps, clip_eps_high, dual_clip, ratio_cap, kl_coef,
-                       kl_estimator, loss_agg, loss_normalizer, objective, entropy_coef,
-                       segment_ids, importance_weights, log_ratio_bound, temperature, backend,
-                       check_ids, rollout_logps, rollout_correction,
-                       rollout_bounds) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-    """``ratiokl.torch.loss.linear_policy_loss`` (documented there)."""
-    if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
-        raise ValueError(f"`chunk_rows` must be a positive int; got {chunk_rows!r}")
-    opts = policy_loss_options(
-        clip_eps=clip_eps, clip_eps_high=clip_eps_high, dual_clip=dual_clip,
-        ratio_cap=ratio_cap, kl_coef=kl_coef, kl_estimator=kl_estimator, loss_agg=loss_agg,
-        ratio_level="token", log_ratio_bound=log_ratio_bound, objective=objective,
-        entropy_coef=entropy_coef, cached=True,
-    )
-    lead = _lead_hidden(hidden, weight, action_ids)
-    if ref_logps is not None or opts.uses_kl:
-        _reference(hidden, lead, None, ref_logps)
-    inputs = _checks.token_inputs(lead, old_logps, advantages, segment_ids,
-                                  importance_weights, loss_normalizer)
-    rows = _rows(
-        hidden, lead, action_ids, mask, temperature, backend, check_ids, None,
-        vocab=weight.shape[0], weight=weight, old_logps=old_logps, ref_logps=ref_logps,
-        advantages=advantages, segment_ids=segment_ids, importance_weights=importance_weights,
-    )
-    run = rows.run
-    if run.linear_policy_loss is None:  # "native": the logits of every row at once
-        zero = torch.zeros((), dtype=hidden.dtype, device=hidden.device)
-        logits = torch.where(rows.mask.reshape(lead)[..., None], hidden, zero) @ weight.t()
-        return rows.checked(policy_loss(  # the ids were checked above
-            logits, None, action_ids, mask, old_logps, advantages, ref_logps=ref_logps,
-            clip_eps=clip_eps, clip_eps_high=clip_eps_high, dual_clip=dual_clip,
-            ratio_cap=ratio_cap, kl_coef=kl_coef, kl_estimator=kl_estimator, loss_agg=loss_agg,
-            loss_normalizer=loss_normalizer, ratio_level="token", objective=objective,
-            entropy_coef=entropy_coef, segment_ids=segment_ids,
-            importance_weights=importance_weights, log_ratio_bound=log_ratio_bound,
-            temperature=temperature, backend=backend, check_ids=False, vocab_group=None,
-            inplace_grad=False, rollout_logps=rollout_logps,
-            rollout_correction=rollout_correction, rollout_bounds=rollout_bounds,
-            op="linear_policy_loss"))
-    if torch.compiler.is_compiling():
-        raise ValueError(
-            "linear_policy_loss on the Triton backends runs eagerly (its row chunks launch "
-            "the kernels one by one); call it outside the torch.compile region, or compile "
-            "the logits and call policy_loss"
-        )
-    rollout = rollout_options(rollout_correction, rollout_bounds, rollout_logps is not None,
-                              old_given=old_logps is not None, cached=True)
-    rollout_metrics = {}
-    if rollout is not None:
-        inputs, rollout_metrics = _rollout.correct(run, rows.mask, lead, inputs, rollout_logps,
-                                                   rollout, opts.log_ratio_bound)
-    weights = _aggregation_weights(run, rows.mask, lead, inputs, opts)
-    loss, metrics = run.linear_policy_loss(
-        rows.logits, weight, rows.ids, rows.mask, _flat(inputs.old_logps), _flat(ref_logps),
-        _flat(inputs.advantages), _flat(inputs.importance_weights), weights,
-        rows.temperature, opts, chunk_rows,
-    )
     return rows.checked((loss, {**metrics, **rollout_metrics}))

@@ -1,8 +1,9 @@
 """PyTorch entry points: per-token log-probs, importance ratio, KL penalty, policy loss.
 
 Signatures and documentation; each function is one call into
-``ratiokl.torch._route``, which validates the inputs once, queues the check of
-active ids (``check_ids``), runs the backend and reads the check.
+``ratiokl.torch._route`` (``_linear_route`` for the two ops from hidden states), which
+validates the inputs once, queues the check of active ids (``check_ids``), runs the
+backend and reads the check.
 
 They work under autograd and ``torch.compile``; inside a ``torch.func`` transform
 (``grad``, ``vmap``, ...) they raise ``RuntimeError`` (use ``backward()`` and the leading
@@ -26,10 +27,11 @@ from ratiokl.spec import (
     RatioLevel,
     RolloutCorrection,
 )
-from ratiokl.torch import _route
+from ratiokl.torch import _linear_route, _route
 from ratiokl.torch._checks import Temperature
 
-__all__ = ["linear_policy_loss", "policy_loss", "ratio_kl", "selected_logprobs"]
+__all__ = ["linear_policy_loss", "linear_selected_logprobs", "policy_loss", "ratio_kl",
+           "selected_logprobs"]
 
 #: A coefficient a trainer may change every step: a Python number or a 0-d float tensor.
 Coefficient = Union[float, torch.Tensor]
@@ -344,6 +346,92 @@ def policy_loss(
     )
 
 
+def linear_selected_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    action_ids: torch.Tensor,
+    mask: Optional[torch.Tensor] = None,
+    *,
+    bias: Optional[torch.Tensor] = None,
+    temperature: Temperature = 1.0,
+    logit_scale: float = 1.0,
+    logit_softcap: Optional[float] = None,
+    return_entropy: bool = False,
+    chunk_rows: int = 2048,
+    backend: BackendName = "auto",
+    check_ids: bool = True,
+) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`selected_logprobs` (and the entropy) of the lm_head's logits, never holding them
+    for all rows.
+
+    The logits, in TRL's order (scale, softcap, then the temperature)::
+
+        u = hidden @ weight.T + bias                       (bias 0 when None)
+        x = softcap * tanh(u * logit_scale / softcap)      (u * logit_scale without one)
+        logp    = x[a] / T - logsumexp(x / T)
+        entropy = -sum_v p_v log p_v,   p = softmax(x / T)
+
+    and the gradients, the entropy's own included (``g_logp``, ``g_H``: the upstream values)::
+
+        dx = (g_logp (onehot(a) - p) - g_H p (log p + entropy)) / T
+        du = dx * logit_scale * (1 - (x / softcap)^2)      (dx * logit_scale without one)
+        d hidden = du @ weight,  d weight = du.T @ where(mask, hidden, 0),  d bias = sum du
+
+    The rows go through ``chunk_rows`` at a time: per chunk one GEMM into a reusable
+    ``[chunk_rows, V]`` buffer in the weight's dtype (the bias and scale in the GEMM, the
+    softcap in place), then the row kernels of :func:`selected_logprobs` on it, keeping
+    ``logp``, the entropy and the log-sum-exp (O(N)). The backward recomputes each chunk's
+    logits (the same GEMM, the same bits), writes ``dx`` over them with the row kernels
+    and adds the chunk's share to the three gradients: four GEMMs per chunk in all.
+
+    Args:
+      hidden: ``[..., H]`` last hidden states (float32, float16 or bfloat16, any strides).
+      weight: ``[V, H]`` lm_head weight, ``hidden``'s dtype and device (a tied embedding
+        works: it is the same ``[V, H]``).
+      action_ids: ``[...]`` integer sampled token ids, in ``[0, V)`` on active rows.
+      mask: ``[...]`` bool (or integer 0/1), True for active tokens; None: all active.
+      bias: ``[V]`` lm_head bias in the weight's dtype, or None. A ``-inf`` entry masks its
+        token (finite values and gradients; ``x = -softcap`` with a softcap).
+      temperature: a positive Python float or a floating ``[...]`` (or 0-d) tensor, per
+        row, as in :func:`selected_logprobs`.
+      logit_scale: a positive Python number multiplying the logits (Cohere's
+        ``logit_scale``; Granite's ``1 / logits_scaling``).
+      logit_softcap: a positive Python number (Gemma 2's ``final_logit_softcapping``) or
+        None (no softcap).
+      return_entropy: also return the entropy of each row's distribution.
+      chunk_rows: rows per chunk: memory beyond the inputs and gradients is one
+        ``[chunk_rows, V]`` buffer in the weight's dtype (two in the backward with a
+        softcap) plus O(N).
+      backend: ``"auto"``, ``"native"``, ``"triton"`` or ``"interpret"``. ``"triton"`` (what
+        ``"auto"`` picks for CUDA tensors) and ``"interpret"`` run the row kernels of
+        :func:`selected_logprobs` on each chunk, eagerly (under ``torch.compile`` a
+        ``ValueError``); ``"native"`` (CPU tensors' ``"auto"``) runs framework ops on the
+        same chunks.
+      check_ids: as in :func:`selected_logprobs` (ids checked against ``V = weight.shape[0]``).
+
+    Returns:
+      ``logp`` float32 ``[...]``, or with ``return_entropy`` ``(logp, entropy)``, float32
+      ``[...]`` each; 0 on inactive rows. Differentiable w.r.t. ``hidden``, ``weight`` and
+      ``bias`` through both outputs. Inactive rows: whatever their hidden states hold (NaN,
+      inf) and whatever their id, they enter no GEMM (``where(mask, hidden, 0)`` first),
+      their ``d hidden`` is exactly 0 and they add nothing to ``d weight`` or ``d bias``.
+      ``d weight`` accumulates over the chunks in the weight's dtype, ``d bias`` in
+      float32. On the Triton backends a row's values are those of
+      :func:`selected_logprobs` on its logits: deterministic and independent of the other
+      rows, given the GEMM's bits (which are the BLAS library's, chosen per chunk shape).
+
+    Precision: the GEMMs of float32 inputs run in float32 (IEEE), whatever
+    ``torch.backends.cuda.matmul.allow_tf32`` / ``fp32_precision`` or
+    ``torch.set_float32_matmul_precision`` say (set for the call only, on the host), as
+    the JAX op runs ``Precision.HIGHEST``; the two frameworks agree.
+    """
+    return _linear_route.linear_selected_logprobs(
+        hidden, weight, action_ids, mask, bias=bias, temperature=temperature,
+        logit_scale=logit_scale, logit_softcap=logit_softcap, return_entropy=return_entropy,
+        chunk_rows=chunk_rows, backend=backend, check_ids=check_ids,
+    )
+
+
 def linear_policy_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -353,6 +441,9 @@ def linear_policy_loss(
     advantages: torch.Tensor,
     *,
     ref_logps: Optional[torch.Tensor] = None,
+    bias: Optional[torch.Tensor] = None,
+    logit_scale: float = 1.0,
+    logit_softcap: Optional[float] = None,
     chunk_rows: int = 2048,
     clip_eps: Coefficient = 0.2,
     clip_eps_high: Optional[Coefficient] = None,
@@ -374,19 +465,27 @@ def linear_policy_loss(
     backend: BackendName = "auto",
     check_ids: bool = True,
 ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-    """:func:`policy_loss` of the logits ``hidden @ weight.T``, never holding them for all rows.
+    """:func:`policy_loss` of the lm_head's logits, never holding them for all rows.
 
-    The rows go through ``chunk_rows`` at a time: a GEMM writes a chunk's logits into one
-    reusable ``[chunk_rows, V]`` buffer, the fused policy-loss kernel turns them into
-    ``g = d loss / d logits`` in place, and two GEMMs give the chunk's rows of
-    ``d loss / d hidden = g @ weight`` and add ``g.T @ hidden`` to ``d loss / d weight``.
-    The loss and the metrics are those of :func:`policy_loss` on the same logits (one
-    metrics pass over all rows after the chunks).
+    The logits are those of :func:`linear_selected_logprobs`::
+
+        x = softcap * tanh((hidden @ weight.T + bias) * logit_scale / softcap)
+
+    (``(hidden @ weight.T + bias) * logit_scale`` without a softcap), divided by the
+    temperature in the loss. The rows go through ``chunk_rows`` at a time: a GEMM writes a
+    chunk's logits into one reusable ``[chunk_rows, V]`` buffer, the fused policy-loss
+    kernel turns them into ``g = d loss / d x`` in place, and two GEMMs give the chunk's
+    rows of ``d loss / d hidden = du @ weight`` and add ``du.T @ hidden`` to ``d loss / d
+    weight`` (``du = g * logit_scale * (1 - (x / softcap)^2)``; its column sums go to ``d
+    loss / d bias``). The loss and the metrics are those of :func:`policy_loss` on the same
+    logits (one metrics pass over all rows after the chunks).
 
     Args:
       hidden: ``[..., H]`` last hidden states (float32, float16 or bfloat16, any strides).
       weight: ``[V, H]`` lm_head weight, ``hidden``'s dtype and device (a tied embedding
         works: it is the same ``[V, H]``).
+      bias, logit_scale, logit_softcap: the head's bias ``[V]`` and logit options, as in
+        :func:`linear_selected_logprobs`.
       action_ids, mask, old_logps, advantages, ref_logps: as in :func:`policy_loss`, of the
         leading shape ``[...]``; the reference enters as log-probs only (reference logits
         would need the reference model's own hidden states).
@@ -403,18 +502,21 @@ def linear_policy_loss(
         first) and runs :func:`policy_loss` on them: the same results, no memory saved.
 
     Returns:
-      ``(loss, metrics)`` as :func:`policy_loss`. Differentiable w.r.t. ``hidden`` and
-      ``weight`` (whichever requires a gradient): both gradients are computed in the
-      forward and scaled by the upstream value in the backward, so the loss
-      backpropagates once, on every backend (a second backward raises
-      ``RuntimeError``). ``d weight`` accumulates over chunks in ``weight``'s dtype (one
-      rounding per chunk in bf16, as the materialised step rounds its one GEMM once).
-      Inactive rows get exactly zero ``d hidden`` and add nothing to ``d weight``, whatever
-      their hidden states hold (NaN included). Runs eagerly: under ``torch.compile`` it
-      is a ``ValueError`` on the Triton backends.
+      ``(loss, metrics)`` as :func:`policy_loss`. Differentiable w.r.t. ``hidden``,
+      ``weight`` and ``bias`` (whichever requires a gradient): the gradients are computed
+      in the forward and scaled by the upstream value in the backward, so the loss
+      backpropagates once, on every backend (a second backward raises ``RuntimeError``).
+      ``d weight`` accumulates over chunks in ``weight``'s dtype (one
+      rounding per chunk in bf16, as the materialised step rounds its one GEMM once),
+      ``d bias`` in float32. Inactive rows get exactly zero ``d hidden`` and add nothing to
+      ``d weight`` or ``d bias``, whatever their hidden states hold (NaN included). The
+      GEMMs of float32 inputs run in float32 whatever the TF32 settings (as
+      :func:`linear_selected_logprobs`). Runs eagerly: under ``torch.compile`` it is a
+      ``ValueError`` on the Triton backends.
     """
-    return _route.linear_policy_loss(
+    return _linear_route.linear_policy_loss(
         hidden, weight, action_ids, mask, old_logps, advantages, ref_logps=ref_logps,
+        bias=bias, logit_scale=logit_scale, logit_softcap=logit_softcap,
         chunk_rows=chunk_rows, clip_eps=clip_eps, clip_eps_high=clip_eps_high,
         dual_clip=dual_clip, ratio_cap=ratio_cap, kl_coef=kl_coef, kl_estimator=kl_estimator,
         loss_agg=loss_agg, loss_normalizer=loss_normalizer, objective=objective,

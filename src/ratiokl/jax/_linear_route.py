@@ -1,0 +1,108 @@
+"""The routes of the two ops from hidden states (JAX): ``linear_selected_logprobs`` and
+``linear_policy_loss``.
+
+The steps are ``ratiokl.jax._route``'s (validate and flatten, queue the id check, run the
+backend, read the check), with the lm_head's shape rules and logit options from
+``ratiokl.spec.linear`` (written once for both frameworks).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Tuple
+
+import jax
+import jax.numpy as jnp
+
+from ratiokl.jax import _checks, _rollout
+from ratiokl.jax._lm_head import head_logits
+from ratiokl.jax._route import _aggregation_weights, _flat, _rows, policy_loss
+from ratiokl.spec import (
+    check_chunk_rows,
+    check_head_shapes,
+    logit_transform,
+    policy_loss_options,
+    rollout_options,
+)
+
+__all__ = ["linear_policy_loss", "linear_selected_logprobs"]
+
+
+def _head(hidden, weight, bias, action_ids):
+    """Check ``hidden [..., H]``, ``weight [V, H]`` and ``bias [V]`` (one dtype), then the
+    ids: ``(hidden, weight, bias, ids, lead)`` as arrays."""
+    hidden = _checks.check_logits("hidden", hidden)
+    weight = _checks.check_logits("weight", weight)
+    bias = None if bias is None else _checks.check_logits("bias", bias)
+    lead = check_head_shapes(
+        tuple(hidden.shape), str(hidden.dtype), tuple(weight.shape), str(weight.dtype),
+        None if bias is None else tuple(bias.shape), None if bias is None else str(bias.dtype))
+    return hidden, weight, bias, _checks.check_ids(action_ids, lead), lead
+
+
+def linear_selected_logprobs(hidden, weight, action_ids, mask, *, bias, temperature,
+                             logit_scale, logit_softcap, return_entropy, chunk_rows, backend,
+                             check_ids):
+    """``ratiokl.jax.loss.linear_selected_logprobs`` (documented there)."""
+    chunk_rows = check_chunk_rows(chunk_rows)
+    transform = logit_transform(logit_scale, logit_softcap)
+    hidden, weight, bias, ids, lead = _head(hidden, weight, bias, action_ids)
+    rows = _rows(hidden, lead, ids, mask, temperature, backend, check_ids, None,
+                 vocab=weight.shape[0])
+    out = rows.run.linear_selected_logprobs(
+        rows.logits, weight, bias, rows.ids, rows.mask, rows.temperature, transform,
+        chunk_rows, bool(return_entropy))
+    if return_entropy:
+        return rows.checked((out[0].reshape(lead), out[1].reshape(lead)))
+    return rows.checked(out.reshape(lead))
+
+
+def linear_policy_loss(hidden, weight, action_ids, mask, old_logps, advantages, *, ref_logps,
+                       bias, logit_scale, logit_softcap, chunk_rows, clip_eps, clip_eps_high,
+                       dual_clip, ratio_cap, kl_coef, kl_estimator, loss_agg, loss_normalizer,
+                       objective, entropy_coef, segment_ids, importance_weights,
+                       log_ratio_bound, temperature, backend, check_ids, rollout_logps,
+                       rollout_correction,
+                       rollout_bounds) -> Tuple[jax.Array, Dict[str, jax.Array]]:
+    """``ratiokl.jax.loss.linear_policy_loss`` (documented there)."""
+    chunk_rows = check_chunk_rows(chunk_rows)
+    transform = logit_transform(logit_scale, logit_softcap)
+    opts = policy_loss_options(
+        clip_eps=clip_eps, clip_eps_high=clip_eps_high, dual_clip=dual_clip,
+        ratio_cap=ratio_cap, kl_coef=kl_coef, kl_estimator=kl_estimator, loss_agg=loss_agg,
+        ratio_level="token", log_ratio_bound=log_ratio_bound, objective=objective,
+        entropy_coef=entropy_coef,
+    )
+    hidden, weight, bias, ids, lead = _head(hidden, weight, bias, action_ids)
+    if ref_logps is not None or opts.uses_kl:
+        _, ref_logps = _checks.check_ref(None, ref_logps, hidden.shape)
+    inputs = _checks.token_inputs(lead, old_logps, advantages, segment_ids,
+                                  importance_weights, loss_normalizer)
+    rows = _rows(hidden, lead, ids, mask, temperature, backend, check_ids, None,
+                 vocab=weight.shape[0])
+    run = rows.run
+    if run.linear_policy_loss is None:  # "native": every row's logits at once
+        kept = jnp.where(rows.mask[:, None], rows.logits, jnp.zeros((), hidden.dtype))
+        logits = head_logits(kept, weight, bias, transform).reshape(*lead, weight.shape[0])
+        return rows.checked(policy_loss(  # the ids were checked above
+            logits, None, ids, mask, old_logps, advantages, ref_logps=ref_logps,
+            clip_eps=clip_eps, clip_eps_high=clip_eps_high, dual_clip=dual_clip,
+            ratio_cap=ratio_cap, kl_coef=kl_coef, kl_estimator=kl_estimator, loss_agg=loss_agg,
+            loss_normalizer=loss_normalizer, ratio_level="token", objective=objective,
+            entropy_coef=entropy_coef, segment_ids=segment_ids,
+            importance_weights=importance_weights, log_ratio_bound=log_ratio_bound,
+            temperature=temperature, backend=backend, check_ids=False, vocab_axis=None,
+            inplace_grad=False, rollout_logps=rollout_logps,
+            rollout_correction=rollout_correction, rollout_bounds=rollout_bounds))
+    rollout = rollout_options(rollout_correction, rollout_bounds, rollout_logps is not None,
+                              old_given=old_logps is not None)
+    rollout_metrics = {}
+    if rollout is not None:
+        inputs, rollout_metrics = _rollout.correct(rows.mask, lead, inputs, rollout_logps,
+                                                   rollout, opts.log_ratio_bound)
+    weights = _aggregation_weights(run, rows.mask, lead, inputs, opts)
+    loss, metrics = run.linear_policy_loss(
+        rows.logits, weight, bias, transform, rows.ids, rows.mask, _flat(inputs.old_logps),
+        _flat(ref_logps), _flat(inputs.advantages), _flat(inputs.importance_weights), weights,
+        rows.temperature, opts, chunk_rows,
+    )
+    return rows.checked((loss, {**metrics, **rollout_metrics}))

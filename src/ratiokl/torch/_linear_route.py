@@ -1,0 +1,148 @@
+"""The routes of the two ops from hidden states: ``linear_selected_logprobs`` and
+``linear_policy_loss``.
+
+The steps are ``ratiokl.torch._route``'s (validate and flatten, queue the id check, run the
+backend, read the check), with the lm_head's shape rules and logit options from
+``ratiokl.spec.linear`` (written once for both frameworks).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Tuple
+
+import torch
+
+from ratiokl.spec import (
+    LogitTransform,
+    check_chunk_rows,
+    check_head_shapes,
+    logit_transform,
+    policy_loss_options,
+    rollout_options,
+)
+from ratiokl.torch import _checks, _rollout
+from ratiokl.torch._route import (
+    _aggregation_weights,
+    _flat,
+    _reference,
+    _rows,
+    policy_loss,
+)
+
+__all__ = ["linear_policy_loss", "linear_selected_logprobs"]
+
+
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).replace("torch.", "")
+
+
+def _head(hidden, weight, bias, action_ids) -> Tuple[int, ...]:
+    """Check ``hidden [..., H]``, ``weight [V, H]`` and ``bias [V]`` (one dtype), then the
+    ids; the leading shape. First the call context (no ``torch.func`` transform)."""
+    _checks.check_no_transforms()
+    _checks.check_logits("hidden", hidden)
+    _checks.check_logits("weight", weight)
+    if bias is not None:
+        _checks.check_logits("bias", bias)
+    lead = check_head_shapes(
+        tuple(hidden.shape), _dtype(hidden), tuple(weight.shape), _dtype(weight),
+        None if bias is None else tuple(bias.shape), None if bias is None else _dtype(bias))
+    _checks.check_ids(action_ids, lead)
+    return lead
+
+
+def _eager_only(op: str, logits_op: str) -> None:
+    if torch.compiler.is_compiling():
+        raise ValueError(
+            f"{op} on the Triton backends runs eagerly (its row chunks launch the kernels one "
+            "by one); call it outside the torch.compile region, or compile the logits and "
+            f"call {logits_op}"
+        )
+
+
+def linear_selected_logprobs(hidden, weight, action_ids, mask, *, bias, temperature,
+                             logit_scale, logit_softcap, return_entropy, chunk_rows, backend,
+                             check_ids):
+    """``ratiokl.torch.loss.linear_selected_logprobs`` (documented there)."""
+    chunk_rows = check_chunk_rows(chunk_rows)
+    transform = logit_transform(logit_scale, logit_softcap)
+    lead = _head(hidden, weight, bias, action_ids)
+    rows = _rows(hidden, lead, action_ids, mask, temperature, backend, check_ids, None,
+                 vocab=weight.shape[0], weight=weight, bias=bias)
+    if rows.run.policy_loss is not None:  # a Triton backend
+        _eager_only("linear_selected_logprobs", "selected_logprobs")
+    out = rows.run.linear_selected_logprobs(
+        rows.logits, weight, bias, rows.ids, rows.mask, rows.temperature, transform,
+        chunk_rows, bool(return_entropy))
+    if return_entropy:
+        return rows.checked((out[0].reshape(lead), out[1].reshape(lead)))
+    return rows.checked(out.reshape(lead))
+
+
+def _native_loss(hidden, weight, bias, transform: LogitTransform, lead, mask, kwargs):
+    """``"native"``: every row's logits at once (inactive rows' hidden states zeroed, the
+    GEMMs in float32 for float32 inputs), then :func:`policy_loss` on them."""
+    from ratiokl.torch._lm_head import head_logits
+
+    flat_mask = mask.reshape(-1)
+    kept = torch.where(flat_mask[:, None], hidden.reshape(-1, hidden.shape[-1]),
+                       torch.zeros((), dtype=hidden.dtype, device=hidden.device))
+    logits = head_logits(kept, weight, bias, transform).reshape(*lead, weight.shape[0])
+    return policy_loss(logits, None, ratio_level="token", vocab_group=None,
+                       inplace_grad=False, op="linear_policy_loss", **kwargs)
+
+
+def linear_policy_loss(hidden, weight, action_ids, mask, old_logps, advantages, *, ref_logps,
+                       bias, logit_scale, logit_softcap, chunk_rows, clip_eps, clip_eps_high,
+                       dual_clip, ratio_cap, kl_coef, kl_estimator, loss_agg, loss_normalizer,
+                       objective, entropy_coef, segment_ids, importance_weights,
+                       log_ratio_bound, temperature, backend, check_ids, rollout_logps,
+                       rollout_correction,
+                       rollout_bounds) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """``ratiokl.torch.loss.linear_policy_loss`` (documented there)."""
+    chunk_rows = check_chunk_rows(chunk_rows)
+    transform = logit_transform(logit_scale, logit_softcap)
+    opts = policy_loss_options(
+        clip_eps=clip_eps, clip_eps_high=clip_eps_high, dual_clip=dual_clip,
+        ratio_cap=ratio_cap, kl_coef=kl_coef, kl_estimator=kl_estimator, loss_agg=loss_agg,
+        ratio_level="token", log_ratio_bound=log_ratio_bound, objective=objective,
+        entropy_coef=entropy_coef, cached=True,
+    )
+    lead = _head(hidden, weight, bias, action_ids)
+    if ref_logps is not None or opts.uses_kl:
+        _reference(hidden, lead, None, ref_logps)
+    inputs = _checks.token_inputs(lead, old_logps, advantages, segment_ids,
+                                  importance_weights, loss_normalizer)
+    rows = _rows(
+        hidden, lead, action_ids, mask, temperature, backend, check_ids, None,
+        vocab=weight.shape[0], weight=weight, bias=bias, old_logps=old_logps,
+        ref_logps=ref_logps, advantages=advantages, segment_ids=segment_ids,
+        importance_weights=importance_weights,
+    )
+    run = rows.run
+    if run.linear_policy_loss is None:
+        return rows.checked(_native_loss(hidden, weight, bias, transform, lead, rows.mask, dict(
+            action_ids=action_ids, mask=mask, old_logps=old_logps, advantages=advantages,
+            ref_logps=ref_logps, clip_eps=clip_eps, clip_eps_high=clip_eps_high,
+            dual_clip=dual_clip, ratio_cap=ratio_cap, kl_coef=kl_coef,
+            kl_estimator=kl_estimator, loss_agg=loss_agg, loss_normalizer=loss_normalizer,
+            objective=objective, entropy_coef=entropy_coef, segment_ids=segment_ids,
+            importance_weights=importance_weights, log_ratio_bound=log_ratio_bound,
+            temperature=temperature, backend=backend, check_ids=False,  # checked above
+            rollout_logps=rollout_logps, rollout_correction=rollout_correction,
+            rollout_bounds=rollout_bounds)))
+    _eager_only("linear_policy_loss", "policy_loss")
+    rollout = rollout_options(rollout_correction, rollout_bounds, rollout_logps is not None,
+                              old_given=old_logps is not None, cached=True)
+    rollout_metrics = {}
+    if rollout is not None:
+        inputs, rollout_metrics = _rollout.correct(run, rows.mask, lead, inputs, rollout_logps,
+                                                   rollout, opts.log_ratio_bound)
+    weights = _aggregation_weights(run, rows.mask, lead, inputs, opts)
+    loss, metrics = run.linear_policy_loss(
+        rows.logits, weight, bias, transform, rows.ids, rows.mask, _flat(inputs.old_logps),
+        _flat(ref_logps), _flat(inputs.advantages), _flat(inputs.importance_weights), weights,
+        rows.temperature, opts, chunk_rows,
+    )
+    return rows.checked((loss, {**metrics, **rollout_metrics}))
+

@@ -1,0 +1,205 @@
+"""``linear_selected_logprobs``: log-probs and entropy from hidden states and the lm_head, in
+row chunks, on the native backend and through Triton's CPU interpreter.
+
+Values and the three gradients (the entropy's own included) are checked against the float64
+spec (``ratiokl.spec.linear_selected_logprobs`` / ``_grad``) with its tolerances, with
+``chunk_rows`` leaving a remainder. Garbage on inactive rows must leave every other value
+and gradient bitwise unchanged. Sizes are small: the interpreter is slow.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from assertions import assert_close
+from linear_cases import CASES, B, T, H, V, build, expected, options, poisoned
+from ratiokl.torch import loss
+
+BACKENDS = ["native", pytest.param("interpret", marks=pytest.mark.skipif(
+    pytest.importorskip("importlib").util.find_spec("triton") is None, reason="no triton"))]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _run(x, backend, dtype="float32", chunk_rows=4, entropy=True):
+    """``(logp, entropy | None, d hidden, d weight, d bias | None)`` of one call and its
+    backward with the case's cotangents."""
+    dt = DTYPES[dtype]
+    h = torch.tensor(x["hidden"]).to(dt).requires_grad_()
+    w = torch.tensor(x["weight"]).to(dt).requires_grad_()
+    b = torch.tensor(x["bias"]).to(dt).requires_grad_() if "bias" in x else None
+    temp = torch.tensor(x["temperature"]) if "temperature" in x else 1.0
+    out = loss.linear_selected_logprobs(
+        h, w, torch.tensor(x["action_ids"]), torch.tensor(x["mask"]), bias=b,
+        temperature=temp, return_entropy=entropy, chunk_rows=chunk_rows, backend=backend,
+        **options(x))
+    logp, ent = out if entropy else (out, None)
+    total = (logp * torch.tensor(x["g_logp"])).sum()
+    if entropy:
+        total = total + (ent * torch.tensor(x["g_entropy"])).sum()
+    total.backward()
+    return logp, ent, h.grad, w.grad, None if b is None else b.grad
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_values_and_gradients_match_the_spec(backend, case):
+    x = build(case)
+    want = expected(x)
+    logp, ent, dh, dw, db = _run(x, backend)
+    assert logp.dtype == ent.dtype == torch.float32 and logp.shape == (B, T)
+    assert_close(logp, want["logp"], want["tol_logp"], "logp")
+    assert_close(ent, want["entropy"], want["tol_entropy"], "entropy")
+    assert_close(dh, want["d_hidden"], want["tol_d_hidden"], "d hidden")
+    assert_close(dw, want["d_weight"], want["tol_d_weight"], "d weight")
+    if "bias" in x:
+        assert_close(db, want["d_bias"], want["tol_d_bias"], "d bias")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bf16_without_entropy_and_one_row_chunks(backend):
+    x = build("softcap-temperature-masked", "bfloat16", seed=1)
+    want = expected(x, "bfloat16", entropy=False)
+    logp, ent, dh, dw, db = _run(x, backend, "bfloat16", chunk_rows=1, entropy=False)
+    assert ent is None and dh.dtype == dw.dtype == db.dtype == torch.bfloat16
+    assert_close(logp, want["logp"], want["tol_logp"], "logp")
+    for name, got in (("hidden", dh), ("weight", dw), ("bias", db)):
+        assert_close(got, want[f"d_{name}"], want[f"tol_d_{name}"], f"d {name}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_inactive_rows_hold_garbage(backend):
+    """NaN / inf hidden states and bad ids on inactive rows: every output, ``d weight``,
+    ``d bias`` and the active rows' ``d hidden`` bitwise as with clean rows; the inactive
+    rows' ``d hidden`` exactly 0 and their outputs neutral."""
+    x = build("softcap-temperature-masked", seed=2)
+    clean = _run(x, backend)
+    dirty = _run(poisoned(x), backend)
+    mask = torch.tensor(x["mask"])
+    for a, b in zip(clean, dirty):
+        assert torch.equal(a[mask] if a.shape[:2] == (B, T) else a,
+                           b[mask] if b.shape[:2] == (B, T) else b)
+    assert not dirty[2][~mask].any() and not dirty[0][~mask].any() and not dirty[1][~mask].any()
+    assert torch.isfinite(dirty[3]).all() and torch.isfinite(dirty[4]).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_deterministic_and_chunking_leaves_rows_alone(backend):
+    """Run to run bitwise; bf16 rows (whose CPU GEMM rows do not depend on the row count)
+    bitwise the same in any chunking and in a sub-batch: the row kernels read no other row."""
+    x = build("bias-scale", "bfloat16", seed=3)
+    first, again = _run(x, backend, "bfloat16"), _run(x, backend, "bfloat16")
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    whole = _run(x, backend, "bfloat16", chunk_rows=B * T)
+    assert torch.equal(whole[0], first[0]) and torch.equal(whole[1], first[1])
+    part = {k: (v[1:] if isinstance(v, np.ndarray) and v.shape[:2] == (B, T) else v)
+            for k, v in x.items()}
+    sub = _run(part, backend, "bfloat16", chunk_rows=7)
+    assert torch.equal(sub[0], first[0][1:]) and torch.equal(sub[1], first[1][1:])
+
+
+def test_one_chunk_is_selected_logprobs_on_the_logits_bit_for_bit():
+    """On a Triton backend a row's values are ``selected_logprobs``'s on its logits."""
+    pytest.importorskip("triton")
+    x = build("bias-scale", seed=4)
+    h, w, b = (torch.tensor(x[k]) for k in ("hidden", "weight", "bias"))
+    ids, mask = torch.tensor(x["action_ids"]), torch.tensor(x["mask"])
+    kept = torch.where(mask[..., None], h, 0.0).reshape(-1, H)
+    logits = torch.addmm(b, kept, w.t(), beta=0.5, alpha=0.5).reshape(B, T, V)
+    want = loss.selected_logprobs(logits, ids, mask, return_entropy=True, backend="interpret")
+    got = loss.linear_selected_logprobs(h, w, ids, mask, bias=b, logit_scale=0.5,
+                                        return_entropy=True, chunk_rows=B * T,
+                                        backend="interpret")
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gradient_of_some_inputs_and_no_gradient(backend):
+    x = build("bias-scale", seed=5)
+    full = _run(x, backend, entropy=False)
+    h = torch.tensor(x["hidden"]).requires_grad_()
+    args = (torch.tensor(x["weight"]), torch.tensor(x["action_ids"]), torch.tensor(x["mask"]))
+    kw = dict(bias=torch.tensor(x["bias"]), logit_scale=0.5, chunk_rows=4, backend=backend)
+    logp = loss.linear_selected_logprobs(h, *args, **kw)
+    (logp * torch.tensor(x["g_logp"])).sum().backward()
+    assert torch.equal(logp, full[0]) and torch.equal(h.grad, full[2])
+    with torch.no_grad():
+        logp = loss.linear_selected_logprobs(h, *args, **kw)
+        _, ent = loss.linear_selected_logprobs(h, *args, return_entropy=True, **kw)
+    assert torch.equal(logp, full[0]) and not logp.requires_grad and not ent.requires_grad
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(weight=torch.zeros(V, H + 1)), "weight"),
+    (dict(bias=torch.zeros(V + 1)), "bias"),
+    (dict(bias=torch.zeros(V, dtype=torch.bfloat16)), "bias"),
+    (dict(logit_scale=0.0), "logit_scale"),
+    (dict(logit_scale=True), "logit_scale"),
+    (dict(logit_softcap=-1.0), "logit_softcap"),
+    (dict(logit_softcap=float("inf")), "logit_softcap"),
+    (dict(chunk_rows=0), "chunk_rows"),
+])
+def test_errors_name_the_argument(bad, match):
+    x = build("plain")
+    kw = dict(weight=torch.tensor(x["weight"]), backend="native")
+    kw.update(bad)
+    with pytest.raises((ValueError, TypeError), match=match):
+        loss.linear_selected_logprobs(torch.tensor(x["hidden"]), kw.pop("weight"),
+                                      torch.tensor(x["action_ids"]), **kw)
+
+
+def test_bad_active_id_raises():
+    x = build("plain", seed=6)
+    ids, mask = torch.tensor(x["action_ids"]), torch.tensor(x["mask"])
+    ids[0, 0], mask[0, 0] = V, True
+    with pytest.raises(ValueError, match="action_ids"):
+        loss.linear_selected_logprobs(torch.tensor(x["hidden"]), torch.tensor(x["weight"]),
+                                      ids, mask)
+
+
+class _MatmulPrecision(TorchDispatchMode):
+    """Records the float32 matmul precision in effect at every matmul the call makes,
+    backward included: the global setting and (torch >= 2.9) the CUDA and oneDNN ones."""
+
+    OPS = {"mm", "addmm", "bmm", "matmul"}
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__.rstrip("_") in self.OPS:
+            backends = (torch.backends.cuda.matmul, torch.backends.mkldnn.matmul)
+            self.seen.append((torch.get_float32_matmul_precision(),) + tuple(
+                getattr(b, "fp32_precision", "ieee") for b in backends))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("op", ["linear_selected_logprobs", "linear_policy_loss"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_float32_gemms_whatever_the_global_precision(op, backend):
+    """Under ``torch.set_float32_matmul_precision("medium")`` (TF32 on CUDA, bf16 on oneDNN)
+    every GEMM of the op, backward included, runs at "highest"; the setting is restored."""
+    x = build("bias-scale", seed=7)
+    h = torch.tensor(x["hidden"]).requires_grad_()
+    w = torch.tensor(x["weight"]).requires_grad_()
+    ids, mask = torch.tensor(x["action_ids"]), torch.tensor(x["mask"])
+    saved = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("medium")
+    try:
+        with _MatmulPrecision() as mode:
+            if op == "linear_selected_logprobs":
+                value = loss.linear_selected_logprobs(h, w, ids, mask, bias=torch.tensor(
+                    x["bias"]), chunk_rows=4, backend=backend).sum()
+            else:
+                value, _ = loss.linear_policy_loss(h, w, ids, mask, None, torch.ones(B),
+                                                   logit_scale=0.5, chunk_rows=4,
+                                                   backend=backend)
+            value.backward()
+        assert len(mode.seen) >= 3 and set(mode.seen) == {("highest", "ieee", "ieee")}, \
+            mode.seen
+        assert torch.get_float32_matmul_precision() == "medium"
+    finally:
+        torch.set_float32_matmul_precision(saved)
