@@ -102,7 +102,8 @@ def test_readme_api_at_a_glance_shows_the_defaults():
         for keyword in node.keywords:
             assert ast.literal_eval(keyword.value) == params[keyword.arg].default, \
                 (name, keyword.arg)
-    assert seen == {"ratio_kl", "policy_loss", "selected_logprobs", "linear_policy_loss"}
+    assert seen == {"ratio_kl", "policy_loss", "selected_logprobs", "linear_selected_logprobs",
+                    "linear_policy_loss"}
 
 
 @pytest.mark.parametrize("page", sorted((ROOT / "docs" / "reference").glob("*.md")),

@@ -368,10 +368,13 @@ def linear_selected_logprobs(
     for all rows.
 
     ``ratiokl.torch.loss.linear_selected_logprobs`` in JAX: the same arguments, math and
-    results (its docstring has them)::
+    results (its docstring has them):
 
-        x = softcap * tanh((hidden @ weight.T + bias) * logit_scale / softcap)
-        logp = x[a] / T - logsumexp(x / T),   entropy = -sum_v p_v log p_v
+    .. math::
+
+        x = c \tanh\left((h W^\top + b)\, s / c\right), \qquad
+        \log p_a = \frac{x_a}{T} - \operatorname{logsumexp}(x / T), \qquad
+        H = -\sum_v p_v \log p_v
 
     ``hidden [..., H]``, ``weight [V, H]`` and ``bias [V]`` (or None) share a float dtype;
     ``logit_scale`` (positive), ``logit_softcap`` (positive or None), ``return_entropy``,

@@ -364,18 +364,23 @@ def linear_selected_logprobs(
     """:func:`selected_logprobs` (and the entropy) of the lm_head's logits, never holding them
     for all rows.
 
-    The logits, in TRL's order (scale, softcap, then the temperature)::
+    The logits, in TRL's order (scale :math:`s`, softcap :math:`c`, then the temperature
+    :math:`T`; the bias 0 when None, :math:`x = s u` without a softcap):
 
-        u = hidden @ weight.T + bias                       (bias 0 when None)
-        x = softcap * tanh(u * logit_scale / softcap)      (u * logit_scale without one)
-        logp    = x[a] / T - logsumexp(x / T)
-        entropy = -sum_v p_v log p_v,   p = softmax(x / T)
+    .. math::
 
-    and the gradients, the entropy's own included (``g_logp``, ``g_H``: the upstream values)::
+        u = h W^\top + b, \qquad x = c \tanh(s u / c), \qquad
+        \log p_a = \frac{x_a}{T} - \operatorname{logsumexp}(x / T), \qquad
+        H = -\sum_v p_v \log p_v, \quad p = \operatorname{softmax}(x / T)
 
-        dx = (g_logp (onehot(a) - p) - g_H p (log p + entropy)) / T
-        du = dx * logit_scale * (1 - (x / softcap)^2)      (dx * logit_scale without one)
-        d hidden = du @ weight,  d weight = du.T @ where(mask, hidden, 0),  d bias = sum du
+    and the gradients, the entropy's own included (:math:`g_{\log p}`, :math:`g_H`: the
+    upstream values; :math:`\bar h` the hidden states with inactive rows zeroed):
+
+    .. math::
+
+        dx = \frac{g_{\log p} (e_a - p) - g_H\, p (\log p + H)}{T}, \qquad
+        du = dx \cdot s \left(1 - (x / c)^2\right), \qquad
+        d h = du\, W, \quad d W = du^\top \bar h, \quad d b = \textstyle\sum du
 
     The rows go through ``chunk_rows`` at a time: per chunk one GEMM into a reusable
     ``[chunk_rows, V]`` buffer in the weight's dtype (the bias and scale in the GEMM, the
@@ -467,11 +472,9 @@ def linear_policy_loss(
 ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """:func:`policy_loss` of the lm_head's logits, never holding them for all rows.
 
-    The logits are those of :func:`linear_selected_logprobs`::
-
-        x = softcap * tanh((hidden @ weight.T + bias) * logit_scale / softcap)
-
-    (``(hidden @ weight.T + bias) * logit_scale`` without a softcap), divided by the
+    The logits are those of :func:`linear_selected_logprobs`,
+    :math:`x = c \tanh\left((h W^\top + b)\, s / c\right)` (:math:`(h W^\top + b)\, s`
+    without a softcap), divided by the
     temperature in the loss. The rows go through ``chunk_rows`` at a time: a GEMM writes a
     chunk's logits into one reusable ``[chunk_rows, V]`` buffer, the fused policy-loss
     kernel turns them into ``g = d loss / d x`` in place, and two GEMMs give the chunk's
