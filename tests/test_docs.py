@@ -147,3 +147,16 @@ def test_site_keeps_a_grouped_arguments_text_once():
                      ":param b: see ``a``", ":param c: see ``a``",
                      ":param d: its own text.", ":param e: another text.", "",
                      ":returns: x"]
+
+
+def test_sources_compile_without_syntax_warnings():
+    """Docstrings with TeX (``\\log``, ``\\tanh``) are raw strings: a plain one is a
+    SyntaxWarning at import (a DeprecationWarning on 3.11; an error in a future Python) and
+    garbles the formula."""
+    import warnings
+
+    for path in sorted((ROOT / "src" / "ratiokl").rglob("*.py")):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", SyntaxWarning)  # Python >= 3.12
+            warnings.simplefilter("error", DeprecationWarning)  # 3.11
+            compile(path.read_text(), str(path), "exec")

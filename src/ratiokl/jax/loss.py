@@ -364,7 +364,7 @@ def linear_selected_logprobs(
     backend: BackendName = "auto",
     check_ids: bool = True,
 ) -> Union[jax.Array, Tuple[jax.Array, jax.Array]]:
-    """:func:`selected_logprobs` (and the entropy) of the lm_head's logits, never holding them
+    r""":func:`selected_logprobs` (and the entropy) of the lm_head's logits, never holding them
     for all rows.
 
     ``ratiokl.torch.loss.linear_selected_logprobs`` in JAX: the same arguments, math and

@@ -361,7 +361,7 @@ def linear_selected_logprobs(
     backend: BackendName = "auto",
     check_ids: bool = True,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
-    """:func:`selected_logprobs` (and the entropy) of the lm_head's logits, never holding them
+    r""":func:`selected_logprobs` (and the entropy) of the lm_head's logits, never holding them
     for all rows.
 
     The logits, in TRL's order (scale :math:`s`, softcap :math:`c`, then the temperature
@@ -470,7 +470,7 @@ def linear_policy_loss(
     backend: BackendName = "auto",
     check_ids: bool = True,
 ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-    """:func:`policy_loss` of the lm_head's logits, never holding them for all rows.
+    r""":func:`policy_loss` of the lm_head's logits, never holding them for all rows.
 
     The logits are those of :func:`linear_selected_logprobs`,
     :math:`x = c \tanh\left((h W^\top + b)\, s / c\right)` (:math:`(h W^\top + b)\, s`
