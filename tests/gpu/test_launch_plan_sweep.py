@@ -14,6 +14,10 @@ PyTorch runs every (vocabulary, rows) pair; every shape is a compile in JAX
 (jax-triton makes sizes compile-time constants), so JAX runs each plan the
 sweep reaches at its smallest shape and the named sizes of the sweep.
 
+The linear ops (``linear_selected_logprobs``, ``linear_policy_loss``) run once per (dtype, V)
+with the options: the row kernels on chunk buffers of a third of the rows (a remainder chunk),
+their gradients of hidden and weight against ``spec.linear_grad_tolerance``.
+
 Run on the H200: ``bash scripts/h200.sh sweep-torch`` and ``sweep-jax`` (the PyTorch half
 on 8 workers with expandable segments, the JAX half on 4: 10 and 6 ran out of GPU memory),
 each in interleaved parts that fit a device call: ``SWEEP_PART=1/2 bash scripts/h200.sh
@@ -47,6 +51,8 @@ MAX_ELEMENTS = 300_000_000
 #: The sizes the issue names (kept in the JAX subset whatever the heuristics say).
 NAMED_VOCABS = (1, 2, 31, 32, 33, 1000, 4095, 4096, 4097, 8191, 8192, 50_257, 151_936, 262_144)
 AGGREGATIONS = tuple(spec.LOSS_AGGS)
+#: The linear ops' hidden size (small: the sweep is about the row kernels on chunk buffers).
+LINEAR_H = 16
 
 
 def _rows(dtype: str, vocab: int):
@@ -99,9 +105,17 @@ def _inputs(n: int, vocab: int, dtype: str, garbage: bool):
     if garbage and n >= 4:
         old[1] = float("nan")
     ref_logps = old + 0.1 * torch.randn(n, **cuda)
+    # The linear ops' inputs: hidden states [n, H] and an lm_head [V, H] (+ bias) whose logits
+    # spread like the policy's, a NaN hidden state on an inactive row.
+    hidden = torch.randn(n, LINEAR_H, **cuda)
+    weight = torch.randn(vocab, LINEAR_H, **cuda) * (2.0 / LINEAR_H**0.5)
+    bias = 0.1 * torch.randn(vocab, **cuda)
+    if garbage and n >= 4:
+        hidden[1] = float("nan")
     return dict(policy=policy, ref=ref, ids=ids, mask=mask, old=old, ref_logps=ref_logps,
                 adv=torch.randn(n, **cuda), g1=torch.randn(n, **cuda),
-                g2=torch.randn(n, **cuda))
+                g2=torch.randn(n, **cuda), hidden=hidden.to(DTYPES[dtype]),
+                weight=weight.to(DTYPES[dtype]), bias=bias.to(DTYPES[dtype]))
 
 
 def _scale(x) -> float:
@@ -133,9 +147,41 @@ def _policy_options(op: str, agg: str, backend: str, coefficient):
     return kw, op.startswith("policy_fwd") or op.endswith("ref_logps")
 
 
+def _linear_chunk(n: int) -> int:
+    """The linear ops' ``chunk_rows``: a third of the rows, so the last chunk is a remainder."""
+    return max(1, n // 3 + 1)
+
+
+def _torch_linear(x, backend: str, op: str, agg: str):
+    """``linear_selected_logprobs`` (entropy, bias, softcap) or ``linear_policy_loss`` (bias,
+    logit scale) in chunks of :func:`_linear_chunk` rows; gradients to hidden and weight."""
+    from ratiokl.torch import loss
+
+    hidden = x["hidden"].detach().clone().requires_grad_()
+    weight = x["weight"].detach().clone().requires_grad_()
+    common = dict(backend=backend, check_ids=False, bias=x["bias"],
+                  chunk_rows=_linear_chunk(hidden.shape[0]))
+    if op == "linear_logprobs":
+        logp, ent = loss.linear_selected_logprobs(hidden, weight, x["ids"], x["mask"],
+                                                  logit_softcap=30.0, return_entropy=True,
+                                                  **common)
+        outs, obj = {"logp": logp, "entropy": ent}, (logp * x["g1"] + ent * x["g2"]).sum()
+    else:
+        lead = (1, hidden.shape[0])
+        value, metrics = loss.linear_policy_loss(
+            hidden.view(*lead, -1), weight, x["ids"].view(lead), x["mask"].view(lead),
+            x["old"].view(lead), x["adv"].view(lead), ref_logps=x["ref_logps"].view(lead),
+            kl_coef=0.1, entropy_coef=0.05, loss_agg=agg, logit_scale=0.5, **common)
+        outs, obj = {"loss": value, **metrics}, value * -1.7
+    outs["grad"], outs["grad_weight"] = torch.autograd.grad(obj, (hidden, weight))
+    return {k: v.detach().float() for k, v in outs.items()}
+
+
 def _torch_ops(x, backend: str, op: str, agg: str = "token-mean"):
     from ratiokl.torch import loss
 
+    if op.startswith("linear"):
+        return _torch_linear(x, backend, op, agg)
     leaf = x["policy"].detach().clone().requires_grad_(not op.startswith("policy_fwd"))
     lead = (1, leaf.shape[0])  # one row of sequences for the sequence aggregations
     common = dict(backend=backend, check_ids=False)
@@ -177,6 +223,8 @@ def _jax_ops(x, backend: str, op: str, agg: str = "token-mean"):
     j = {k: jax.dlpack.from_dlpack(v.contiguous()) for k, v in x.items()}  # no copy
     lead = (1, j["policy"].shape[0])
     common = dict(backend=backend, check_ids=False)
+    if op.startswith("linear"):
+        return _jax_linear(j, backend, op, agg)
 
     def run(policy):
         if op == "selected_logprobs":
@@ -209,13 +257,73 @@ def _jax_ops(x, backend: str, op: str, agg: str = "token-mean"):
     return {k: torch.from_dlpack(jnp.asarray(v, jnp.float32)) for k, v in outs.items()}
 
 
+def _jax_linear(j, backend: str, op: str, agg: str):
+    """:func:`_torch_linear` in JAX (jitted, ``jax.grad`` with respect to hidden and weight)."""
+    import jax
+    import jax.numpy as jnp
+
+    from ratiokl.jax import loss
+
+    n = j["hidden"].shape[0]
+    common = dict(backend=backend, check_ids=False, chunk_rows=_linear_chunk(n))
+
+    def run(hw):
+        hidden, weight = hw
+        if op == "linear_logprobs":
+            logp, ent = loss.linear_selected_logprobs(
+                hidden, weight, j["ids"], j["mask"], bias=j["bias"], logit_softcap=30.0,
+                return_entropy=True, **common)
+            return jnp.sum(logp * j["g1"] + ent * j["g2"]), {"logp": logp, "entropy": ent}
+        lead = (1, n)
+        r = lambda a: a.reshape(lead)  # noqa: E731
+        value, metrics = loss.linear_policy_loss(
+            hidden.reshape(*lead, -1), weight, r(j["ids"]), r(j["mask"]), r(j["old"]),
+            r(j["adv"]), ref_logps=r(j["ref_logps"]), bias=j["bias"], kl_coef=0.1,
+            entropy_coef=0.05, loss_agg=agg, logit_scale=0.5, **common)
+        return value * -1.7, {"loss": value, **metrics}
+
+    (g_hidden, g_weight), outs = jax.jit(jax.grad(run, has_aux=True))((j["hidden"], j["weight"]))
+    outs = {**outs, "grad": g_hidden, "grad_weight": g_weight}
+    return {k: torch.from_dlpack(jnp.asarray(v, jnp.float32)) for k, v in outs.items()}
+
+
+def _linear_magnitudes(x, op: str, agg: str):
+    """``(d hidden, d weight)`` rounding yardsticks of a linear op (what
+    ``spec.linear_grad_tolerance`` takes): the largest entries of ``|du| @ |W|`` and
+    ``|du|.T @ |hidden|``, ``du`` the float32 logits gradient of the same call, from autograd
+    through the materialised logits (native backend)."""
+    from ratiokl.torch import loss
+
+    keep = x["mask"][:, None]
+    hidden = torch.where(keep, x["hidden"].float(), 0.0)
+    weight = x["weight"].float()
+    u = (hidden @ weight.T + x["bias"].float()).requires_grad_()
+    native = dict(backend="native", check_ids=False)
+    if op == "linear_logprobs":
+        z = 30.0 * torch.tanh(u / 30.0)
+        logp, ent = loss.selected_logprobs(z, x["ids"], x["mask"], return_entropy=True, **native)
+        obj = (logp * x["g1"] + ent * x["g2"]).sum()
+    else:
+        lead = (1, u.shape[0])
+        value, _ = loss.policy_loss(
+            (u * 0.5).view(*lead, -1), None, x["ids"].view(lead), x["mask"].view(lead),
+            x["old"].view(lead), x["adv"].view(lead), ref_logps=x["ref_logps"].view(lead),
+            kl_coef=0.1, entropy_coef=0.05, loss_agg=agg, **native)
+        obj = value * -1.7
+    du = torch.autograd.grad(obj, u)[0].abs().nan_to_num(0.0, 0.0, 0.0)
+    return float((du @ weight.abs()).max()), float((du.T @ hidden.abs()).max())
+
+
 # --- the comparison -------------------------------------------------------------------------
 
 
-def _compare(fast, slow, dtype: str, scale: float, n: int, what: str) -> None:
+def _compare(fast, slow, dtype: str, scale: float, n: int, what: str,
+             magnitudes=None) -> None:
     """Finite exactly where the native path is; within the fixture tolerances elsewhere.
 
     On the GPU (float32 tensors): the sweep's largest gradients are gigabytes.
+    ``magnitudes``: a linear op's ``(d hidden, d weight)`` yardsticks
+    (:func:`_linear_magnitudes`), whose gradients take ``spec.linear_grad_tolerance``.
     """
     assert fast.keys() == slow.keys(), what
     fwd = spec.forward_tolerance(scale)
@@ -227,7 +335,10 @@ def _compare(fast, slow, dtype: str, scale: float, n: int, what: str) -> None:
         summed = expected.ndim == 0  # a sum over rows: float32 reordering grows with N
         ok = torch.isfinite(expected)
         got, expected = got[ok], expected[ok]
-        if name == "grad":
+        if magnitudes is not None and name.startswith("grad"):
+            tol = spec.linear_grad_tolerance(dtype, scale,
+                                             magnitudes[name == "grad_weight"])
+        elif name == "grad":
             top = float(expected.abs().max()) if expected.numel() else 1.0
             tol = spec.grad_tolerance(dtype, scale, top)
         elif summed:
@@ -253,7 +364,11 @@ OPTION_OPS = tuple(("policy_ref_logps", agg) for agg in AGGREGATIONS) + (
     ("policy_entropy_ref_logps", "seq-mean-token-sum-norm"),
     ("policy_entropy_tensor", "token-sum"), ("policy_entropy_gspo", "seq-mean-token-mean"),
     ("policy_entropy_inplace", "token-mean"), ("policy_entropy_cispo", "seq-mean-token-sum"),
-    ("policy_fwd_on_policy", "token-mean"))
+    ("policy_fwd_on_policy", "token-mean"),
+    # The linear ops: the row kernels on chunk buffers (a remainder chunk), with their logit
+    # options and a NaN hidden state on an inactive row.
+    ("linear_logprobs", "token-mean"), ("linear_policy", "token-mean"),
+    ("linear_policy", "seq-mean-token-sum"))
 
 
 def _swept(cases):
@@ -274,7 +389,8 @@ def _sweep_one(runner, dtype: str, vocab: int, n: int, with_options: bool) -> in
     for op, agg in cases:
         what = f"{runner.__name__} {op} {agg} {dtype} V={vocab} N={n} garbage={garbage}"
         fast, slow = runner(x, "triton", op, agg), runner(x, "native", op, agg)
-        _compare(fast, slow, dtype, scale, n, what)
+        magnitudes = _linear_magnitudes(x, op, agg) if op.startswith("linear") else None
+        _compare(fast, slow, dtype, scale, n, what, magnitudes)
         if "grad" in fast:
             assert bool((fast["grad"][~x["mask"]] == 0).all()), f"{what}: inactive rows' gradient"
     return len(cases)
