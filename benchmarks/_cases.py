@@ -287,16 +287,18 @@ PRESETS: Dict[str, Preset] = {
         timing=Timing(warmup_ms=1, rep_ms=5, cpu_reps=7),
     ),
     # The hidden-state ops (issue 35's targets): the log-prob seam with the trainers' fused
-    # heads, the lm_head loss step with its JAX twin, and both chunked ops at 4x / 8x rows.
+    # heads, the lm_head loss step with its JAX twin; "linear-growth": both chunked ops at
+    # 4x / 8x rows (memory flat in N).
     "linear": Preset(
         groups=(
             Group((_STEP_CASE,), _SEAM, (LINEAR_LOGP,)),
             Group((_STEP_CASE,), _STEP + ("ratiokl-jax-triton-linear",), (LMHEAD,)),
-            _GROWTH,
         ),
         ops=(LINEAR_LOGP,),
         timing=Timing(warmup_ms=10, rep_ms=60, cpu_reps=3),
     ),
+    "linear-growth": Preset(groups=(_GROWTH,), ops=(LINEAR_LOGP,),
+                            timing=Timing(warmup_ms=10, rep_ms=60, cpu_reps=3)),
     # CI on the CPU: tiny, native providers, every op; a tiny lm_head step (bf16, as on
     # the GPU) with ratiokl's native loss and the bare GEMMs.
     "cpu-smoke": Preset(

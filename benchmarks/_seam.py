@@ -51,7 +51,7 @@ def ratiokl_materialised(x: Any, backend: str, check_ids: bool) -> TorchOp:
         backend=backend, **_kw(check_ids)), ()), (x.hidden, x.weight))
 
 
-def trl_chunked(x: Any, check_ids: Optional[bool]) -> TorchOp:
+def trl_chunked(op: str, x: Any, check_ids: Optional[bool]) -> TorchOp:
     """TRL's fused head (``trl/trainer/utils.py``'s patched forward, on a Triton device)."""
     from trl.kernels import ChunkedLogProbFunction
     from trl.trainer import utils as trl_utils
@@ -69,7 +69,7 @@ def trl_chunked(x: Any, check_ids: Optional[bool]) -> TorchOp:
     return TorchOp(forward, (x.hidden, x.weight))
 
 
-def verl_fused(x: Any, check_ids: Optional[bool]) -> TorchOp:
+def verl_fused(op: str, x: Any, check_ids: Optional[bool]) -> TorchOp:
     """verl's ``linear_cross_entropy`` (its fused actor forward's kernel), reduction none."""
     from verl.utils.kernel.linear_cross_entropy import linear_cross_entropy
 
@@ -82,7 +82,7 @@ def verl_fused(x: Any, check_ids: Optional[bool]) -> TorchOp:
     return TorchOp(forward, (x.hidden, x.weight))
 
 
-def cce(x: Any, check_ids: Optional[bool]) -> TorchOp:
+def cce(op: str, x: Any, check_ids: Optional[bool]) -> TorchOp:
     """cut-cross-entropy's per-token NLL, negated: the log-prob alone (no entropy)."""
     from cut_cross_entropy import linear_cross_entropy
 
