@@ -67,15 +67,19 @@ class Backend:
     linear_selected_logprobs: Optional[Callable] = None  # from hidden states in row chunks
 
 
-def inplace_grad_error(sequence_ratio: bool, compiling: bool = False) -> ValueError:
+def inplace_grad_error(sequence_ratio: bool, compiling: bool = False,
+                       per_token: bool = False) -> ValueError:
     """The error for ``policy_loss(inplace_grad=True)`` where the two-pass route runs: it
     writes the gradient as a new array, so the opt-in cannot apply; says where it works."""
     why = ('`ratio_level="sequence"` (GSPO) takes the two-pass route' if sequence_ratio
+           else "`loss_agg='none'` (a per-token upstream gradient) takes the two-pass route"
+           if per_token
            else "torch.compile plans the gradient's buffer itself" if compiling
            else "this backend has no one-kernel policy loss (backend 'native', or "
                 "vocabulary-sharded logits)")
     return ValueError(
         f"`inplace_grad=True` cannot apply here: {why}. It writes the gradient into the "
         "logits' buffer on the one-kernel policy loss only: backend 'triton' (or 'auto' on "
-        "a GPU, or 'interpret'), ratio_level='token', logits not vocabulary-sharded, and in "
+        "a GPU, or 'interpret'), ratio_level='token', an aggregated loss, logits not "
+        "vocabulary-sharded, and in "
         "PyTorch outside torch.compile; pass inplace_grad=False here")

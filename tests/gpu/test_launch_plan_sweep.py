@@ -172,7 +172,7 @@ def _torch_linear(x, backend: str, op: str, agg: str):
             hidden.view(*lead, -1), weight, x["ids"].view(lead), x["mask"].view(lead),
             x["old"].view(lead), x["adv"].view(lead), ref_logps=x["ref_logps"].view(lead),
             kl_coef=0.1, entropy_coef=0.05, loss_agg=agg, logit_scale=0.5, **common)
-        outs, obj = {"loss": value, **metrics}, value * -1.7
+        outs, obj = {"loss": value, **metrics}, (value * -1.7).sum()  # "none": [...]
     outs["grad"], outs["grad_weight"] = torch.autograd.grad(obj, (hidden, weight))
     return {k: v.detach().float() for k, v in outs.items()}
 
@@ -206,7 +206,7 @@ def _torch_ops(x, backend: str, op: str, agg: str = "token-mean"):
             x["ids"].view(lead), x["mask"].view(lead),
             None if "on_policy" in op else x["old"].view(lead), x["adv"].view(lead),
             ref_logps=x["ref_logps"].view(lead) if by_logps else None, **common, **kw)
-        outs, obj = {"loss": value, **metrics}, value * -1.7
+        outs, obj = {"loss": value, **metrics}, (value * -1.7).sum()  # "none": [...]
     if leaf.requires_grad:
         grad = torch.autograd.grad(obj, leaf)[0]
         outs["grad"] = grad
@@ -246,7 +246,7 @@ def _jax_ops(x, backend: str, op: str, agg: str = "token-mean"):
             policy.reshape(*lead, -1), None if by_logps else j["ref"].reshape(*lead, -1),
             r(j["ids"]), r(j["mask"]), None if "on_policy" in op else r(j["old"]), r(j["adv"]),
             ref_logps=r(j["ref_logps"]) if by_logps else None, **common, **kw)
-        return value * -1.7, {"loss": value, **metrics}
+        return jnp.sum(value * -1.7), {"loss": value, **metrics}
 
     if op.startswith("policy_fwd"):
         outs = jax.jit(lambda p: run(p)[1])(j["policy"])
@@ -280,7 +280,7 @@ def _jax_linear(j, backend: str, op: str, agg: str):
             hidden.reshape(*lead, -1), weight, r(j["ids"]), r(j["mask"]), r(j["old"]),
             r(j["adv"]), ref_logps=r(j["ref_logps"]), bias=j["bias"], kl_coef=0.1,
             entropy_coef=0.05, loss_agg=agg, logit_scale=0.5, **common)
-        return value * -1.7, {"loss": value, **metrics}
+        return jnp.sum(value * -1.7), {"loss": value, **metrics}
 
     (g_hidden, g_weight), outs = jax.jit(jax.grad(run, has_aux=True))((j["hidden"], j["weight"]))
     outs = {**outs, "grad": g_hidden, "grad_weight": g_weight}

@@ -65,7 +65,8 @@ def test_weights_match_objective_ops(launches, shape, density, agg, normalizer):
     want = _objective.aggregation_weights(mask, inputs, opts)
     got = _triton.token_weights(CALL, mask.reshape(-1), opts, inputs.loss_normalizer,
                                 shape[-1])
-    by_kernel = normalizer == 7.5 and agg != "seq-mean-token-mean" or (
+    # loss_agg='none': weight 1 per active token (a normaliser is refused with it).
+    by_kernel = agg == "none" or normalizer == 7.5 and agg != "seq-mean-token-mean" or (
         normalizer is None and agg in ("token-mean", "token-sum", "seq-mean-token-sum-norm"))
     assert (got is not None) == by_kernel
     if got is None:

@@ -52,8 +52,9 @@ def test_weights_match_objective_ops(shape, density, agg, normalizer):
     want = _objective.aggregation_weights(mask, inputs, opts)
     got = _triton.token_weights(mask.reshape(-1), opts, inputs.loss_normalizer, shape[-1])
     # Not one weight for every token: sequence lengths or counts, or a tensor normaliser.
-    per_sequence = agg == "seq-mean-token-mean" or normalizer == "tensor" or (
-        agg == "seq-mean-token-sum" and normalizer is None)
+    # loss_agg='none': weight 1 per active token (a normaliser is refused with it).
+    per_sequence = agg != "none" and (agg == "seq-mean-token-mean" or normalizer == "tensor" or (
+        agg == "seq-mean-token-sum" and normalizer is None))
     assert (got is None) == per_sequence
     if got is None:
         return

@@ -157,13 +157,15 @@ def _entropy_grad(args: Arrays, cot: Arrays) -> np.ndarray:
 def _policy_reference(args: Arrays) -> Dict[str, np.ndarray]:
     positional = [args.get(k) for k in _POLICY_POSITIONAL]
     value, metrics = spec.policy_loss(*positional, **_spec_args(args, _ROLLOUT_KW))
-    return {"loss": np.float64(value), **{k: np.float64(v) for k, v in metrics.items()}}
+    # The loss: 0-d, or [...] with loss_agg="none".
+    return {"loss": np.asarray(value, np.float64),
+            **{k: np.float64(v) for k, v in metrics.items()}}
 
 
 def _policy_grad(args: Arrays, cot: Arrays) -> np.ndarray:
     positional = [args.get(k) for k in _POLICY_POSITIONAL]
-    grad = spec.policy_loss_grad(*positional, **_spec_args(args, _ROLLOUT_KW))
-    return float(cot["loss"]) * grad
+    return spec.policy_loss_grad(*positional, **_spec_args(args, _ROLLOUT_KW),
+                                 loss_cotangent=cot["loss"])
 
 
 _LINEAR_KW = ("bias", "temperature", "logit_scale", "logit_softcap")

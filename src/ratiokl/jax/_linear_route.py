@@ -13,10 +13,11 @@ from typing import Dict, Tuple
 import jax
 import jax.numpy as jnp
 
-from ratiokl.jax import _checks, _rollout
+from ratiokl.jax import _checks, _objective, _rollout
 from ratiokl.jax._lm_head import head_logits
 from ratiokl.jax._route import _aggregation_weights, _flat, _rows, policy_loss
 from ratiokl.spec import (
+    check_normalizer,
     check_chunk_rows,
     check_head_shapes,
     logit_transform,
@@ -56,6 +57,23 @@ def linear_selected_logprobs(hidden, weight, action_ids, mask, *, bias, temperat
     return rows.checked(out.reshape(lead))
 
 
+def _per_token_loss(run, rows, weight, bias, transform, lead, inputs, opts, ref_logps,
+                    chunk_rows):
+    """``loss_agg="none"`` from hidden states: the chunked log-probs and entropy (their
+    backward recomputes each chunk's logits: the upstream gradient is per token), then the
+    objective on ``[N]`` values."""
+    logp, entropy = run.linear_selected_logprobs(
+        rows.logits, weight, bias, rows.ids, rows.mask, rows.temperature, transform,
+        chunk_rows, True)
+    as_rows = _checks.as_rows
+    logp_ref = None if ref_logps is None else as_rows(
+        jax.lax.stop_gradient(_flat(ref_logps)), lead)
+    loss, metrics = _objective.policy_objective(
+        as_rows(logp, lead), logp_ref, as_rows(rows.mask, lead), inputs, opts,
+        as_rows(entropy, lead))
+    return loss.reshape(lead), metrics
+
+
 def linear_policy_loss(hidden, weight, action_ids, mask, old_logps, advantages, *, ref_logps,
                        bias, logit_scale, logit_softcap, chunk_rows, clip_eps, clip_eps_high,
                        dual_clip, ratio_cap, kl_coef, kl_estimator, loss_agg, loss_normalizer,
@@ -75,6 +93,7 @@ def linear_policy_loss(hidden, weight, action_ids, mask, old_logps, advantages, 
     hidden, weight, bias, ids, lead = _head(hidden, weight, bias, action_ids)
     if ref_logps is not None or opts.uses_kl:
         _, ref_logps = _checks.check_ref(None, ref_logps, hidden.shape)
+    check_normalizer(opts, loss_normalizer)
     inputs = _checks.token_inputs(lead, old_logps, advantages, segment_ids,
                                   importance_weights, loss_normalizer)
     rows = _rows(hidden, lead, ids, mask, temperature, backend, check_ids, None,
@@ -99,6 +118,10 @@ def linear_policy_loss(hidden, weight, action_ids, mask, old_logps, advantages, 
     if rollout is not None:
         inputs, rollout_metrics = _rollout.correct(rows.mask, lead, inputs, rollout_logps,
                                                    rollout, opts.log_ratio_bound)
+    if opts.per_token:  # a per-token upstream gradient: the log-probs, then the objective
+        loss, metrics = _per_token_loss(run, rows, weight, bias, transform, lead, inputs, opts,
+                                        ref_logps, chunk_rows)
+        return rows.checked((loss, {**metrics, **rollout_metrics}))
     weights = _aggregation_weights(run, rows.mask, lead, inputs, opts)
     loss, metrics = run.linear_policy_loss(
         rows.logits, weight, bias, transform, rows.ids, rows.mask, _flat(inputs.old_logps),

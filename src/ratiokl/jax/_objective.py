@@ -149,6 +149,8 @@ def _cispo_weight(ratio, opts: PolicyLossOptions):
 
 def _denominator(loss_agg: LossAgg, n_tok, n_seq, width: int, loss_normalizer: Normalizer):
     """``D`` of ``sum(a * loss) / D``; a count of 0 becomes 1 (its numerator is 0)."""
+    if loss_agg == "none":  # per token: no denominator (a normaliser is refused with it)
+        return 1.0
     if loss_normalizer is not None:
         return loss_normalizer
     if loss_agg == "token-mean":
@@ -244,9 +246,11 @@ def policy_objective(
         per_token = per_token / counts
     n_tok = jnp.sum(mask, dtype=jnp.int32)
     n_seq = jnp.sum(starts, dtype=jnp.int32) if need_segments else None
+    metrics = token_metrics(mask, n_tok, low, high, capped, ratio, kl, old - logp, entropy)
+    if opts.per_token:  # loss_agg="none": the per-token loss [R, T], 0 on inactive tokens
+        return jnp.where(mask, per_token, 0.0).astype(jnp.float32), metrics
     denom = _denominator(opts.loss_agg, n_tok, n_seq, mask.shape[-1], inputs.loss_normalizer)
     loss = jnp.sum(jnp.where(mask, per_token, 0.0)) / denom
-    metrics = token_metrics(mask, n_tok, low, high, capped, ratio, kl, old - logp, entropy)
     return loss.astype(jnp.float32), metrics
 
 

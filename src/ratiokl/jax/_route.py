@@ -41,7 +41,8 @@ from ratiokl._backend import Backend, inplace_grad_error
 from ratiokl._requirements import unmet
 from ratiokl.jax import _checks, _jax_triton, _rollout
 from ratiokl.jax._checks import Temperature
-from ratiokl.spec import BACKENDS, kl_estimator_code, policy_loss_options, rollout_options
+from ratiokl.spec import (BACKENDS, check_normalizer, kl_estimator_code, policy_loss_options,
+                          rollout_options)
 
 __all__ = ["backend_name", "policy_loss", "ratio_kl", "resolve", "selected_logprobs"]
 
@@ -269,6 +270,7 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
     policy_logits, ids, lead = _lead(policy_logits, action_ids)
     if ref_logits is not None or ref_logps is not None or opts.uses_kl:
         ref_logits, ref_logps = _checks.check_ref(ref_logits, ref_logps, policy_logits.shape)
+    check_normalizer(opts, loss_normalizer)
     inputs = _checks.token_inputs(lead, old_logps, advantages, segment_ids,
                                   importance_weights, loss_normalizer)
     rows = _rows(policy_logits, lead, ids, mask, temperature, backend, check_ids, vocab_axis)
@@ -283,8 +285,8 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
     if rollout is not None:
         inputs, rollout_metrics = _rollout.correct(rows.mask, lead, inputs, rollout_logps,
                                                    rollout, opts.log_ratio_bound)
-    if run.policy_loss is not None and not opts.sequence_ratio:  # one kernel: the loss,
-        # the metrics' row values and the gradient together
+    if run.policy_loss is not None and not opts.sequence_ratio and not opts.per_token:
+        # one kernel: the loss, the metrics' row values and the gradient together
         weights = _aggregation_weights(run, rows.mask, lead, inputs, opts)
         loss, metrics = run.policy_loss(
             rows.logits, ref, rows.ids, rows.mask, _flat(inputs.old_logps), _flat(ref_logps),
@@ -293,7 +295,7 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
         )
         return rows.checked((loss, {**metrics, **rollout_metrics}))
     if inplace_grad:
-        raise inplace_grad_error(opts.sequence_ratio)
+        raise inplace_grad_error(opts.sequence_ratio, per_token=opts.per_token)
     from ratiokl.jax import _objective
 
     # The entropy from the same read of the logits (entropy_mean always; in the loss with
@@ -308,4 +310,6 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
         as_rows(logp, lead), None if logp_ref is None else as_rows(logp_ref, lead),
         as_rows(rows.mask, lead), inputs, opts, as_rows(entropy, lead),
     )
+    if opts.per_token:
+        loss = loss.reshape(lead)
     return rows.checked((loss, {**metrics, **rollout_metrics}))

@@ -32,6 +32,7 @@ __all__ = [
     "PolicyLossOptions",
     "RATIO_LEVELS",
     "ROLLOUT_CORRECTIONS",
+    "check_normalizer",
     "kl_estimator_code",
     "option_code",
     "policy_loss_options",
@@ -42,7 +43,7 @@ BackendName = Literal["auto", "native", "triton", "interpret"]
 KLEstimator = Literal["k1", "k2", "k3"]
 PolicyKLEstimator = Literal["k1", "k2", "k3", "k1+", "k3+", "k3-is"]
 LossAgg = Literal["token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum",
-                  "seq-mean-token-sum-norm"]
+                  "seq-mean-token-sum-norm", "none"]
 RatioLevel = Literal["token", "sequence"]
 Objective = Literal["ppo", "cispo"]
 RolloutCorrection = Literal["token-truncate", "token-mask", "sequence-truncate", "sequence-mask"]
@@ -155,6 +156,12 @@ class PolicyLossOptions:
         return _LOSS_AGG_NAMES[self.agg_code]
 
     @property
+    def per_token(self) -> bool:
+        """Whether ``loss_agg="none"``: the loss is the per-token term ``[...]``, unreduced
+        (0 on inactive tokens), for a trainer that aggregates it itself."""
+        return self.loss_agg == "none"
+
+    @property
     def seq_aggregation(self) -> bool:
         """Whether ``loss_agg`` averages over sequences (``seq-mean-token-{mean,sum}``)."""
         return self.loss_agg in ("seq-mean-token-mean", "seq-mean-token-sum")
@@ -174,6 +181,8 @@ class PolicyLossOptions:
         agg = self.loss_agg
         if agg == "seq-mean-token-mean":
             return None
+        if agg == "none":
+            return 1.0, False
         if isinstance(normalizer, (int, float)) and not isinstance(normalizer, bool):
             return float(normalizer), False
         if normalizer is not None or agg == "seq-mean-token-sum":
@@ -181,6 +190,15 @@ class PolicyLossOptions:
         if agg == "token-mean":
             return 1.0, True
         return (1.0 if agg == "token-sum" else float(width)), False
+
+
+def check_normalizer(opts: "PolicyLossOptions", loss_normalizer: object) -> None:
+    """``loss_normalizer`` divides an aggregated loss: refused with ``loss_agg="none"``."""
+    if opts.per_token and loss_normalizer is not None:
+        raise ValueError(
+            "`loss_normalizer` divides an aggregated loss, but loss_agg='none' returns the "
+            "per-token loss; pass loss_normalizer=None and divide your own sum by it"
+        )
 
 
 def _number(name: str, value: object, *, allow_none: bool = False) -> Optional[float]:

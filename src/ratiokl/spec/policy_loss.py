@@ -80,6 +80,11 @@ gives loss 0, never NaN. Sequences are the rows of the leading shape
 ``[..., T]``; with ``segment_ids`` a new sequence starts at every active token
 whose id differs from the previous active token's in the same row.
 
+``loss_agg="none"`` returns the per-token terms ``loss_t`` themselves (``[...]``, 0 on
+inactive tokens; ``a_t = 1``, no ``D``): for every other mode's weights ``a_t / D``,
+``sum_t (a_t / D) * loss_t`` is that mode's loss (GSPO included: its ``loss_t`` already
+holds the sequence ratio). ``loss_normalizer`` is refused with it.
+
 References:
     Schulman et al., "Proximal Policy Optimization Algorithms" (2017); Ye et al.,
     "Mastering Complex Control in MOBA Games" (2019, dual-clip); Yu et al., "DAPO"
@@ -99,6 +104,7 @@ from ratiokl._codes import KL
 from ratiokl.spec.options import (
     DEFAULT_LOG_RATIO_BOUND,
     PolicyLossOptions,
+    check_normalizer,
     policy_loss_options,
 )
 from ratiokl.spec.reference import (
@@ -209,7 +215,8 @@ def _aggregation(mask, seq, n_seq, opts: PolicyLossOptions, loss_normalizer):
         weights[mask] = 1.0 / counts[seq[mask]]
     width = mask.shape[-1] if mask.shape else 1
     denom = {"token-mean": max(n_tok, 1), "token-sum": 1, "seq-mean-token-mean": max(n_seq, 1),
-             "seq-mean-token-sum": max(n_seq, 1), "seq-mean-token-sum-norm": width}[opts.loss_agg]
+             "seq-mean-token-sum": max(n_seq, 1), "seq-mean-token-sum-norm": width,
+             "none": 1}[opts.loss_agg]
     return weights, float(denom if loss_normalizer is None else loss_normalizer)
 
 
@@ -251,8 +258,11 @@ def policy_loss_from_logps(
 def _policy_terms(logp, logp_ref, old_logps, advantages, mask, entropy, *, loss_normalizer,
                   segment_ids, importance_weights, rollout_logps=None, rollout_correction=None,
                   rollout_bounds=DEFAULT_ROLLOUT_BOUNDS, **options):
-    """``(loss, dloss/dlogp, dloss/dentropy, metrics)`` (:func:`policy_loss_from_logps`)."""
+    """``(loss, dloss/dlogp, dloss/dentropy, metrics)`` (:func:`policy_loss_from_logps`);
+    with ``loss_agg="none"`` the loss is the per-token array and the derivatives are each
+    token's own (for a unit upstream gradient per token)."""
     opts = policy_loss_options(**{**POLICY_LOSS_DEFAULTS, **options})
+    check_normalizer(opts, loss_normalizer)
     mask = np.asarray(mask, dtype=bool)
     lead = mask.shape
     if logp_ref is None and opts.kl_coef != 0.0:
@@ -325,6 +335,8 @@ def _policy_terms(logp, logp_ref, old_logps, advantages, mask, entropy, *, loss_
         if ent is not None:
             metrics["entropy_mean"] = mean(ent)
         metrics.update(rollout_metrics)  # the bindings' order: the rollout's last
+        if opts.per_token:
+            return per_token, grad, dent, metrics
         return float(per_token.sum() / denom), grad, dent, metrics
 
 
@@ -367,9 +379,12 @@ def policy_loss(
 def policy_loss_grad(
     policy_logits: np.ndarray, ref_logits: Optional[np.ndarray], action_ids: np.ndarray,
     mask: np.ndarray, old_logps: Optional[np.ndarray], advantages: ArrayLike, *,
-    ref_logps: Optional[np.ndarray] = None, temperature: ArrayLike = 1.0, **options,
+    ref_logps: Optional[np.ndarray] = None, temperature: ArrayLike = 1.0,
+    loss_cotangent: ArrayLike = 1.0, **options,
 ) -> np.ndarray:
-    """Gradient of the loss w.r.t. ``policy_logits``: float64 ``[..., V]``, 0 on inactive rows.
+    """Gradient of ``sum(loss_cotangent * loss)`` w.r.t. ``policy_logits``: float64
+    ``[..., V]``, 0 on inactive rows (``loss_cotangent``: the upstream gradient, a number,
+    or ``[...]`` for ``loss_agg="none"``; never read on inactive rows).
 
     Through ``logp`` (``selected_logprobs_grad``) and, with ``entropy_coef``, through the
     entropy (``entropy_grad``: ``-c_H a_t / D`` times ``dH_t/dz``).
@@ -378,6 +393,9 @@ def policy_loss_grad(
         policy_logits, ref_logits, action_ids, mask, old_logps, advantages,
         ref_logps, temperature, dict(options),
     )
+    active = np.asarray(mask, dtype=bool)
+    cot = np.where(active, np.asarray(loss_cotangent, np.float64), 0.0)
+    dlogp, dent = np.where(active, dlogp * cot, 0.0), np.where(active, dent * cot, 0.0)
     grad = selected_logprobs_grad(policy_logits, action_ids, mask, dlogp,
                                   temperature=temperature)
     if np.any(dent != 0.0):

@@ -141,6 +141,8 @@ def _cispo_weight(ratio, opts: PolicyLossOptions):
 
 def _denominator(loss_agg: LossAgg, n_tok, n_seq, width: int, loss_normalizer: Normalizer):
     """``D`` of ``sum(a * loss) / D``; a count of 0 becomes 1 (its numerator is 0)."""
+    if loss_agg == "none":  # per token: no denominator (a normaliser is refused with it)
+        return 1.0
     if loss_normalizer is not None:
         return loss_normalizer
     if loss_agg == "token-mean":
@@ -191,7 +193,8 @@ def policy_objective(
         loss before the aggregation), else only averaged into ``entropy_mean``.
 
     Returns:
-      The float32 0-d loss and a dict of detached float32 0-d metrics.
+      The float32 0-d loss (``loss_agg="none"``: the per-token loss ``[R, T]``, 0 on
+      inactive tokens) and a dict of detached float32 0-d metrics.
     """
     zero = torch.zeros((), dtype=torch.float32, device=logp.device)
     logp = torch.where(mask, logp, zero)
@@ -239,9 +242,12 @@ def policy_objective(
         per_token = per_token / counts
     n_tok = mask.sum()
     n_seq = starts.sum() if need_segments else None
+    metrics = token_metrics(mask, n_tok, low, high, capped, ratio, kl, old - logp, entropy)
+    if opts.per_token:
+        return torch.where(mask, per_token, zero), metrics
     denom = _denominator(opts.loss_agg, n_tok, n_seq, mask.shape[-1], inputs.loss_normalizer)
     loss = torch.where(mask, per_token, zero).sum() / denom
-    return loss, token_metrics(mask, n_tok, low, high, capped, ratio, kl, old - logp, entropy)
+    return loss, metrics
 
 
 def token_metrics(

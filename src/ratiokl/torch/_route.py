@@ -35,7 +35,8 @@ import torch
 
 from ratiokl._backend import Backend, inplace_grad_error
 from ratiokl._requirements import unmet
-from ratiokl.spec import BACKENDS, kl_estimator_code, policy_loss_options, rollout_options
+from ratiokl.spec import (BACKENDS, check_normalizer, kl_estimator_code, policy_loss_options,
+                          rollout_options)
 from ratiokl.torch import _checks, _once, _rollout
 from ratiokl.torch._checks import Temperature
 
@@ -299,6 +300,7 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
         )
     if ref_logits is not None or ref_logps is not None or opts.uses_kl:
         _reference(policy_logits, lead, ref_logits, ref_logps)
+    check_normalizer(opts, loss_normalizer)
     inputs = _checks.token_inputs(lead, old_logps, advantages, segment_ids,
                                   importance_weights, loss_normalizer)
     rows = _rows(
@@ -317,8 +319,8 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
     if rollout is not None:
         inputs, rollout_metrics = _rollout.correct(run, rows.mask, lead, inputs, rollout_logps,
                                                    rollout, opts.log_ratio_bound)
-    if run.policy_loss is not None and not opts.sequence_ratio and not _compiled_backward(
-            rows.logits):  # one kernel: the loss, the metrics' row values and the gradient
+    if run.policy_loss is not None and not opts.sequence_ratio and not opts.per_token \
+            and not _compiled_backward(rows.logits):  # one kernel: the loss, the metrics' row values and the gradient
         weights = _aggregation_weights(run, rows.mask, lead, inputs, opts)
         if inplace_grad:  # the launch consumes the logits: check before it
             rows.checked(None)
@@ -330,7 +332,8 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
         )
         return rows.checked((loss, {**metrics, **rollout_metrics}))
     if inplace_grad:  # the two-pass route writes a new gradient: the opt-in cannot apply
-        raise inplace_grad_error(opts.sequence_ratio, torch.compiler.is_compiling())
+        raise inplace_grad_error(opts.sequence_ratio, torch.compiler.is_compiling(),
+                                 opts.per_token)
     from ratiokl.torch import _objective
 
     # The entropy from the same read of the logits (entropy_mean always; in the loss with
@@ -347,5 +350,5 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
         as_rows(rows.mask, lead), inputs, opts, as_rows(entropy, lead),
     )
     # Once, as the one-kernel loss backpropagates (ratiokl.torch._once).
-    loss = _once.backward_once(loss, op)
+    loss = _once.backward_once(loss.reshape(lead) if opts.per_token else loss, op)
     return rows.checked((loss, {**metrics, **rollout_metrics}))

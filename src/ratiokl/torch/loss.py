@@ -270,7 +270,11 @@ def policy_loss(
       kl_coef, kl_estimator: KL weight and variant: ``"k1"``, ``"k2"``, ``"k3"``,
         ``"k1+"``/``"k3+"`` (value of k1/k3, gradient of k2), ``"k3-is"`` (k3 times r).
       loss_agg: ``"token-mean"``, ``"token-sum"``, ``"seq-mean-token-mean"``,
-        ``"seq-mean-token-sum"`` or ``"seq-mean-token-sum-norm"``.
+        ``"seq-mean-token-sum"``, ``"seq-mean-token-sum-norm"``, or ``"none"``: the
+        per-token loss ``[...]`` itself (0 on inactive tokens; each mode's loss is it summed
+        with that mode's weights), for a trainer that aggregates it; its gradient takes a
+        ``[...]`` upstream gradient (never read on inactive tokens), on the two-pass route
+        (no ``inplace_grad``; no ``loss_normalizer``).
       loss_normalizer: replaces the aggregation's denominator (a global token or
         sequence count, or a constant): a positive number or a 0-d tensor.
       ratio_level: ``"token"`` or ``"sequence"`` (GSPO).
@@ -312,7 +316,8 @@ def policy_loss(
         that saved them fails loudly, and the loss backpropagates once.
 
     Returns:
-      ``(loss, metrics)``: a float32 0-d tensor, and detached float32 0-d tensors
+      ``(loss, metrics)``: a float32 0-d tensor (``[...]`` with ``loss_agg="none"``), and
+      detached float32 0-d tensors
       ``clip_fraction`` (= ``_low`` + ``_high``), ``clip_fraction_low``,
       ``clip_fraction_high``, ``dual_clip_fraction``, ``ratio_mean``, ``kl_mean``
       ``approx_kl`` (mean of ``old_logp - logp``) and ``entropy_mean`` (mean ``H``),
