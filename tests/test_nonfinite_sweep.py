@@ -80,6 +80,9 @@ SCENARIOS: Dict[str, Scenario] = {
     "policy_loss_cispo": Scenario(
         "policy_loss", {"objective": "cispo", "kl_coef": 0.1, "entropy_coef": 0.1},
         ("policy_logits", "ref_logits", "old_logps", "advantages")),
+    "policy_loss_per_token": Scenario(
+        "policy_loss", {"loss_agg": "none", "kl_coef": 0.1, "entropy_coef": 0.1},
+        ("policy_logits", "ref_logits", "old_logps", "advantages")),
     "policy_loss_on_policy": Scenario(
         "policy_loss", {"kl_coef": 0.1, "entropy_coef": 0.1},
         ("policy_logits", "ref_logits", "advantages")),
@@ -138,7 +141,8 @@ def _case(name: str, arrays: Dict[str, np.ndarray]) -> Case:
     scenario = SCENARIOS[name]
     op = OPS[scenario.op]
     rng = np.random.default_rng(7)
-    cot = ({"loss": np.float32(1.0)} if not op.neutral
+    per_token = op.neutral or scenario.options.get("loss_agg") == "none"  # outputs [B, T]
+    cot = ({"loss": np.float32(1.0)} if not per_token
            else {o: rng.normal(0.0, 1.0, (B, T)) for o in op.cotangents})
     case = build_case(name, name, scenario.op, "float32", arrays, options=scenario.options,
                       cotangents=cot)

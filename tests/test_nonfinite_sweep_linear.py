@@ -154,3 +154,71 @@ def test_poisoned_active_token(target: str, key: str, poison: str) -> None:
     if not np.array_equal(bits(dh), bits(clean_dh)):
         failures.append("d hidden changed on tokens the poison does not reach")
     assert not failures, f"{target}: {poison} in {key}: " + "; ".join(failures)
+
+
+# --- linear_selected_logprobs: a NaN / +-inf hidden state on an active token -------------------
+
+
+def _logprobs(target: str, x) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(logp, entropy, d hidden)`` of ``linear_selected_logprobs(return_entropy=True)`` with
+    the upstream gradients 1 (logp) and 0.5 (entropy), chunks of 3 rows."""
+    framework, backend = target.split("-")
+    if framework == "torch":
+        import torch
+
+        from ratiokl.torch import loss
+
+        device = "cuda" if backend == "triton" else "cpu"
+        hidden = torch.tensor(x["hidden"], device=device, dtype=torch.float32,
+                              requires_grad=True)
+        weight = torch.tensor(x["weight"], device=device, dtype=torch.float32)
+        logp, ent = loss.linear_selected_logprobs(
+            hidden, weight, torch.tensor(x["action_ids"], device=device),
+            torch.tensor(MASK, device=device), return_entropy=True, chunk_rows=3,
+            backend=backend, check_ids=False)
+        (logp.sum() + 0.5 * ent.sum()).backward()
+        return tuple(np.asarray(a.detach().cpu(), np.float64) for a in (logp, ent, hidden.grad))
+    import jax
+    import jax.numpy as jnp
+
+    from ratiokl.jax import loss
+
+    def value(hidden):
+        logp, ent = loss.linear_selected_logprobs(
+            hidden, jnp.asarray(x["weight"], jnp.float32), jnp.asarray(x["action_ids"]),
+            jnp.asarray(MASK), return_entropy=True, chunk_rows=3, backend=backend,
+            check_ids=False)
+        return jnp.sum(logp) + 0.5 * jnp.sum(ent), (logp, ent)
+
+    (_, (logp, ent)), d_hidden = jax.jit(jax.value_and_grad(value, has_aux=True))(
+        jnp.asarray(x["hidden"], jnp.float32))
+    return tuple(np.asarray(a, np.float64) for a in (logp, ent, d_hidden))
+
+
+@pytest.mark.parametrize("poison", list(POISONS))
+def test_linear_logprobs_poisoned_hidden(target: str, poison: str) -> None:
+    """The poisoned token's logp, entropy and d hidden are exactly as non-finite as the spec
+    makes them; every other token's outputs and d hidden are bitwise the clean run's."""
+    clean = _inputs()
+    x = _inputs()
+    x["hidden"][ROW + (2,)] = POISONS[poison]
+    with np.errstate(invalid="ignore", over="ignore"):
+        args = (np.where(MASK[..., None], x["hidden"], 0.0), x["weight"], x["action_ids"], MASK)
+        want_logp, want_ent = spec.linear_selected_logprobs(*args, return_entropy=True)
+        want_dh, _, _ = spec.linear_selected_logprobs_grad(*args, np.ones(MASK.shape),
+                                                           np.full(MASK.shape, 0.5))
+    got = _logprobs(target, x)
+    base = _logprobs(target, clean)
+    failures = []
+    for what, g, w in (("logp", got[0], want_logp), ("entropy", got[1], want_ent)):
+        if not np.array_equal(np.isnan(g[ROW]), np.isnan(w[ROW])):
+            failures.append(f"{what}: NaN {g[ROW]} where the spec has {w[ROW]}")
+    if np.isnan(want_dh[ROW]).any() and not np.isnan(got[2][ROW]).any():
+        failures.append(f"d hidden: no NaN where the spec has NaN: {got[2][ROW]}")
+    keep = np.ones(MASK.shape, dtype=bool)
+    keep[ROW] = False
+    bits = lambda a: a[keep].astype(np.float32).view(np.uint32)  # noqa: E731
+    for what, g, b in zip(("logp", "entropy", "d hidden"), got, base):
+        if not np.array_equal(bits(g), bits(b)):
+            failures.append(f"{what} changed on tokens the poison does not reach")
+    assert not failures, f"{target}: {poison} hidden: " + "; ".join(failures)
