@@ -123,6 +123,16 @@ def test_check_case_takes_the_group_names_the_table_prints(capsys):
     assert ["torch-native", "vocab_2", f"{len(group)}/{len(group)}"] in [r[:3] for r in rows]
 
 
+def test_check_case_repeated_runs_the_union(capsys):
+    """``--case A --case B`` runs the cases of both globs (it once kept the last alone)."""
+    if conformance.target_status("torch-native") is not None:
+        pytest.skip(conformance.target_status("torch-native"))
+    both = sorted(set(conformance.list_cases("vocab_2")) | set(conformance.list_cases("vocab_1")))
+    assert main(["check", "--backend", "torch-native", "--case", "vocab_2", "--case", "vocab_1",
+                 "--contiguous-only", "--no-progress"]) == 0
+    assert f"({len(both)} cases x 1)" in capsys.readouterr().out
+
+
 def test_check_prints_unavailable_reasons_in_full(monkeypatch, capsys):
     reason = "line one of a long reason.\nline two: https://example.invalid/install"
     real = conformance.target_status

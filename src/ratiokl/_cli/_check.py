@@ -47,9 +47,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", action="append", metavar="GLOB",
                         help="target(s) to run, e.g. torch-native or 'jax-*' (repeatable; "
                              f"default all: {', '.join(conformance.TARGETS)})")
-    parser.add_argument("--case", default="*", metavar="GLOB",
+    parser.add_argument("--case", action="append", metavar="GLOB",
                         help="cases to run: a glob on case names (vocab_2_fp32) or on the "
-                             "case groups the table prints (vocab_2); default all")
+                             "case groups the table prints (vocab_2); repeatable (the union); "
+                             "default all")
     parser.add_argument("--contiguous-only", action="store_true",
                         help="skip the second pass of PyTorch targets on strided logits")
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write every result here")
@@ -144,10 +145,11 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     root = conformance.fixtures_root()
-    names = conformance.list_cases(args.case, root)
+    globs = args.case or ["*"]
+    names = sorted({name for glob in globs for name in conformance.list_cases(glob, root)})
     if not names:
-        print(f"ratiokl check: no case matches --case {args.case!r} (neither a case name "
-              "nor a case group)", file=sys.stderr)
+        print(f"ratiokl check: no case matches --case {', '.join(map(repr, globs))} (neither "
+              "a case name nor a case group)", file=sys.stderr)
         return 2
     targets, unavailable = _targets(patterns)
     print(f"ratiokl {ratiokl.__version__}: {len(names)} cases from {root}", file=out)
