@@ -1,0 +1,328 @@
+"""OpenRLHF's own training step against ``ratiokl.torch.loss.policy_loss``, on the same batch.
+
+OpenRLHF (0.11.2, tested) is the oracle: ``ActorPPOTrainer.__init__`` builds its
+``PolicyLoss`` from the CLI's arguments, and ``training_step`` runs ``Actor.forward``
+(``log_probs_from_logits``, ``compute_entropy``), ``PolicyLoss`` (clip, dual clip, token-
+or sequence-level loss, GSPO, the train / rollout correction), ``compute_approx_kl`` and
+``aggregate_loss`` with ``get_loss_batch_info``'s denominators, then the backward. The
+actor wraps a model whose output logits are a parameter, so ``d loss / d logits`` is
+that parameter's gradient (float32: ``Actor.forward`` casts the logits to float32).
+ratiokl gets the same logits with NaN / inf on the padded positions
+(``tests/helpers/trainer_batch.py``) and ``_mapped``'s options. The ``*_differs`` tests pin
+the semantics ratiokl cannot express today.
+
+OpenRLHF's wheel needs CUDA-only packages this machine cannot install; they are stubbed
+while OpenRLHF is imported (``_import_openrlhf``), and only where absent: ``flash_attn``
+(``bert_padding``, ``utils.distributed``: the sample-packing path, never run here) and
+``vllm`` (``SamplingParams``, ``inputs.TokensPrompt``, ``utils.random_uuid``: the rollout
+engines). While the trainer is built, its two CUDA calls are replaced:
+``torch_dist_barrier_and_cuda_sync`` (a barrier and ``torch.cuda.synchronize``) by a no-op
+and ``torch.cuda.current_device`` (the replay buffer's device, unused here) by 0. Runs in its own venv (``.ci/run`` block (d)).
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import sys
+import types
+from types import SimpleNamespace as NS
+from unittest import mock
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("openrlhf", reason="OpenRLHF is not installed (see .ci/run block (d))")
+
+from trainer_batch import B, T, V, assert_matches, differs, make_batch, tolerances  # noqa: E402
+
+from ratiokl.torch import loss  # noqa: E402
+
+P = 2  # prompt positions before the completion
+STUBS = {
+    "flash_attn": (), "flash_attn.utils": (),
+    "flash_attn.bert_padding": ("index_first_axis", "pad_input", "rearrange", "unpad_input"),
+    "flash_attn.utils.distributed": ("all_gather",),
+    "vllm": ("SamplingParams",), "vllm.inputs": ("TokensPrompt",), "vllm.utils": ("random_uuid",),
+}
+
+
+def _stubbed(name: str):
+    def call(*_, **__):
+        raise NotImplementedError(f"{name} is a test stub (a CUDA-only package)")
+    return call
+
+
+def _import_openrlhf():
+    """``openrlhf.trainer.ray.ppo_actor`` with the absent CUDA-only packages stubbed during
+    the import (and removed after it: nothing else sees them)."""
+    absent = {name for name in STUBS if "." not in name and name not in sys.modules
+              and importlib.util.find_spec(name) is None}
+    added = []
+    for name, attrs in STUBS.items():
+        if name.split(".")[0] not in absent:
+            continue
+        module = types.ModuleType(name)
+        module.__spec__ = importlib.machinery.ModuleSpec(name, None)
+        for attr in attrs:
+            setattr(module, attr, _stubbed(f"{name}.{attr}"))
+        sys.modules[name] = module
+        added.append(name)
+    try:
+        from openrlhf.trainer.ray import ppo_actor
+    finally:
+        for name in added:
+            del sys.modules[name]
+    return ppo_actor
+
+
+try:
+    ppo_actor = _import_openrlhf()
+except ImportError as error:  # a dependency that is neither installed nor stubbed
+    pytest.skip(f"OpenRLHF's training step is not importable: {error}", allow_module_level=True)
+
+from openrlhf.models import Actor  # noqa: E402
+from openrlhf.trainer.ppo_utils.experience import Experience  # noqa: E402
+from transformers.modeling_outputs import CausalLMOutputWithPast  # noqa: E402
+
+
+class _Logits(torch.nn.Module):
+    """A causal LM whose output logits ``[B, P + T, V]`` are its one parameter."""
+
+    def __init__(self, logits):
+        super().__init__()
+        self.logits = torch.nn.Parameter(logits)
+
+    def forward(self, sequences, attention_mask=None, position_ids=None, **_):
+        return CausalLMOutputWithPast(logits=self.logits * 1.0)
+
+
+class _Strategy:
+    """The DeepSpeed strategy's part ``training_step`` uses: a plain backward (keeping the
+    loss it was given), no optimizer step."""
+
+    ring_attn_group = None
+
+    def __init__(self, args):
+        self.args, self.loss = args, None
+
+    def backward(self, value, model, optimizer):
+        self.loss = value.detach()
+        value.backward()
+
+    def optimizer_step(self, *_, **__):
+        pass
+
+    def get_grad_norm(self, model):
+        return 0.0
+
+
+def _args(actor=None, advantage=None, kl=None):
+    """The CLI's arguments that the actor trainer reads: its defaults, but clip-higher."""
+    return NS(
+        actor=NS(**{"eps_clip_low_high": (0.2, 0.28), "dual_clip": None,
+                    "loss_agg_mode": "token-mean", "policy_loss_type": "ppo",
+                    "entropy_coef": None, "aux_loss_coef": 0.0, **(actor or {})}),
+        algo=NS(advantage=NS(**{"is_correction_level": "off", "is_correction_mode": "mask",
+                                "is_correction_gating": "ratio",
+                                "is_correction_threshold": [0.5, 5.0], **(advantage or {})}),
+                kl=NS(**{"use_loss": False, "init_coef": 0.0, "estimator": "k1",
+                         "unbiased_gradient": False, **(kl or {})})),
+        train=NS(max_epochs=1, dynamic_batch_enable=False, colocate_all=False,
+                 async_enable=False),
+        ds=NS(packing_samples=False), vllm=NS(sync_backend="gloo"))
+
+
+def _actor(batch, temperature):
+    g = torch.Generator().manual_seed(2)
+    full = torch.randn(B, P + T, V, generator=g)
+    full[:, P - 1:P + T - 1] = batch.logits  # position P-1+t predicts completion token t
+    actor = Actor(_Logits(full), temperature=temperature)
+    actor.packing_samples = False  # set by Actor.__init__ only when it loads a checkpoint
+    return actor
+
+
+def _openrlhf_step(args, batch, temperature=1.0, seq_adv=False, batch_info=None):
+    """OpenRLHF's ``training_step`` on the batch: ``(loss, d loss / d logits)``."""
+    actor = _actor(batch, temperature)
+    with mock.patch.object(ppo_actor, "torch_dist_barrier_and_cuda_sync", lambda: None), \
+            mock.patch.object(torch.cuda, "current_device", lambda: 0):  # CUDA calls of __init__
+        strategy = _Strategy(args)
+        trainer = ppo_actor.ActorPPOTrainer(
+            strategy, actor, None, None, NS(get_last_lr=lambda: [0.0]), micro_train_batch_size=B)
+    sequences = torch.cat([torch.full((B, P), 3), batch.ids], 1)
+    experience = Experience(
+        sequences=sequences, attention_mask=torch.cat([torch.ones(B, P, dtype=torch.long),
+                                                       batch.mask.long()], 1),
+        action_mask=batch.mask, action_log_probs=batch.old, base_action_log_probs=batch.ref,
+        rollout_log_probs=batch.rollout, advantages=batch.adv_seq if seq_adv else batch.adv,
+        info={})
+    trainer.training_step(experience, args.algo.kl.init_coef, 0, batch_info)
+    return strategy.loss, actor.model.logits.grad[:, P - 1:P + T - 1]
+
+
+def _batch_info(batch, batch_info):
+    """``get_loss_batch_info``'s values: every rank's tokens, its non-empty sequences."""
+    return batch_info or dict(dp_size=1, batch_num_tokens=float(batch.mask.sum()),
+                              global_batch_size=float(batch.mask.any(-1).sum()))
+
+
+def _mapped(args, info) -> dict:
+    """ratiokl's options for OpenRLHF's arguments and ``get_loss_batch_info``'s values."""
+    a, corr, kl = args.actor, args.algo.advantage, args.algo.kl
+    token_level = a.loss_agg_mode == "token-mean" and a.policy_loss_type == "ppo"
+    options = dict(
+        clip_eps=a.eps_clip_low_high[0], clip_eps_high=a.eps_clip_low_high[1],
+        dual_clip=a.dual_clip, loss_agg="token-mean" if token_level else "seq-mean-token-mean",
+        loss_normalizer=float(info["batch_num_tokens" if token_level else "global_batch_size"])
+        / info["dp_size"],
+        ratio_level="sequence" if a.policy_loss_type == "gspo" else "token",
+        entropy_coef=a.entropy_coef or 0.0)
+    if kl.use_loss:
+        options.update(kl_coef=kl.init_coef, kl_estimator=kl.estimator)
+    if corr.is_correction_level == "token":
+        options["rollout_correction"] = ("token-truncate" if corr.is_correction_mode == "clip"
+                                         else "token-mask")
+        options["rollout_bounds"] = tuple(corr.is_correction_threshold)
+    return options
+
+
+def _ratiokl(batch, options, backend="native", temperature=1.0, seq_adv=False, adv=None):
+    p = batch.poisoned()
+    y = p.logits.clone().requires_grad_()
+    advantages = (p.adv_seq if seq_adv else p.adv) if adv is None else adv
+    value, _ = loss.policy_loss(
+        y, None, batch.ids, batch.mask, p.old, advantages, ref_logps=p.ref,
+        rollout_logps=p.rollout if "rollout_correction" in options else None,
+        temperature=temperature, backend=backend, **options)
+    value.backward()
+    return value.detach(), y.grad
+
+
+DP = dict(dp_size=2, batch_num_tokens=31.0, global_batch_size=9.0)
+KL = {f"kl_{e}": dict(kl=dict(use_loss=True, init_coef=0.1, estimator=e))
+      for e in ("k1", "k2", "k3")}
+CASES = {
+    "ppo_token": {},
+    "ppo_dual_clip": dict(actor=dict(dual_clip=3.0)),
+    "ppo_sequence": dict(actor=dict(loss_agg_mode="seq-mean-token-mean")),
+    "ppo_token_dp": dict(info=DP),
+    "ppo_sequence_dp_dual_clip": dict(info=DP, actor=dict(
+        loss_agg_mode="seq-mean-token-mean", dual_clip=2.0)),
+    "gspo": dict(seq_adv=True, actor=dict(policy_loss_type="gspo",
+                                          eps_clip_low_high=(0.1, 0.15))),
+    "gspo_dp": dict(seq_adv=True, info=DP, actor=dict(policy_loss_type="gspo")),
+    "tis_token_clip": dict(advantage=dict(is_correction_level="token", is_correction_mode="clip",
+                                          is_correction_threshold=[0.0, 2.0])),
+    "icepop_token_mask": dict(advantage=dict(is_correction_level="token")),
+    **KL,
+    "entropy": dict(actor=dict(entropy_coef=0.05)),
+    "temperature_kl_k3_entropy": dict(temperature=0.8, actor=dict(entropy_coef=-0.02),
+                                      kl=dict(use_loss=True, init_coef=0.2, estimator="k3")),
+}
+
+
+def _run(case, backend="native"):
+    batch = make_batch()
+    args = _args(case.get("actor"), case.get("advantage"), case.get("kl"))
+    temperature, seq_adv = case.get("temperature", 1.0), case.get("seq_adv", False)
+    want, want_grad = _openrlhf_step(args, batch, temperature, seq_adv, case.get("info"))
+    options = _mapped(args, _batch_info(batch, case.get("info")))
+    got, grad = _ratiokl(batch, options, backend, temperature, seq_adv)
+    return batch, args, (got, grad), (want, want_grad)
+
+
+@pytest.mark.parametrize("backend", ["native", "interpret"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_openrlhf_training_step(name, backend):
+    if backend == "interpret":
+        pytest.importorskip("triton")
+    case = CASES[name]
+    batch, _, (got, grad), (want, want_grad) = _run(case, backend)
+    assert_matches(got, grad, want, want_grad, batch, case.get("temperature", 1.0),
+                   both_float32=True)
+
+
+def test_actor_forward_matches_selected_logprobs():
+    """``Actor.forward``'s action log-probs and entropies (temperature-scaled, as the
+    training step takes them) are ratiokl's ``selected_logprobs``."""
+    batch = make_batch()
+    actor = _actor(batch, temperature=0.8)
+    sequences = torch.cat([torch.full((B, P), 3), batch.ids], 1)
+    attention = torch.cat([torch.ones(B, P, dtype=torch.long), batch.mask.long()], 1)
+    logp, output = actor(sequences, batch.mask, attention_mask=attention, return_output=True,
+                         return_entropy=True)
+    got, entropy = loss.selected_logprobs(batch.poisoned().logits, batch.ids, batch.mask,
+                                          temperature=0.8, return_entropy=True)
+    tol, _ = tolerances(batch.logits, logp.detach(), temperature=0.8, both_float32=True)
+    assert not differs(got, logp.detach(), tol)
+    assert not differs(entropy[batch.mask], output.entropy[:, -T:][batch.mask].detach(), tol)
+
+
+def _differ(case, **ratiokl_options):
+    """ratiokl's mapped call against OpenRLHF's step: ``(value differs, gradient differs)``."""
+    batch, args, _, (want, want_grad) = _run(case)
+    options = {**_mapped(args, _batch_info(batch, case.get("info"))), **ratiokl_options}
+    got, grad = _ratiokl(batch, options, seq_adv=case.get("seq_adv", False))
+    tol_value, tol_grad = tolerances(batch.logits, want_grad, both_float32=True)
+    return differs(got, want, tol_value), differs(grad, want_grad, tol_grad)
+
+
+def test_kl_and_entropy_token_mean_under_sequence_loss_differs():
+    """OpenRLHF aggregates the KL and entropy terms as a token mean whatever the policy
+    loss's level; one ratiokl call aggregates all three alike. Two calls reproduce it: the
+    policy term at the sequence level, the KL and entropy (zero advantages) per token."""
+    case = dict(actor=dict(loss_agg_mode="seq-mean-token-mean", entropy_coef=0.05),
+                kl=dict(use_loss=True, init_coef=0.1, estimator="k3"))
+    assert _differ(case) == (True, True)
+    batch, args, _, (want, want_grad) = _run(case)
+    info = _batch_info(batch, None)
+    options = _mapped(args, info)
+    policy, g1 = _ratiokl(batch, {**options, "kl_coef": 0.0, "entropy_coef": 0.0})
+    per_token = dict(options, loss_agg="token-mean", loss_normalizer=info["batch_num_tokens"])
+    rest, g2 = _ratiokl(batch, per_token, adv=torch.zeros(B, T))
+    assert_matches(policy + rest, g1 + g2, want, want_grad, batch, both_float32=True)
+
+
+def test_tis_floor_differs():
+    """``is_correction_mode="clip"`` clamps the token weight into ``[low, high]``; ratiokl's
+    ``token-truncate`` only caps it (three tokens here weigh below 0.5)."""
+    case = dict(advantage=dict(is_correction_level="token", is_correction_mode="clip",
+                               is_correction_threshold=[0.5, 2.0]))
+    assert _differ(case)[0]
+
+
+def test_geometric_mean_sequence_gate_differs():
+    """``is_correction_level="seq"`` gates each sequence on the geometric mean of its token
+    weights and keeps the survivors' per-token weights; ratiokl's ``sequence-mask`` gates
+    and weighs by the product."""
+    case = dict(advantage=dict(is_correction_level="seq", is_correction_threshold=[0.5, 2.0]))
+    assert _differ(case, rollout_correction="sequence-mask", rollout_bounds=(0.5, 2.0))[0]
+
+
+def test_unbiased_gradient_differs():
+    """``unbiased_gradient``: the KL's value, with the importance-weighted k2 gradient."""
+    case = dict(kl=dict(use_loss=True, init_coef=0.5, estimator="k3", unbiased_gradient=True))
+    assert _differ(case) == (False, True)
+
+
+def test_k3_clamp_at_10_differs():
+    """``compute_approx_kl`` clamps every estimator's value to ``[-10, 10]``; one token's
+    k3 of 49.6 (``d = 4``) tells ratiokl's unclamped k3 apart."""
+    batch = make_batch()
+    logp = torch.log_softmax(batch.logits.double(), -1).gather(-1, batch.ids[..., None])[..., 0]
+    ref = batch.ref.clone()
+    ref[0, 0] = float(logp[0, 0]) + 4.0
+    batch = type(batch)(**{**batch.__dict__, "ref": ref})
+    args = _args(kl=dict(use_loss=True, init_coef=0.1, estimator="k3"))
+    want, want_grad = _openrlhf_step(args, batch)
+    got, _ = _ratiokl(batch, _mapped(args, _batch_info(batch, None)))
+    assert differs(got, want, tolerances(batch.logits, want_grad, both_float32=True)[0])
+
+
+def test_gspo_with_per_token_advantages_differs():
+    """OpenRLHF's GSPO differentiates the sequence ratio itself; ratiokl's gives each token
+    ``d r_t / d logp_t = s``. Equal for per-sequence advantages (``gspo`` above), the
+    gradients differ for per-token ones (the value does not)."""
+    case = dict(actor=dict(policy_loss_type="gspo", eps_clip_low_high=(0.3, 0.3)))
+    assert _differ(case) == (False, True)
