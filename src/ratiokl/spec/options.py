@@ -32,6 +32,7 @@ __all__ = [
     "PolicyLossOptions",
     "RATIO_LEVELS",
     "ROLLOUT_CORRECTIONS",
+    "check_loss_normalizer",
     "kl_estimator_code",
     "option_code",
     "policy_loss_options",
@@ -42,7 +43,7 @@ BackendName = Literal["auto", "native", "triton", "interpret"]
 KLEstimator = Literal["k1", "k2", "k3"]
 PolicyKLEstimator = Literal["k1", "k2", "k3", "k1+", "k3+", "k3-is"]
 LossAgg = Literal["token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum",
-                  "seq-mean-token-sum-norm"]
+                  "seq-mean-token-sum-norm", "none"]
 RatioLevel = Literal["token", "sequence"]
 Objective = Literal["ppo", "cispo"]
 RolloutCorrection = Literal["token-truncate", "token-mask", "sequence-truncate", "sequence-mask"]
@@ -82,7 +83,8 @@ POLICY_KL_ESTIMATORS: Mapping[str, int] = {
     **KL_ESTIMATORS, "k1+": KL.K1_PLUS, "k3+": KL.K3_PLUS, "k3-is": KL.K3_IS,
 }
 
-#: How per-token losses become one number (see docs/policy_loss.md for verl/TRL names).
+#: How per-token losses become one number (see docs/policy_loss.md for verl/TRL names);
+#: ``"none"``: they do not (the per-token loss ``[...]``, for a trainer's own aggregation).
 LOSS_AGGS: Mapping[str, int] = {name: code for code, name in enumerate(get_args(LossAgg))}
 #: ``loss_agg`` names by code (``LOSS_AGGS`` inverted).
 _LOSS_AGG_NAMES: Tuple[LossAgg, ...] = get_args(LossAgg)
@@ -172,6 +174,8 @@ class PolicyLossOptions:
         ``width``: tokens per sequence ``T``.
         """
         agg = self.loss_agg
+        if agg == "none":  # each active token its own loss: weight 1
+            return 1.0, False
         if agg == "seq-mean-token-mean":
             return None
         if isinstance(normalizer, (int, float)) and not isinstance(normalizer, bool):
@@ -181,6 +185,17 @@ class PolicyLossOptions:
         if agg == "token-mean":
             return 1.0, True
         return (1.0 if agg == "token-sum" else float(width)), False
+
+
+def check_loss_normalizer(loss_agg: str, loss_normalizer: object) -> None:
+    """``loss_normalizer`` replaces an aggregation's denominator: ``ValueError`` naming it
+    with ``loss_agg="none"``, which aggregates nothing."""
+    if loss_agg == "none" and loss_normalizer is not None:
+        raise ValueError(
+            '`loss_normalizer` has no meaning with loss_agg="none" (the per-token loss is '
+            "returned unreduced); pass loss_normalizer=None and divide by it where you "
+            "reduce the per-token loss"
+        )
 
 
 def _number(name: str, value: object, *, allow_none: bool = False) -> Optional[float]:
