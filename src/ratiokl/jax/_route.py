@@ -38,10 +38,13 @@ import jax.numpy as jnp
 from jax import lax
 
 from ratiokl._backend import Backend, inplace_grad_error
+from ratiokl._core import objective as _objective
 from ratiokl._requirements import unmet
 from ratiokl.jax import _checks, _jax_triton, _rollout
+from ratiokl.jax._arrays import XP
 from ratiokl.jax._checks import Temperature
-from ratiokl.spec import BACKENDS, kl_estimator_code, policy_loss_options, rollout_options
+from ratiokl.spec import (BACKENDS, check_loss_normalizer, kl_estimator_code,
+                          policy_loss_options, rollout_options)
 
 __all__ = ["backend_name", "policy_loss", "ratio_kl", "resolve", "selected_logprobs"]
 
@@ -182,13 +185,13 @@ def _flat(values: Optional[jax.Array]) -> Optional[jax.Array]:
 def _aggregation_weights(run: Backend, mask, lead: Tuple[int, ...], inputs: _checks.TokenInputs,
                          opts) -> jax.Array:
     """The fused kernel's per-row aggregation weights ``w`` (float32 ``[N]``): the backend's
-    one launch where every active token weighs the same, else the framework's ops."""
+    one launch where every active token weighs the same, else the core's ops
+    (``ratiokl._core.objective.aggregation_weights``)."""
     mask_rows = _checks.as_rows(mask, lead)
     weights = run.token_weights(mask, opts, inputs.loss_normalizer, mask_rows.shape[-1])
     if weights is None:
-        from ratiokl.jax import _objective
-
-        weights = _objective.aggregation_weights(mask_rows, inputs, opts).reshape(-1)
+        weights = _objective.aggregation_weights(
+            XP, mask_rows, inputs.segment_ids, inputs.loss_normalizer, opts).reshape(-1)
     return weights
 
 def _lead(logits: jax.Array,
@@ -269,6 +272,7 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
     policy_logits, ids, lead = _lead(policy_logits, action_ids)
     if ref_logits is not None or ref_logps is not None or opts.uses_kl:
         ref_logits, ref_logps = _checks.check_ref(ref_logits, ref_logps, policy_logits.shape)
+    check_loss_normalizer(loss_agg, loss_normalizer)
     inputs = _checks.token_inputs(lead, old_logps, advantages, segment_ids,
                                   importance_weights, loss_normalizer)
     rows = _rows(policy_logits, lead, ids, mask, temperature, backend, check_ids, vocab_axis)
@@ -291,11 +295,9 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
             _flat(inputs.advantages), _flat(inputs.importance_weights), weights,
             rows.temperature, opts, inplace_grad,
         )
-        return rows.checked((loss, {**metrics, **rollout_metrics}))
+        return rows.checked((_per_token(loss, lead, opts), {**metrics, **rollout_metrics}))
     if inplace_grad:
         raise inplace_grad_error(opts.sequence_ratio)
-    from ratiokl.jax import _objective
-
     # The entropy from the same read of the logits (entropy_mean always; in the loss with
     # entropy_coef).
     logp, entropy = run.logprobs_entropy(rows.logits, rows.ids, rows.mask, rows.temperature)
@@ -305,7 +307,13 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
                                          rows.temperature)
     logp_ref = None if logp_ref is None else lax.stop_gradient(logp_ref)
     loss, metrics = _objective.policy_objective(
-        as_rows(logp, lead), None if logp_ref is None else as_rows(logp_ref, lead),
+        XP, as_rows(logp, lead), None if logp_ref is None else as_rows(logp_ref, lead),
         as_rows(rows.mask, lead), inputs, opts, as_rows(entropy, lead),
     )
-    return rows.checked((loss, {**metrics, **rollout_metrics}))
+    return rows.checked((_per_token(loss, lead, opts), {**metrics, **rollout_metrics}))
+
+
+def _per_token(loss: jax.Array, lead: Tuple[int, ...], opts) -> jax.Array:
+    """``loss`` as returned: the per-token loss (``[N]`` / ``[R, T]``, ``loss_agg="none"``)
+    in the leading shape ``[...]``, else the 0-d loss itself."""
+    return loss.reshape(lead) if opts.loss_agg == "none" else loss

@@ -28,12 +28,6 @@ def _values(name: str, values: object, lead: Tuple[int, ...]) -> torch.Tensor:
     return _checks.as_rows(values.float(), lead)
 
 
-def _logps(logps: object) -> Tuple[torch.Tensor, Tuple[int, ...]]:
-    if not isinstance(logps, torch.Tensor):
-        raise TypeError(f"`logps` must be a torch.Tensor; got {type(logps).__name__}")
-    return logps, tuple(logps.shape)
-
-
 def _missing(name: str, coef: str) -> ValueError:
     return ValueError(
         f"`{coef}` != 0 needs `{name}` (per-token {name.replace('_', ' ')} of the leading "
@@ -54,7 +48,7 @@ def policy_objective(logps, old_logps, advantages, mask, *, ref_logps, entropy, 
         ratio_level=ratio_level, log_ratio_bound=log_ratio_bound, objective=objective,
         entropy_coef=entropy_coef, cached=not compiling,
     )
-    logps, lead = _logps(logps)
+    lead = tuple(getattr(logps, "shape", ()))  # not a tensor: check_row_values names it
     logp = _values("logps", logps, lead)
     mask = _checks.check_mask(mask, lead)
     if ref_logps is None and opts.uses_kl:
