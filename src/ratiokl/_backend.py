@@ -31,10 +31,10 @@ NaN; nothing synchronises with the host. A backend without a fused
 ``policy_loss`` (and GSPO's ``ratio_level="sequence"``, which needs a cross-row
 mean of the log-ratio before the objective) takes the two-pass route:
 ``logprobs_entropy`` (the entropy for ``entropy_mean`` and ``entropy_coef`` from the
-same read of the logits), then the framework's ``_objective``. ``rollout_weights`` (the
-rollout correction's weights and metrics in one launch; ``seq`` the sequence
-log-weights ``[R, 1]`` or ``[R, T]``, or None) is optional: without it the
-framework's ``_rollout`` ops compute the same. The two ops from hidden states take
+same read of the logits), then the objective of ``ratiokl._core.objective`` (written once,
+on the framework's array adapter). ``rollout_weights`` (the rollout correction's weights
+and metrics in one launch; ``seq`` the sequence log-weights ``[R, 1]`` or ``[R, T]``, or
+None) is optional: without it ``ratiokl._core.rollout``'s ops compute the same. The two ops from hidden states take
 ``hidden [N, H]``, the lm_head ``weight [V, H]`` and ``bias [V]`` (or None) of one dtype and
 ``transform``, the validated logit options (``ratiokl.spec.LogitTransform``); they are
 differentiable w.r.t. all three; ``linear_policy_loss`` None: the route materialises the

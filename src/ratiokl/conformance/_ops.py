@@ -70,6 +70,9 @@ class Op:
             exactly 0 on inactive tokens.
         takes_backend: whether the function takes ``backend=`` (``policy_objective``, which
             runs framework ops only, does not: every target runs it the same way).
+        per_token_neutral: outputs that are per token in some calls only (the loss with
+            ``loss_agg="none"``, ``[...]``; else 0-d) and the exact value inactive tokens
+            hold then.
     """
 
     name: str
@@ -93,6 +96,7 @@ class Op:
     vocab_arg: Optional[str] = None
     token_values: bool = False
     takes_backend: bool = True
+    per_token_neutral: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def arguments(self) -> Tuple[str, ...]:
@@ -285,10 +289,11 @@ _POLICY_LOSS = Op(
     differentiate="policy_logits",
     outputs=("loss",) + _POLICY_METRICS,
     cotangents=("loss",),
-    neutral={"loss": 0.0},  # loss_agg="none": the per-token loss; a 0-d loss is not checked
+    neutral={},
     unpack=lambda result: {"loss": result[0], **result[1]},
     reference=_policy_reference,
     reference_grad=_policy_grad,
+    per_token_neutral={"loss": 0.0},
 )
 
 
@@ -302,7 +307,7 @@ _POLICY_OBJECTIVE = Op(
     differentiate="logps",
     outputs=("loss",) + _POLICY_METRICS,
     cotangents=("loss",),
-    neutral={"loss": 0.0},
+    neutral={},
     unpack=lambda result: {"loss": result[0], **result[1]},
     reference=_objective_reference,
     reference_grad=_objective_grad,
@@ -310,6 +315,7 @@ _POLICY_OBJECTIVE = Op(
     case_tolerances=_objective_tolerances,
     token_values=True,
     takes_backend=False,
+    per_token_neutral={"loss": 0.0},
 )
 
 

@@ -44,8 +44,9 @@ def judge(case: Case, outcome: Outcome) -> Check:
         if outcome.output_dtypes[out] != "float32":
             check.fail(f"{out}: dtype {outcome.output_dtypes[out]}, expected float32")
         compare_close(check, out, actual, case.arrays[f"expected_{out}"], case.tolerances[out])
-        if out in op.neutral and actual.shape == inactive.shape:
-            compare_neutral(check, out, actual, inactive, op.neutral[out], signed_zero_ok=False)
+        neutral = op.neutral.get(out, op.per_token_neutral.get(out))
+        if neutral is not None and actual.shape == inactive.shape:
+            compare_neutral(check, out, actual, inactive, neutral, signed_zero_ok=False)
     if outcome.grad_dtype != case.dtype:
         check.fail(f"grad: dtype {outcome.grad_dtype}, expected {case.dtype}")
     compare_close(check, "grad", outcome.grad, case.arrays["expected_grad"], case.tolerances["grad"])

@@ -276,7 +276,9 @@ def policy_loss(
       kl_coef, kl_estimator: KL weight and variant: ``"k1"``, ``"k2"``, ``"k3"``,
         ``"k1+"``/``"k3+"`` (value of k1/k3, gradient of k2), ``"k3-is"`` (k3 times r).
       loss_agg: ``"token-mean"``, ``"token-sum"``, ``"seq-mean-token-mean"``,
-        ``"seq-mean-token-sum"`` or ``"seq-mean-token-sum-norm"``.
+        ``"seq-mean-token-sum"``, ``"seq-mean-token-sum-norm"``, or ``"none"``: no
+        aggregation, the per-token loss ``[...]`` (the term each mode weighs, GSPO's with the
+        sequence ratio; not with ``loss_normalizer``), for a trainer's own reduction.
       loss_normalizer: replaces the aggregation's denominator (a global token or
         sequence count, or a constant): a positive number or a 0-d tensor.
       ratio_level: ``"token"`` or ``"sequence"`` (GSPO).
@@ -318,7 +320,9 @@ def policy_loss(
         them nowhere else; otherwise XLA copies them first (same values).
 
     Returns:
-      ``(loss, metrics)``: a float32 0-d array, and float32 0-d arrays (stop-gradient)
+      ``(loss, metrics)``: a float32 0-d array (``loss_agg="none"``: float32 ``[...]``,
+      exactly ``+0.0`` on inactive tokens, each token's gradient scaled by its own upstream
+      value; a NaN upstream on an inactive token stays out), and float32 0-d arrays (stop-gradient)
       ``clip_fraction`` (= ``_low`` + ``_high``), ``clip_fraction_low``,
       ``clip_fraction_high``, ``dual_clip_fraction``, ``ratio_mean``, ``kl_mean``
       ``approx_kl`` (mean of ``old_logp - logp``) and ``entropy_mean`` (mean ``H``),
@@ -536,9 +540,12 @@ def linear_policy_loss(
     memory saved.
     Differentiable w.r.t. ``hidden``, ``weight`` and ``bias``: the gradients come from the
     forward (``d weight`` accumulated over chunks in ``weight``'s dtype) and the backward
-    scales them by the upstream value. Inactive rows get exactly zero ``d hidden`` and add
-    nothing to ``d weight`` or ``d bias``, whatever their hidden states hold. The GEMMs run
-    at ``Precision.HIGHEST`` (float32 inputs: float32 GEMMs, as in PyTorch).
+    scales them by the upstream value; with ``loss_agg="none"`` (the per-token loss
+    ``[...]``, whose cotangent scales each row) the chunks run
+    :func:`linear_selected_logprobs` and the objective instead, two passes. Inactive rows
+    get exactly zero ``d hidden`` and add nothing to ``d weight`` or ``d bias``, whatever
+    their hidden states hold. The GEMMs run at ``Precision.HIGHEST`` (float32 inputs:
+    float32 GEMMs, as in PyTorch).
     """
     return _linear_route.linear_policy_loss(
         hidden, weight, action_ids, mask, old_logps, advantages, ref_logps=ref_logps,

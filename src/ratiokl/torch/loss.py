@@ -270,7 +270,9 @@ def policy_loss(
       kl_coef, kl_estimator: KL weight and variant: ``"k1"``, ``"k2"``, ``"k3"``,
         ``"k1+"``/``"k3+"`` (value of k1/k3, gradient of k2), ``"k3-is"`` (k3 times r).
       loss_agg: ``"token-mean"``, ``"token-sum"``, ``"seq-mean-token-mean"``,
-        ``"seq-mean-token-sum"`` or ``"seq-mean-token-sum-norm"``.
+        ``"seq-mean-token-sum"``, ``"seq-mean-token-sum-norm"``, or ``"none"``: no
+        aggregation, the per-token loss ``[...]`` (the term each mode weighs, GSPO's with the
+        sequence ratio; not with ``loss_normalizer``), for a trainer's own reduction.
       loss_normalizer: replaces the aggregation's denominator (a global token or
         sequence count, or a constant): a positive number or a 0-d tensor.
       ratio_level: ``"token"`` or ``"sequence"`` (GSPO).
@@ -312,7 +314,9 @@ def policy_loss(
         that saved them fails loudly, and the loss backpropagates once.
 
     Returns:
-      ``(loss, metrics)``: a float32 0-d tensor, and detached float32 0-d tensors
+      ``(loss, metrics)``: a float32 0-d tensor (``loss_agg="none"``: float32 ``[...]``,
+      exactly ``+0.0`` on inactive tokens, each token's gradient scaled by its own upstream
+      value; a NaN upstream on an inactive token stays out), and detached float32 0-d tensors
       ``clip_fraction`` (= ``_low`` + ``_high``), ``clip_fraction_low``,
       ``clip_fraction_high``, ``dual_clip_fraction``, ``ratio_mean``, ``kl_mean``
       ``approx_kl`` (mean of ``old_logp - logp``) and ``entropy_mean`` (mean ``H``),
@@ -594,6 +598,10 @@ def linear_policy_loss(
       ``weight`` and ``bias`` (whichever requires a gradient): the gradients are computed
       in the forward and scaled by the upstream value in the backward, so the loss
       backpropagates once, on every backend (a second backward raises ``RuntimeError``).
+      With ``loss_agg="none"`` (the per-token loss ``[...]``, whose upstream scales each
+      row: a weight gradient sums every row's share, so it cannot be scaled afterwards) the
+      chunks run :func:`linear_selected_logprobs` and the objective instead: two passes,
+      the same gradients.
       ``d weight`` accumulates over chunks in ``weight``'s dtype (one
       rounding per chunk in bf16, as the materialised step rounds its one GEMM once),
       ``d bias`` in float32. Inactive rows get exactly zero ``d hidden`` and add nothing to
