@@ -20,6 +20,13 @@ Arrays also use their common methods and operators (``reshape``, ``shape``, ``+ 
 comparisons, ``& | ~``). Options are static Python values (``ratiokl.spec``'s frozen
 option objects); arrays may be traced (``jax.jit``, ``torch.compile``).
 
+The adapters are hand-written (about 60 lines each) rather than ``array-api-compat``'s
+``array_namespace(x)``: a third of what the core calls is outside the array API anyway
+(stop-gradient, cumulative max / min, shifts, ``take_along_axis`` on older releases), the
+namespace lookup would cost host time on every call of a step whose host time matters,
+and ``torch.compile(fullgraph=True)`` traces the plain torch ops without a wrapper layer.
+The names follow the array API, so swapping a namespace in later is mechanical.
+
 Modules: :mod:`ratiokl._core.sequences` (the sequences of ``loss_agg`` and their
 segmented sums), :mod:`ratiokl._core.objective` (the per-token objective, the
 aggregations and the metrics), :mod:`ratiokl._core.rollout` (the rollout correction's
