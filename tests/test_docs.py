@@ -103,7 +103,7 @@ def test_readme_api_at_a_glance_shows_the_defaults():
             assert ast.literal_eval(keyword.value) == params[keyword.arg].default, \
                 (name, keyword.arg)
     assert seen == {"ratio_kl", "policy_loss", "selected_logprobs", "linear_selected_logprobs",
-                    "linear_policy_loss"}
+                    "linear_policy_loss", "policy_objective"}
 
 
 @pytest.mark.parametrize("page", sorted((ROOT / "docs" / "reference").glob("*.md")),
@@ -114,7 +114,7 @@ def test_each_reference_page_has_an_example(page):
 
 @pytest.mark.parametrize("module", ["ratiokl.torch.loss", "ratiokl.jax.loss",
                                     "ratiokl.spec.reference", "ratiokl.spec.policy_loss",
-                                    "ratiokl.spec.rollout"])
+                                    "ratiokl.spec.rollout", "ratiokl._core.objective"])
 def test_reference_formulas_are_math(module):
     """The formulas of the API reference's docstrings are ``.. math::`` blocks (rendered
     on the site), not ``::`` literal blocks of plain text."""

@@ -4,7 +4,7 @@ One body for both frameworks on their CPU backends (native, interpret): the valu
 gradient for a random per-token upstream gradient against the float64 spec; every other
 mode's loss is the per-token loss summed with that mode's weights; inactive rows hold 0 and
 get an exactly zero gradient even when their upstream gradient is NaN; the chunked linear
-route equals the materialised one; ``loss_normalizer`` and ``inplace_grad`` are refused.
+route equals the materialised one; ``loss_normalizer`` is refused.
 """
 
 from __future__ import annotations
@@ -158,11 +158,8 @@ def test_linear_policy_loss_per_token_matches_the_materialised_logits(framework,
 
 
 @pytest.mark.parametrize("framework", ["torch", "jax"])
-def test_normalizer_and_inplace_grad_are_refused(framework):
+def test_normalizer_is_refused(framework):
     _skip_unavailable(framework)
     x = _inputs(5)
-    options = {**OPTIONS, "loss_agg": "none"}
     with pytest.raises(ValueError, match="loss_normalizer"):
-        _call(framework, "native", x, {**options, "loss_normalizer": 8.0})
-    with pytest.raises(ValueError, match="inplace_grad"):
-        _call(framework, "interpret", x, {**options, "inplace_grad": True})
+        _call(framework, "native", x, {**OPTIONS, "loss_agg": "none", "loss_normalizer": 8.0})

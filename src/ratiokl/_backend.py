@@ -31,10 +31,10 @@ NaN; nothing synchronises with the host. A backend without a fused
 ``policy_loss`` (and GSPO's ``ratio_level="sequence"``, which needs a cross-row
 mean of the log-ratio before the objective) takes the two-pass route:
 ``logprobs_entropy`` (the entropy for ``entropy_mean`` and ``entropy_coef`` from the
-same read of the logits), then the framework's ``_objective``. ``rollout_weights`` (the
-rollout correction's weights and metrics in one launch; ``seq`` the sequence
-log-weights ``[R, 1]`` or ``[R, T]``, or None) is optional: without it the
-framework's ``_rollout`` ops compute the same. The two ops from hidden states take
+same read of the logits), then the objective of ``ratiokl._core.objective`` (written once,
+on the framework's array adapter). ``rollout_weights`` (the rollout correction's weights
+and metrics in one launch; ``seq`` the sequence log-weights ``[R, 1]`` or ``[R, T]``, or
+None) is optional: without it ``ratiokl._core.rollout``'s ops compute the same. The two ops from hidden states take
 ``hidden [N, H]``, the lm_head ``weight [V, H]`` and ``bias [V]`` (or None) of one dtype and
 ``transform``, the validated logit options (``ratiokl.spec.LogitTransform``); they are
 differentiable w.r.t. all three; ``linear_policy_loss`` None: the route materialises the
@@ -67,19 +67,15 @@ class Backend:
     linear_selected_logprobs: Optional[Callable] = None  # from hidden states in row chunks
 
 
-def inplace_grad_error(sequence_ratio: bool, compiling: bool = False,
-                       per_token: bool = False) -> ValueError:
+def inplace_grad_error(sequence_ratio: bool, compiling: bool = False) -> ValueError:
     """The error for ``policy_loss(inplace_grad=True)`` where the two-pass route runs: it
     writes the gradient as a new array, so the opt-in cannot apply; says where it works."""
     why = ('`ratio_level="sequence"` (GSPO) takes the two-pass route' if sequence_ratio
-           else "`loss_agg='none'` (a per-token upstream gradient) takes the two-pass route"
-           if per_token
            else "torch.compile plans the gradient's buffer itself" if compiling
            else "this backend has no one-kernel policy loss (backend 'native', or "
                 "vocabulary-sharded logits)")
     return ValueError(
         f"`inplace_grad=True` cannot apply here: {why}. It writes the gradient into the "
         "logits' buffer on the one-kernel policy loss only: backend 'triton' (or 'auto' on "
-        "a GPU, or 'interpret'), ratio_level='token', an aggregated loss, logits not "
-        "vocabulary-sharded, and in "
+        "a GPU, or 'interpret'), ratio_level='token', logits not vocabulary-sharded, and in "
         "PyTorch outside torch.compile; pass inplace_grad=False here")

@@ -41,12 +41,22 @@ OPTIONS = {
     "entropy_gspo": {"ratio_level": "sequence", "loss_agg": "seq-mean-token-mean",
                      "entropy_coef": 0.2},
     "entropy_cispo_temperature": {"objective": "cispo", "entropy_coef": 0.2, "temperature": 0.7},
+    "agg_none": {"loss_agg": "none", "kl_coef": 0.2, "entropy_coef": 0.1, "dual_clip": 2.0},
+    "gspo_none": {"ratio_level": "sequence", "loss_agg": "none", "entropy_coef": 0.1},
 }
 #: Options that read packed-row segments.
 PACKED = {
     "packed_seq_mean_token_mean": {"loss_agg": "seq-mean-token-mean"},
     "packed_gspo": {"ratio_level": "sequence", "loss_agg": "seq-mean-token-sum"},
+    "packed_gspo_none": {"ratio_level": "sequence", "loss_agg": "none", "kl_coef": 0.1},
 }
+
+
+def per_token_upstream(mask: np.ndarray) -> np.ndarray:
+    """A non-unit upstream gradient of a ``loss_agg="none"`` loss: float32 ``[...]``, a
+    different value per active token and NaN on inactive ones (which must stay out)."""
+    g = np.linspace(-1.5, 2.0, num=mask.size).reshape(mask.shape)
+    return np.where(mask, g, np.nan).astype(np.float32)
 
 
 def make_inputs(seed=0, active=0.75, per_token_adv=False, lead=(B, T)):

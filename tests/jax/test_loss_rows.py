@@ -2,7 +2,7 @@
 
 The JAX Triton backends launch ``_kernels.loss_rows`` through their launch function,
 here the interpreter's (``ratiokl.jax._interpret.triton_call``, ``backend="interpret"``).
-Weights and metrics against the JAX ops of ``ratiokl.jax._objective`` they
+Weights and metrics against the core ops (``ratiokl._core.objective``, JAX adapter) they
 replace: every aggregation, with and without a normaliser (number or
 array), masks with no, some and all rows active, more rows than one block,
 NaN / inf in inactive rows' values; the loss's gradient; ``vmap`` (which
@@ -22,7 +22,9 @@ import jax.numpy as jnp  # noqa: E402
 
 from ratiokl._kernels.loss_rows import METRIC_NAMES, ROWS_BLOCK  # noqa: E402
 from ratiokl._kernels.objective import CLIP_CAPPED, CLIP_HIGH, CLIP_LOW  # noqa: E402
-from ratiokl.jax import _checks, _interpret, _launch, _objective, _triton  # noqa: E402
+from ratiokl._core import objective as _objective  # noqa: E402
+from ratiokl.jax import _checks, _interpret, _launch, _triton  # noqa: E402
+from ratiokl.jax._arrays import XP  # noqa: E402
 from ratiokl.spec import LOSS_AGGS, policy_loss_options  # noqa: E402
 from ratiokl.spec.policy_loss import POLICY_LOSS_DEFAULTS  # noqa: E402
 
@@ -62,10 +64,11 @@ def test_weights_match_objective_ops(launches, shape, density, agg, normalizer):
     zeros = jnp.zeros(shape, jnp.float32)
     inputs = _checks.token_inputs(shape, zeros, zeros, segs, None, norm)
     opts = policy_loss_options(**{**POLICY_LOSS_DEFAULTS, "loss_agg": agg})
-    want = _objective.aggregation_weights(mask, inputs, opts)
+    want = _objective.aggregation_weights(XP, mask, inputs.segment_ids,
+                                          inputs.loss_normalizer, opts)
     got = _triton.token_weights(CALL, mask.reshape(-1), opts, inputs.loss_normalizer,
                                 shape[-1])
-    # loss_agg='none': weight 1 per active token (a normaliser is refused with it).
+    # "none": weight 1 on every active token (the routes refuse a normaliser with it).
     by_kernel = agg == "none" or normalizer == 7.5 and agg != "seq-mean-token-mean" or (
         normalizer is None and agg in ("token-mean", "token-sum", "seq-mean-token-sum-norm"))
     assert (got is not None) == by_kernel
@@ -102,8 +105,8 @@ def _loss_and_metrics(loss_rows, mask, logp, ratio, kl, ent, bits, old):
 
 def _objective_metrics(mask, logp, ratio, kl, ent, bits, old):
     return _objective.token_metrics(
-        mask, jnp.sum(mask), (bits & CLIP_LOW.value) != 0, (bits & CLIP_HIGH.value) != 0,
-        (bits & CLIP_CAPPED.value) != 0, ratio, kl, jnp.where(mask, old, 0.0) - logp, ent,
+        XP, mask, jnp.sum(mask), (bits & CLIP_LOW.value) != 0,
+        (bits & CLIP_HIGH.value) != 0, (bits & CLIP_CAPPED.value) != 0, ratio, kl, jnp.where(mask, old, 0.0) - logp, ent,
     )
 
 
@@ -144,7 +147,8 @@ def test_vmap_takes_each_problem_on_its_own_and_jit_runs_one_launch_a_call(launc
     for i in range(2):
         np.testing.assert_allclose(
             np.asarray(w[i]).reshape(4, 10),
-            np.asarray(_objective.aggregation_weights(masks[i], inputs, opts)),
+            np.asarray(_objective.aggregation_weights(
+                XP, masks[i], inputs.segment_ids, inputs.loss_normalizer, opts)),
             rtol=1e-6)
     assert _kernels(launches) == []
     jitted = jax.block_until_ready(jax.jit(_loss_and_metrics)(*a))

@@ -18,7 +18,8 @@ import jax.numpy as jnp  # noqa: E402
 
 from ratiokl import spec  # noqa: E402
 from ratiokl.jax import loss  # noqa: E402
-from policy_test_cases import LOSS_TOL, OPTIONS, PACKED, B, T, V, make_inputs  # noqa: E402
+from policy_test_cases import (  # noqa: E402
+    LOSS_TOL, OPTIONS, PACKED, B, T, V, make_inputs, per_token_upstream)
 
 jax.config.update("jax_enable_x64", False)
 
@@ -46,21 +47,27 @@ def _loss_fn(keys, options, backend="native"):
 def _run(x, options, *, dtype=jnp.float32, keys=(), transform=lambda f: f):
     """``(loss, metrics, grad)`` of the JAX call and ``(loss, metrics, grad)`` of the spec."""
     j = _jax(x, dtype)
-    fn = transform(jax.value_and_grad(_loss_fn(keys, options), has_aux=True))
-    (value, metrics), grad = fn(j["policy_logits"], j)
+    upstream = per_token_upstream(x["mask"]) if options.get("loss_agg") == "none" else None
+
+    def value_and_grad(logits, arrays):  # the per-token loss: a non-unit upstream per token
+        (value, metrics), vjp = jax.vjp(lambda z: _loss_fn(keys, options)(z, arrays), logits)
+        g = jnp.ones(()) if upstream is None else jnp.asarray(upstream)
+        return (value, metrics), vjp((g, jax.tree_util.tree_map(jnp.zeros_like, metrics)))[0]
+
+    (value, metrics), grad = transform(value_and_grad)(j["policy_logits"], j)
     args = dict(x, policy_logits=np.asarray(j["policy_logits"].astype(jnp.float32)),
                 ref_logits=np.asarray(j["ref_logits"].astype(jnp.float32)))
     positional = [args[k] for k in POSITIONAL]
     kw = {**{k: x[k] for k in keys}, **options}
     exp_loss, exp_metrics = spec.policy_loss(*positional, **kw)
-    exp_grad = spec.policy_loss_grad(*positional, **kw)
+    exp_grad = spec.policy_loss_grad(*positional, loss_cotangent=upstream, **kw)
     return (value, metrics, grad), (exp_loss, exp_metrics, exp_grad)
 
 
 def _assert_matches(actual, expected, dtype="float32"):
     (value, metrics, grad), (exp_loss, exp_metrics, exp_grad) = actual, expected
-    assert value.dtype == jnp.float32 and value.ndim == 0
-    np.testing.assert_allclose(float(value), exp_loss, rtol=LOSS_TOL.rtol, atol=LOSS_TOL.atol)
+    assert value.dtype == jnp.float32 and value.shape == np.shape(exp_loss)
+    np.testing.assert_allclose(np.asarray(value), exp_loss, rtol=LOSS_TOL.rtol, atol=LOSS_TOL.atol)
     assert set(metrics) == set(exp_metrics)
     for name, m in metrics.items():
         assert m.dtype == jnp.float32 and m.ndim == 0
@@ -121,7 +128,7 @@ def test_all_inactive_gives_zero_loss_and_zero_grad(agg, level):
     x = make_inputs(seed=7, active=0.0)
     (value, metrics, grad), _ = _run(x, {"loss_agg": agg, "ratio_level": level, "kl_coef": 0.5},
                                      keys=("segment_ids", "importance_weights"))
-    assert float(value) == 0.0
+    assert not np.any(np.asarray(value))
     assert all(float(m) == 0.0 for m in metrics.values())
     assert np.array_equal(np.asarray(grad), np.zeros(grad.shape))
 

@@ -2,7 +2,7 @@
 
 The weights launch (``ratiokl.torch._triton.token_weights``) and the metrics
 kernel that ends the fused launch, against the PyTorch ops of
-``ratiokl.torch._objective`` they replace: every aggregation, with and
+``ratiokl._core.objective`` (PyTorch adapter) they replace: every aggregation, with and
 without a normaliser (number or tensor), masks with no, some and all rows
 active, more rows than one block, and NaN / inf in inactive rows' values.
 """
@@ -26,7 +26,9 @@ from ratiokl._kernels.loss_rows import (  # noqa: E402
 from ratiokl._kernels.objective import CLIP_CAPPED, CLIP_HIGH, CLIP_LOW  # noqa: E402
 from ratiokl.spec import LOSS_AGGS, policy_loss_options  # noqa: E402
 from ratiokl.spec.policy_loss import POLICY_LOSS_DEFAULTS  # noqa: E402
-from ratiokl.torch import _checks, _objective, _triton  # noqa: E402
+from ratiokl._core import objective as _objective  # noqa: E402
+from ratiokl.torch import _checks, _triton  # noqa: E402
+from ratiokl.torch._arrays import XP  # noqa: E402
 
 #: [R, T] layouts: a few rows; more tokens than one block of the kernels' loops.
 SHAPES = [(3, 5), (2, ROWS_BLOCK // 2 + 7)]
@@ -49,10 +51,11 @@ def test_weights_match_objective_ops(shape, density, agg, normalizer):
     inputs = _checks.token_inputs(shape, torch.zeros(shape), torch.zeros(shape), segs,
                                   None, norm)
     opts = policy_loss_options(**{**POLICY_LOSS_DEFAULTS, "loss_agg": agg})
-    want = _objective.aggregation_weights(mask, inputs, opts)
+    want = _objective.aggregation_weights(XP, mask, inputs.segment_ids,
+                                          inputs.loss_normalizer, opts)
     got = _triton.token_weights(mask.reshape(-1), opts, inputs.loss_normalizer, shape[-1])
-    # Not one weight for every token: sequence lengths or counts, or a tensor normaliser.
-    # loss_agg='none': weight 1 per active token (a normaliser is refused with it).
+    # Not one weight for every token: sequence lengths or counts, or a tensor normaliser
+    # ("none": weight 1 on every active token; the routes refuse a normaliser with it).
     per_sequence = agg != "none" and (agg == "seq-mean-token-mean" or normalizer == "tensor" or (
         agg == "seq-mean-token-sum" and normalizer is None))
     assert (got is None) == per_sequence
@@ -90,7 +93,7 @@ def test_metrics_match_objective_ops(shape, density):
     torch.testing.assert_close(total, loss_rows.detach().sum(), rtol=1e-5, atol=1e-6)
     got = dict(zip(METRIC_NAMES, out.unbind()))
     want = _objective.token_metrics(
-        mask, mask.sum(), (bits & CLIP_LOW.value) != 0, (bits & CLIP_HIGH.value) != 0,
+        XP, mask, mask.sum(), (bits & CLIP_LOW.value) != 0, (bits & CLIP_HIGH.value) != 0,
         (bits & CLIP_CAPPED.value) != 0, ratio, kl, torch.where(mask, old, 0.0) - logp, ent,
     )
     assert set(got) == set(want)

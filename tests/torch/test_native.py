@@ -13,7 +13,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from ratiokl import spec  # noqa: E402
-from ratiokl.torch import _native, _objective, _route, loss  # noqa: E402
+from ratiokl._core import objective as _objective  # noqa: E402
+from ratiokl.torch import _native, _route, loss  # noqa: E402
+from ratiokl.torch._arrays import XP  # noqa: E402
 from assertions import assert_close  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -165,7 +167,7 @@ def test_elementwise_epilogue_isolates_inactive_rows(kl_code: int) -> None:
     logp_ref = torch.tensor([-1.2, nan, -inf, -0.4])
     old = torch.tensor([-0.9, nan, nan, -inf])
     mask = torch.tensor([True, False, False, False])
-    ratio, kl = _objective.token_ratio_kl(logp, logp_ref, old, mask, kl_code)
+    ratio, kl = _objective.token_ratio_kl(XP, logp, logp_ref, old, mask, kl_code)
     (grad,) = torch.autograd.grad((ratio + kl).sum(), logp)
     assert torch.equal(ratio[1:], torch.ones(3)) and torch.equal(kl[1:], torch.zeros(3))
     assert torch.equal(grad[1:], torch.zeros(3)) and torch.isfinite(grad[0])

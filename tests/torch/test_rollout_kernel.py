@@ -19,7 +19,6 @@ import torch
 pytest.importorskip("triton")
 
 from ratiokl import spec  # noqa: E402
-from ratiokl._backend import Backend  # noqa: E402
 from ratiokl._kernels.loss_rows import ROWS_BLOCK  # noqa: E402
 from ratiokl.torch import _checks, _rollout, _triton  # noqa: E402
 
@@ -28,8 +27,6 @@ SHAPES = [(3, 5), (3, ROWS_BLOCK // 2 + 7)]
 MODES = [(None, (0.0, 2.0)), ("token-truncate", (0.0, 1.3)), ("token-mask", (0.7, 1.4)),
          ("token-mask", (0.8, math.inf)), ("sequence-truncate", (0.0, 1.1)),
          ("sequence-mask", (0.5, 1.6))]
-#: The native backend's table entry: no one-launch weights, so the framework ops.
-NATIVE = Backend(selected_logprobs=None, ratio_kl=None, logprobs_entropy=None)
 
 
 def _inputs(shape, density, seed):
@@ -63,9 +60,8 @@ def test_one_launch_matches_spec_and_framework_ops(shape, density, correction, b
     t_mask, t_rollout = torch.tensor(mask), torch.tensor(rollout, dtype=torch.float32)
     opts = spec.rollout_options(correction, bounds, True)
     args = (t_mask.reshape(-1), shape, inputs, t_rollout, opts, bound)
-    triton_backend = Backend(None, None, None, rollout_weights=_triton.rollout_weights)
-    kernel_inputs, kernel_metrics = _rollout.correct(triton_backend, *args)
-    ops_inputs, ops_metrics = _rollout.correct(NATIVE, *args)
+    kernel_inputs, kernel_metrics = _rollout.correct(*args, _triton.rollout_weights)
+    ops_inputs, ops_metrics = _rollout.correct(*args)  # no launch: the framework ops
     w, want_metrics = spec.rollout_weights(old, rollout, mask,
                                            spec.sequence_index(mask, segs if packed else None),
                                            opts, bound)
@@ -92,13 +88,12 @@ def test_an_active_nan_stays_nan_in_the_kernel() -> None:
     rollout[1, 2] = np.nan
     inputs = _checks.token_inputs((2, 6), torch.tensor(old, dtype=torch.float32),
                                   torch.zeros(2, 6), None, None, None)
-    triton_backend = Backend(None, None, None, rollout_weights=_triton.rollout_weights)
     for correction, nan_rows in (("token-mask", [(1, 2)]), ("sequence-truncate",
                                                             [(1, c) for c in range(6)])):
-        got, metrics = _rollout.correct(triton_backend, torch.tensor(mask).reshape(-1), (2, 6),
-                                        inputs, torch.tensor(rollout, dtype=torch.float32),
+        got, metrics = _rollout.correct(torch.tensor(mask).reshape(-1), (2, 6), inputs,
+                                        torch.tensor(rollout, dtype=torch.float32),
                                         spec.rollout_options(correction, (0.1, 10.0), True),
-                                        20.0)
+                                        20.0, _triton.rollout_weights)
         nan = torch.isnan(got.importance_weights)
         assert sorted(map(tuple, nan.nonzero().tolist())) == nan_rows
         assert torch.isnan(metrics["rollout_weight_mean"]) and torch.isnan(metrics["rollout_k3"])

@@ -77,7 +77,8 @@ class Case:
 
     @property
     def lead_shape(self) -> Tuple[int, ...]:
-        return tuple(self.logits.shape[:-1])
+        shape = tuple(self.logits.shape)
+        return shape if self.spec.token_values else shape[:-1]
 
     @property
     def row_mask(self) -> np.ndarray:
@@ -91,6 +92,8 @@ class Case:
     def vocab(self) -> int:
         """``V``: the logits' last axis, or the lm_head weight's rows (``Op.vocab_arg``)."""
         key = self.spec.vocab_arg
+        if self.spec.token_values:
+            return 0
         return int(self.arrays[key].shape[0] if key else self.logits.shape[-1])
 
     @property

@@ -112,6 +112,11 @@ def target_status(name: str) -> Optional[str]:
     return None
 
 
+def _backend(op, backend: str) -> Dict[str, str]:
+    """The ``backend=`` keyword, for the functions that take one (``Op.takes_backend``)."""
+    return {"backend": backend} if op.takes_backend else {}
+
+
 def _split_args(case: Case, convert: Callable[[str, Any], Any]) -> Tuple[list, Dict[str, Any]]:
     op = case.spec
     args = {k: convert(k, v) for k, v in case.arguments().items()}
@@ -162,7 +167,7 @@ def _call_torch(case: Case, backend: str, strided: bool) -> Outcome:
 
     positional, keywords = _split_args(case, convert)
     outputs = op.unpack(getattr(loss, op.name)(*positional, **keywords, **op.fixed,
-                                               backend=backend))
+                                               **_backend(op, backend)))
     cot = [torch.tensor(case.cotangents()[o], device=device) for o in op.cotangents]
     leaves = [leaf, *extra_leaves.values()]
     grads = [g if g is not None else torch.zeros_like(t) for g, t in zip(torch.autograd.grad(
@@ -202,7 +207,7 @@ def _jax_value_and_grad(op_key: str, backend: str, statics: Tuple[Tuple[str, Any
         args = [diff.get(k, a) for k, a in zip(op.positional, args)]
         kwargs = {k: diff.get(k, v) for k, v in kwargs.items()}
         outputs = op.unpack(getattr(loss, op.name)(*args, **kwargs, **dict(statics), **op.fixed,
-                                                   backend=backend))
+                                                   **_backend(op, backend)))
         return tuple(outputs[o] for o in op.cotangents), outputs
 
     @jax.jit
@@ -240,7 +245,7 @@ def _call_jax(case: Case, backend: str, strided: bool) -> Outcome:
     statics = tuple(sorted((k, v) for k, v in keywords.items() if k not in arrays))
     if case.expect_error is not None:
         # Eager, so the host id check sees concrete values and raises.
-        getattr(loss, op.name)(*positional, **keywords, **op.fixed, backend=backend)
+        getattr(loss, op.name)(*positional, **keywords, **op.fixed, **_backend(op, backend))
         raise AssertionError(f"{op.name} returned although {case.expect_error} was expected")
     cot = tuple(jnp.asarray(c) for c in case.cotangents().values())
     outputs, grads = _jax_value_and_grad(case.op, backend, statics, case.also_differentiated)(

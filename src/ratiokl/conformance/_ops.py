@@ -64,6 +64,15 @@ class Op:
             from hidden states: their gradients are GEMM sums).
         vocab_arg: the argument whose first axis is the vocabulary (``weight``); None: the
             last axis of ``differentiate``.
+        token_values: ``differentiate`` holds one value per token ``[...]`` (the log-probs
+            of ``policy_objective``): the leading shape is its whole shape, there is no
+            vocabulary (0), and the gradients of it and of ``also_differentiate`` must be
+            exactly 0 on inactive tokens.
+        takes_backend: whether the function takes ``backend=`` (``policy_objective``, which
+            runs framework ops only, does not: every target runs it the same way).
+        per_token_neutral: outputs that are per token in some calls only (the loss with
+            ``loss_agg="none"``, ``[...]``; else 0-d) and the exact value inactive tokens
+            hold then.
     """
 
     name: str
@@ -85,6 +94,9 @@ class Op:
     also_differentiate: Tuple[str, ...] = ()
     case_tolerances: Optional[Callable[[Arrays, Arrays, str], Dict[str, Tolerance]]] = None
     vocab_arg: Optional[str] = None
+    token_values: bool = False
+    takes_backend: bool = True
+    per_token_neutral: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def arguments(self) -> Tuple[str, ...]:
@@ -157,15 +169,56 @@ def _entropy_grad(args: Arrays, cot: Arrays) -> np.ndarray:
 def _policy_reference(args: Arrays) -> Dict[str, np.ndarray]:
     positional = [args.get(k) for k in _POLICY_POSITIONAL]
     value, metrics = spec.policy_loss(*positional, **_spec_args(args, _ROLLOUT_KW))
-    # The loss: 0-d, or [...] with loss_agg="none".
     return {"loss": np.asarray(value, np.float64),
             **{k: np.float64(v) for k, v in metrics.items()}}
 
 
 def _policy_grad(args: Arrays, cot: Arrays) -> np.ndarray:
     positional = [args.get(k) for k in _POLICY_POSITIONAL]
-    return spec.policy_loss_grad(*positional, **_spec_args(args, _ROLLOUT_KW),
-                                 loss_cotangent=cot["loss"])
+    kw = _spec_args(args, _ROLLOUT_KW)
+    if np.ndim(cot["loss"]):  # loss_agg="none": one upstream value per token
+        return spec.policy_loss_grad(*positional, loss_cotangent=cot["loss"], **kw)
+    return float(cot["loss"]) * spec.policy_loss_grad(*positional, **kw)
+
+
+_OBJECTIVE_POSITIONAL = ("logps", "old_logps", "advantages", "mask")
+_OBJECTIVE_KW = ("ref_logps", "entropy") + tuple(
+    k for k in _ROLLOUT_KW if k not in ("ref_logps", "temperature"))
+
+
+def _objective_args(args: Arrays):
+    return [args.get(k) for k in _OBJECTIVE_POSITIONAL], _spec_args(args, _OBJECTIVE_KW)
+
+
+def _objective_reference(args: Arrays) -> Dict[str, np.ndarray]:
+    positional, kw = _objective_args(args)
+    value, metrics = spec.policy_objective(*positional, **kw)
+    return {"loss": np.asarray(value, np.float64),
+            **{k: np.float64(v) for k, v in metrics.items()}}
+
+
+def _objective_grad(args: Arrays, cot: Arrays) -> Dict[str, np.ndarray]:
+    positional, kw = _objective_args(args)
+    dlogps, dentropy = spec.policy_objective_grad(*positional, loss_cotangent=cot["loss"], **kw)
+    return {"logps": dlogps, "entropy": dentropy}
+
+
+def _objective_tolerances(args: Arrays, cot: Arrays, dtype: str) -> Dict[str, Tolerance]:
+    """:func:`default_tolerances` with the log-probs' magnitude as the scale: the float32
+    forward loses a few ulps of the largest active ``|logp|`` (of the policy, the behaviour
+    policy, the reference and the engine), and the gradients are stored in ``dtype``."""
+    mask = np.asarray(args["mask"], bool)
+    scale = 0.0
+    for key in ("logps", "old_logps", "ref_logps", "rollout_logps", "entropy"):
+        if args.get(key) is not None:
+            values = np.abs(np.asarray(args[key], np.float64)[mask])
+            scale = max(scale, float(values[np.isfinite(values)].max(initial=0.0)))
+    grads = _objective_grad(args, cot)
+    tols = {out: spec.forward_tolerance(scale) for out in _OBJECTIVE_OUTPUTS}
+    for key, grad in (("grad", grads["logps"]), ("grad_entropy", grads["entropy"])):
+        finite = np.abs(grad[np.isfinite(grad)])
+        tols[key] = spec.grad_tolerance(dtype, scale, float(finite.max(initial=0.0)))
+    return tols
 
 
 _LINEAR_KW = ("bias", "temperature", "logit_scale", "logit_softcap")
@@ -240,6 +293,29 @@ _POLICY_LOSS = Op(
     unpack=lambda result: {"loss": result[0], **result[1]},
     reference=_policy_reference,
     reference_grad=_policy_grad,
+    per_token_neutral={"loss": 0.0},
+)
+
+
+_OBJECTIVE_OUTPUTS = ("loss",) + _POLICY_METRICS + spec.ROLLOUT_METRIC_NAMES
+
+_POLICY_OBJECTIVE = Op(
+    name="policy_objective",
+    positional=_OBJECTIVE_POSITIONAL,
+    keywords=_OBJECTIVE_KW,
+    logit_args=("logps", "entropy"),
+    differentiate="logps",
+    outputs=("loss",) + _POLICY_METRICS,
+    cotangents=("loss",),
+    neutral={},
+    unpack=lambda result: {"loss": result[0], **result[1]},
+    reference=_objective_reference,
+    reference_grad=_objective_grad,
+    also_differentiate=("entropy",),
+    case_tolerances=_objective_tolerances,
+    token_values=True,
+    takes_backend=False,
+    per_token_neutral={"loss": 0.0},
 )
 
 
@@ -296,4 +372,8 @@ OPS: Dict[str, Op] = {
     "policy_loss_rollout": replace(
         _POLICY_LOSS, keywords=_ROLLOUT_KW,
         outputs=_POLICY_LOSS.outputs + spec.ROLLOUT_METRIC_NAMES),
+    # On the trainer's own per-token log-probs and entropies: gradients to both.
+    "policy_objective": _POLICY_OBJECTIVE,
+    "policy_objective_rollout": replace(
+        _POLICY_OBJECTIVE, outputs=_POLICY_OBJECTIVE.outputs + spec.ROLLOUT_METRIC_NAMES),
 }

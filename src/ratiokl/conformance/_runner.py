@@ -44,12 +44,13 @@ def judge(case: Case, outcome: Outcome) -> Check:
         if outcome.output_dtypes[out] != "float32":
             check.fail(f"{out}: dtype {outcome.output_dtypes[out]}, expected float32")
         compare_close(check, out, actual, case.arrays[f"expected_{out}"], case.tolerances[out])
-        if out in op.neutral and actual.shape == inactive.shape:
-            compare_neutral(check, out, actual, inactive, op.neutral[out], signed_zero_ok=False)
+        neutral = op.neutral.get(out, op.per_token_neutral.get(out))
+        if neutral is not None and actual.shape == inactive.shape:
+            compare_neutral(check, out, actual, inactive, neutral, signed_zero_ok=False)
     if outcome.grad_dtype != case.dtype:
         check.fail(f"grad: dtype {outcome.grad_dtype}, expected {case.dtype}")
     compare_close(check, "grad", outcome.grad, case.arrays["expected_grad"], case.tolerances["grad"])
-    if outcome.grad.shape[:-1] == inactive.shape:
+    if outcome.grad.shape[:-1] == inactive.shape or op.token_values:
         compare_neutral(check, "grad", outcome.grad, inactive, 0.0, signed_zero_ok=True)
     for key in case.also_differentiated:
         name = f"grad_{key}"
@@ -60,6 +61,9 @@ def judge(case: Case, outcome: Outcome) -> Check:
             check.fail(f"{name}: dtype {outcome.extra_grad_dtypes[key]}, expected {case.dtype}")
         compare_close(check, name, outcome.extra_grads[key], case.arrays[f"expected_{name}"],
                       case.tolerances[name])
+        if op.token_values:
+            compare_neutral(check, name, outcome.extra_grads[key], inactive, 0.0,
+                            signed_zero_ok=True)
     if outcome.stride_gap_grad is not None and np.any(outcome.stride_gap_grad != 0):
         check.fail("grad: the strided view's unused slots received a non-zero gradient")
     return check

@@ -51,7 +51,8 @@ from ratiokl._kernels.fused_loss import (
     scale_rows_kernel,
 )
 from ratiokl._kernels.objective import CLIP_CAPPED, CLIP_HIGH, CLIP_LOW
-from ratiokl.jax import _objective
+from ratiokl._core import objective as _objective
+from ratiokl.jax._arrays import XP
 
 __all__ = [
     "Static", "TritonCall", "backward_op", "forward_op", "fused_op", "metrics_op", "row_op",
@@ -311,7 +312,7 @@ def _native_metrics(mask, logp, ratio, kl, ent, bits, old,
     """``policy_metrics_kernel``'s outputs (the ``[8]`` means, the loss) from
     ``_objective.token_metrics``."""
     metrics = _objective.token_metrics(
-        mask, jnp.sum(mask, dtype=jnp.int32), (bits & CLIP_LOW.value) != 0,
+        XP, mask, jnp.sum(mask, dtype=jnp.int32), (bits & CLIP_LOW.value) != 0,
         (bits & CLIP_HIGH.value) != 0, (bits & CLIP_CAPPED.value) != 0, ratio, kl,
         jnp.where(mask, old, 0.0) - logp, ent,
     )

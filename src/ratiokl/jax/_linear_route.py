@@ -12,14 +12,17 @@ from typing import Dict, Tuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
-from ratiokl.jax import _checks, _objective, _rollout
+from ratiokl._core import objective as _objective
+from ratiokl.jax import _checks, _rollout
+from ratiokl.jax._arrays import XP
 from ratiokl.jax._lm_head import head_logits
 from ratiokl.jax._route import _aggregation_weights, _flat, _rows, policy_loss
 from ratiokl.spec import (
-    check_normalizer,
     check_chunk_rows,
     check_head_shapes,
+    check_loss_normalizer,
     logit_transform,
     policy_loss_options,
     rollout_options,
@@ -57,23 +60,6 @@ def linear_selected_logprobs(hidden, weight, action_ids, mask, *, bias, temperat
     return rows.checked(out.reshape(lead))
 
 
-def _per_token_loss(run, rows, weight, bias, transform, lead, inputs, opts, ref_logps,
-                    chunk_rows):
-    """``loss_agg="none"`` from hidden states: the chunked log-probs and entropy (their
-    backward recomputes each chunk's logits: the upstream gradient is per token), then the
-    objective on ``[N]`` values."""
-    logp, entropy = run.linear_selected_logprobs(
-        rows.logits, weight, bias, rows.ids, rows.mask, rows.temperature, transform,
-        chunk_rows, True)
-    as_rows = _checks.as_rows
-    logp_ref = None if ref_logps is None else as_rows(
-        jax.lax.stop_gradient(_flat(ref_logps)), lead)
-    loss, metrics = _objective.policy_objective(
-        as_rows(logp, lead), logp_ref, as_rows(rows.mask, lead), inputs, opts,
-        as_rows(entropy, lead))
-    return loss.reshape(lead), metrics
-
-
 def linear_policy_loss(hidden, weight, action_ids, mask, old_logps, advantages, *, ref_logps,
                        bias, logit_scale, logit_softcap, chunk_rows, clip_eps, clip_eps_high,
                        dual_clip, ratio_cap, kl_coef, kl_estimator, loss_agg, loss_normalizer,
@@ -93,7 +79,7 @@ def linear_policy_loss(hidden, weight, action_ids, mask, old_logps, advantages, 
     hidden, weight, bias, ids, lead = _head(hidden, weight, bias, action_ids)
     if ref_logps is not None or opts.uses_kl:
         _, ref_logps = _checks.check_ref(None, ref_logps, hidden.shape)
-    check_normalizer(opts, loss_normalizer)
+    check_loss_normalizer(loss_agg, loss_normalizer)
     inputs = _checks.token_inputs(lead, old_logps, advantages, segment_ids,
                                   importance_weights, loss_normalizer)
     rows = _rows(hidden, lead, ids, mask, temperature, backend, check_ids, None,
@@ -118,9 +104,9 @@ def linear_policy_loss(hidden, weight, action_ids, mask, old_logps, advantages, 
     if rollout is not None:
         inputs, rollout_metrics = _rollout.correct(rows.mask, lead, inputs, rollout_logps,
                                                    rollout, opts.log_ratio_bound)
-    if opts.per_token:  # a per-token upstream gradient: the log-probs, then the objective
-        loss, metrics = _per_token_loss(run, rows, weight, bias, transform, lead, inputs, opts,
-                                        ref_logps, chunk_rows)
+    if opts.loss_agg == "none":
+        loss, metrics = _per_token(run, rows, weight, bias, transform, chunk_rows, lead,
+                                   inputs, ref_logps, opts)
         return rows.checked((loss, {**metrics, **rollout_metrics}))
     weights = _aggregation_weights(run, rows.mask, lead, inputs, opts)
     loss, metrics = run.linear_policy_loss(
@@ -129,3 +115,18 @@ def linear_policy_loss(hidden, weight, action_ids, mask, old_logps, advantages, 
         rows.temperature, opts, chunk_rows,
     )
     return rows.checked((loss, {**metrics, **rollout_metrics}))
+
+
+def _per_token(run, rows, weight, bias, transform, chunk_rows, lead, inputs, ref_logps, opts):
+    """``loss_agg="none"`` on the chunks: the per-token loss's cotangent is ``[...]``, and
+    ``d weight`` sums every row's share, so it cannot be scaled after the fact as the fused
+    chunks' scalar one is. Two passes instead: :func:`linear_selected_logprobs`'s chunks
+    (log-probs and entropies, differentiable w.r.t. hidden, weight and bias), then the
+    objective of ``ratiokl._core.objective`` on them."""
+    logp, ent = run.linear_selected_logprobs(rows.logits, weight, bias, rows.ids, rows.mask,
+                                             rows.temperature, transform, chunk_rows, True)
+    as_rows = _checks.as_rows
+    ref = None if ref_logps is None else as_rows(lax.stop_gradient(_flat(ref_logps)), lead)
+    loss, metrics = _objective.policy_objective(
+        XP, as_rows(logp, lead), ref, as_rows(rows.mask, lead), inputs, opts, as_rows(ent, lead))
+    return loss.reshape(lead), metrics

@@ -29,7 +29,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
-from ratiokl.jax import _objective
+from ratiokl._core import objective as _objective
+from ratiokl.jax._arrays import XP
 from ratiokl.jax._checks import Temperature
 
 __all__ = [
@@ -235,5 +236,5 @@ def ratio_kl(
         logp_ref = _forward(ref, ids, mask, t_ref)[0]
     else:
         logp_ref = lax.stop_gradient(ref_logps)
-    return _objective.token_ratio_kl(logp, logp_ref, lax.stop_gradient(old_logps), mask,
+    return _objective.token_ratio_kl(XP, logp, logp_ref, lax.stop_gradient(old_logps), mask,
                                      kl_code)

@@ -38,11 +38,13 @@ import jax.numpy as jnp
 from jax import lax
 
 from ratiokl._backend import Backend, inplace_grad_error
+from ratiokl._core import objective as _objective
 from ratiokl._requirements import unmet
 from ratiokl.jax import _checks, _jax_triton, _rollout
+from ratiokl.jax._arrays import XP
 from ratiokl.jax._checks import Temperature
-from ratiokl.spec import (BACKENDS, check_normalizer, kl_estimator_code, policy_loss_options,
-                          rollout_options)
+from ratiokl.spec import (BACKENDS, check_loss_normalizer, kl_estimator_code,
+                          policy_loss_options, rollout_options)
 
 __all__ = ["backend_name", "policy_loss", "ratio_kl", "resolve", "selected_logprobs"]
 
@@ -183,13 +185,13 @@ def _flat(values: Optional[jax.Array]) -> Optional[jax.Array]:
 def _aggregation_weights(run: Backend, mask, lead: Tuple[int, ...], inputs: _checks.TokenInputs,
                          opts) -> jax.Array:
     """The fused kernel's per-row aggregation weights ``w`` (float32 ``[N]``): the backend's
-    one launch where every active token weighs the same, else the framework's ops."""
+    one launch where every active token weighs the same, else the core's ops
+    (``ratiokl._core.objective.aggregation_weights``)."""
     mask_rows = _checks.as_rows(mask, lead)
     weights = run.token_weights(mask, opts, inputs.loss_normalizer, mask_rows.shape[-1])
     if weights is None:
-        from ratiokl.jax import _objective
-
-        weights = _objective.aggregation_weights(mask_rows, inputs, opts).reshape(-1)
+        weights = _objective.aggregation_weights(
+            XP, mask_rows, inputs.segment_ids, inputs.loss_normalizer, opts).reshape(-1)
     return weights
 
 def _lead(logits: jax.Array,
@@ -270,7 +272,7 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
     policy_logits, ids, lead = _lead(policy_logits, action_ids)
     if ref_logits is not None or ref_logps is not None or opts.uses_kl:
         ref_logits, ref_logps = _checks.check_ref(ref_logits, ref_logps, policy_logits.shape)
-    check_normalizer(opts, loss_normalizer)
+    check_loss_normalizer(loss_agg, loss_normalizer)
     inputs = _checks.token_inputs(lead, old_logps, advantages, segment_ids,
                                   importance_weights, loss_normalizer)
     rows = _rows(policy_logits, lead, ids, mask, temperature, backend, check_ids, vocab_axis)
@@ -285,19 +287,17 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
     if rollout is not None:
         inputs, rollout_metrics = _rollout.correct(rows.mask, lead, inputs, rollout_logps,
                                                    rollout, opts.log_ratio_bound)
-    if run.policy_loss is not None and not opts.sequence_ratio and not opts.per_token:
-        # one kernel: the loss, the metrics' row values and the gradient together
+    if run.policy_loss is not None and not opts.sequence_ratio:  # one kernel: the loss,
+        # the metrics' row values and the gradient together
         weights = _aggregation_weights(run, rows.mask, lead, inputs, opts)
         loss, metrics = run.policy_loss(
             rows.logits, ref, rows.ids, rows.mask, _flat(inputs.old_logps), _flat(ref_logps),
             _flat(inputs.advantages), _flat(inputs.importance_weights), weights,
             rows.temperature, opts, inplace_grad,
         )
-        return rows.checked((loss, {**metrics, **rollout_metrics}))
+        return rows.checked((_per_token(loss, lead, opts), {**metrics, **rollout_metrics}))
     if inplace_grad:
-        raise inplace_grad_error(opts.sequence_ratio, per_token=opts.per_token)
-    from ratiokl.jax import _objective
-
+        raise inplace_grad_error(opts.sequence_ratio)
     # The entropy from the same read of the logits (entropy_mean always; in the loss with
     # entropy_coef).
     logp, entropy = run.logprobs_entropy(rows.logits, rows.ids, rows.mask, rows.temperature)
@@ -307,9 +307,13 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
                                          rows.temperature)
     logp_ref = None if logp_ref is None else lax.stop_gradient(logp_ref)
     loss, metrics = _objective.policy_objective(
-        as_rows(logp, lead), None if logp_ref is None else as_rows(logp_ref, lead),
+        XP, as_rows(logp, lead), None if logp_ref is None else as_rows(logp_ref, lead),
         as_rows(rows.mask, lead), inputs, opts, as_rows(entropy, lead),
     )
-    if opts.per_token:
-        loss = loss.reshape(lead)
-    return rows.checked((loss, {**metrics, **rollout_metrics}))
+    return rows.checked((_per_token(loss, lead, opts), {**metrics, **rollout_metrics}))
+
+
+def _per_token(loss: jax.Array, lead: Tuple[int, ...], opts) -> jax.Array:
+    """``loss`` as returned: the per-token loss (``[N]`` / ``[R, T]``, ``loss_agg="none"``)
+    in the leading shape ``[...]``, else the 0-d loss itself."""
+    return loss.reshape(lead) if opts.loss_agg == "none" else loss

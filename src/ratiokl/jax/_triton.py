@@ -293,8 +293,9 @@ def policy_loss(
     ``ON_POLICY``); ``policy`` ``[N, V]`` is the only
     differentiable input. ``inplace_grad``: the gradient's buffer aliases
     ``policy``'s (``input_output_aliases``; without a copy where XLA may, e.g.
-    ``policy`` donated to ``jit``). Returns the float32 0-d loss and the
-    stop-gradient metrics.
+    ``policy`` donated to ``jit``). Returns the float32 0-d loss (``loss_agg="none"``: the
+    rows' losses ``[N]``, 0 on inactive rows, each row's gradient scaled by its own
+    cotangent) and the stop-gradient metrics.
     """
     ids, mask_k, temp = kernel_rows(ids, mask, temperature)
     stop = lax.stop_gradient
@@ -313,7 +314,9 @@ def policy_loss(
     )
     rows = (mask_k, logp, ratio, kl, ent, bits, logp if old is None else old_in, loss_rows)
     means, total = _launch.metrics_op(call)(*(stop(x) for x in rows))  # no derivative: none asked
-    loss = _rows_total(loss_rows.shape[0], loss_rows, total)
+    # "none" (weights 1): the rows' losses themselves, whose [N] cotangent scales each row.
+    loss = loss_rows if opts.loss_agg == "none" else _rows_total(loss_rows.shape[0], loss_rows,
+                                                                 total)
     return loss, {name: means[i] for i, name in enumerate(METRIC_NAMES)}
 
 

@@ -49,7 +49,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from ratiokl._backend import Backend
-from ratiokl.jax import _native, _objective
+from ratiokl._core import objective as _objective
+from ratiokl.jax import _native
+from ratiokl.jax._arrays import XP
 from ratiokl.jax._checks import Temperature
 
 __all__ = ["VocabParallel", "backend", "global_vocab"]
@@ -207,5 +209,5 @@ class VocabParallel:
             logp, logp_ref = self._logps([policy, lax.stop_gradient(ref)], ids, mask,
                                          temperature)[0]
         return _objective.token_ratio_kl(
-            logp, lax.stop_gradient(logp_ref), lax.stop_gradient(old_logps), mask, kl_code
+            XP, logp, lax.stop_gradient(logp_ref), lax.stop_gradient(old_logps), mask, kl_code
         )

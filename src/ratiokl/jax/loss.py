@@ -17,7 +17,7 @@ from typing import Dict, Optional, Tuple, Union
 
 import jax
 
-from ratiokl.jax import _linear_route, _route
+from ratiokl.jax import _linear_route, _objective, _route
 from ratiokl.jax._checks import Temperature
 from ratiokl.spec import (
     DEFAULT_LOG_RATIO_BOUND,
@@ -34,8 +34,8 @@ from ratiokl.spec import (
 #: A coefficient a trainer may change every step: a Python number or a 0-d float array.
 Coefficient = Union[float, jax.Array]
 
-__all__ = ["linear_policy_loss", "linear_selected_logprobs", "policy_loss", "ratio_kl",
-           "selected_logprobs"]
+__all__ = ["linear_policy_loss", "linear_selected_logprobs", "policy_loss", "policy_objective",
+           "ratio_kl", "selected_logprobs"]
 
 
 def selected_logprobs(
@@ -276,11 +276,9 @@ def policy_loss(
       kl_coef, kl_estimator: KL weight and variant: ``"k1"``, ``"k2"``, ``"k3"``,
         ``"k1+"``/``"k3+"`` (value of k1/k3, gradient of k2), ``"k3-is"`` (k3 times r).
       loss_agg: ``"token-mean"``, ``"token-sum"``, ``"seq-mean-token-mean"``,
-        ``"seq-mean-token-sum"``, ``"seq-mean-token-sum-norm"``, or ``"none"``: the
-        per-token loss ``[...]`` itself (0 on inactive tokens; each mode's loss is it summed
-        with that mode's weights), for a trainer that aggregates it; its gradient takes a
-        ``[...]`` upstream gradient (never read on inactive tokens), on the two-pass route
-        (no ``inplace_grad``; no ``loss_normalizer``).
+        ``"seq-mean-token-sum"``, ``"seq-mean-token-sum-norm"``, or ``"none"``: no
+        aggregation, the per-token loss ``[...]`` (the term each mode weighs, GSPO's with the
+        sequence ratio; not with ``loss_normalizer``), for a trainer's own reduction.
       loss_normalizer: replaces the aggregation's denominator (a global token or
         sequence count, or a constant): a positive number or a 0-d tensor.
       ratio_level: ``"token"`` or ``"sequence"`` (GSPO).
@@ -322,8 +320,9 @@ def policy_loss(
         them nowhere else; otherwise XLA copies them first (same values).
 
     Returns:
-      ``(loss, metrics)``: a float32 0-d array (``[...]`` with ``loss_agg="none"``), and
-      float32 0-d arrays (stop-gradient)
+      ``(loss, metrics)``: a float32 0-d array (``loss_agg="none"``: float32 ``[...]``,
+      exactly ``+0.0`` on inactive tokens, each token's gradient scaled by its own upstream
+      value; a NaN upstream on an inactive token stays out), and float32 0-d arrays (stop-gradient)
       ``clip_fraction`` (= ``_low`` + ``_high``), ``clip_fraction_low``,
       ``clip_fraction_high``, ``dual_clip_fraction``, ``ratio_mean``, ``kl_mean``
       ``approx_kl`` (mean of ``old_logp - logp``) and ``entropy_mean`` (mean ``H``),
@@ -351,6 +350,90 @@ def policy_loss(
         check_ids=check_ids, vocab_axis=vocab_axis, inplace_grad=inplace_grad,
         rollout_logps=rollout_logps, rollout_correction=rollout_correction,
         rollout_bounds=rollout_bounds,
+    )
+
+
+def policy_objective(
+    logps: jax.Array,
+    old_logps: Optional[jax.Array],
+    advantages: jax.Array,
+    mask: jax.Array,
+    *,
+    ref_logps: Optional[jax.Array] = None,
+    entropy: Optional[jax.Array] = None,
+    clip_eps: Coefficient = 0.2,
+    clip_eps_high: Optional[Coefficient] = None,
+    dual_clip: Optional[float] = None,
+    ratio_cap: Optional[float] = None,
+    kl_coef: Coefficient = 0.0,
+    kl_estimator: PolicyKLEstimator = "k3",
+    loss_agg: LossAgg = "token-mean",
+    loss_normalizer: Union[None, float, jax.Array] = None,
+    ratio_level: RatioLevel = "token",
+    objective: Objective = "ppo",
+    entropy_coef: Coefficient = 0.0,
+    segment_ids: Optional[jax.Array] = None,
+    importance_weights: Optional[jax.Array] = None,
+    rollout_logps: Optional[jax.Array] = None,
+    rollout_correction: Optional[RolloutCorrection] = None,
+    rollout_bounds: Tuple[float, float] = DEFAULT_ROLLOUT_BOUNDS,
+    log_ratio_bound: Optional[float] = DEFAULT_LOG_RATIO_BOUND,
+) -> Tuple[jax.Array, Dict[str, jax.Array]]:
+    r""":func:`policy_loss` on per-token log-probs the trainer already holds (and their
+    entropies), for a model whose forward returns them.
+
+    The same objective, aggregation, rollout correction and metrics as :func:`policy_loss`,
+    on the same code (``ratiokl._core.objective``): per active token
+
+    .. math::
+
+        r = \exp\big(\mathrm{clip}(\log p - \log p_\mathrm{old}, -b, b)\big), \qquad
+        L = w \cdot \mathrm{iw} \cdot \mathrm{pg}(r, A)
+            + c_\mathrm{KL}\, \mathrm{kl}(\log p_\mathrm{ref} - \log p) - c_H H
+
+    then ``loss = sum_t a_t L_t / D`` by ``loss_agg`` (docs/policy_loss.md has every term).
+    Given the ``logp`` and entropy of :func:`policy_loss`'s logits, it returns
+    :func:`policy_loss`'s loss and metrics, and its gradient w.r.t. ``logps`` is the one
+    :func:`policy_loss` carries to the logits through ``d logp / d logits``. It runs ``jnp``
+    ops on ``[...]``-sized arrays (no kernel, so no ``backend`` or ``temperature``: the
+    log-probs carry the temperature they were computed with) and works under ``jit``,
+    ``grad``, ``vjp``, ``vmap`` and ``shard_map``. The string options are static.
+
+    Args:
+      logps: ``[...]`` floating (float32, bfloat16, ...) log-probs of the sampled tokens
+        under the policy being trained (the differentiated input); computed in float32.
+      old_logps: ``[...]`` floating behaviour log-probs, or None (on-policy:
+        ``old_logp = sg(logp)``, as in :func:`policy_loss`).
+      advantages: floating, per token ``[..., T]`` or per sequence ``[...]`` / ``[..., 1]``.
+      mask: ``[...]`` bool (or integer 0/1), True for active tokens.
+      ref_logps: ``[...]`` floating reference log-probs (under ``stop_gradient``); needed
+        when ``kl_coef != 0`` (a ``ValueError`` naming it otherwise), else only logged
+        (``kl_mean``).
+      entropy: ``[...]`` floating per-token entropies of the policy (differentiable), or
+        None. Needed when ``entropy_coef != 0`` (a ``ValueError`` naming ``entropy``
+        otherwise); given, ``metrics["entropy_mean"]`` reports its mean.
+      clip_eps ... log_ratio_bound: as in :func:`policy_loss`, ``loss_agg="none"`` included.
+
+    Returns:
+      ``(loss, metrics)``: the float32 0-d loss (``loss_agg="none"``: the per-token loss,
+      float32 ``[...]``, exactly 0 on inactive tokens), and float32 0-d metrics as
+      :func:`policy_loss`'s, under ``stop_gradient`` (``entropy_mean`` only when ``entropy``
+      is given). The gradient reaches ``logps`` and, where the entropy bonus weighs in,
+      ``entropy``, in their dtypes; never ``old_logps``, ``ref_logps``, ``advantages``,
+      ``rollout_logps`` or ``importance_weights``. Inactive tokens: whatever any input
+      holds there (NaN, inf), it reaches neither the loss, the metrics nor a gradient
+      (those tokens' gradients are exactly 0): every input is selected with ``where``
+      before any arithmetic. A NaN in an active token stays visible (a NaN loss).
+    """
+    return _objective.policy_objective(
+        logps, old_logps, advantages, mask, ref_logps=ref_logps, entropy=entropy,
+        clip_eps=clip_eps, clip_eps_high=clip_eps_high, dual_clip=dual_clip,
+        ratio_cap=ratio_cap, kl_coef=kl_coef, kl_estimator=kl_estimator, loss_agg=loss_agg,
+        loss_normalizer=loss_normalizer, ratio_level=ratio_level, objective=objective,
+        entropy_coef=entropy_coef, segment_ids=segment_ids,
+        importance_weights=importance_weights, rollout_logps=rollout_logps,
+        rollout_correction=rollout_correction, rollout_bounds=rollout_bounds,
+        log_ratio_bound=log_ratio_bound,
     )
 
 
@@ -457,9 +540,12 @@ def linear_policy_loss(
     memory saved.
     Differentiable w.r.t. ``hidden``, ``weight`` and ``bias``: the gradients come from the
     forward (``d weight`` accumulated over chunks in ``weight``'s dtype) and the backward
-    scales them by the upstream value. Inactive rows get exactly zero ``d hidden`` and add
-    nothing to ``d weight`` or ``d bias``, whatever their hidden states hold. The GEMMs run
-    at ``Precision.HIGHEST`` (float32 inputs: float32 GEMMs, as in PyTorch).
+    scales them by the upstream value; with ``loss_agg="none"`` (the per-token loss
+    ``[...]``, whose cotangent scales each row) the chunks run
+    :func:`linear_selected_logprobs` and the objective instead, two passes. Inactive rows
+    get exactly zero ``d hidden`` and add nothing to ``d weight`` or ``d bias``, whatever
+    their hidden states hold. The GEMMs run at ``Precision.HIGHEST`` (float32 inputs:
+    float32 GEMMs, as in PyTorch).
     """
     return _linear_route.linear_policy_loss(
         hidden, weight, action_ids, mask, old_logps, advantages, ref_logps=ref_logps,

@@ -32,7 +32,7 @@ __all__ = [
     "PolicyLossOptions",
     "RATIO_LEVELS",
     "ROLLOUT_CORRECTIONS",
-    "check_normalizer",
+    "check_loss_normalizer",
     "kl_estimator_code",
     "option_code",
     "policy_loss_options",
@@ -83,7 +83,8 @@ POLICY_KL_ESTIMATORS: Mapping[str, int] = {
     **KL_ESTIMATORS, "k1+": KL.K1_PLUS, "k3+": KL.K3_PLUS, "k3-is": KL.K3_IS,
 }
 
-#: How per-token losses become one number (see docs/policy_loss.md for verl/TRL names).
+#: How per-token losses become one number (see docs/policy_loss.md for verl/TRL names);
+#: ``"none"``: they do not (the per-token loss ``[...]``, for a trainer's own aggregation).
 LOSS_AGGS: Mapping[str, int] = {name: code for code, name in enumerate(get_args(LossAgg))}
 #: ``loss_agg`` names by code (``LOSS_AGGS`` inverted).
 _LOSS_AGG_NAMES: Tuple[LossAgg, ...] = get_args(LossAgg)
@@ -156,12 +157,6 @@ class PolicyLossOptions:
         return _LOSS_AGG_NAMES[self.agg_code]
 
     @property
-    def per_token(self) -> bool:
-        """Whether ``loss_agg="none"``: the loss is the per-token term ``[...]``, unreduced
-        (0 on inactive tokens), for a trainer that aggregates it itself."""
-        return self.loss_agg == "none"
-
-    @property
     def seq_aggregation(self) -> bool:
         """Whether ``loss_agg`` averages over sequences (``seq-mean-token-{mean,sum}``)."""
         return self.loss_agg in ("seq-mean-token-mean", "seq-mean-token-sum")
@@ -179,10 +174,10 @@ class PolicyLossOptions:
         ``width``: tokens per sequence ``T``.
         """
         agg = self.loss_agg
+        if agg == "none":  # each active token its own loss: weight 1
+            return 1.0, False
         if agg == "seq-mean-token-mean":
             return None
-        if agg == "none":
-            return 1.0, False
         if isinstance(normalizer, (int, float)) and not isinstance(normalizer, bool):
             return float(normalizer), False
         if normalizer is not None or agg == "seq-mean-token-sum":
@@ -192,12 +187,14 @@ class PolicyLossOptions:
         return (1.0 if agg == "token-sum" else float(width)), False
 
 
-def check_normalizer(opts: "PolicyLossOptions", loss_normalizer: object) -> None:
-    """``loss_normalizer`` divides an aggregated loss: refused with ``loss_agg="none"``."""
-    if opts.per_token and loss_normalizer is not None:
+def check_loss_normalizer(loss_agg: str, loss_normalizer: object) -> None:
+    """``loss_normalizer`` replaces an aggregation's denominator: ``ValueError`` naming it
+    with ``loss_agg="none"``, which aggregates nothing."""
+    if loss_agg == "none" and loss_normalizer is not None:
         raise ValueError(
-            "`loss_normalizer` divides an aggregated loss, but loss_agg='none' returns the "
-            "per-token loss; pass loss_normalizer=None and divide your own sum by it"
+            '`loss_normalizer` has no meaning with loss_agg="none" (the per-token loss is '
+            "returned unreduced); pass loss_normalizer=None and divide by it where you "
+            "reduce the per-token loss"
         )
 
 

@@ -76,14 +76,14 @@ The aggregation is ``sum_t a_t * loss_t / D`` (``a_t = 1`` except
 ``seq-mean-token-mean``: ``1 / |active tokens of t's sequence|``; ``D``: active
 tokens, 1, sequences with an active token, or the padded length ``T`` for
 ``seq-mean-token-sum-norm``; ``loss_normalizer`` replaces ``D``). A count of 0
-gives loss 0, never NaN. Sequences are the rows of the leading shape
+gives loss 0, never NaN. ``loss_agg="none"`` aggregates nothing: the loss is the
+per-token :math:`\mathrm{loss}_t` ``[...]`` above (0 on inactive tokens; GSPO: with the
+sequence ratio, the very term the other modes weigh), so that every mode's loss is
+``sum(loss_none * w)`` with its weights ``w_t = a_t / D``, and its gradient is per
+token (an upstream ``g_t`` scales token :math:`t`'s own gradient only: GSPO's value
+``sg(s_i)`` carries no gradient across tokens). ``loss_normalizer`` is refused with it. Sequences are the rows of the leading shape
 ``[..., T]``; with ``segment_ids`` a new sequence starts at every active token
 whose id differs from the previous active token's in the same row.
-
-``loss_agg="none"`` returns the per-token terms ``loss_t`` themselves (``[...]``, 0 on
-inactive tokens; ``a_t = 1``, no ``D``): for every other mode's weights ``a_t / D``,
-``sum_t (a_t / D) * loss_t`` is that mode's loss (GSPO included: its ``loss_t`` already
-holds the sequence ratio). ``loss_normalizer`` is refused with it.
 
 References:
     Schulman et al., "Proximal Policy Optimization Algorithms" (2017); Ye et al.,
@@ -104,7 +104,7 @@ from ratiokl._codes import KL
 from ratiokl.spec.options import (
     DEFAULT_LOG_RATIO_BOUND,
     PolicyLossOptions,
-    check_normalizer,
+    check_loss_normalizer,
     policy_loss_options,
 )
 from ratiokl.spec.reference import (
@@ -258,11 +258,9 @@ def policy_loss_from_logps(
 def _policy_terms(logp, logp_ref, old_logps, advantages, mask, entropy, *, loss_normalizer,
                   segment_ids, importance_weights, rollout_logps=None, rollout_correction=None,
                   rollout_bounds=DEFAULT_ROLLOUT_BOUNDS, **options):
-    """``(loss, dloss/dlogp, dloss/dentropy, metrics)`` (:func:`policy_loss_from_logps`);
-    with ``loss_agg="none"`` the loss is the per-token array and the derivatives are each
-    token's own (for a unit upstream gradient per token)."""
+    """``(loss, dloss/dlogp, dloss/dentropy, metrics)`` (:func:`policy_loss_from_logps`)."""
     opts = policy_loss_options(**{**POLICY_LOSS_DEFAULTS, **options})
-    check_normalizer(opts, loss_normalizer)
+    check_loss_normalizer(opts.loss_agg, loss_normalizer)
     mask = np.asarray(mask, dtype=bool)
     lead = mask.shape
     if logp_ref is None and opts.kl_coef != 0.0:
@@ -335,7 +333,7 @@ def _policy_terms(logp, logp_ref, old_logps, advantages, mask, entropy, *, loss_
         if ent is not None:
             metrics["entropy_mean"] = mean(ent)
         metrics.update(rollout_metrics)  # the bindings' order: the rollout's last
-        if opts.per_token:
+        if opts.loss_agg == "none":  # a = 1 and D = 1 on active tokens
             return per_token, grad, dent, metrics
         return float(per_token.sum() / denom), grad, dent, metrics
 
@@ -380,24 +378,31 @@ def policy_loss_grad(
     policy_logits: np.ndarray, ref_logits: Optional[np.ndarray], action_ids: np.ndarray,
     mask: np.ndarray, old_logps: Optional[np.ndarray], advantages: ArrayLike, *,
     ref_logps: Optional[np.ndarray] = None, temperature: ArrayLike = 1.0,
-    loss_cotangent: ArrayLike = 1.0, **options,
+    loss_cotangent: Optional[np.ndarray] = None, **options,
 ) -> np.ndarray:
-    """Gradient of ``sum(loss_cotangent * loss)`` w.r.t. ``policy_logits``: float64
-    ``[..., V]``, 0 on inactive rows (``loss_cotangent``: the upstream gradient, a number,
-    or ``[...]`` for ``loss_agg="none"``; never read on inactive rows).
+    """Gradient of the loss w.r.t. ``policy_logits``: float64 ``[..., V]``, 0 on inactive rows.
 
     Through ``logp`` (``selected_logprobs_grad``) and, with ``entropy_coef``, through the
-    entropy (``entropy_grad``: ``-c_H a_t / D`` times ``dH_t/dz``).
+    entropy (``entropy_grad``: ``-c_H a_t / D`` times ``dH_t/dz``). ``loss_cotangent``: the
+    upstream gradient of a ``loss_agg="none"`` loss, ``[...]`` (None: 1; never read on
+    inactive rows).
     """
     _, dlogp, dent, _ = _from_logits(
         policy_logits, ref_logits, action_ids, mask, old_logps, advantages,
         ref_logps, temperature, dict(options),
     )
-    active = np.asarray(mask, dtype=bool)
-    cot = np.where(active, np.asarray(loss_cotangent, np.float64), 0.0)
-    dlogp, dent = np.where(active, dlogp * cot, 0.0), np.where(active, dent * cot, 0.0)
+    if loss_cotangent is not None:
+        dlogp, dent = (_scaled(x, loss_cotangent, mask) for x in (dlogp, dent))
     grad = selected_logprobs_grad(policy_logits, action_ids, mask, dlogp,
                                   temperature=temperature)
     if np.any(dent != 0.0):
         grad = grad + entropy_grad(policy_logits, mask, dent, temperature=temperature)
     return grad
+
+
+def _scaled(per_token: np.ndarray, cotangent: ArrayLike, mask: np.ndarray) -> np.ndarray:
+    """``per_token * cotangent`` on active tokens, 0 on the others (whatever the cotangent
+    holds there)."""
+    mask = np.asarray(mask, dtype=bool)
+    cot = np.where(mask, np.broadcast_to(np.asarray(cotangent, np.float64), mask.shape), 0.0)
+    return np.where(mask, per_token * cot, 0.0)

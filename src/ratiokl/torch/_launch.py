@@ -423,11 +423,15 @@ TOKEN_WEIGHTS = KernelOp(token_weights, fake=lambda mask, *_: mask.new_empty(
 def fused_policy_loss(
     kernels: Callable, policy: Tensor, ref: Optional[Tensor], ids: Tensor, mask: Tensor,
     old: Optional[Tensor], ref_logps: Optional[Tensor], temp: Tensor, adv: Tensor, adv_rows: int,
-    iw: Optional[Tensor], w: Tensor, coefs: Tensor, write_grad: bool, kl_code: int, has_neg_cap: bool, bound: float,
-    objective: int, entropy_grad: bool, *, grad_out: Optional[Tensor] = None,
+    iw: Optional[Tensor], w: Tensor, coefs: Tensor, write_grad: bool, kl_code: int,
+    has_neg_cap: bool, bound: float, objective: int, entropy_grad: bool, per_token: bool,
+    *, grad_out: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
-    """``(loss, metrics, grad)``: float32 ``[]``, float32 ``[8]`` (``METRIC_NAMES``), and
-    ``d loss / d policy`` ``[N, V]`` in the logits' dtype (``[0, V]`` without ``write_grad``).
+    """``(loss, metrics, grad)``: float32 ``[]`` (with ``per_token``: the rows' weighted
+    losses ``w_t * loss_t``, float32 ``[N]``, 0 on inactive rows), float32 ``[8]``
+    (``METRIC_NAMES``), and ``d sum_t w_t loss_t / d policy`` ``[N, V]`` in the logits'
+    dtype (``[0, V]`` without ``write_grad``), which the backward scales row by row by the
+    upstream value (``[]``, or ``[N]`` with ``per_token``).
 
     ``adv``: float32 ``[N // adv_rows]``, one advantage per ``adv_rows`` rows (1: per
     token; ``T``: per sequence of ``T`` rows, as given, never expanded to ``[N]``).
@@ -448,7 +452,7 @@ def fused_policy_loss(
         grad_out = torch.empty((n_rows if write_grad else 0, vocab), dtype=policy.dtype,
                                device=device)
     if n_rows == 0:
-        return (torch.zeros((), dtype=torch.float32, device=device),
+        return (torch.zeros((0,) if per_token else (), dtype=torch.float32, device=device),
                 torch.zeros(len(METRIC_NAMES), dtype=torch.float32, device=device), grad_out)
     plan = launch_plan(vocab, policy.element_size(), n_rows, write_grad)
     # One scratch allocation (host time: one allocator call, not eight): the six row
@@ -458,6 +462,8 @@ def fused_policy_loss(
                      w, coefs, write_grad, kl_code, has_neg_cap, bound, objective,
                      entropy_grad, rows, parts[0], grad_out)
     loss, metrics = policy_metrics(kernels, mask, rows, old)
+    if per_token:  # a fresh [N] array: an op's output may not be a view of its scratch
+        loss = rows[0][:n_rows].clone()
     return loss, metrics, grad_out
 
 
@@ -570,9 +576,9 @@ def _fused_backward(ctx, g_loss, *_unused):
 
 
 def _fused_fake(policy, ref, ids, mask, old, ref_logps, temp, adv, adv_rows, iw, w, coefs,
-                write_grad, *_):
+                write_grad, kl_code, has_neg_cap, bound, objective, entropy_grad, per_token):
     grad = policy.new_empty((policy.shape[0] if write_grad else 0, policy.shape[1]))
-    return (policy.new_empty((), dtype=torch.float32),
+    return (policy.new_empty(policy.shape[:1] if per_token else (), dtype=torch.float32),
             policy.new_empty(len(METRIC_NAMES), dtype=torch.float32), grad)
 
 

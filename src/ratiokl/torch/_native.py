@@ -39,7 +39,8 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from ratiokl.torch import _objective
+from ratiokl._core import objective as _objective
+from ratiokl.torch._arrays import XP
 from ratiokl.torch._checks import Temperature
 
 __all__ = ["entropy_terms", "finite_shift", "logprobs_entropy", "ratio_kl", "row_chunks",
@@ -318,5 +319,5 @@ def ratio_kl(
     if ref_logps is None:
         with torch.no_grad():
             ref_logps, _, _ = _forward(ref.detach(), safe_ids, mask, temp, bad)
-    return _objective.token_ratio_kl(logp, ref_logps.detach(), old_logps.detach(), mask,
-                                    kl_code)
+    return _objective.token_ratio_kl(XP, logp, ref_logps.detach(), old_logps.detach(), mask,
+                                     kl_code)

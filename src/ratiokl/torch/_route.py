@@ -34,10 +34,12 @@ from typing import Callable, Dict, NamedTuple, Optional, Tuple
 import torch
 
 from ratiokl._backend import Backend, inplace_grad_error
+from ratiokl._core import objective as _objective
 from ratiokl._requirements import unmet
-from ratiokl.spec import (BACKENDS, check_normalizer, kl_estimator_code, policy_loss_options,
-                          rollout_options)
+from ratiokl.spec import (BACKENDS, check_loss_normalizer, kl_estimator_code,
+                          policy_loss_options, rollout_options)
 from ratiokl.torch import _checks, _once, _rollout
+from ratiokl.torch._arrays import XP
 from ratiokl.torch._checks import Temperature
 
 __all__ = ["BACKENDS", "backend_name", "policy_loss", "ratio_kl", "resolve",
@@ -216,13 +218,13 @@ def _reference(policy_logits: torch.Tensor, lead: Tuple[int, ...],
 def _aggregation_weights(run: Backend, mask, lead: Tuple[int, ...], inputs: _checks.TokenInputs,
                          opts) -> torch.Tensor:
     """The fused kernel's per-row aggregation weights ``w`` (float32 ``[N]``): the backend's
-    one launch where every active token weighs the same, else the framework's ops."""
+    one launch where every active token weighs the same, else the core's ops
+    (``ratiokl._core.objective.aggregation_weights``)."""
     mask_rows = _checks.as_rows(mask, lead)
     weights = run.token_weights(mask, opts, inputs.loss_normalizer, mask_rows.shape[-1])
     if weights is None:
-        from ratiokl.torch import _objective
-
-        weights = _objective.aggregation_weights(mask_rows, inputs, opts).reshape(-1)
+        weights = _objective.aggregation_weights(
+            XP, mask_rows, inputs.segment_ids, inputs.loss_normalizer, opts).reshape(-1)
     return weights
 
 def _lead(logits: torch.Tensor, action_ids: torch.Tensor) -> Tuple[int, ...]:
@@ -300,7 +302,7 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
         )
     if ref_logits is not None or ref_logps is not None or opts.uses_kl:
         _reference(policy_logits, lead, ref_logits, ref_logps)
-    check_normalizer(opts, loss_normalizer)
+    check_loss_normalizer(loss_agg, loss_normalizer)
     inputs = _checks.token_inputs(lead, old_logps, advantages, segment_ids,
                                   importance_weights, loss_normalizer)
     rows = _rows(
@@ -317,10 +319,11 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
                               cached=not torch.compiler.is_compiling())
     rollout_metrics = {}
     if rollout is not None:
-        inputs, rollout_metrics = _rollout.correct(run, rows.mask, lead, inputs, rollout_logps,
-                                                   rollout, opts.log_ratio_bound)
-    if run.policy_loss is not None and not opts.sequence_ratio and not opts.per_token \
-            and not _compiled_backward(rows.logits):  # one kernel: the loss, the metrics' row values and the gradient
+        inputs, rollout_metrics = _rollout.correct(rows.mask, lead, inputs, rollout_logps,
+                                                   rollout, opts.log_ratio_bound,
+                                                   run.rollout_weights)
+    if run.policy_loss is not None and not opts.sequence_ratio and not _compiled_backward(
+            rows.logits):  # one kernel: the loss, the metrics' row values and the gradient
         weights = _aggregation_weights(run, rows.mask, lead, inputs, opts)
         if inplace_grad:  # the launch consumes the logits: check before it
             rows.checked(None)
@@ -330,12 +333,9 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
             adv, _flat(inputs.importance_weights), weights, rows.temperature, opts,
             inplace_grad, adv_rows=adv_rows,
         )
-        return rows.checked((loss, {**metrics, **rollout_metrics}))
+        return rows.checked((_per_token(loss, lead, opts), {**metrics, **rollout_metrics}))
     if inplace_grad:  # the two-pass route writes a new gradient: the opt-in cannot apply
-        raise inplace_grad_error(opts.sequence_ratio, torch.compiler.is_compiling(),
-                                 opts.per_token)
-    from ratiokl.torch import _objective
-
+        raise inplace_grad_error(opts.sequence_ratio, torch.compiler.is_compiling())
     # The entropy from the same read of the logits (entropy_mean always; in the loss with
     # entropy_coef): without a coefficient nothing differentiates it, and its backward
     # term is skipped.
@@ -346,9 +346,15 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
             logp_ref = run.selected_logprobs(ref, rows.ids, rows.mask, rows.temperature)
     as_rows = _checks.as_rows
     loss, metrics = _objective.policy_objective(
-        as_rows(logp, lead), None if logp_ref is None else as_rows(logp_ref, lead),
+        XP, as_rows(logp, lead), None if logp_ref is None else as_rows(logp_ref, lead),
         as_rows(rows.mask, lead), inputs, opts, as_rows(entropy, lead),
     )
     # Once, as the one-kernel loss backpropagates (ratiokl.torch._once).
-    loss = _once.backward_once(loss.reshape(lead) if opts.per_token else loss, op)
+    loss = _once.backward_once(_per_token(loss, lead, opts), op)
     return rows.checked((loss, {**metrics, **rollout_metrics}))
+
+
+def _per_token(loss: torch.Tensor, lead: Tuple[int, ...], opts) -> torch.Tensor:
+    """``loss`` as returned: the per-token loss (``[N]`` / ``[R, T]``, ``loss_agg="none"``)
+    in the leading shape ``[...]``, else the 0-d loss itself."""
+    return loss.reshape(lead) if opts.loss_agg == "none" else loss

@@ -142,12 +142,14 @@ def rollout_weights(mask: torch.Tensor, old: torch.Tensor, rollout: torch.Tensor
     """The rollout correction's ``w * iw`` (float32 ``[N]``, 0 on inactive rows) and its
     metrics, in one launch (``ratiokl.spec.rollout`` has the formulas).
 
-    ``mask``, ``old``, ``rollout`` and ``iw`` (or None) are ``[N]``; ``seq`` (sequence
-    modes) the sequence log-weights, ``[R, 1]`` (one per row) or ``[R, T]`` (per token).
+    ``mask``, ``old``, ``rollout`` and ``iw`` (or None) are ``[N]`` (any strides: read
+    contiguous); ``seq`` (sequence modes) the sequence log-weights, ``[R, 1]`` (one per
+    row) or ``[R, T]`` (per token).
     """
     width = 1 if seq is None else mask.numel() // max(seq.numel(), 1)
-    w, metrics = ROLLOUT_WEIGHTS(mask, old, rollout, None if seq is None else seq.reshape(-1),
-                                 iw, width, opts.low, opts.high, bound or 0.0,
+    flat = lambda x: None if x is None else x.reshape(-1).contiguous()  # noqa: E731
+    w, metrics = ROLLOUT_WEIGHTS(flat(mask), flat(old), flat(rollout), flat(seq), flat(iw),
+                                 width, opts.low, opts.high, bound or 0.0,
                                  _correction_code(opts))
     return w, dict(zip(ROLLOUT_METRIC_NAMES, metrics.unbind()))
 
@@ -201,7 +203,9 @@ def policy_loss(policy: torch.Tensor, ref: Optional[torch.Tensor], ids: torch.Te
     ``old``, ``iw`` (or None), ``ref_logps`` (or None) and the aggregation
     ``weights`` are float32 ``[N]``, detached; ``adv`` float32 ``[N // adv_rows]``
     (one advantage per ``adv_rows`` rows: per-sequence advantages reach the kernel as
-    given); ``old`` None: on-policy. The gradient is
+    given); ``old`` None: on-policy. ``loss_agg="none"`` (weights 1 on active rows): the
+    loss is the rows' losses, float32 ``[N]``, and the backward scales each row's stored
+    gradient by its own upstream value. The gradient is
     computed in the forward only when one is wanted (grad mode on, the logits
     require it); ``inplace_grad`` then writes it into ``policy``'s buffer
     (eager; ignored while compiling, where the compiler plans buffers).
@@ -211,7 +215,8 @@ def policy_loss(policy: torch.Tensor, ref: Optional[torch.Tensor], ids: torch.Te
     args = (ref, ids, mask, old, ref_logps, kernel_temperature(temperature, policy.device),
             adv, adv_rows, iw, weights, kernel_coefficients(opts, policy.device), write_grad,
             opts.kl_code if has_ref else KL.NONE.value, opts.neg_cap is not None,
-            opts.log_ratio_bound or 0.0, opts.objective_code, opts.uses_entropy)
+            opts.log_ratio_bound or 0.0, opts.objective_code, opts.uses_entropy,
+            opts.loss_agg == "none")
     if inplace_grad and write_grad and binding_for(policy.device) != "compiled":
         loss, metrics = _InplaceLoss.apply(policy, args)
     else:

@@ -58,7 +58,9 @@ import torch
 import torch.distributed as dist
 
 from ratiokl._backend import Backend
-from ratiokl.torch import _checks, _native, _objective
+from ratiokl._core import objective as _objective
+from ratiokl.torch import _checks, _native
+from ratiokl.torch._arrays import XP
 from ratiokl.torch._checks import Temperature
 
 __all__ = ["VocabParallel", "backend"]
@@ -299,7 +301,7 @@ class VocabParallel:
         logp, logp_ref, _ = self.logprobs(policy, ref, ids, mask, temperature)
         if logp_ref is None:
             logp_ref = ref_logps
-        return _objective.token_ratio_kl(logp, logp_ref.detach(), old_logps.detach(), mask,
+        return _objective.token_ratio_kl(XP, logp, logp_ref.detach(), old_logps.detach(), mask,
                                          kl_code)
 
     def logprobs(

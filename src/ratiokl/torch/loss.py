@@ -27,11 +27,11 @@ from ratiokl.spec import (
     RatioLevel,
     RolloutCorrection,
 )
-from ratiokl.torch import _linear_route, _route
+from ratiokl.torch import _linear_route, _objective, _route
 from ratiokl.torch._checks import Temperature
 
-__all__ = ["linear_policy_loss", "linear_selected_logprobs", "policy_loss", "ratio_kl",
-           "selected_logprobs"]
+__all__ = ["linear_policy_loss", "linear_selected_logprobs", "policy_loss", "policy_objective",
+           "ratio_kl", "selected_logprobs"]
 
 #: A coefficient a trainer may change every step: a Python number or a 0-d float tensor.
 Coefficient = Union[float, torch.Tensor]
@@ -270,11 +270,9 @@ def policy_loss(
       kl_coef, kl_estimator: KL weight and variant: ``"k1"``, ``"k2"``, ``"k3"``,
         ``"k1+"``/``"k3+"`` (value of k1/k3, gradient of k2), ``"k3-is"`` (k3 times r).
       loss_agg: ``"token-mean"``, ``"token-sum"``, ``"seq-mean-token-mean"``,
-        ``"seq-mean-token-sum"``, ``"seq-mean-token-sum-norm"``, or ``"none"``: the
-        per-token loss ``[...]`` itself (0 on inactive tokens; each mode's loss is it summed
-        with that mode's weights), for a trainer that aggregates it; its gradient takes a
-        ``[...]`` upstream gradient (never read on inactive tokens), on the two-pass route
-        (no ``inplace_grad``; no ``loss_normalizer``).
+        ``"seq-mean-token-sum"``, ``"seq-mean-token-sum-norm"``, or ``"none"``: no
+        aggregation, the per-token loss ``[...]`` (the term each mode weighs, GSPO's with the
+        sequence ratio; not with ``loss_normalizer``), for a trainer's own reduction.
       loss_normalizer: replaces the aggregation's denominator (a global token or
         sequence count, or a constant): a positive number or a 0-d tensor.
       ratio_level: ``"token"`` or ``"sequence"`` (GSPO).
@@ -316,8 +314,9 @@ def policy_loss(
         that saved them fails loudly, and the loss backpropagates once.
 
     Returns:
-      ``(loss, metrics)``: a float32 0-d tensor (``[...]`` with ``loss_agg="none"``), and
-      detached float32 0-d tensors
+      ``(loss, metrics)``: a float32 0-d tensor (``loss_agg="none"``: float32 ``[...]``,
+      exactly ``+0.0`` on inactive tokens, each token's gradient scaled by its own upstream
+      value; a NaN upstream on an inactive token stays out), and detached float32 0-d tensors
       ``clip_fraction`` (= ``_low`` + ``_high``), ``clip_fraction_low``,
       ``clip_fraction_high``, ``dual_clip_fraction``, ``ratio_mean``, ``kl_mean``
       ``approx_kl`` (mean of ``old_logp - logp``) and ``entropy_mean`` (mean ``H``),
@@ -348,6 +347,91 @@ def policy_loss(
         check_ids=check_ids, vocab_group=vocab_group, inplace_grad=inplace_grad,
         rollout_logps=rollout_logps, rollout_correction=rollout_correction,
         rollout_bounds=rollout_bounds,
+    )
+
+
+def policy_objective(
+    logps: torch.Tensor,
+    old_logps: Optional[torch.Tensor],
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    ref_logps: Optional[torch.Tensor] = None,
+    entropy: Optional[torch.Tensor] = None,
+    clip_eps: Coefficient = 0.2,
+    clip_eps_high: Optional[Coefficient] = None,
+    dual_clip: Optional[float] = None,
+    ratio_cap: Optional[float] = None,
+    kl_coef: Coefficient = 0.0,
+    kl_estimator: PolicyKLEstimator = "k3",
+    loss_agg: LossAgg = "token-mean",
+    loss_normalizer: Union[None, float, torch.Tensor] = None,
+    ratio_level: RatioLevel = "token",
+    objective: Objective = "ppo",
+    entropy_coef: Coefficient = 0.0,
+    segment_ids: Optional[torch.Tensor] = None,
+    importance_weights: Optional[torch.Tensor] = None,
+    rollout_logps: Optional[torch.Tensor] = None,
+    rollout_correction: Optional[RolloutCorrection] = None,
+    rollout_bounds: Tuple[float, float] = DEFAULT_ROLLOUT_BOUNDS,
+    log_ratio_bound: Optional[float] = DEFAULT_LOG_RATIO_BOUND,
+) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    r""":func:`policy_loss` on per-token log-probs the trainer already holds (and their
+    entropies), for a model whose forward returns them.
+
+    The same objective, aggregation, rollout correction and metrics as :func:`policy_loss`,
+    on the same code (``ratiokl._core.objective``): per active token
+
+    .. math::
+
+        r = \exp\big(\mathrm{clip}(\log p - \log p_\mathrm{old}, -b, b)\big), \qquad
+        L = w \cdot \mathrm{iw} \cdot \mathrm{pg}(r, A)
+            + c_\mathrm{KL}\, \mathrm{kl}(\log p_\mathrm{ref} - \log p) - c_H H
+
+    then ``loss = sum_t a_t L_t / D`` by ``loss_agg`` (docs/policy_loss.md has every term).
+    Given the ``logp`` and entropy of :func:`policy_loss`'s logits, it returns
+    :func:`policy_loss`'s loss and metrics, and its gradient w.r.t. ``logps`` is the one
+    :func:`policy_loss` carries to the logits through ``d logp / d logits``. It runs
+    framework ops on ``[...]``-sized tensors (no kernel, so no ``backend`` or
+    ``temperature``: the log-probs carry the temperature they were computed with), under
+    autograd and ``torch.compile``; being plain autograd, its loss may be backpropagated
+    more than once (``retain_graph=True``).
+
+    Args:
+      logps: ``[...]`` floating (float32, bfloat16, ...) log-probs of the sampled tokens
+        under the policy being trained, with autograd; computed in float32.
+      old_logps: ``[...]`` floating behaviour log-probs, or None (on-policy:
+        ``old_logp = sg(logp)``, as in :func:`policy_loss`).
+      advantages: floating, per token ``[..., T]`` or per sequence ``[...]`` / ``[..., 1]``.
+      mask: ``[...]`` bool (or integer 0/1), True for active tokens.
+      ref_logps: ``[...]`` floating reference log-probs (detached); needed when
+        ``kl_coef != 0`` (a ``ValueError`` naming it otherwise), else only logged
+        (``kl_mean``).
+      entropy: ``[...]`` floating per-token entropies of the policy, with autograd, or None.
+        Needed when ``entropy_coef != 0`` (a ``ValueError`` naming ``entropy`` otherwise);
+        given, ``metrics["entropy_mean"]`` reports its mean.
+      clip_eps ... log_ratio_bound: as in :func:`policy_loss`, ``loss_agg="none"`` included.
+
+    Returns:
+      ``(loss, metrics)``: the float32 0-d loss (``loss_agg="none"``: the per-token loss,
+      float32 ``[...]``, exactly 0 on inactive tokens), and detached float32 0-d metrics as
+      :func:`policy_loss`'s (``entropy_mean`` only when ``entropy`` is given). The gradient
+      reaches ``logps`` and, where the entropy bonus weighs in, ``entropy``, in their
+      dtypes; never ``old_logps``, ``ref_logps``, ``advantages``, ``rollout_logps`` or
+      ``importance_weights``. Inactive tokens: whatever any input holds there (NaN, inf),
+      it reaches neither the loss, the metrics nor a gradient (those tokens' gradients are
+      exactly 0): every input is selected with ``where`` before any arithmetic. A NaN in an
+      active token stays visible (a NaN loss).
+    """
+    return _objective.policy_objective(
+        logps, old_logps, advantages, mask, ref_logps=ref_logps, entropy=entropy,
+        clip_eps=clip_eps, clip_eps_high=clip_eps_high, dual_clip=dual_clip,
+        ratio_cap=ratio_cap, kl_coef=kl_coef, kl_estimator=kl_estimator, loss_agg=loss_agg,
+        loss_normalizer=loss_normalizer, ratio_level=ratio_level, objective=objective,
+        entropy_coef=entropy_coef, segment_ids=segment_ids,
+        importance_weights=importance_weights, rollout_logps=rollout_logps,
+        rollout_correction=rollout_correction, rollout_bounds=rollout_bounds,
+        log_ratio_bound=log_ratio_bound,
     )
 
 
@@ -514,6 +598,10 @@ def linear_policy_loss(
       ``weight`` and ``bias`` (whichever requires a gradient): the gradients are computed
       in the forward and scaled by the upstream value in the backward, so the loss
       backpropagates once, on every backend (a second backward raises ``RuntimeError``).
+      With ``loss_agg="none"`` (the per-token loss ``[...]``, whose upstream scales each
+      row: a weight gradient sums every row's share, so it cannot be scaled afterwards) the
+      chunks run :func:`linear_selected_logprobs` and the objective instead: two passes,
+      the same gradients.
       ``d weight`` accumulates over chunks in ``weight``'s dtype (one
       rounding per chunk in bf16, as the materialised step rounds its one GEMM once),
       ``d bias`` in float32. Inactive rows get exactly zero ``d hidden`` and add nothing to

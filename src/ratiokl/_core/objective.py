@@ -1,0 +1,236 @@
+r"""The PPO/GRPO objective on per-token log-probs, written once for both frameworks.
+
+The math is ``ratiokl.spec.policy_loss``'s (its module docstring has every formula): per
+active token the log-ratio :math:`\ell = \log p - \log p_\mathrm{old}` (GSPO: its
+sequence's mean), the ratio :math:`r = e^{\mathrm{clip}(\ell, -b, b)}`, the policy term
+(PPO's clipped surrogate or CISPO's detached clipped weight), the KL penalty and the
+entropy bonus,
+
+.. math::
+
+    L_t = \mathrm{iw}_t\, \mathrm{pg}_t + c_\mathrm{KL}\, \mathrm{kl}_t - c_H H_t, \qquad
+    \mathrm{loss} = \sum_t w_t L_t, \quad w_t = a_t / D
+
+with the aggregation weights :math:`w_t` of ``loss_agg`` (:func:`aggregation_weights`);
+``loss_agg="none"`` returns :math:`L_t` itself (0 on inactive tokens). Three callers
+share it: both frameworks' two-pass ``policy_loss`` (the log-probs and entropies of a
+backend's logits), their ``policy_objective`` (the trainer's own log-probs) and, for the
+weights only, the fused kernels' ``policy_loss``.
+
+Inactive tokens' inputs are replaced with neutral values (``where``, never a product)
+*before* any arithmetic, and every intermediate stays finite on them, so a NaN or inf
+there reaches no value and no gradient (an untaken ``where`` branch holding NaN would
+give ``0 * NaN`` in the backward). ``xp`` is the framework's array adapter
+(:mod:`ratiokl._core`); ``opts`` the validated ``ratiokl.spec.PolicyLossOptions``;
+nothing synchronises with the host.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Tuple
+
+from ratiokl._codes import KL
+from ratiokl._core.sequences import segment_totals, segments
+from ratiokl.spec import PolicyLossOptions
+
+__all__ = ["METRIC_NAMES", "aggregation_weights", "kl_value", "masked_means",
+           "policy_objective", "token_metrics", "token_ratio_kl"]
+
+#: The objective's metrics, in the fused kernels' order (``_kernels.loss_rows``).
+METRIC_NAMES = ("clip_fraction", "clip_fraction_low", "clip_fraction_high",
+                "dual_clip_fraction", "ratio_mean", "kl_mean", "approx_kl", "entropy_mean")
+
+
+def _bounded(xp, x, bound: Optional[float]):
+    """``clip(x, -bound, bound)`` with gradient 1 inside ``[-bound, bound]``, 0 outside."""
+    if bound is None:
+        return x
+    return xp.where(x > bound, bound, xp.where(x < -bound, -bound, x))
+
+
+def _straight_through(xp, grad_like, value):
+    """The value of ``value`` with the gradient of ``grad_like``."""
+    return grad_like - xp.stop_gradient(grad_like) + xp.stop_gradient(value)
+
+
+def kl_value(xp, d, code: int, ratio, bound: Optional[float]):
+    """KL variant ``code`` (``ratiokl.spec.POLICY_KL_ESTIMATORS``) on ``d = logp_ref - logp``.
+
+    Only the terms the variant uses are computed (``ratio`` is read by ``k3-is`` only).
+    """
+    if code == KL.K1:
+        return -d
+    k2 = 0.5 * d * d
+    if code in (KL.K2, KL.K1_PLUS):
+        return k2 if code == KL.K2 else _straight_through(xp, k2, -d)
+    d_b = _bounded(xp, d, bound)
+    k3 = xp.expm1(d_b) - d_b
+    if code == KL.K3:
+        return k3
+    return _straight_through(xp, k2, k3) if code == KL.K3_PLUS else ratio * k3
+
+
+def token_ratio_kl(xp, logp, logp_ref, old_logps, mask, kl_code: int) -> Tuple[Any, Any]:
+    """``ratio_kl``'s ``(ratio, kl)``, float32 ``[N]``, from ``[N]`` log-probs and a bool mask.
+
+    Differentiable through ``logp`` only (the caller passes the others detached).
+    Inactive rows: ``ratio = 1``, ``kl = 0``, zero gradient.
+    """
+    logp = xp.where(mask, xp.as_float(logp), 0.0)
+    logp_ref = xp.where(mask, xp.as_float(logp_ref), 0.0)
+    old = xp.where(mask, xp.as_float(old_logps), 0.0)
+    ratio = xp.exp(logp - old)
+    kl = kl_value(xp, logp_ref - logp, kl_code, ratio, None)
+    return xp.where(mask, ratio, 1.0), xp.where(mask, kl, 0.0)
+
+
+def _clipped_ratio(xp, ratio, adv, opts: PolicyLossOptions):
+    """The ratio the surrogate uses, and the low / high / dual-clip indicators."""
+    high = (adv > 0) & (ratio > opts.ratio_high)
+    low = (adv < 0) & (ratio < opts.ratio_low)
+    capped = xp.zeros_like(high)
+    q = xp.where(high, opts.ratio_high, xp.where(low, opts.ratio_low, ratio))
+    if opts.neg_cap is not None:
+        capped = (adv < 0) & (ratio > opts.neg_cap)
+        q = xp.where(capped, opts.neg_cap, q)
+    return q, low, high, capped
+
+
+def _cispo_weight(xp, ratio, opts: PolicyLossOptions):
+    """CISPO's weight ``sg(clip(ratio, ratio_low, ratio_high))`` (every advantage) and its
+    low / high / (never) dual-clip indicators."""
+    high, low = ratio > opts.ratio_high, ratio < opts.ratio_low
+    weight = xp.where(high, opts.ratio_high, xp.where(low, opts.ratio_low, ratio))
+    return xp.stop_gradient(weight), low, high, xp.zeros_like(high)
+
+
+def _with(xp, total, coef, term, uses: bool):
+    """``total + coef * term``; a coefficient that is the number 0 adds nothing (``uses``
+    False: the term is only logged, and ``0 * inf`` would be NaN), an array one that holds
+    0 selects ``total``."""
+    if not uses:
+        return total
+    weighted = total + coef * term
+    return weighted if isinstance(coef, float) else xp.where(coef != 0.0, weighted, total)
+
+
+def _denominator(xp, opts: PolicyLossOptions, n_tok, n_seq, width: int, normalizer):
+    """``D`` of ``sum(a * loss) / D``; a count of 0 becomes 1 (its numerator is 0);
+    ``"none"``: 1 (it takes no normaliser)."""
+    agg = opts.loss_agg
+    if normalizer is not None and agg != "none":
+        return normalizer
+    if agg == "token-mean":
+        return xp.maximum(n_tok, 1)
+    if agg in ("seq-mean-token-mean", "seq-mean-token-sum"):
+        return xp.maximum(n_seq, 1)
+    return float(width) if agg == "seq-mean-token-sum-norm" else 1.0
+
+
+def aggregation_weights(xp, mask, segment_ids, normalizer, opts: PolicyLossOptions):
+    """Per-token weights ``w = a / D`` with ``loss = sum_t w_t * loss_t``: float32 ``[R, T]``.
+
+    Depends only on the mask, the segment ids and the normaliser (never on log-probs), so
+    the fused kernels take it precomputed; 0 on inactive tokens (``"none"``: 1 on active
+    ones, each token its own loss).
+    """
+    weights = xp.as_float(xp.ones_like(mask))
+    n_seq = None
+    if opts.seq_aggregation:
+        seq = segments(xp, mask, segment_ids)
+        n_seq = xp.count(seq.starts)
+        if opts.loss_agg == "seq-mean-token-mean":
+            weights = 1.0 / xp.maximum(segment_totals(xp, xp.as_float(mask), seq), 1.0)
+    denom = _denominator(xp, opts, xp.count(mask), n_seq, mask.shape[-1], normalizer)
+    return xp.as_float(xp.where(mask, weights / denom, 0.0))
+
+
+def policy_objective(xp, logp, logp_ref: Optional[Any], mask, inputs,
+                     opts: PolicyLossOptions, entropy: Optional[Any]) -> Tuple[Any, Dict[str, Any]]:
+    """``(loss, metrics)`` from per-token inputs laid out ``[R, T]``.
+
+    Args:
+      logp: float32 ``[R, T]``, differentiable.
+      logp_ref: float32 ``[R, T]`` without gradient, or None (then the KL is 0).
+      mask: bool ``[R, T]``.
+      inputs: the other per-token inputs, ``[R, T]`` without gradient (a framework's
+        ``_checks.TokenInputs``: ``old_logps`` (None: on-policy, ``old = sg(logp)``),
+        ``advantages``, ``segment_ids``, ``importance_weights``, ``loss_normalizer``).
+      opts: the validated options.
+      entropy: float32 ``[R, T]``, differentiable, or None (only where ``entropy_coef`` is
+        the number 0). ``- entropy_coef * H`` joins each token's loss where the coefficient
+        may be non-zero; else it is only averaged into ``entropy_mean``.
+
+    Returns:
+      The float32 0-d loss (``loss_agg="none"``: the per-token loss ``[R, T]``, 0 on
+      inactive tokens) and :func:`token_metrics` (without ``entropy_mean`` when
+      ``entropy`` is None).
+    """
+    logp = xp.where(mask, logp, 0.0)
+    # On-policy (no old_logps): old = sg(logp), r = 1 with the gradient of logp.
+    old = xp.stop_gradient(logp) if inputs.old_logps is None else xp.where(
+        mask, inputs.old_logps, 0.0)
+    adv = xp.where(mask, inputs.advantages, 0.0)
+    need_segments = opts.sequence_ratio or opts.seq_aggregation
+    if need_segments:
+        seq = segments(xp, mask, inputs.segment_ids)
+        counts = xp.maximum(segment_totals(xp, xp.as_float(mask), seq), 1.0)
+    log_ratio = logp - old
+    if opts.sequence_ratio:
+        seq_mean = segment_totals(xp, xp.stop_gradient(log_ratio), seq) / counts
+        # GSPO-token form (verl): value sg(s_i), gradient on the token's own logp. An
+        # infinite logp (its action masked out with -inf) adds 0, not inf - inf = NaN: the
+        # value stays s_i (then beyond the bound: no gradient), as in the spec.
+        own = xp.where(xp.isinf(logp), 0.0, logp - xp.stop_gradient(logp))
+        log_ratio = xp.where(mask, seq_mean + own, 0.0)
+    ratio = xp.exp(_bounded(xp, log_ratio, opts.log_ratio_bound))
+    if opts.cispo:  # the gradient goes through logp only, on every active token
+        q, low, high, capped = _cispo_weight(xp, ratio, opts)
+        per_token = -adv * q * logp
+    else:
+        q, low, high, capped = _clipped_ratio(xp, ratio, adv, opts)
+        per_token = -adv * q
+    if inputs.importance_weights is not None:
+        per_token = per_token * xp.where(mask, inputs.importance_weights, 0.0)
+    kl = xp.zeros_like(logp)
+    if logp_ref is not None:
+        d = xp.where(mask, logp_ref, 0.0) - logp
+        kl = kl_value(xp, d, opts.kl_code, ratio, opts.log_ratio_bound)
+        per_token = _with(xp, per_token, opts.kl_coef, kl, opts.uses_kl)
+    if entropy is not None:
+        entropy = xp.where(mask, entropy, 0.0)
+        per_token = _with(xp, per_token, -opts.entropy_coef, entropy, opts.uses_entropy)
+    n_tok = xp.count(mask)
+    metrics = token_metrics(xp, mask, n_tok, low, high, capped, ratio, kl, old - logp,
+                            xp.zeros_like(kl) if entropy is None else entropy)
+    if entropy is None:
+        del metrics["entropy_mean"]
+    if opts.loss_agg == "none":
+        return xp.as_float(xp.where(mask, per_token, 0.0)), metrics
+    if opts.loss_agg == "seq-mean-token-mean":
+        per_token = per_token / counts
+    n_seq = xp.count(seq.starts) if need_segments else None
+    denom = _denominator(xp, opts, n_tok, n_seq, mask.shape[-1], inputs.loss_normalizer)
+    loss = xp.sum(xp.where(mask, per_token, 0.0)) / denom
+    return xp.as_float(loss), metrics
+
+
+def masked_means(xp, mask, parts, n_tok=None):
+    """Detached means over active tokens (0 when there is none) of each of ``parts``
+    (arrays of ``mask``'s shape, or broadcasting to it), one stacked reduction: float32
+    ``[len(parts)]``."""
+    count = xp.as_float(xp.maximum(xp.count(mask) if n_tok is None else n_tok, 1))
+    stacked = xp.stop_gradient(xp.stack([xp.as_float(xp.broadcast_to(x, mask.shape))
+                                         for x in parts]))
+    sums = xp.sum(xp.where(mask, stacked, 0.0).reshape(len(parts), -1), axis=1)
+    return sums / count
+
+
+def token_metrics(xp, mask, n_tok, low, high, capped, ratio, kl, approx_kl,
+                  entropy) -> Dict[str, Any]:
+    """:data:`METRIC_NAMES`, detached float32 0-d means over active tokens (0 when there is
+    none), from per-token values of any one shape (one stacked reduction: a handful of
+    launches, not one chain per metric)."""
+    means = masked_means(xp, mask, (low | high, low, high, capped, ratio, kl, approx_kl,
+                                    entropy), n_tok)
+    return {name: means[i] for i, name in enumerate(METRIC_NAMES)}

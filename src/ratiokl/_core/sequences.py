@@ -1,0 +1,59 @@
+"""The sequences of ``loss_agg`` on ``[R, T]`` rows, and sums over them (framework-neutral).
+
+A sequence is a row's active tokens, or with ``segment_ids`` a run of them: a sequence
+starts at an active token that is the first active one of its row or whose segment id
+differs from the previous active token's (``ratiokl.spec.sequence_index``). Inactive
+tokens join the sequence before them; their ids are never compared. Everything here is
+deterministic and free of scatters (a doubling scan and gathers), so it traces under
+``jax.jit`` and ``torch.compile`` alike. ``xp`` is the framework's array adapter
+(:mod:`ratiokl._core`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+__all__ = ["Segments", "segment_totals", "segments", "sequence_totals"]
+
+
+class Segments(NamedTuple):
+    """Per token ``[R, T]``: its sequence's first and last position, and the starts."""
+
+    first: Any  # index [R, T]
+    last: Any  # index [R, T]
+    starts: Any  # bool [R, T]: the token starts a sequence
+
+
+def segments(xp, mask, segment_ids: Optional[Any]) -> Segments:
+    """The sequences of bool ``mask [R, T]`` (and integer ``segment_ids [R, T]`` or None)."""
+    width = mask.shape[-1]
+    if width == 0:
+        empty = xp.as_index(xp.zeros_like(mask))
+        return Segments(empty, empty, mask)
+    pos = xp.positions(mask)
+    seg = xp.zeros_like(pos) if segment_ids is None else xp.as_index(segment_ids)
+    last_active = xp.cummax(xp.where(mask, pos, -1))
+    prev_active = xp.shift(last_active, 1, -1)
+    prev_seg = xp.take(seg, xp.maximum(prev_active, 0))
+    starts = mask & ((prev_active < 0) | (seg != prev_seg))
+    first = xp.cummax(xp.where(starts, pos, 0))
+    next_start = xp.reverse_cummin(xp.where(starts, pos, width))
+    return Segments(first, xp.shift(next_start, -1, width) - 1, starts)
+
+
+def segment_totals(xp, x, seq: Segments):
+    """Per token, the sum of ``x [R, T]`` over its sequence: a segmented scan (doubling
+    steps, Hillis-Steele), then a gather at the sequence's last position."""
+    width = x.shape[-1]
+    pos = xp.positions(x)
+    acc, step = x, 1
+    while step < width:
+        acc = xp.where(pos - step >= seq.first, acc + xp.shift(acc, step, 0.0), acc)
+        step *= 2
+    return xp.take(acc, seq.last)
+
+
+def sequence_totals(xp, x, mask, segment_ids: Optional[Any]):
+    """Per token, the sum of ``x [R, T]`` over its sequence; ``x`` must hold 0 on inactive
+    tokens (they join the sequence before them)."""
+    return segment_totals(xp, x, segments(xp, mask, segment_ids))
