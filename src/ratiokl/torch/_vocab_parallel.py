@@ -30,10 +30,10 @@ tensors, never a differentiable all-reduce (whose backward all-reduce would
 multiply the replicated loss's gradient by the group size).
 
 With ``check_ids=True`` (the default) a call first makes sure the ranks agree
-(:meth:`VocabParallel._agree`): one small SUM all-reduce of a ``[world, 10]``
-integer table, each rank's row its call's shape (leading shape, number of
-shard tensors, ``V_r``), read on the host together with the active-id check
-against the global ``V`` (the call's one synchronisation). A rank whose
+(:meth:`VocabParallel._agree`, ``ratiokl.torch._vocab_agree``): one small SUM all-reduce
+of a ``[world, 10]`` integer table, each rank's row its call's shape (leading shape,
+whether it passed reference logits, ``V_r``), read on the host together with the
+active-id check against the global ``V`` (the call's one synchronisation). A rank whose
 shapes differ would otherwise enter all-reduces of another length, which
 NCCL does not detect (the ranks hang until its watchdog's timeout) and gloo
 reports as a mismatch on one rank only; instead every rank raises the same
@@ -51,53 +51,17 @@ collectives are the same for every backend.
 
 from __future__ import annotations
 
-import math
+import functools
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from ratiokl._backend import Backend
-from ratiokl.torch import _checks, _native, _objective
+from ratiokl.torch import _native, _objective, _vocab_agree
 from ratiokl.torch._checks import Temperature
 
 __all__ = ["VocabParallel", "backend"]
-
-#: Leading dimensions that the shape agreement compares one by one (``N`` covers the rest).
-_LEAD_DIMS = 6
-
-
-def _signature(lead: Tuple[int, ...], n_shards: int, local_vocab: int) -> List[int]:
-    """This rank's call as integers: ``[shard tensors, V_r, N, len(lead), lead dims...]``
-    (1 shard tensor: the policy; 2: with the reference), the dims zero-padded."""
-    dims = list(lead[:_LEAD_DIMS])
-    return [n_shards, local_vocab, math.prod(lead), len(lead), *dims,
-            *[0] * (_LEAD_DIMS - len(dims))]
-
-
-def _describe(row: Sequence[int]) -> str:
-    """One rank's :func:`_signature` as the shapes the caller passed."""
-    n_shards, local_vocab, n_rows, ndim, *dims = row
-    lead = [str(d) for d in dims[:ndim]] + (["..."] if ndim > _LEAD_DIMS else [])
-    text = f"logits [{', '.join(lead + [str(local_vocab)])}] ({n_rows} rows)"
-    return text + (" and ref_logits" if n_shards == 2 else ", no ref_logits")
-
-
-def _disagreement(table: Sequence[Sequence[int]]) -> Optional[str]:
-    """The error message when the ranks' signatures differ in more than ``V_r``, else None."""
-    same = lambda row: [row[0], *row[2:]]  # noqa: E731 - V_r (column 1) may differ
-    differ = [r for r, row in enumerate(table) if same(row) != same(table[0])]
-    if not differ:
-        return None
-    shapes = "; ".join(f"rank {r}: {_describe(row)}" for r, row in enumerate(table))
-    return (
-        f"`vocab_group`: rank(s) {', '.join(map(str, differ))} passed inputs whose shapes "
-        "differ from rank 0's. Every rank of the group must pass the same leading shape "
-        "(action_ids, mask and the per-token inputs are global) and the same logit "
-        "arguments; only the logits' last dimension, the rank's vocabulary block, may "
-        f"differ. Shapes by rank: {shapes}"
-    )
-
 
 
 def backend(group: dist.ProcessGroup, lead: Tuple[int, ...], kernels: bool,
@@ -112,8 +76,12 @@ def backend(group: dist.ProcessGroup, lead: Tuple[int, ...], kernels: bool,
             "`vocab_group` needs torch.distributed: call "
             "torch.distributed.init_process_group first"
         )
+    from ratiokl.torch import _vocab_linear
+
     parallel = VocabParallel(group, lead, kernels, check_ids)
-    return Backend(parallel.selected_logprobs, parallel.ratio_kl, parallel.logprobs_entropy)
+    return Backend(parallel.selected_logprobs, parallel.ratio_kl, parallel.logprobs_entropy,
+                   linear_selected_logprobs=functools.partial(_vocab_linear.selected_logprobs,
+                                                              parallel))
 
 
 #: One shard tensor's statistics: row max ``m``, ``s = sum exp(z - shift(m))`` and, for the
@@ -332,8 +300,8 @@ class VocabParallel:
             return logp, None if ref is None else empty, ent
         with torch.no_grad():
             stats = _stats(shards, mask, temperature, kernels, entropy)
-            z_sel, lse, ent, local_ids, owned = self._combine(shards, stats, ids, mask,
-                                                              temperature)
+            z_sel, lse, ent, local_ids, owned, _ = self._combine(shards, stats, ids, mask,
+                                                                 temperature)
         out = _AttachGrad.apply(
             policy, z_sel[0], lse[0], ent, local_ids, owned, mask, temperature, kernels
         )
@@ -350,9 +318,10 @@ class VocabParallel:
         mask: torch.Tensor,
         temperature: Temperature,
     ) -> Tuple[List[torch.Tensor], List[torch.Tensor], Optional[torch.Tensor], torch.Tensor,
-               torch.Tensor]:
+               torch.Tensor, torch.Tensor]:
         """Global ``z_a`` and ``lse`` per shard tensor, the policy's entropy (None without
-        its ``mu``), plus local ids and ownership ``[N]``.
+        its ``mu``), plus local ids and ownership ``[N]`` and this rank's first column
+        ``start_r`` (0-d int64).
 
         ``stats`` holds each shard tensor's ``(m, s, mu)`` from :func:`_stats`.
         """
@@ -383,25 +352,12 @@ class VocabParallel:
         ent = None
         if mu is not None:  # H = lse - E_p[z] = log(S) - (E_p[z] - shift)
             ent = torch.where(bad, nan, torch.log(sums[0]) - sums[-1] / sums[0])
-        return [sums[2 * k + 1] for k in range(len(shards))], lse, ent, local_ids, owned
+        return [sums[2 * k + 1] for k in range(len(shards))], lse, ent, local_ids, owned, start
 
     def _agree(self, n_shards: int, local_vocab: int, ids: torch.Tensor,
                mask: torch.Tensor) -> None:
-        """Raise ``ValueError`` on every rank unless all ranks' shapes agree, then check the
-        active ids against the global ``V``: one SUM all-reduce of a ``[world, 10]`` table
-        (the rows of the other ranks zero: an all-gather) and one host read of it and the
-        id flag together. The table is identical on every rank, so is the outcome."""
-        row = _signature(self.lead, n_shards, local_vocab)
-        table = torch.zeros((self.world, len(row)), dtype=torch.int64, device=ids.device)
-        table[self.rank] = torch.tensor(row, dtype=torch.int64)
-        dist.all_reduce(table, op=dist.ReduceOp.SUM, group=self.group)
-        vocab = table[:, 1].sum()
-        bad = (mask & ((ids < 0) | (ids >= vocab))).any()
-        *host, any_bad = torch.cat([table.reshape(-1), bad.reshape(1).long()]).tolist()
-        message = _disagreement([host[r * len(row):(r + 1) * len(row)]
-                                 for r in range(self.world)])
-        if message is not None:
-            raise ValueError(message)
-        if any_bad:
-            vocab = sum(host[1::len(row)])
-            _checks.check_active_ids(ids.reshape(self.lead), mask.reshape(self.lead), vocab)
+        """The ranks' agreement on the call's shapes, then the id check against the global
+        ``V`` (:func:`ratiokl.torch._vocab_agree.agree`)."""
+        kind = _vocab_agree.LOGITS if n_shards == 1 else _vocab_agree.LOGITS_REF
+        _vocab_agree.agree(self.group, _vocab_agree.signature(self.lead, kind, local_vocab),
+                           self.lead, ids, mask)

@@ -360,6 +360,7 @@ def linear_selected_logprobs(
     chunk_rows: int = 2048,
     backend: BackendName = "auto",
     check_ids: bool = True,
+    vocab_group: Optional[torch.distributed.ProcessGroup] = None,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     r""":func:`selected_logprobs` (and the entropy) of the lm_head's logits, never holding them
     for all rows.
@@ -433,7 +434,7 @@ def linear_selected_logprobs(
     return _linear_route.linear_selected_logprobs(
         hidden, weight, action_ids, mask, bias=bias, temperature=temperature,
         logit_scale=logit_scale, logit_softcap=logit_softcap, return_entropy=return_entropy,
-        chunk_rows=chunk_rows, backend=backend, check_ids=check_ids,
+        chunk_rows=chunk_rows, backend=backend, check_ids=check_ids, vocab_group=vocab_group,
     )
 
 
@@ -469,6 +470,7 @@ def linear_policy_loss(
     temperature: Temperature = 1.0,
     backend: BackendName = "auto",
     check_ids: bool = True,
+    vocab_group: Optional[torch.distributed.ProcessGroup] = None,
 ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     r""":func:`policy_loss` of the lm_head's logits, never holding them for all rows.
 
@@ -527,5 +529,5 @@ def linear_policy_loss(
         importance_weights=importance_weights, log_ratio_bound=log_ratio_bound,
         temperature=temperature, backend=backend, check_ids=check_ids,
         rollout_logps=rollout_logps, rollout_correction=rollout_correction,
-        rollout_bounds=rollout_bounds,
+        rollout_bounds=rollout_bounds, vocab_group=vocab_group,
     )
