@@ -126,8 +126,10 @@ def _backward(static: _Static, hidden, weight, bias, ids, mask, temp, lse, ent, 
     """``(d hidden, d weight, d bias | None)`` in the inputs' dtypes."""
     n_rows = hidden.shape[0]
     per_row_temp = temp.shape[0] == n_rows and n_rows > 1
-    carry = (jnp.zeros(hidden.shape, hidden.dtype), jnp.zeros(weight.shape, weight.dtype),
-             jnp.zeros(weight.shape[:1], jnp.float32))
+    # zeros_like: typed as the inputs are inside shard_map (a vocabulary-sharded weight's
+    # gradient varies over the axis).
+    carry = (jnp.zeros_like(hidden), jnp.zeros_like(weight),
+             jnp.zeros_like(weight, jnp.float32, shape=weight.shape[:1]))
 
     def step(start, size: int, carry):
         grad_hidden, grad_weight, grad_bias = carry

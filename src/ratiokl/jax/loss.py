@@ -363,6 +363,7 @@ def linear_selected_logprobs(
     chunk_rows: int = 2048,
     backend: BackendName = "auto",
     check_ids: bool = True,
+    vocab_axis: Optional[str] = None,
 ) -> Union[jax.Array, Tuple[jax.Array, jax.Array]]:
     r""":func:`selected_logprobs` (and the entropy) of the lm_head's logits, never holding them
     for all rows.
@@ -400,7 +401,7 @@ def linear_selected_logprobs(
     return _linear_route.linear_selected_logprobs(
         hidden, weight, action_ids, mask, bias=bias, temperature=temperature,
         logit_scale=logit_scale, logit_softcap=logit_softcap, return_entropy=return_entropy,
-        chunk_rows=chunk_rows, backend=backend, check_ids=check_ids,
+        chunk_rows=chunk_rows, backend=backend, check_ids=check_ids, vocab_axis=vocab_axis,
     )
 
 
@@ -436,6 +437,7 @@ def linear_policy_loss(
     temperature: Temperature = 1.0,
     backend: BackendName = "auto",
     check_ids: bool = True,
+    vocab_axis: Optional[str] = None,
 ) -> Tuple[jax.Array, Dict[str, jax.Array]]:
     """:func:`policy_loss` of the lm_head's logits, never holding them for all rows.
 
@@ -466,5 +468,5 @@ def linear_policy_loss(
         importance_weights=importance_weights, log_ratio_bound=log_ratio_bound,
         temperature=temperature, backend=backend, check_ids=check_ids,
         rollout_logps=rollout_logps, rollout_correction=rollout_correction,
-        rollout_bounds=rollout_bounds,
+        rollout_bounds=rollout_bounds, vocab_axis=vocab_axis,
     )
