@@ -15,9 +15,13 @@ a contiguous block of the vocabulary. JAX (a subprocess, so the frameworks never
 share a GPU allocator): ``shard_map`` over a ``tp``-device mesh (``vocab_axis=``).
 The inputs are the benchmark suite's (``_inputs.make_inputs``: bf16 logits,
 ``ref`` = policy + noise, ``old_logps`` the exact log-probs + noise, N = 8192 as
-``[8, 1024]``, V = 151,936), the same on every rank. For every case of
+``[8, 1024]``, V = 151,936), the same on every rank; the linear cases
+(``linear_selected_logprobs`` with the entropy, ``linear_policy_loss`` with and without
+``entropy_coef``) take bf16 hidden states ``[N, H]`` (H = 4096) and the lm_head ``weight
+[V, H]`` instead (:func:`head_inputs`), sharded by rows. For every case of
 :func:`cases` (``ratio_kl``; ``selected_logprobs`` and its entropy; ``policy_loss``
-over every ``loss_agg``, GSPO, ``entropy_coef``, each rollout correction, CISPO):
+over every ``loss_agg``, GSPO, ``entropy_coef``, each rollout correction, CISPO; the two
+linear ops):
 
 - the first sharded call says whether the installed ratiokl supports the case
   (a ``NotImplementedError`` or ``TypeError`` records it as ``unsupported``, with
@@ -26,8 +30,10 @@ over every ``loss_agg``, GSPO, ``entropy_coef``, each rollout correction, CISPO)
 - values: the sharded outputs against the unsharded single-GPU call on the
   same inputs, and each rank's gradient against its slice of the unsharded
   gradient, within the fixture tolerances (``ratiokl.spec.forward_tolerance`` /
-  ``grad_tolerance``) and a relative L2 error within the same rtol (outputs) or
-  two bf16 roundings (gradient);
+  ``grad_tolerance``; the linear cases: ``linear_forward_tolerance`` /
+  ``linear_grad_tolerance``, for ``d hidden`` and the rank's rows of ``d weight``) and a
+  relative L2 error within the same rtol (outputs) or two bf16 roundings (gradient;
+  :func:`case_tolerance`);
 - time, user timing (PERF.md): one forward+backward per rank against the
   unsharded single-GPU call, and the case's all-reduces alone (the ``[N]``
   collectives it makes, recorded from a call and replayed on their own); the
