@@ -59,10 +59,10 @@ LINEAR = WORKER.with_name("vocab_parallel_linear_worker.py")
 
 def test_linear_ops_sharded_head_native() -> None:
     """Both linear ops with the lm_head's rows on ``tp`` (native): values and gradients vs
-    the spec and the unsharded call, grad inside the body, the refusals, bad ids, the
-    compiled collectives."""
-    _run("logprobs", "grad_inside_body", "policy_loss", "refusals", "bad_ids", "collectives",
-         worker=LINEAR, backend=("native",))
+    the spec and the unsharded call, grad inside the body, a dp x tp mesh (and the
+    replicated head with rows on dp), the refusals, bad ids, the compiled collectives."""
+    _run("logprobs", "grad_inside_body", "data_and_tensor_parallel", "policy_loss",
+         "refusals", "bad_ids", "collectives", worker=LINEAR, backend=("native",))
 
 
 def test_linear_ops_sharded_head_interpret() -> None:

@@ -141,6 +141,31 @@ def check_grad_inside_body() -> None:
         assert_close(grads[name], grads_1[name], tols[name], f"d {name} vs unsharded")
 
 
+def check_data_and_tensor_parallel() -> None:
+    """A 2 x 2 mesh: rows on ``dp`` (hidden, ids, mask, temperature), the head's rows on
+    ``tp``: values and gradients equal the unsharded call's (``d weight`` summed over
+    ``dp``). Also the head replicated (no ``vocab_axis``) with rows on ``dp`` alone."""
+    from jax.sharding import AxisType
+
+    mesh = jax.make_mesh((2, 2), ("dp", "tp"), axis_types=(AxisType.Auto,) * 2)
+    case = make_case(8, (4, 3), WIDTH, VOCAB, 2, "float32")
+    head, x = _arrays(case, "float32")
+    rows = {k: P("dp") for k in x}
+    for axis, head_specs in (("tp", dict(hidden=P("dp"), weight=P("tp", None), bias=P("tp"))),
+                             (None, dict(hidden=P("dp"), weight=P(), bias=P()))):
+        sharded = jax.shard_map(lambda h, t, a=axis: _logprobs_objective(True, a)(h, t)[1],
+                                mesh=mesh, in_specs=(head_specs, rows), out_specs=P("dp"))
+
+        def objective(head, x):  # the outputs per row (split on dp), summed outside
+            out = sharded(head, x)
+            return jnp.sum(out["logp"] * x["g_logp"] + out["entropy"] * x["g_ent"]), out
+
+        (_, outputs), grads = jax.jit(jax.value_and_grad(objective, has_aux=True))(head, x)
+        (_, outputs_1), grads_1 = jax.value_and_grad(_logprobs_objective(True),
+                                                     has_aux=True)(head, x)
+        _judge(case, "float32", True, outputs, grads, outputs_1, grads_1)
+
+
 def check_policy_loss() -> None:
     """Sharded ``linear_policy_loss`` equals the unsharded call: loss, metrics, gradients."""
     options = [dict(entropy_coef=0.2, loss_agg="seq-mean-token-mean")]
@@ -239,6 +264,7 @@ CHECKS: Dict[str, Callable[[], None]] = {
     "logprobs": check_logprobs,
     "grad_inside_body": check_grad_inside_body,
     "policy_loss": check_policy_loss,
+    "data_and_tensor_parallel": check_data_and_tensor_parallel,
     "refusals": check_refusals,
     "bad_ids": check_bad_ids,
     "collectives": check_collectives,

@@ -33,6 +33,7 @@ from ratiokl.jax._checks import Temperature
 from ratiokl.jax._launch import TritonCall
 from ratiokl.jax._lm_head import head_grads, head_logits
 from ratiokl.jax._triton import kernel_rows
+from ratiokl.jax._vocab_parallel import varying_axes
 from ratiokl.spec import LogitTransform
 
 __all__ = ["NATIVE_ROWS", "RowOps", "selected_logprobs", "triton_rows"]
@@ -94,10 +95,15 @@ def _kept(hidden: jax.Array, mask: jax.Array) -> jax.Array:
 
 
 def _loop(n_rows: int, chunk: int, step: Callable, carry):
-    """``step(start, size, carry)`` over the row chunks: the full ones in a ``fori_loop``."""
+    """``step(start, size, carry)`` over the row chunks: the first on its own, which types
+    the carry as the chunks' values are typed (inside ``shard_map``: the mesh axes they vary
+    over, which the zeros it starts from do not know), then the other full ones in a
+    ``fori_loop``, the remainder last."""
     full, rest = divmod(n_rows, chunk)
     if full:
-        carry = lax.fori_loop(0, full, lambda i, c: step(i * chunk, chunk, c), carry)
+        carry = step(0, chunk, carry)
+    if full > 1:
+        carry = lax.fori_loop(1, full, lambda i, c: step(i * chunk, chunk, c), carry)
     if rest:
         carry = step(full * chunk, rest, carry)
     return carry
@@ -190,4 +196,19 @@ def selected_logprobs(ops: RowOps, hidden: jax.Array, weight: jax.Array,
     w.r.t. ``hidden``, ``weight`` and ``bias``."""
     ids, mask_k, temp = kernel_rows(ids, mask, temperature)
     static = _Static(ops, transform, min(chunk_rows, max(hidden.shape[0], 1)), entropy)
+    hidden, weight, bias = _alike(hidden, weight, bias, ids, mask_k, temp)
     return _linear(static, hidden, weight, bias, ids, mask_k, lax.stop_gradient(temp))
+
+
+def _alike(hidden, weight, bias, *others):
+    """``hidden``, ``weight`` and ``bias`` typed as varying over every mesh axis that any
+    argument varies over (inside ``shard_map``; nothing changes outside it). Their
+    gradients, sums over rows and vocabulary, vary over all of them; JAX transposes each
+    ``pcast`` into the ``psum`` over the axes the input did not vary over: the whole
+    ``d hidden`` of replicated hidden states over a vocabulary-sharded head, the whole
+    ``d weight`` of a weight replicated over data-parallel rows."""
+    arrays = (hidden, weight, bias)
+    axes = frozenset().union(*(varying_axes(x) for x in arrays + others if x is not None))
+    return tuple(x if x is None or axes <= varying_axes(x) else
+                 lax.pcast(x, tuple(sorted(axes - varying_axes(x))), to="varying")
+                 for x in arrays)

@@ -13,10 +13,13 @@ device; the backward's block gradient ``dx = (g (onehot(a) - p) - g_H p (log p +
 from the global ``lse`` and ``H`` (the one-hot on the owning device only), no collective.
 
 ``d weight`` and ``d bias`` are the device's rows of the unsharded gradients. ``d hidden``:
-the hidden states enter as ``pcast(hidden, axis, to="varying")``; the block's partial
+the hidden states enter the chunk loop as ``pcast(hidden, axis, to="varying")``
+(``_linear_logprobs._alike``, as the weight varies over the axis); the block's partial
 ``du_k W_k`` is that varying value's cotangent, and JAX transposes the ``pcast`` into one
 ``psum`` of ``[N, H]``, the full gradient on every device (hidden states already typed as
-varying over the axis keep their partial, as JAX's typing asks).
+varying over the axis keep their partial, as JAX's typing asks). Other mesh axes compose
+the same way (rows split over a data-parallel axis: the weight is cast along it, so its
+gradient is summed over it).
 
 The ``jax.custom_vjp`` around the chunks holds the collectives, so the types must tell JAX
 what varies: ``check_vma=True`` (``shard_map``'s default), ``weight`` / ``bias`` varying
@@ -104,5 +107,5 @@ def selected_logprobs(axis: str, shard_rows: Optional[Callable], hidden: jax.Arr
                 "JAX cannot tell what varies and the gradients would be scaled wrongly"
             )
     ops = native_rows(axis) if shard_rows is None else shard_rows(axis)
-    return _linear_logprobs.selected_logprobs(ops, as_varying(hidden, axis), weight, bias, ids,
-                                              mask, temperature, transform, chunk_rows, entropy)
+    return _linear_logprobs.selected_logprobs(ops, hidden, weight, bias, ids, mask, temperature,
+                                              transform, chunk_rows, entropy)

@@ -54,7 +54,7 @@ from ratiokl.jax._checks import Temperature
 from ratiokl.spec import vocab_blocks
 
 __all__ = ["VocabParallel", "as_varying", "backend", "block_logps", "global_vocab",
-           "varies_over"]
+           "varies_over", "varying_axes"]
 
 
 def _axis_size(axis: str) -> int:
@@ -76,13 +76,20 @@ def global_vocab(local_vocab: int, axis: Optional[str], argument: str = "logits"
     return vocab_blocks([local_vocab] * _axis_size(axis), argument)[1]
 
 
-def varies_over(x: jax.Array, axis: str) -> bool:
-    """Whether ``x`` is typed as varying over mesh ``axis`` (never with ``check_vma=False``)."""
+def varying_axes(x: jax.Array) -> frozenset:
+    """The mesh axes ``x`` is typed as varying over inside ``shard_map`` (none outside it,
+    or with ``check_vma=False``)."""
     aval = jax.typeof(x)
     vma = getattr(aval, "vma", None)  # JAX < 0.9 spelling
     if vma is None:
-        vma = aval.manual_axis_type.varying
-    return axis in vma
+        manual = getattr(aval, "manual_axis_type", None)
+        vma = frozenset() if manual is None else manual.varying
+    return frozenset(vma)
+
+
+def varies_over(x: jax.Array, axis: str) -> bool:
+    """Whether ``x`` is typed as varying over mesh ``axis`` (never with ``check_vma=False``)."""
+    return axis in varying_axes(x)
 
 
 def as_varying(x: jax.Array, axis: str) -> jax.Array:
