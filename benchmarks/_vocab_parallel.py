@@ -742,7 +742,9 @@ class _JaxRun:
         import jax
         import jax.numpy as jnp
 
-        named = lambda g: dict(zip(("grad", "grad_weight"), g if case.linear else (g,)))  # noqa: E731
+        def named(g):  # the gradients by check name (linear: hidden, then weight)
+            return dict(zip(("grad", "grad_weight"), g if case.linear else (g,)))
+
         ((_, outputs_1), grads_1), ((_, outputs), grads) = whole, split
         scale = self.head["scale"] if case.linear else self.logit_scale
         checks = {}

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from ratiokl.spec import LogitTransform
 from ratiokl.torch import _linear_logprobs, _vocab_agree
 from ratiokl.torch._checks import Temperature
-from ratiokl.torch._vocab_parallel import VocabParallel, _shard_grad, _stats
+from ratiokl.torch._vocab_parallel import VocabParallel, native_block_grad
 
 __all__ = ["selected_logprobs"]
 
@@ -68,13 +68,9 @@ class _BlockRows:
     def forward(self, x: Tensor, ids: Tensor, mask: Tensor, temperature: Temperature,
                 entropy: bool):
         """``(logp, entropy | None, lse)`` float32 ``[C]``, global: two all-reduces."""
-        temperature = _neutral(temperature, mask)
-        stats = _stats([x], mask, temperature, self.parallel.kernels, entropy)
-        z_sel, lse, ent, _, _, self.start = self.parallel._combine([x], stats, ids, mask,
-                                                                   temperature)
-        zero = torch.zeros_like(lse[0])
-        logp = torch.where(mask, z_sel[0] - lse[0], zero)
-        return logp, None if ent is None else torch.where(mask, ent, zero), lse[0]
+        logp, ent, lse, self.start = self.parallel.block_stats(
+            x, ids, mask, _neutral(temperature, mask), entropy)
+        return logp, ent, lse
 
     def backward(self, x: Tensor, ids: Tensor, mask: Tensor, temperature: Temperature,
                  lse: Tensor, ent: Optional[Tensor], g_logp: Optional[Tensor],
@@ -93,8 +89,8 @@ class _BlockRows:
                 x, torch.where(owned, local, -1), mask, temperature, lse, ent, g_logp, g_ent,
                 out)
         g_logp = zero if g_logp is None else torch.where(mask, g_logp, zero)
-        return _shard_grad(x, lse, torch.where(owned, local, 0), owned, mask, temperature,
-                           g_logp, g_ent, ent)
+        return native_block_grad(x, lse, torch.where(owned, local, 0), owned, mask,
+                                 temperature, g_logp, g_ent, ent)
 
 
 class _SumGrad(torch.autograd.Function):

@@ -61,7 +61,7 @@ from ratiokl._backend import Backend
 from ratiokl.torch import _native, _objective, _vocab_agree
 from ratiokl.torch._checks import Temperature
 
-__all__ = ["VocabParallel", "backend"]
+__all__ = ["VocabParallel", "backend", "native_block_grad"]
 
 
 def backend(group: dist.ProcessGroup, lead: Tuple[int, ...], kernels: bool,
@@ -184,13 +184,13 @@ class _AttachGrad(torch.autograd.Function):
                 g_ent, ent,
             )
         else:
-            grad = _shard_grad(logits, lse, local_ids, owned, mask, temperature, g_logp,
-                               g_ent, ent)
+            grad = native_block_grad(logits, lse, local_ids, owned, mask, temperature,
+                                     g_logp, g_ent, ent)
         return grad, None, None, None, None, None, None, None, None
 
 
-def _shard_grad(logits, lse, local_ids, owned, mask, temperature, g_logp, g_ent,
-                ent) -> torch.Tensor:
+def native_block_grad(logits, lse, local_ids, owned, mask, temperature, g_logp, g_ent,
+                      ent) -> torch.Tensor:
     """This shard's slice of ``(g * (onehot(a) - p) - g_ent * p * (log p + H)) / T`` in the
     logits' dtype, ``p = softmax(z)`` (``g_ent`` None: no entropy term)."""
     n_rows, vocab = logits.shape
@@ -309,6 +309,18 @@ class VocabParallel:
         if ref is None:
             return logp, None, ent
         return logp, torch.where(mask, z_sel[1] - lse[1], torch.zeros_like(lse[1])), ent
+
+    def block_stats(self, block: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor,
+                    temperature: Temperature, entropy: bool):
+        """``(logp, entropy | None, lse, start_r)`` of this rank's block ``[N, V_r]`` of the
+        logits (detached; ``temperature`` 1 on inactive rows): the global float32 ``[N]``
+        row values of :meth:`logprobs` without its gradient, and the rank's first column,
+        from the same statistics and the same two all-reduces (the linear ops' chunks)."""
+        stats = _stats([block], mask, temperature, self.kernels, entropy)
+        z_sel, lse, ent, _, _, start = self._combine([block], stats, ids, mask, temperature)
+        zero = torch.zeros_like(lse[0])
+        logp = torch.where(mask, z_sel[0] - lse[0], zero)
+        return logp, None if ent is None else torch.where(mask, ent, zero), lse[0], start
 
     def _combine(
         self,
