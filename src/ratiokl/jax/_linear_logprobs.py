@@ -7,14 +7,17 @@ one ``[C, V]`` array in the weight's dtype), then the backend's row statistics (
 the entropy, ``lse``). A ``jax.custom_vjp`` keeps ``lse`` and the entropy (O(N)) beside its
 inputs; the backward recomputes each chunk's logits, takes the backend's row gradient ``dx``
 of ``(g_logp, g_entropy)`` and adds the chunk's share of ``d hidden``, ``d weight`` and ``d
-bias`` (``_lm_head.head_grads``). The full chunks run in a ``lax.fori_loop`` (one chunk's
-logits live at a time), the remainder once after it, as ``ratiokl.jax._linear`` does. A
-cotangent nothing produced (the entropy's, when only ``logp`` is differentiated) drops its
-term (symbolic zeros).
+bias`` (``_lm_head.head_grads``). The first chunk runs on its own, typing the carries
+inside ``shard_map``, the other full chunks in a ``lax.fori_loop`` (one chunk's logits live
+at a time), the remainder once after it. A cotangent nothing produced (the entropy's, when
+only ``logp`` is differentiated) drops its term (symbolic zeros).
 
 The row statistics and gradient come from a :class:`RowOps`: the shared Triton kernels
-through a launch function (:func:`triton_rows`: ``"triton"``, ``"interpret"``) or XLA's ops
-(:data:`NATIVE_ROWS`).
+through a launch function (:func:`triton_rows`: ``"triton"``, ``"interpret"``), XLA's ops
+(:data:`NATIVE_ROWS`), or one vocabulary block's with ``vocab_axis``
+(``ratiokl.jax._vocab_linear``). Inside ``shard_map`` the hidden states, weight and bias
+are cast to vary over every mesh axis any input varies over (:func:`_alike`), so each
+gradient is summed over the axes its input was replicated on.
 """
 
 from __future__ import annotations
