@@ -15,9 +15,13 @@ a contiguous block of the vocabulary. JAX (a subprocess, so the frameworks never
 share a GPU allocator): ``shard_map`` over a ``tp``-device mesh (``vocab_axis=``).
 The inputs are the benchmark suite's (``_inputs.make_inputs``: bf16 logits,
 ``ref`` = policy + noise, ``old_logps`` the exact log-probs + noise, N = 8192 as
-``[8, 1024]``, V = 151,936), the same on every rank. For every case of
+``[8, 1024]``, V = 151,936), the same on every rank; the linear cases
+(``linear_selected_logprobs`` with the entropy, ``linear_policy_loss`` with and without
+``entropy_coef``) take bf16 hidden states ``[N, H]`` (H = 4096) and the lm_head ``weight
+[V, H]`` instead (:func:`head_inputs`), sharded by rows. For every case of
 :func:`cases` (``ratio_kl``; ``selected_logprobs`` and its entropy; ``policy_loss``
-over every ``loss_agg``, GSPO, ``entropy_coef``, each rollout correction, CISPO):
+over every ``loss_agg``, GSPO, ``entropy_coef``, each rollout correction, CISPO; the two
+linear ops):
 
 - the first sharded call says whether the installed ratiokl supports the case
   (a ``NotImplementedError`` or ``TypeError`` records it as ``unsupported``, with
@@ -26,8 +30,10 @@ over every ``loss_agg``, GSPO, ``entropy_coef``, each rollout correction, CISPO)
 - values: the sharded outputs against the unsharded single-GPU call on the
   same inputs, and each rank's gradient against its slice of the unsharded
   gradient, within the fixture tolerances (``ratiokl.spec.forward_tolerance`` /
-  ``grad_tolerance``) and a relative L2 error within the same rtol (outputs) or
-  two bf16 roundings (gradient);
+  ``grad_tolerance``; the linear cases: ``linear_forward_tolerance`` /
+  ``linear_grad_tolerance``, for ``d hidden`` and the rank's rows of ``d weight``) and a
+  relative L2 error within the same rtol (outputs) or two bf16 roundings (gradient;
+  :func:`case_tolerance`);
 - time, user timing (PERF.md): one forward+backward per rank against the
   unsharded single-GPU call, and the case's all-reduces alone (the ``[N]``
   collectives it makes, recorded from a call and replayed on their own); the
@@ -94,6 +100,7 @@ class Config:
     tp: int
     rows: int = 8192
     vocab: int = 151936
+    hidden: int = 4096  # the linear cases' H
     density: float = 0.9
     cpu: bool = False
     backend: str = "auto"
@@ -116,6 +123,38 @@ class Config:
         return sum(sizes[:rank]), sum(sizes[: rank + 1])
 
 
+def head_inputs(cfg: Config, device: Any) -> Dict[str, Any]:
+    """The linear cases' inputs, the same on every rank: the suite's lm_head step's recipe
+    (``_inputs._step_inputs``, without its ``[N, V]`` gradients): bf16 ``hidden [N, H]`` and
+    ``weight [V, H]`` scaled so that the logits spread as standard normals times 2, the
+    per-token inputs ``[B, T]`` (``old_logps`` / ``ref_logps``: the exact log-probs plus
+    noise), and ``logit_scale``, the largest ``|logit|`` (from one pass of row chunks)."""
+    import torch
+
+    from _inputs import _Random
+
+    case = cfg.case()
+    r = _Random(device, cfg.seed)
+    hidden = r.randn(case.n, cfg.hidden, dt=torch.bfloat16)
+    weight = r.randn(case.v, cfg.hidden, dt=torch.bfloat16).mul_(2.0 / cfg.hidden**0.5)
+    ids, mask = r.ids(case), r.mask(case)
+    logps = torch.empty(case.n, dtype=torch.float32, device=device)
+    scale = 0.0
+    with torch.no_grad():
+        for start in range(0, case.n, 1024):
+            rows = slice(start, min(start + 1024, case.n))
+            logits = (hidden[rows] @ weight.T).float()
+            scale = max(scale, float(logits.abs().max()))
+            logps[rows] = torch.log_softmax(logits, dim=-1).gather(
+                1, ids.reshape(-1)[rows, None])[:, 0]
+    lead = (case.batch, case.seq)
+    logps = logps.reshape(lead)
+    return {"hidden": hidden, "weight": weight, "ids": ids, "mask": mask,
+            "old_logps": logps + 0.05 * r.randn(*lead), "ref_logps": logps + 0.05 * r.randn(*lead),
+            "advantages": r.randn(case.batch), "cot_a": r.randn(*lead), "cot_b": r.randn(*lead),
+            "logit_scale": scale}
+
+
 def default_name(tp: int, cpu: bool) -> str:
     return f"{'cpu' if cpu else 'h200'}x{tp}_vocab_parallel.json"
 
@@ -131,9 +170,14 @@ class Case:
     """
 
     name: str
-    op: str  # "ratio_kl" | "selected_logprobs" | "policy_loss"
+    op: str  # "ratio_kl" | "selected_logprobs" | "policy_loss" | "linear_*"
     options: Dict[str, Any] = field(default_factory=dict)
     rollout: bool = False
+
+    @property
+    def linear(self) -> bool:
+        """An op from hidden states: the lm_head ``weight [V, H]`` sharded by rows."""
+        return self.op.startswith("linear_")
 
 
 def cases() -> List[Case]:
@@ -156,6 +200,10 @@ def cases() -> List[Case]:
                  rollout=True) for mode in modes]
     out += [Case("policy_loss_cispo", "policy_loss",
                  {"objective": "cispo", "clip_eps_high": 0.28})]
+    out += [Case("linear_selected_logprobs_entropy", "linear_selected_logprobs",
+                 {"return_entropy": True}),
+            Case("linear_policy_loss", "linear_policy_loss"),
+            Case("linear_policy_loss_entropy", "linear_policy_loss", {"entropy_coef": 0.01})]
     return out
 
 
@@ -174,10 +222,14 @@ def run_case(loss: Any, case: Case, policy: Any, ref: Any, x: Dict[str, Any], ba
              **sharding: Any) -> Tuple[Any, Dict[str, Any]]:
     """``(scalar to differentiate, {output: array})`` of one call; torch or JAX ``loss``.
 
+    ``policy``, ``ref``: the policy and reference logits, or for the linear cases the hidden
+    states ``[N, H]`` and the lm_head ``weight [V, H]`` (a rank's rows when sharded).
     ``x``: the per-token inputs (``_inputs`` names); ``sharding``: ``vocab_group=`` or
     ``vocab_axis=`` (nothing: the unsharded call).
     """
     kw = dict(case.options, backend=backend, **sharding)
+    if case.linear:
+        return _run_linear_case(loss, case, policy, ref, x, kw)
     if case.op == "ratio_kl":
         ratio, kl = loss.ratio_kl(policy, ref, x["ids"], x["mask"], x["old_logps"], **kw)
         return (x["cot_a"] * ratio + x["cot_b"] * kl).sum(), {"ratio": ratio, "kl": kl}
@@ -197,8 +249,29 @@ def run_case(loss: Any, case: Case, policy: Any, ref: Any, x: Dict[str, Any], ba
     return value, {"loss": value, **metrics}
 
 
+def _run_linear_case(loss: Any, case: Case, hidden: Any, weight: Any, x: Dict[str, Any],
+                     kw: Dict[str, Any]) -> Tuple[Any, Dict[str, Any]]:
+    """:func:`run_case` of the two ops from hidden states (``ids`` etc. flattened to ``[N]``,
+    as the hidden states are)."""
+    ids, mask = x["ids"].reshape(-1), x["mask"].reshape(-1)
+    if case.op == "linear_selected_logprobs":
+        logp, entropy = loss.linear_selected_logprobs(hidden, weight, ids, mask, **kw)
+        cot_a, cot_b = x["cot_a"].reshape(-1), x["cot_b"].reshape(-1)
+        return ((cot_a * logp + cot_b * entropy).sum(), {"logp": logp, "entropy": entropy})
+    from _cases import CLIP_EPS, KL_COEF
+
+    # The per-token inputs keep their [B, T] shape: the sequence aggregations need it.
+    lead = x["ids"].shape
+    value, metrics = loss.linear_policy_loss(
+        hidden.reshape(*lead, hidden.shape[-1]), weight, x["ids"], x["mask"], x["old_logps"],
+        x["advantages"], ref_logps=x["ref_logps"], clip_eps=CLIP_EPS, kl_coef=KL_COEF, **kw)
+    return value, {"loss": value, **metrics}
+
+
 #: The per-token inputs a case reads (``_inputs.TorchInputs`` fields).
 TOKEN_FIELDS = ("ids", "mask", "old_logps", "advantages", "rollout_logps", "cot_a", "cot_b")
+#: The linear cases' (``_vocab_parallel.head_inputs``), beside the hidden states and weight.
+HEAD_FIELDS = ("ids", "mask", "old_logps", "ref_logps", "advantages", "cot_a", "cot_b")
 
 
 # ----------------------------------------------------------------------------- checks (shared)
@@ -239,6 +312,29 @@ def judge(stats: Sequence[Any], tol: Any, rel_limit: float) -> Dict[str, Any]:
             "worst_over_tolerance": worst, "rel_l2": rel, "rel_l2_limit": rel_limit,
             "max_abs_error": max_err, "max_abs_expected": max_size,
             "nan_mismatches": int(nan_mismatch), "tolerance": tol.as_dict()}
+
+
+def case_tolerance(case: Case, name: str, logit_scale: float, cfg: Config,
+                   magnitude: Optional[float] = None) -> Tuple[Any, float]:
+    """``(tolerance, relative L2 limit)`` of one output (``magnitude`` None) or gradient
+    (``magnitude``: its largest entry) of ``case``: the fixture tolerances at the logits'
+    scale; for the linear cases ``ratiokl.spec``'s linear ones (the logits rounded to bf16
+    by their GEMM, the gradients GEMM sums relative to their largest entry) and a relative
+    L2 error within two bf16 roundings, outputs and gradients alike, except ``d hidden``:
+    the sum of ``tp`` partial products ``du_r W_r``, each rounded to bf16 and summed in
+    bf16 by the all-reduce, where one GEMM rounds once: its limit grows as ``sqrt(tp)``."""
+    from ratiokl import spec
+
+    if magnitude is not None:
+        if not case.linear:
+            return tolerances(logit_scale, magnitude)[1], grad_rel_limit()
+        tol = spec.linear_grad_tolerance("bfloat16", logit_scale, magnitude)
+        return tol, grad_rel_limit() * (math.sqrt(cfg.tp) if name == "grad" else 1.0)
+    if case.linear:  # the entropy's looser rule for every output but logp
+        return spec.linear_forward_tolerance("bfloat16", logit_scale, cfg.vocab,
+                                             entropy=name != "logp"), grad_rel_limit()
+    tol = spec.forward_tolerance(logit_scale)
+    return tol, tol.rtol
 
 
 def target(sharded_ms: float, unsharded_ms: float, allreduce_ms: float, tp: int) -> Dict:
@@ -321,7 +417,8 @@ def _agreed_do_bench(fn: Callable[[], Any], agree: Callable[[float], float],
 
 
 class _TorchRank:
-    """One rank's state: its device, group, the global inputs and its shard of them."""
+    """One rank's state: its device, group, the global inputs and its shard of them (the
+    logits' columns; for the linear cases the lm_head's rows, built on their first use)."""
 
     def __init__(self, cfg: Config, rank: int) -> None:
         import torch
@@ -333,14 +430,34 @@ class _TorchRank:
         self.cuda = not cfg.cpu
         self.device = torch.device("cuda", rank) if self.cuda else torch.device("cpu")
         self.group = dist.group.WORLD
+        self.cols = slice(*cfg.bounds(rank))
+        self.head: Optional[Dict[str, Any]] = None
+        if all(case.linear for case in selected(cfg)):
+            return
         inputs = make_inputs(cfg.case(), self.device, cfg.seed)  # the same on every rank
         self.whole = inputs.policy.detach().requires_grad_(True)
         self.whole_ref = inputs.ref
         self.x = {k: getattr(inputs, k) for k in TOKEN_FIELDS}
-        self.cols = slice(*cfg.bounds(rank))
         self.shard = self.whole.detach()[..., self.cols].contiguous().requires_grad_(True)
         self.shard_ref = self.whole_ref[..., self.cols].contiguous()
         self.logit_scale = float(self.whole.detach().abs().max())
+
+    def operands(self, case: Case, sharded: bool) -> List[Any]:
+        """``[policy, ref]`` of the call (linear cases: ``[hidden, weight]``, their own
+        leaves for the sharded and the unsharded call; the weight's rows when sharded)."""
+        if not case.linear:
+            return [self.shard, self.shard_ref] if sharded else [self.whole, self.whole_ref]
+        if self.head is None:
+            head = head_inputs(self.cfg, self.device)
+            weight = head.pop("weight")
+            self.head = {"hidden": head.pop("hidden"), "weight": weight,
+                         "weight_shard": weight[self.cols].contiguous(),
+                         "scale": head.pop("logit_scale"), "x": head}
+            for key in ("hidden", "weight", "weight_shard"):
+                self.head[key].requires_grad_(True)
+            self.head["hidden_shard"] = self.head["hidden"].detach().clone().requires_grad_(True)
+        h = self.head
+        return [h["hidden_shard"], h["weight_shard"]] if sharded else [h["hidden"], h["weight"]]
 
     def agree(self, value: float) -> float:
         """The largest ``value`` over the ranks."""
@@ -352,16 +469,33 @@ class _TorchRank:
         if self.cuda:
             self.torch.cuda.synchronize()
 
-    def step(self, case: Case, policy, ref, sharded: bool) -> Tuple[Any, Dict[str, Any]]:
-        """One forward+backward (the gradient in ``policy.grad``, a fresh one)."""
+    def step(self, case: Case, sharded: bool) -> Tuple[Any, Dict[str, Any]]:
+        """One forward+backward (fresh gradients in the operands' ``.grad``)."""
         from ratiokl.torch import loss
 
-        policy.grad = None
+        operands = self.operands(case, sharded)
+        leaves = operands if case.linear else operands[:1]
+        for leaf in leaves:
+            leaf.grad = None
         sharding = {"vocab_group": self.group} if sharded else {}
-        scalar, outputs = run_case(loss, case, policy, ref, self.x, self.cfg.backend,
-                                   **sharding)
+        x = self.head["x"] if case.linear else self.x
+        scalar, outputs = run_case(loss, case, *operands, x, self.cfg.backend, **sharding)
         scalar.backward()
         return scalar, outputs
+
+    def grads(self, case: Case, sharded: bool) -> Dict[str, Any]:
+        """The gradients a case compares, the unsharded ones cut to this rank's block:
+        ``grad`` (the logits', or the hidden states') and, linear, ``grad_weight``."""
+        operands = self.operands(case, sharded)
+        if not case.linear:
+            return {"grad": operands[0].grad if sharded else operands[0].grad[..., self.cols]}
+        weight = operands[1].grad if sharded else operands[1].grad[self.cols]
+        return {"grad": operands[0].grad, "grad_weight": weight}
+
+    def clear(self, case: Case) -> None:
+        for sharded in (True, False):
+            for leaf in self.operands(case, sharded)[: 2 if case.linear else 1]:
+                leaf.grad = None
 
     def collectives(self, fn: Callable[[], Any]) -> List[Tuple[Tuple[int, ...], Any, Any]]:
         """``(shape, dtype, op)`` of every ``all_reduce`` one ``fn()`` makes, in order."""
@@ -398,25 +532,26 @@ class _TorchRank:
         return None if extra is None else extra + sum(t.numel() * t.element_size()
                                                       for t in inputs)
 
-    def compare(self, whole: Tuple, sharded: Tuple) -> Dict[str, Dict]:
-        """The sharded outputs and gradient slice against the unsharded call's."""
-        torch = self.torch
-        (outputs_1, grad_1), (outputs, grad) = whole, sharded
-        fwd, grad_tol = tolerances(self.logit_scale, float(grad_1.abs().max()))
+    def compare(self, case: Case, whole: Tuple, sharded: Tuple) -> Dict[str, Dict]:
+        """The sharded outputs and gradient slices against the unsharded call's (``({output:
+        tensor}, {gradient: tensor})`` each, the unsharded gradients cut to the block)."""
+        scale = self.head["scale"] if case.linear else self.logit_scale
         checks = {}
-        for name, expected in outputs_1.items():
-            stats = error_stats(torch, outputs[name].detach().float(), expected.float(),
-                                fwd.rtol, fwd.atol)
-            checks[name] = judge(stats, fwd, fwd.rtol)
-        stats = error_stats(torch, grad.float(), grad_1.float(), grad_tol.rtol, grad_tol.atol)
-        checks["grad"] = judge(stats, grad_tol, grad_rel_limit())
+        for kind, (values_1, values) in enumerate(zip(whole, sharded)):
+            for name, expected in values_1.items():
+                expected = expected.detach().float()
+                magnitude = float(expected.abs().max()) if kind else None
+                tol, limit = case_tolerance(case, name, scale, self.cfg, magnitude)
+                stats = error_stats(self.torch, values[name].detach().float(), expected,
+                                    tol.rtol, tol.atol)
+                checks[name] = judge(stats, tol, limit)
         return checks
 
     def first_step(self, case: Case) -> Tuple[Optional[str], Dict[str, Any]]:
         """The first sharded call: ``(None, outputs)``, or ``(why not, {})`` where the
         installed ratiokl does not support the case sharded (the same on every rank)."""
         try:
-            _, outputs = self.step(case, self.shard, self.shard_ref, sharded=True)
+            _, outputs = self.step(case, sharded=True)
         except UNSUPPORTED as err:
             why, outputs = f"{type(err).__name__}: {err}", {}
         else:
@@ -430,23 +565,24 @@ class _TorchRank:
         if why is not None:
             return {"status": "unsupported", "reason": why}
         cfg = self.cfg
-        _, outputs_1 = self.step(case, self.whole, self.whole_ref, sharded=False)
+        grads = {k: v.clone() for k, v in self.grads(case, sharded=True).items()}
+        _, outputs_1 = self.step(case, sharded=False)
         whole = ({k: v.detach() for k, v in outputs_1.items()},
-                 self.whole.grad[..., self.cols].clone())
-        self.whole.grad = None
-        checks = self.compare(whole, (outputs, self.shard.grad))
-        del whole, outputs, outputs_1
-        one = lambda: self.step(case, self.whole, self.whole_ref, sharded=False)  # noqa: E731
-        split = lambda: self.step(case, self.shard, self.shard_ref, sharded=True)  # noqa: E731
+                 {k: v.clone() for k, v in self.grads(case, sharded=False).items()})
+        self.clear(case)
+        checks = self.compare(case, whole, (outputs, grads))
+        del whole, outputs, outputs_1, grads
+        one = lambda: self.step(case, sharded=False)  # noqa: E731
+        split = lambda: self.step(case, sharded=True)  # noqa: E731
         calls = self.collectives(split)
         ms = {"unsharded": _torch_bench(one, self.cuda, cfg.iters),
               "sharded": _torch_bench(split, self.cuda, cfg.iters, self.agree),
               "allreduce_alone": _torch_bench(self.replay(calls), self.cuda, cfg.iters,
                                               self.agree)}
-        self.whole.grad = self.shard.grad = None
-        memory = {"sharded_step_peak_bytes": self.peak(split, [self.shard, self.shard_ref]),
-                  "unsharded_step_peak_bytes": self.peak(one, [self.whole, self.whole_ref])}
-        self.whole.grad = self.shard.grad = None
+        self.clear(case)
+        memory = {"sharded_step_peak_bytes": self.peak(split, self.operands(case, True)),
+                  "unsharded_step_peak_bytes": self.peak(one, self.operands(case, False))}
+        self.clear(case)
         return {"status": "ok", "checks": checks, "ms": ms, "memory": memory,
                 "collectives": [[list(s), str(d).replace("torch.", ""), str(op)]
                                 for s, d, op in calls]}
@@ -513,7 +649,7 @@ class _JaxRun:
         import jax
         import jax.numpy as jnp
         import torch
-        from jax.sharding import AxisType, Mesh, NamedSharding
+        from jax.sharding import AxisType, Mesh
         from jax.sharding import PartitionSpec as P
 
         from _inputs import jax_inputs, make_inputs
@@ -528,63 +664,99 @@ class _JaxRun:
         self.devices = devices[: cfg.tp]
         self.mesh = Mesh(np.array(self.devices), ("tp",), axis_types=(AxisType.Auto,))
         self.P = P
-        torch_device = torch.device("cpu") if cfg.cpu else torch.device("cuda", 0)
-        arrays = jax_inputs(make_inputs(cfg.case(), torch_device, cfg.seed))
-        one = lambda a: jax.device_put(a, self.devices[0])  # noqa: E731
-        vocab_spec = NamedSharding(self.mesh, P(None, None, "tp"))
-        replicated = NamedSharding(self.mesh, P())
-        self.whole = [one(arrays["policy"]), one(arrays["ref"]),
-                      {k: one(arrays[k]) for k in TOKEN_FIELDS}]
-        self.split = [jax.device_put(arrays["policy"], vocab_spec),
-                      jax.device_put(arrays["ref"], vocab_spec),
-                      {k: jax.device_put(arrays[k], replicated) for k in TOKEN_FIELDS}]
-        del arrays
+        self.torch_device = torch.device("cpu") if cfg.cpu else torch.device("cuda", 0)
         self._stats = jax.jit(lambda a, e, rtol, atol: error_stats(  # one jit: compiled per shape
             jnp, a.astype(jnp.float32), e.astype(jnp.float32), rtol, atol))
+        self.head: Optional[Dict[str, Any]] = None
+        if all(case.linear for case in selected(cfg)):
+            return
+        arrays = jax_inputs(make_inputs(cfg.case(), self.torch_device, cfg.seed))
+        self.whole, self.split = self._place(
+            [arrays["policy"], arrays["ref"]], {k: arrays[k] for k in TOKEN_FIELDS},
+            P(None, None, "tp"), P(None, None, "tp"))
+        del arrays
         self.logit_scale = float(jnp.max(jnp.abs(self.whole[0].astype(jnp.float32))))
 
+    def _place(self, operands: List[Any], x: Dict[str, Any], *specs: Any) -> Tuple[List, List]:
+        """``(whole, split)`` argument lists: everything on device 0, and the operands
+        placed by ``specs`` over the mesh with ``x`` replicated."""
+        from jax.sharding import NamedSharding
+
+        jax = self.jax
+        one = lambda a: jax.device_put(a, self.devices[0])  # noqa: E731
+        replicated = NamedSharding(self.mesh, self.P())
+        whole = [one(a) for a in operands] + [{k: one(v) for k, v in x.items()}]
+        split = [jax.device_put(a, NamedSharding(self.mesh, spec))
+                 for a, spec in zip(operands, specs)]
+        return whole, split + [{k: jax.device_put(v, replicated) for k, v in x.items()}]
+
+    def arguments(self, case: Case, sharded: bool) -> List[Any]:
+        """The call's ``[policy, ref, x]`` (linear cases: ``[hidden, weight, x]``, built on
+        their first use: the weight's rows over the mesh when sharded)."""
+        if not case.linear:
+            return self.split if sharded else self.whole
+        if self.head is None:
+            from _inputs import _to_jax
+
+            head = head_inputs(self.cfg, self.torch_device)
+            scale = head.pop("logit_scale")
+            operands = [_to_jax(head.pop(k)) for k in ("hidden", "weight")]
+            x = {k: _to_jax(v) for k, v in head.items()}
+            whole, split = self._place(operands, x, self.P(), self.P("tp", None))
+            self.head = {"whole": whole, "split": split, "scale": scale}
+        return self.head["split" if sharded else "whole"]
+
     def step(self, case: Case, sharded: bool) -> Callable:
-        """The jitted ``value_and_grad`` of the case w.r.t. the policy logits."""
+        """The jitted ``value_and_grad`` of the case w.r.t. the policy logits (linear: the
+        hidden states and the weight)."""
         jax, P = self.jax, self.P
         from ratiokl.jax import loss
 
         backend = self.cfg.backend
+        specs = (P(), P("tp", None)) if case.linear else (P(None, None, "tp"),) * 2
 
         def whole(policy, ref, x):
             return run_case(loss, case, policy, ref, x, backend)
 
         def split(policy, ref, x):
-            vocab = P(None, None, "tp")
             body = lambda p, r, t: run_case(loss, case, p, r, t, backend,  # noqa: E731
                                             vocab_axis="tp")
-            return jax.shard_map(body, mesh=self.mesh, in_specs=(vocab, vocab, P()),
+            return jax.shard_map(body, mesh=self.mesh, in_specs=(*specs, P()),
                                  out_specs=P())(policy, ref, x)
 
-        return jax.jit(jax.value_and_grad(split if sharded else whole, has_aux=True))
+        argnums = (0, 1) if case.linear else 0
+        return jax.jit(jax.value_and_grad(split if sharded else whole, argnums=argnums,
+                                          has_aux=True))
 
     def probe(self, case: Case) -> Optional[str]:
         """Why ``case`` cannot run sharded here (None: it runs): traced only, no compile."""
         try:
-            self.jax.eval_shape(self.step(case, sharded=True), *self.split)
+            self.jax.eval_shape(self.step(case, sharded=True), *self.arguments(case, True))
         except UNSUPPORTED as err:
             return f"{type(err).__name__}: {err}"
         return None
 
-    def compare(self, whole: Tuple, split: Tuple) -> Dict[str, Dict]:
+    def compare(self, case: Case, whole: Tuple, split: Tuple) -> Dict[str, Dict]:
+        """The sharded outputs and gradients (assembled over the mesh) against the
+        unsharded call's (``((value, outputs), gradients)`` each)."""
         import jax
         import jax.numpy as jnp
 
-        ((_, outputs_1), grad_1), ((_, outputs), grad) = whole, split
-        stats = self._stats
-        fwd, grad_tol = tolerances(self.logit_scale, float(jnp.max(jnp.abs(
-            grad_1.astype(jnp.float32)))))
+        def named(g):  # the gradients by check name (linear: hidden, then weight)
+            return dict(zip(("grad", "grad_weight"), g if case.linear else (g,)))
+
+        ((_, outputs_1), grads_1), ((_, outputs), grads) = whole, split
+        scale = self.head["scale"] if case.linear else self.logit_scale
         checks = {}
-        for name, expected in outputs_1.items():
-            actual = outputs[name]
-            checks[name] = judge(stats(actual, jax.device_put(expected, actual.sharding),
-                                       fwd.rtol, fwd.atol), fwd, fwd.rtol)
-        checks["grad"] = judge(stats(grad, jax.device_put(grad_1, grad.sharding),
-                                     grad_tol.rtol, grad_tol.atol), grad_tol, grad_rel_limit())
+        for kind, (values_1, values) in enumerate(((outputs_1, outputs),
+                                                   (named(grads_1), named(grads)))):
+            for name, expected in values_1.items():
+                actual = values[name]
+                magnitude = float(jnp.max(jnp.abs(expected.astype(jnp.float32)))) if kind \
+                    else None
+                tol, limit = case_tolerance(case, name, scale, self.cfg, magnitude)
+                checks[name] = judge(self._stats(actual, jax.device_put(expected, actual.sharding),
+                                                 tol.rtol, tol.atol), tol, limit)
         return checks
 
     def replay(self, hlo: str) -> Tuple[Callable[[], Any], List]:
@@ -619,15 +791,15 @@ class _JaxRun:
         if why is not None:
             return {"status": "unsupported", "reason": why}
         compiled = {}
-        for name, sharded, args in (("unsharded", False, self.whole),
-                                    ("sharded", True, self.split)):
-            compiled[name] = self.step(case, sharded).lower(*args).compile()
-        whole = compiled["unsharded"](*self.whole)
-        checks = self.compare(whole, compiled["sharded"](*self.split))
+        args = {"unsharded": self.arguments(case, False), "sharded": self.arguments(case, True)}
+        for name, sharded in (("unsharded", False), ("sharded", True)):
+            compiled[name] = self.step(case, sharded).lower(*args[name]).compile()
+        whole = compiled["unsharded"](*args["unsharded"])
+        checks = self.compare(case, whole, compiled["sharded"](*args["sharded"]))
         del whole
         replay, shapes = self.replay(compiled["sharded"].as_text())
-        ms = {"unsharded": self.time(lambda: compiled["unsharded"](*self.whole)),
-              "sharded": self.time(lambda: compiled["sharded"](*self.split)),
+        ms = {"unsharded": self.time(lambda: compiled["unsharded"](*args["unsharded"])),
+              "sharded": self.time(lambda: compiled["sharded"](*args["sharded"])),
               "allreduce_alone": self.time(replay)}
         memory = {f"{name}_step_peak_bytes": xla_peak_bytes(c) for name, c in compiled.items()}
         return {"status": "ok", "checks": checks, "ms": ms, "memory": memory,
@@ -983,6 +1155,8 @@ def _parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--rows", type=int, help="tokens N (default 8192; --cpu: 16)")
     parser.add_argument("--vocab", type=int, help="global vocabulary V (default 151936; "
                         "--cpu: 24 * tp)")
+    parser.add_argument("--hidden", type=int, help="the linear cases' hidden size H "
+                        "(default 4096; --cpu: 16)")
     parser.add_argument("--density", type=float, default=0.9, help="active fraction of rows")
     parser.add_argument("--backend", default="auto", help="ratiokl backend of both calls")
     parser.add_argument("--cases", help="comma-separated case names (default: all)")
@@ -1013,7 +1187,8 @@ def _config(args: argparse.Namespace) -> Config:
     if not set(parts) <= {"torch", "jax"}:
         raise SystemExit(f"--parts: torch and/or jax; got {args.parts}")
     return Config(tp=tp, rows=args.rows or (16 if args.cpu else 8192),
-                  vocab=args.vocab or (24 * tp if args.cpu else 151936), density=args.density,
+                  vocab=args.vocab or (24 * tp if args.cpu else 151936),
+                  hidden=args.hidden or (16 if args.cpu else 4096), density=args.density,
                   cpu=args.cpu, backend=args.backend, parts=parts, deadline_s=args.deadline,
                   cases=args.cases.split(",") if args.cases else None)
 

@@ -210,3 +210,14 @@ def test_integer_advantages_are_rejected_naming_the_dtype():
         with pytest.raises(TypeError, match=r"`advantages` must be a floating .*got "
                                             r"(torch\.)?int32"):
             loss.policy_loss(x, None, a, m, old, adv, backend="native")
+
+
+def test_vocab_blocks_give_the_starts_and_the_global_vocabulary():
+    """``ratiokl.spec.vocab_blocks``: the ranks' contiguous blocks in order, the global ``V``
+    the ids are checked against; an empty block is refused naming the sharded argument."""
+    from ratiokl.spec import vocab_blocks
+
+    assert vocab_blocks([3, 2, 2], "weight") == ((0, 3, 5), 7)
+    with pytest.raises(ValueError, match=r"^`weight`: every rank's vocabulary block needs at "
+                                         r"least one token; rank\(s\) 1 hold none"):
+        vocab_blocks([4, 0], "weight")

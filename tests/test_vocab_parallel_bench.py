@@ -50,6 +50,10 @@ def test_cpu_dry_run_passes_its_checks(tmp_path):
             assert rec["collectives"] and isinstance(rec["target"]["met"], bool)
         for rec in part["cases"].values():
             assert rec["status"] in ("ok", "unsupported"), rec
+        for name in ("linear_selected_logprobs_entropy", "linear_policy_loss"):
+            # The linear ops with the lm_head's rows sharded: d hidden and the weight's rows.
+            rec = part["cases"][name]
+            assert rec["status"] == "ok" and {"grad", "grad_weight"} < set(rec["checks"]), rec
     torch_fault = doc["torch"]["fault_check"]["ranks"]
     assert all(r["raised"] == "ValueError" and "rank(s) 1 " in r["message"]
                for r in torch_fault), torch_fault

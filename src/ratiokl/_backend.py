@@ -17,6 +17,7 @@ A :class:`Backend` runs on flattened, validated inputs::
         -> (weights, metrics)                                          [or None]
     shard_logps(shards, ids, mask, temperature, axis, entropy)
         -> ([logp per block], entropy | None)                          [JAX; or None]
+    shard_rows(axis) -> the linear ops' row operations of one block    [JAX; or None]
 
 with ``logits``/``policy``/``ref`` ``[N, V]`` float32 / float16 / bfloat16 (``ref``
 without gradient, or None), ``ids`` ``[N]`` integer (not range-checked: clamped
@@ -40,7 +41,9 @@ None) is optional: without it ``ratiokl._core.rollout``'s ops compute the same. 
 differentiable w.r.t. all three; ``linear_policy_loss`` None: the route materialises the
 logits and runs ``policy_loss``. ``shard_logps`` (JAX's ``vocab_axis``: one
 vocabulary block's log-probs with the kernels, inside ``shard_map``) is optional: without
-it the vocabulary-parallel route runs the native math.
+it the vocabulary-parallel route runs the native math; so does ``shard_rows`` (the linear
+ops with ``vocab_axis``: ``ratiokl.jax._linear_logprobs.RowOps`` of one vocabulary block of
+the chunk's logits, with the kernels).
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ class Backend:
     linear_policy_loss: Optional[Callable] = None  # from hidden states in row chunks; None: no
     shard_logps: Optional[Callable] = None  # JAX vocab_axis block with kernels; None: ops
     linear_selected_logprobs: Optional[Callable] = None  # from hidden states in row chunks
+    shard_rows: Optional[Callable] = None  # JAX vocab_axis linear block with kernels; None: ops
 
 
 def inplace_grad_error(sequence_ratio: bool, compiling: bool = False) -> ValueError:

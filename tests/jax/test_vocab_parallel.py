@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Tuple
 
 import pytest
 
@@ -21,11 +22,12 @@ WORKER = Path(__file__).with_name("vocab_parallel_worker.py")
 SRC = Path(__file__).resolve().parents[2] / "src"
 
 
-def _run(*checks: str, worker: Path = WORKER) -> None:
+def _run(*checks: str, worker: Path = WORKER, backend: Tuple[str, ...] = ()) -> None:
+    """Run ``checks`` in ``worker`` (``backend``: the linear worker's first argument)."""
     path = os.pathsep.join(p for p in (str(SRC), os.environ.get("PYTHONPATH", "")) if p)
     env = dict(os.environ, PYTHONPATH=path, JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, str(worker), *checks], env=env, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run([sys.executable, str(worker), *backend, *checks], env=env,
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-4000:]}"
     assert proc.stdout.split() == [w for c in checks for w in ("ok", c)], proc.stdout
 
@@ -50,3 +52,21 @@ def test_triton_path_through_the_interpreter() -> None:
     pytest.importorskip("triton")
     _run("fixtures", "vma_off", "grad_inside_body", "policy_loss",
          worker=WORKER.with_name("vocab_parallel_triton_worker.py"))
+
+
+LINEAR = WORKER.with_name("vocab_parallel_linear_worker.py")
+
+
+def test_linear_ops_sharded_head_native() -> None:
+    """Both linear ops with the lm_head's rows on ``tp`` (native): values and gradients vs
+    the spec and the unsharded call, grad inside the body, a dp x tp mesh (and the
+    replicated head with rows on dp), the refusals, bad ids, the compiled collectives."""
+    _run("logprobs", "grad_inside_body", "data_and_tensor_parallel", "policy_loss",
+         "refusals", "bad_ids", "collectives", worker=LINEAR, backend=("native",))
+
+
+def test_linear_ops_sharded_head_interpret() -> None:
+    """The linear ops' chunks on the Triton kernels (interpreted behind pure_callback)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("triton")
+    _run("logprobs", "policy_loss", "bad_ids", worker=LINEAR, backend=("interpret",))

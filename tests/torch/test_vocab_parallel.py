@@ -8,7 +8,8 @@ spec and vs the unsharded call, outputs and each rank's gradient slice, on
 uneven shards, inactive rows poisoned in one shard, vocabulary masking, an
 active NaN, out-of-range ids, empty input and sub-groups (TP inside DP).
 The ``backend="interpret"`` checks (the Triton kernels on each shard) are in
-``vocab_parallel_interpret_worker.py`` and run on 2 ranks.
+``vocab_parallel_interpret_worker.py`` and run on 2 ranks; the linear ops with the
+lm_head's rows sharded in ``vocab_parallel_linear_worker.py``.
 """
 
 from __future__ import annotations
@@ -81,3 +82,17 @@ def test_interpret_backend_sharded_matches_unsharded() -> None:
     """The Triton kernels (interpreted) on 2 gloo ranks' shards."""
     pytest.importorskip("triton")
     _run_ranks(2, f"{HERE / 'vocab_parallel_interpret_worker.py'}:run_interpret")
+
+
+@pytest.mark.skipif(not dist.is_gloo_available(), reason="torch built without gloo")
+@pytest.mark.parametrize("world", [2, 3])
+def test_linear_ops_sharded_head_match_unsharded(world: int) -> None:
+    """Both linear ops with the lm_head's rows sharded (uneven blocks), native backend."""
+    _run_ranks(world, f"{HERE / 'vocab_parallel_linear_worker.py'}:run_native")
+
+
+@pytest.mark.skipif(not dist.is_gloo_available(), reason="torch built without gloo")
+def test_linear_ops_sharded_head_interpret_backend() -> None:
+    """The linear ops' chunks on the Triton kernels (interpreted), 2 ranks."""
+    pytest.importorskip("triton")
+    _run_ranks(2, f"{HERE / 'vocab_parallel_linear_worker.py'}:run_interpret")

@@ -6,7 +6,8 @@ float64 spec and vs the unsharded native call, outputs and gradient slices,
 with NaN/inf inactive rows inside one shard, uneven shards, a whole shard
 of ``-inf`` in an active row, an active NaN in one shard, the entropy (its
 ``mu`` from the shard kernel, its gradient from the backward kernel's entropy
-term), a few conformance fixtures and the collective count. Kept small: the interpreter
+term), a few conformance fixtures (two of the linear op's, the lm_head's rows sharded)
+and the collective count. Kept small: the interpreter
 runs one Python program per row.
 """
 
@@ -45,6 +46,8 @@ FIXTURES = (
     "policy_entropy_masked_vocab_fp32",
     "policy_entropy_temperature_per_row_fp32",
     "policy_entropy_gspo_fp32",
+    "linear_all_options_bf16",
+    "linear_active_id_out_of_range_fp32",
 )
 
 

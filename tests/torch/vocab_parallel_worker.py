@@ -250,53 +250,76 @@ def check_empty(group) -> None:
 
 
 def _conformance_call(case, start: int, stop: int, group, backend: str):
-    """Run ``case`` on this rank's shard; returns an ``Outcome`` with the gathered gradient."""
+    """Run ``case`` on this rank's shard; returns an ``Outcome`` with the gathered gradient.
+
+    The ops from hidden states (``Op.vocab_arg``) shard the head's rows (``weight``,
+    ``bias``) instead of the logits' columns: ``d hidden`` is every rank's whole gradient,
+    ``d weight`` / ``d bias`` are gathered from the ranks' row blocks."""
     op = case.spec
     dtype = DTYPES[case.dtype]
+    rows = op.vocab_arg is not None
     args = {}
     for key, value in case.arguments().items():
         if key in op.logit_args:
-            value = torch.from_numpy(value[..., start:stop].copy()).to(dtype)
+            if rows and key != op.differentiate:  # weight [V, H], bias [V]: rows
+                value = value[start:stop]
+            elif not rows:
+                value = value[..., start:stop]
+            value = torch.from_numpy(value.copy()).to(dtype)
         elif isinstance(value, np.ndarray):
             kind = {"b": bool, "i": np.int64, "u": np.int64}.get(value.dtype.kind, np.float32)
             value = torch.from_numpy(value.astype(kind))
         args[key] = value
-    leaf = args[op.differentiate].requires_grad_(True)
+    names = (op.differentiate, *case.also_differentiated)
+    leaves = [args[k].requires_grad_(True) for k in names]
     positional = [args.get(k) for k in op.positional]
     keywords = {k: args[k] for k in op.keywords if k in args}
     outputs = op.unpack(getattr(loss, op.name)(*positional, **keywords, **op.fixed,
                                                vocab_group=group, backend=backend))
     cot = case.cotangents()
-    grad = torch.autograd.grad([outputs[o] for o in op.cotangents], leaf,
-                               [torch.from_numpy(cot[o]) for o in op.cotangents],
-                               allow_unused=True)[0]
-    grad = torch.zeros_like(leaf) if grad is None else grad
-    # Assemble the whole gradient: every rank contributes its slice, zeros elsewhere.
-    whole = torch.zeros(case.logits.shape, dtype=torch.float32)
-    whole[..., start:stop] = grad.float()
-    dist.all_reduce(whole, group=group)
+    grads = torch.autograd.grad([outputs[o] for o in op.cotangents], leaves,
+                                [torch.from_numpy(cot[o]) for o in op.cotangents],
+                                allow_unused=True)
+    grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, leaves)]
+    gathered = {}
+    for key, grad in zip(names, grads):
+        if rows and key == op.differentiate:  # d hidden: whole on every rank
+            gathered[key] = grad.float()
+            continue
+        # Assemble the whole gradient: every rank contributes its slice, zeros elsewhere.
+        whole = torch.zeros(case.arrays[key].shape, dtype=torch.float32)
+        if rows:
+            whole[start:stop] = grad.float()
+        else:
+            whole[..., start:stop] = grad.float()
+        dist.all_reduce(whole, group=group)
+        gathered[key] = whole
+    dtype_name = lambda t: str(t.dtype).replace("torch.", "")  # noqa: E731
     return conformance.Outcome(
         outputs={o: v.detach().numpy() for o, v in outputs.items()},
-        output_dtypes={o: str(v.dtype).replace("torch.", "") for o, v in outputs.items()},
-        grad=whole.numpy(),
-        grad_dtype=str(grad.dtype).replace("torch.", ""),
+        output_dtypes={o: dtype_name(v) for o, v in outputs.items()},
+        grad=gathered[op.differentiate].numpy(),
+        grad_dtype=dtype_name(grads[0]),
+        extra_grads={k: gathered[k].numpy() for k in names[1:]},
+        extra_grad_dtypes={k: dtype_name(g) for k, g in zip(names[1:], grads[1:])},
     )
 
 
 def check_conformance(world: int, group, names=None, backend: str = "auto") -> int:
     """Every fixture (or those in ``names``) with ``V >= world``: ratio_kl, selected_logprobs
-    with and without the entropy, policy_loss (the entropy's psum term included).
+    with and without the entropy, policy_loss (the entropy's psum term included), and the
+    ops from hidden states with the lm_head's rows sharded.
 
     Returns the count run.
     """
     ran = 0
     for name in conformance.list_cases() if names is None else names:
         case = conformance.load_case(name)
-        if case.spec.vocab_arg is not None or case.spec.token_values:
-            continue  # no [..., V] logits to shard (hidden states; per-token log-probs)
-        if case.logits.shape[-1] < world:
+        if case.spec.token_values:
+            continue  # per-token log-probs: no vocabulary to shard
+        if case.vocab < world:
             continue
-        start, stop = shard_bounds(case.logits.shape[-1], world)[dist.get_rank(group)]
+        start, stop = shard_bounds(case.vocab, world)[dist.get_rank(group)]
         try:
             outcome = _conformance_call(case, start, stop, group, backend)
         except ValueError as err:

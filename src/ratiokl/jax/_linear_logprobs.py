@@ -7,14 +7,17 @@ one ``[C, V]`` array in the weight's dtype), then the backend's row statistics (
 the entropy, ``lse``). A ``jax.custom_vjp`` keeps ``lse`` and the entropy (O(N)) beside its
 inputs; the backward recomputes each chunk's logits, takes the backend's row gradient ``dx``
 of ``(g_logp, g_entropy)`` and adds the chunk's share of ``d hidden``, ``d weight`` and ``d
-bias`` (``_lm_head.head_grads``). The full chunks run in a ``lax.fori_loop`` (one chunk's
-logits live at a time), the remainder once after it, as ``ratiokl.jax._linear`` does. A
-cotangent nothing produced (the entropy's, when only ``logp`` is differentiated) drops its
-term (symbolic zeros).
+bias`` (``_lm_head.head_grads``). The first chunk runs on its own, typing the carries
+inside ``shard_map``, the other full chunks in a ``lax.fori_loop`` (one chunk's logits live
+at a time), the remainder once after it. A cotangent nothing produced (the entropy's, when
+only ``logp`` is differentiated) drops its term (symbolic zeros).
 
 The row statistics and gradient come from a :class:`RowOps`: the shared Triton kernels
-through a launch function (:func:`triton_rows`: ``"triton"``, ``"interpret"``) or XLA's ops
-(:data:`NATIVE_ROWS`).
+through a launch function (:func:`triton_rows`: ``"triton"``, ``"interpret"``), XLA's ops
+(:data:`NATIVE_ROWS`), or one vocabulary block's with ``vocab_axis``
+(``ratiokl.jax._vocab_linear``). Inside ``shard_map`` the hidden states, weight and bias
+are cast to vary over every mesh axis any input varies over (:func:`_alike`), so each
+gradient is summed over the axes its input was replicated on.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from ratiokl.jax._checks import Temperature
 from ratiokl.jax._launch import TritonCall
 from ratiokl.jax._lm_head import head_grads, head_logits
 from ratiokl.jax._triton import kernel_rows
+from ratiokl.jax._vocab_parallel import varying_axes
 from ratiokl.spec import LogitTransform
 
 __all__ = ["NATIVE_ROWS", "RowOps", "selected_logprobs", "triton_rows"]
@@ -94,10 +98,15 @@ def _kept(hidden: jax.Array, mask: jax.Array) -> jax.Array:
 
 
 def _loop(n_rows: int, chunk: int, step: Callable, carry):
-    """``step(start, size, carry)`` over the row chunks: the full ones in a ``fori_loop``."""
+    """``step(start, size, carry)`` over the row chunks: the first on its own, which types
+    the carry as the chunks' values are typed (inside ``shard_map``: the mesh axes they vary
+    over, which the zeros it starts from do not know), then the other full ones in a
+    ``fori_loop``, the remainder last."""
     full, rest = divmod(n_rows, chunk)
     if full:
-        carry = lax.fori_loop(0, full, lambda i, c: step(i * chunk, chunk, c), carry)
+        carry = step(0, chunk, carry)
+    if full > 1:
+        carry = lax.fori_loop(1, full, lambda i, c: step(i * chunk, chunk, c), carry)
     if rest:
         carry = step(full * chunk, rest, carry)
     return carry
@@ -126,8 +135,10 @@ def _backward(static: _Static, hidden, weight, bias, ids, mask, temp, lse, ent, 
     """``(d hidden, d weight, d bias | None)`` in the inputs' dtypes."""
     n_rows = hidden.shape[0]
     per_row_temp = temp.shape[0] == n_rows and n_rows > 1
-    carry = (jnp.zeros(hidden.shape, hidden.dtype), jnp.zeros(weight.shape, weight.dtype),
-             jnp.zeros(weight.shape[:1], jnp.float32))
+    # zeros_like: typed as the inputs are inside shard_map (a vocabulary-sharded weight's
+    # gradient varies over the axis).
+    carry = (jnp.zeros_like(hidden), jnp.zeros_like(weight),
+             jnp.zeros_like(weight, jnp.float32, shape=weight.shape[:1]))
 
     def step(start, size: int, carry):
         grad_hidden, grad_weight, grad_bias = carry
@@ -188,4 +199,19 @@ def selected_logprobs(ops: RowOps, hidden: jax.Array, weight: jax.Array,
     w.r.t. ``hidden``, ``weight`` and ``bias``."""
     ids, mask_k, temp = kernel_rows(ids, mask, temperature)
     static = _Static(ops, transform, min(chunk_rows, max(hidden.shape[0], 1)), entropy)
+    hidden, weight, bias = _alike(hidden, weight, bias, ids, mask_k, temp)
     return _linear(static, hidden, weight, bias, ids, mask_k, lax.stop_gradient(temp))
+
+
+def _alike(hidden, weight, bias, *others):
+    """``hidden``, ``weight`` and ``bias`` typed as varying over every mesh axis that any
+    argument varies over (inside ``shard_map``; nothing changes outside it). Their
+    gradients, sums over rows and vocabulary, vary over all of them; JAX transposes each
+    ``pcast`` into the ``psum`` over the axes the input did not vary over: the whole
+    ``d hidden`` of replicated hidden states over a vocabulary-sharded head, the whole
+    ``d weight`` of a weight replicated over data-parallel rows."""
+    arrays = (hidden, weight, bias)
+    axes = frozenset().union(*(varying_axes(x) for x in arrays + others if x is not None))
+    return tuple(x if x is None or axes <= varying_axes(x) else
+                 lax.pcast(x, tuple(sorted(axes - varying_axes(x))), to="varying")
+                 for x in arrays)

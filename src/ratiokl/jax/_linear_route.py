@@ -20,6 +20,7 @@ from ratiokl.jax._arrays import XP
 from ratiokl.jax._lm_head import head_logits
 from ratiokl.jax._route import _aggregation_weights, _flat, _rows, policy_loss
 from ratiokl.spec import (
+    LogitTransform,
     check_chunk_rows,
     check_head_shapes,
     check_loss_normalizer,
@@ -45,12 +46,12 @@ def _head(hidden, weight, bias, action_ids):
 
 def linear_selected_logprobs(hidden, weight, action_ids, mask, *, bias, temperature,
                              logit_scale, logit_softcap, return_entropy, chunk_rows, backend,
-                             check_ids):
+                             check_ids, vocab_axis):
     """``ratiokl.jax.loss.linear_selected_logprobs`` (documented there)."""
     chunk_rows = check_chunk_rows(chunk_rows)
     transform = logit_transform(logit_scale, logit_softcap)
     hidden, weight, bias, ids, lead = _head(hidden, weight, bias, action_ids)
-    rows = _rows(hidden, lead, ids, mask, temperature, backend, check_ids, None,
+    rows = _rows(hidden, lead, ids, mask, temperature, backend, check_ids, vocab_axis,
                  vocab=weight.shape[0])
     out = rows.run.linear_selected_logprobs(
         rows.logits, weight, bias, rows.ids, rows.mask, rows.temperature, transform,
@@ -60,13 +61,37 @@ def linear_selected_logprobs(hidden, weight, action_ids, mask, *, bias, temperat
     return rows.checked(out.reshape(lead))
 
 
+def _sharded_loss(rows, weight, bias, transform: LogitTransform, chunk_rows: int, lead, inputs,
+                  ref_logps, opts, rollout, rollout_logps):
+    """``vocab_axis``: the two-pass route of ``policy_loss`` on sharded logits, with the
+    log-probs and entropy from the sharded lm_head (``_vocab_linear``): ``(logp, entropy)``
+    in row chunks (the entropy's gradient only with ``entropy_coef``: a symbolic zero
+    otherwise), then the framework's objective on ``[N]`` arrays, replicated along the
+    axis."""
+    rollout_metrics = {}
+    if rollout is not None:
+        inputs, rollout_metrics = _rollout.correct(rows.mask, lead, inputs, rollout_logps,
+                                                   rollout, opts.log_ratio_bound)
+    logp, entropy = rows.run.linear_selected_logprobs(
+        rows.logits, weight, bias, rows.ids, rows.mask, rows.temperature, transform,
+        chunk_rows, True)
+    as_rows = _checks.as_rows
+    loss, metrics = _objective.policy_objective(
+        XP, as_rows(logp, lead),
+        None if ref_logps is None else as_rows(lax.stop_gradient(_flat(ref_logps)), lead),
+        as_rows(rows.mask, lead), inputs, opts, as_rows(entropy, lead))
+    if opts.loss_agg == "none":
+        loss = loss.reshape(lead)
+    return loss, {**metrics, **rollout_metrics}
+
+
 def linear_policy_loss(hidden, weight, action_ids, mask, old_logps, advantages, *, ref_logps,
                        bias, logit_scale, logit_softcap, chunk_rows, clip_eps, clip_eps_high,
                        dual_clip, ratio_cap, kl_coef, kl_estimator, loss_agg, loss_normalizer,
                        objective, entropy_coef, segment_ids, importance_weights,
                        log_ratio_bound, temperature, backend, check_ids, rollout_logps,
-                       rollout_correction,
-                       rollout_bounds) -> Tuple[jax.Array, Dict[str, jax.Array]]:
+                       rollout_correction, rollout_bounds,
+                       vocab_axis) -> Tuple[jax.Array, Dict[str, jax.Array]]:
     """``ratiokl.jax.loss.linear_policy_loss`` (documented there)."""
     chunk_rows = check_chunk_rows(chunk_rows)
     transform = logit_transform(logit_scale, logit_softcap)
@@ -82,9 +107,14 @@ def linear_policy_loss(hidden, weight, action_ids, mask, old_logps, advantages, 
     check_loss_normalizer(loss_agg, loss_normalizer)
     inputs = _checks.token_inputs(lead, old_logps, advantages, segment_ids,
                                   importance_weights, loss_normalizer)
-    rows = _rows(hidden, lead, ids, mask, temperature, backend, check_ids, None,
+    rows = _rows(hidden, lead, ids, mask, temperature, backend, check_ids, vocab_axis,
                  vocab=weight.shape[0])
     run = rows.run
+    rollout = rollout_options(rollout_correction, rollout_bounds, rollout_logps is not None,
+                              old_given=old_logps is not None)
+    if vocab_axis is not None:
+        return rows.checked(_sharded_loss(rows, weight, bias, transform, chunk_rows, lead,
+                                          inputs, ref_logps, opts, rollout, rollout_logps))
     if run.linear_policy_loss is None:  # "native": every row's logits at once
         kept = jnp.where(rows.mask[:, None], rows.logits, jnp.zeros((), hidden.dtype))
         logits = head_logits(kept, weight, bias, transform).reshape(*lead, weight.shape[0])
@@ -98,8 +128,6 @@ def linear_policy_loss(hidden, weight, action_ids, mask, old_logps, advantages, 
             temperature=temperature, backend=backend, check_ids=False, vocab_axis=None,
             inplace_grad=False, rollout_logps=rollout_logps,
             rollout_correction=rollout_correction, rollout_bounds=rollout_bounds))
-    rollout = rollout_options(rollout_correction, rollout_bounds, rollout_logps is not None,
-                              old_given=old_logps is not None)
     rollout_metrics = {}
     if rollout is not None:
         inputs, rollout_metrics = _rollout.correct(rows.mask, lead, inputs, rollout_logps,

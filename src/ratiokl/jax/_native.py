@@ -34,7 +34,7 @@ from ratiokl.jax._arrays import XP
 from ratiokl.jax._checks import Temperature
 
 __all__ = [
-    "finite_or_zero", "logprobs_entropy", "ratio_kl", "row_temperature", "rows_backward",
+    "entropy_grad", "finite_or_zero", "logprobs_entropy", "ratio_kl", "row_temperature", "rows_backward",
     "rows_forward", "scaled_logits", "selected_logprobs",
 ]
 
@@ -171,12 +171,21 @@ def _entropy_grad(logits, ids, mask, temperature, lse, ent, g_logp, g_ent) -> ja
     """``(g_logp (onehot - p) - g_ent p (log p + H)) / T`` in the logits' dtype; 0 on
     inactive rows."""
     safe, _ = _safe_ids(ids, mask, logits.shape[-1])
+    onehot = safe[:, None] == jnp.arange(logits.shape[-1])[None, :]
+    return entropy_grad(logits, onehot, mask, temperature, lse, ent, g_logp, g_ent)
+
+
+def entropy_grad(logits, onehot, mask, temperature, lse, ent, g_logp, g_ent) -> jax.Array:
+    """:func:`_entropy_grad` with each row's one-hot ``[N, V]`` given (bool; a vocabulary
+    block's, all false on the rows whose action lies in another block); ``g_ent`` None:
+    no entropy term."""
     z, t = scaled_logits(logits, mask, temperature)
     p, p_log_p = _entropy_terms(z, lse)
-    onehot = safe[:, None] == jnp.arange(logits.shape[-1])[None, :]
     c_logp = jnp.where(mask, g_logp, 0.0) / t
-    c_ent = jnp.where(mask, g_ent, 0.0) / t
-    grad = c_logp[:, None] * (onehot - p) - c_ent[:, None] * (p_log_p + p * ent[:, None])
+    grad = c_logp[:, None] * (onehot - p)
+    if g_ent is not None:
+        c_ent = jnp.where(mask, g_ent, 0.0) / t
+        grad = grad - c_ent[:, None] * (p_log_p + p * ent[:, None])
     return jnp.where(mask[:, None], grad, 0.0).astype(logits.dtype)
 
 

@@ -219,7 +219,8 @@ def _rows(logits: jax.Array, lead: Tuple[int, ...], ids: jax.Array, mask, temper
     else:
         from ratiokl.jax import _vocab_parallel
 
-        vocab = _vocab_parallel.global_vocab(logits.shape[-1], vocab_axis)
+        vocab = _vocab_parallel.global_vocab(vocab or logits.shape[-1], vocab_axis,
+                                             "weight" if vocab else "logits")
         run = _vocab_parallel.backend(resolve(name), vocab_axis, explicit=backend != "auto")
     check = _checks.ActiveCheck(ids, mask, vocab, check_ids, temperature)
     if not isinstance(temperature, float):

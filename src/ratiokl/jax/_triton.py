@@ -46,21 +46,23 @@ from ratiokl._kernels.loss_rows import METRIC_NAMES
 from ratiokl.jax import _launch, _native
 from ratiokl.jax._checks import Temperature
 from ratiokl.jax._launch import Static, TritonCall
+from ratiokl.jax._vocab_parallel import as_varying, varies_over
 from ratiokl.spec import PolicyLossOptions
 
 __all__ = ["backend", "fused_static", "kernel_coefficients", "kernel_rows", "logprobs_entropy",
-           "policy_loss", "ratio_kl", "selected_logprobs", "shard_logps", "token_weights",
-           "varies_over"]
+           "policy_loss", "ratio_kl", "selected_logprobs", "shard_logps", "shard_stats",
+           "token_weights"]
 
 
 def backend(call: TritonCall) -> Backend:
     """The backend whose kernels launch through ``call`` (every function below, bound)."""
     bind = functools.partial
-    from ratiokl.jax import _linear, _linear_logprobs
+    from ratiokl.jax import _linear, _linear_logprobs, _vocab_linear
 
     return Backend(bind(selected_logprobs, call), bind(ratio_kl, call),
                    bind(logprobs_entropy, call), bind(policy_loss, call),
                    bind(token_weights, call), shard_logps=bind(shard_logps, call),
+                   shard_rows=bind(_vocab_linear.kernel_rows, call),
                    linear_policy_loss=bind(_linear.policy_loss, call),
                    linear_selected_logprobs=bind(_linear_logprobs.selected_logprobs,
                                                  _linear_logprobs.triton_rows(call)))
@@ -323,20 +325,6 @@ def policy_loss(
 # --- one vocabulary shard (vocab-parallel) -----------------------------------------------------
 
 
-def varies_over(x: jax.Array, axis: str) -> bool:
-    """Whether ``x`` is typed as varying over mesh ``axis`` (never with ``check_vma=False``)."""
-    aval = jax.typeof(x)
-    vma = getattr(aval, "vma", None)  # JAX < 0.9 spelling
-    if vma is None:
-        vma = aval.manual_axis_type.varying
-    return axis in vma
-
-
-def _varying(x: jax.Array, axis: str) -> jax.Array:
-    """``x`` typed as varying over ``axis`` (jax-triton outputs come back invariant)."""
-    return x if varies_over(x, axis) else lax.pcast(x, axis, to="varying")
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 8, 9))
 def _attach(call, policy, z_a, lse, ent, local_ids, mask_k, temp, axis: str, entropy: bool):
     """``(logp,)``, or ``(logp, H)`` with ``entropy`` (0 on inactive rows), differentiable
@@ -364,10 +352,41 @@ def _attach_bwd(call, axis, entropy, residuals, g):
     else:
         grad = _launch.backward_op(call, (True, False, False))(
             policy, local_ids, mask_k, temp, lse, coef, lse, lse, lse, lse)
-    return _varying(grad.astype(policy.dtype), axis), None, None, None, None, None, None
+    return as_varying(grad.astype(policy.dtype), axis), None, None, None, None, None, None
 
 
 _attach.defvjp(_attach_fwd, _attach_bwd)
+
+
+def shard_stats(call: TritonCall, blocks: Sequence[jax.Array], ids: jax.Array, mask: jax.Array,
+                temp: jax.Array, axis: str, entropy: bool):
+    """The global row values of this device's blocks ``[N, V_local]`` (no derivative):
+    ``(z_a [k, N], lse [k, N], entropy [N], local ids [N])`` from ``shard_stats_kernel`` and
+    one ``pmax`` and one ``psum`` (the entropy ``lse[0]`` without ``entropy``; the local ids
+    ``a - start``, -1 where the action lies in another block). ``ids``, ``mask`` and
+    ``temp`` as :func:`kernel_rows` makes them. An active id outside the global ``[0, V)``
+    makes its row's ``lse`` and entropy NaN."""
+    local_vocab = blocks[0].shape[-1]
+    start = lax.axis_index(axis) * local_vocab
+    stats = _launch.stats_op(call, len(blocks) > 1, entropy)(
+        blocks[0], blocks[-1], ids, mask, temp, jnp.full((1,), start, ids.dtype)
+    )
+    lse_k, ref_lse_k, z_a, ref_z_a, mu = (as_varying(o, axis) for o in stats)
+    m = jnp.stack([lse_k, ref_lse_k][: len(blocks)])
+    shift = _native.finite_or_zero(lax.pmax(m, axis))
+    # A block's log-sum-exp is its (m, s) = (lse_k, 1).
+    weights = jnp.exp(m - shift)
+    terms = (weights, jnp.stack([z_a, ref_z_a][: len(blocks)]))
+    if entropy:
+        terms += (weights[0] * (mu - shift[0]),)
+    s, z_sel, *h = lax.psum(terms, axis)
+    bad = mask & ((ids < 0) | (ids >= local_vocab * lax.axis_size(axis)))
+    # An out-of-range active id poisons its row; the NaN lse makes its gradient NaN too.
+    lse = jnp.where(bad[None], jnp.nan, shift + jnp.log(s))
+    ent = jnp.where(bad, jnp.nan, jnp.log(s[0]) - h[0] / s[0]) if entropy else lse[0]
+    local = ids - start
+    owned = mask & (local >= 0) & (local < local_vocab)
+    return z_sel, lse, ent, jnp.where(owned, local, -1).astype(ids.dtype)
 
 
 def shard_logps(
@@ -393,30 +412,10 @@ def shard_logps(
             "check_vma=False the gradient would be scaled by 1/axis_size), or use "
             "backend='native'"
         )
-    local_vocab = shards[0].shape[-1]
     ids_k, mask_k, temp = kernel_rows(ids, mask, temperature)
-    start = lax.axis_index(axis) * local_vocab
+    z_sel, lse, ent, local_ids = shard_stats(
+        call, [lax.stop_gradient(x) for x in shards], ids_k, mask_k, temp, axis, entropy)
     has_ref = len(shards) > 1
-    blocks = [lax.stop_gradient(x) for x in shards]
-    stats = _launch.stats_op(call, has_ref, entropy)(
-        blocks[0], blocks[-1], ids_k, mask_k, temp, jnp.full((1,), start, ids_k.dtype)
-    )
-    lse_k, ref_lse_k, z_a, ref_z_a, mu = (_varying(o, axis) for o in stats)
-    m = jnp.stack([lse_k, ref_lse_k][: len(shards)])
-    shift = _native.finite_or_zero(lax.pmax(m, axis))
-    # A block's log-sum-exp is its (m, s) = (lse_k, 1).
-    weights = jnp.exp(m - shift)
-    terms = (weights, jnp.stack([z_a, ref_z_a][: len(shards)]))
-    if entropy:
-        terms += (weights[0] * (mu - shift[0]),)
-    s, z_sel, *h = lax.psum(terms, axis)
-    bad = mask & ((ids < 0) | (ids >= local_vocab * lax.axis_size(axis)))
-    # An out-of-range active id poisons its row; the NaN lse makes its gradient NaN too.
-    lse = jnp.where(bad[None], jnp.nan, shift + jnp.log(s))
-    ent = jnp.where(bad, jnp.nan, jnp.log(s[0]) - h[0] / s[0]) if entropy else lse[0]
-    local = ids_k - start
-    owned = mask & (local >= 0) & (local < local_vocab)
-    local_ids = jnp.where(owned, local, -1).astype(ids_k.dtype)
     policy_out = _attach(call, shards[0], z_sel[0], lse[0], ent, local_ids, mask_k, temp, axis,
                          entropy)
     out = [policy_out[0]]

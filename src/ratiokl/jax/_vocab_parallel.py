@@ -53,8 +53,10 @@ from ratiokl._core import objective as _objective
 from ratiokl.jax import _native
 from ratiokl.jax._arrays import XP
 from ratiokl.jax._checks import Temperature
+from ratiokl.spec import vocab_blocks
 
-__all__ = ["VocabParallel", "backend", "global_vocab"]
+__all__ = ["VocabParallel", "as_varying", "backend", "block_logps", "global_vocab",
+           "varies_over", "varying_axes"]
 
 
 def _axis_size(axis: str) -> int:
@@ -68,21 +70,49 @@ def _axis_size(axis: str) -> int:
         ) from None
 
 
-def global_vocab(local_vocab: int, axis: Optional[str]) -> int:
-    """The global vocabulary size ``V_local * axis_size`` (``local_vocab`` without an axis)."""
-    return local_vocab if axis is None else local_vocab * _axis_size(axis)
+def global_vocab(local_vocab: int, axis: Optional[str], argument: str = "logits") -> int:
+    """The global vocabulary size ``V_local * axis_size`` (``local_vocab`` without an axis;
+    ``ValueError`` naming ``argument``, the sharded array, for an empty block)."""
+    if axis is None:
+        return local_vocab
+    return vocab_blocks([local_vocab] * _axis_size(axis), argument)[1]
+
+
+def varying_axes(x: jax.Array) -> frozenset:
+    """The mesh axes ``x`` is typed as varying over inside ``shard_map`` (none outside it,
+    or with ``check_vma=False``)."""
+    aval = jax.typeof(x)
+    vma = getattr(aval, "vma", None)  # JAX < 0.9 spelling
+    if vma is None:
+        manual = getattr(aval, "manual_axis_type", None)
+        vma = frozenset() if manual is None else manual.varying
+    return frozenset(vma)
+
+
+def varies_over(x: jax.Array, axis: str) -> bool:
+    """Whether ``x`` is typed as varying over mesh ``axis`` (never with ``check_vma=False``)."""
+    return axis in varying_axes(x)
+
+
+def as_varying(x: jax.Array, axis: str) -> jax.Array:
+    """``x`` typed as varying over ``axis`` (jax-triton outputs come back invariant)."""
+    return x if varies_over(x, axis) else lax.pcast(x, axis, to="varying")
 
 
 def backend(per_block: Backend, axis: str, explicit: bool) -> Backend:
     """The vocabulary-parallel backend over mesh axis ``axis`` (a static string).
 
-    ``per_block``: the resolved backend; its ``shard_logps`` (the kernels), or the
-    native math where it has none, computes each block's statistics. ``explicit``: it
-    was asked for by name (not ``"auto"``).
+    ``per_block``: the resolved backend; its ``shard_logps`` and ``shard_rows`` (the
+    kernels), or the native math where it has none, compute each block's statistics.
+    ``explicit``: it was asked for by name (not ``"auto"``).
     """
+    from ratiokl.jax import _vocab_linear
+
     _axis_size(axis)
     parallel = VocabParallel(axis, per_block.shard_logps, explicit)
-    return Backend(parallel.selected_logprobs, parallel.ratio_kl, parallel.logprobs_entropy)
+    linear = functools.partial(_vocab_linear.selected_logprobs, axis, per_block.shard_rows)
+    return Backend(parallel.selected_logprobs, parallel.ratio_kl, parallel.logprobs_entropy,
+                   linear_selected_logprobs=linear)
 
 
 def _ownership(ids: jax.Array, mask: jax.Array, local_vocab: int, axis: str):
@@ -129,9 +159,10 @@ def _shard_sums_bwd(entropy, residuals, cotangents):
 _shard_sums.defvjp(_shard_sums_fwd, _shard_sums_bwd)
 
 
-def _logps(shards, ids, mask, temperature, axis, entropy=False):
-    """``logp`` float32 ``[N]`` per block in ``shards`` and, with ``entropy``, the policy's
-    entropy (else None); one pmax and one psum in all."""
+def block_logps(shards, ids, mask, temperature, axis, entropy=False):
+    """``logp`` float32 ``[N]`` per block in ``shards``, with ``entropy`` the policy's entropy
+    (else None), and each block's global ``lse`` (``[k, N]``, NaN on a bad id's row); one
+    pmax and one psum in all. ``temperature``: float32 ``[N]``."""
     local_ids, owned, bad = _ownership(ids, mask, shards[0].shape[-1], axis)
     z = [_native.scaled_logits(lax.stop_gradient(x), mask, temperature)[0] for x in shards]
     m = jnp.stack([jnp.max(zk, axis=-1) for zk in z])
@@ -144,7 +175,7 @@ def _logps(shards, ids, mask, temperature, axis, entropy=False):
     s = s + jnp.where(bad, jnp.nan, 0.0)
     logps = [jnp.where(mask, z_a[k] - shift[k] - jnp.log(s[k]), 0.0) for k in range(len(shards))]
     ent = jnp.where(mask, jnp.log(s[0]) - h[0] / s[0], 0.0) if entropy else None
-    return logps, ent
+    return logps, ent, shift + jnp.log(s)
 
 
 class VocabParallel:
@@ -167,12 +198,10 @@ class VocabParallel:
         """``([logp per block], entropy or None)``: the Triton or the native math."""
         # No rows: nothing to launch (the native math on [0, V] is free).
         if self.shard_logps is not None and shards[0].shape[0] > 0:
-            from ratiokl.jax import _triton  # imports triton (loaded with shard_logps)
-
-            if self.explicit or _triton.varies_over(shards[0], self.axis):
+            if self.explicit or varies_over(shards[0], self.axis):
                 return self.shard_logps(shards, ids, mask, temperature, self.axis, entropy)
         t = _native.row_temperature(temperature, shards[0].shape[0])
-        return _logps(shards, ids, mask, t, self.axis, entropy)
+        return block_logps(shards, ids, mask, t, self.axis, entropy)[:2]
 
     def selected_logprobs(
         self,

@@ -93,7 +93,7 @@ def selected_logprobs(
         contiguous equal block and ``action_ids`` are global (see
         docs/vocab_parallel.md). The result is replicated along that axis.
 
-      return_entropy: also return the entropy (not yet with ``vocab_axis``).
+      return_entropy: also return the entropy (with ``vocab_axis`` too).
 
     Returns:
       ``logp``: float32 ``[...]``; exactly 0 on inactive rows. The gradient
@@ -451,6 +451,7 @@ def linear_selected_logprobs(
     chunk_rows: int = 2048,
     backend: BackendName = "auto",
     check_ids: bool = True,
+    vocab_axis: Optional[str] = None,
 ) -> Union[jax.Array, Tuple[jax.Array, jax.Array]]:
     r""":func:`selected_logprobs` (and the entropy) of the lm_head's logits, never holding them
     for all rows.
@@ -484,11 +485,29 @@ def linear_selected_logprobs(
     Precision: every GEMM of the op runs at ``Precision.HIGHEST`` with float32 accumulation,
     whatever ``jax_default_matmul_precision`` says (TF32-class by default on GPUs), so float32
     inputs get float32 GEMMs as in PyTorch.
+
+    ``vocab_axis``: inside ``jax.shard_map``, the mesh axis (a static string) over which the
+    lm_head is sharded by rows (tensor parallelism; see docs/vocab_parallel.md): device
+    ``k`` of the axis holds ``weight [V / n, H]`` (``in_specs P(axis, None)``) and ``bias
+    [V / n]`` (``P(axis)``), rows ``[k V / n, (k + 1) V / n)`` (``shard_map`` splits evenly:
+    ``V`` a multiple of the axis size ``n``); ``hidden``, ``action_ids`` (global ids),
+    ``mask`` and ``temperature`` are replicated along it. Per chunk one ``pmax`` and one
+    ``psum`` of ``[chunk_rows]``-sized row statistics combine the blocks (no ``[N, V]``
+    array is gathered). The outputs are the unsharded call's, the same on every device;
+    ``weight``'s and ``bias``'s gradients are the device's rows of the unsharded ones;
+    ``hidden``'s is the whole gradient on every device (the blocks' partial ``du_k W_k``
+    summed by one ``psum`` of ``[N, H]``, which JAX places as the transpose of the
+    ``pcast`` the op applies to the replicated hidden states; hidden states typed as
+    varying over the axis get their device's partial, as JAX's typing asks). Needs
+    ``check_vma=True`` (``shard_map``'s default) and ``weight`` / ``bias`` typed as varying
+    over the axis; otherwise ``ValueError``. Inactive rows keep every guarantee above on
+    every device; under ``jit`` an out-of-range active id (against the global ``V``) makes
+    its row NaN, and a ``checkify``-wrapped call raises.
     """
     return _linear_route.linear_selected_logprobs(
         hidden, weight, action_ids, mask, bias=bias, temperature=temperature,
         logit_scale=logit_scale, logit_softcap=logit_softcap, return_entropy=return_entropy,
-        chunk_rows=chunk_rows, backend=backend, check_ids=check_ids,
+        chunk_rows=chunk_rows, backend=backend, check_ids=check_ids, vocab_axis=vocab_axis,
     )
 
 
@@ -524,6 +543,7 @@ def linear_policy_loss(
     temperature: Temperature = 1.0,
     backend: BackendName = "auto",
     check_ids: bool = True,
+    vocab_axis: Optional[str] = None,
 ) -> Tuple[jax.Array, Dict[str, jax.Array]]:
     """:func:`policy_loss` of the lm_head's logits, never holding them for all rows.
 
@@ -546,6 +566,14 @@ def linear_policy_loss(
     get exactly zero ``d hidden`` and add nothing to ``d weight`` or ``d bias``, whatever
     their hidden states hold. The GEMMs run at ``Precision.HIGHEST`` (float32 inputs:
     float32 GEMMs, as in PyTorch).
+
+    ``vocab_axis``: the lm_head sharded by rows over this mesh axis inside ``shard_map``, as
+    in :func:`linear_selected_logprobs` (its layout, its ``check_vma=True``, its
+    gradients: the device's rows of ``d weight`` / ``d bias``, the whole ``d hidden``). The
+    loss takes :func:`policy_loss`'s two-pass route: :func:`linear_selected_logprobs` with
+    the entropy in row chunks (on every backend; the entropy's gradient only with
+    ``entropy_coef``), then the objective on the ``[N]`` log-probs, replicated along the
+    axis; the gradients come in the backward, which recomputes each chunk's logits.
     """
     return _linear_route.linear_policy_loss(
         hidden, weight, action_ids, mask, old_logps, advantages, ref_logps=ref_logps,
@@ -557,5 +585,5 @@ def linear_policy_loss(
         importance_weights=importance_weights, log_ratio_bound=log_ratio_bound,
         temperature=temperature, backend=backend, check_ids=check_ids,
         rollout_logps=rollout_logps, rollout_correction=rollout_correction,
-        rollout_bounds=rollout_bounds,
+        rollout_bounds=rollout_bounds, vocab_axis=vocab_axis,
     )

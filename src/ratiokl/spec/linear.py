@@ -51,6 +51,7 @@ __all__ = [
     "logit_transform",
     "transform_logits",
     "transform_slope",
+    "vocab_blocks",
 ]
 
 
@@ -120,6 +121,25 @@ def check_head_shapes(hidden_shape: Sequence[int], hidden_dtype: str,
             raise TypeError(f"`bias` ({bias_dtype}) must have the weight's dtype "
                             f"({weight_dtype}); cast it, e.g. `bias.to(weight.dtype)`")
     return tuple(hidden_shape[:-1])
+
+
+def vocab_blocks(widths: Sequence[int], argument: str) -> Tuple[Tuple[int, ...], int]:
+    """``(starts, V)`` of a vocabulary split over ranks in contiguous blocks, in rank order.
+
+    Rank ``r`` holds ids ``[starts[r], starts[r] + widths[r])`` (its rows of a sharded
+    ``weight [V_r, H]``, or its columns of sharded logits ``[..., V_r]``); ``V = sum(widths)``
+    is the range the action ids are checked against. Raises ``ValueError`` naming
+    ``argument`` (the sharded array) when a rank's block is empty.
+    """
+    empty = [r for r, width in enumerate(widths) if width < 1]
+    if empty:
+        raise ValueError(
+            f"`{argument}`: every rank's vocabulary block needs at least one token; rank(s) "
+            f"{', '.join(map(str, empty))} hold none (block widths by rank: {list(widths)}). "
+            "Split the vocabulary over at most V ranks"
+        )
+    starts = tuple(int(sum(widths[:r])) for r in range(len(widths)))
+    return starts, int(sum(widths))
 
 
 def transform_logits(u: Any, transform: LogitTransform, tanh: Callable[[Any], Any]) -> Any:

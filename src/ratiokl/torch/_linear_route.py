@@ -22,7 +22,7 @@ from ratiokl.spec import (
     policy_loss_options,
     rollout_options,
 )
-from ratiokl.torch import _checks, _rollout
+from ratiokl.torch import _checks, _once, _rollout
 from ratiokl.torch._arrays import XP
 from ratiokl.torch._route import (
     _aggregation_weights,
@@ -54,26 +54,27 @@ def _head(hidden, weight, bias, action_ids) -> Tuple[int, ...]:
     return lead
 
 
-def _eager_only(op: str, logits_op: str) -> None:
+def _eager_only(op: str, logits_op: str, vocab_group) -> None:
     if torch.compiler.is_compiling():
+        why = ("with `vocab_group` (its chunks make plain all-reduces)" if vocab_group is not None
+               else "on the Triton backends (its row chunks launch the kernels one by one)")
         raise ValueError(
-            f"{op} on the Triton backends runs eagerly (its row chunks launch the kernels one "
-            "by one); call it outside the torch.compile region, or compile the logits and "
-            f"call {logits_op}"
+            f"{op} {why} runs eagerly; call it outside the torch.compile region, or compile "
+            f"the logits and call {logits_op}"
         )
 
 
 def linear_selected_logprobs(hidden, weight, action_ids, mask, *, bias, temperature,
                              logit_scale, logit_softcap, return_entropy, chunk_rows, backend,
-                             check_ids):
+                             check_ids, vocab_group):
     """``ratiokl.torch.loss.linear_selected_logprobs`` (documented there)."""
     chunk_rows = check_chunk_rows(chunk_rows)
     transform = logit_transform(logit_scale, logit_softcap)
     lead = _head(hidden, weight, bias, action_ids)
-    rows = _rows(hidden, lead, action_ids, mask, temperature, backend, check_ids, None,
+    rows = _rows(hidden, lead, action_ids, mask, temperature, backend, check_ids, vocab_group,
                  vocab=weight.shape[0], weight=weight, bias=bias)
-    if rows.run.policy_loss is not None:  # a Triton backend
-        _eager_only("linear_selected_logprobs", "selected_logprobs")
+    if rows.run.policy_loss is not None or vocab_group is not None:  # Triton, or collectives
+        _eager_only("linear_selected_logprobs", "selected_logprobs", vocab_group)
     out = rows.run.linear_selected_logprobs(
         rows.logits, weight, bias, rows.ids, rows.mask, rows.temperature, transform,
         chunk_rows, bool(return_entropy))
@@ -95,13 +96,37 @@ def _native_loss(hidden, weight, bias, transform: LogitTransform, lead, mask, kw
                        inplace_grad=False, op="linear_policy_loss", **kwargs)
 
 
+def _sharded_loss(rows, weight, bias, transform: LogitTransform, chunk_rows: int, lead, inputs,
+                  ref_logps, opts, rollout, rollout_logps):
+    """``vocab_group``: the two-pass route of ``policy_loss`` on sharded logits, with the
+    log-probs and entropy from the sharded lm_head (``_vocab_linear``): ``(logp, entropy)``
+    in row chunks (the entropy's gradient only with ``entropy_coef``), then the framework's
+    objective on ``[N]`` arrays, the same on every rank."""
+    rollout_metrics = {}
+    if rollout is not None:
+        inputs, rollout_metrics = _rollout.correct(rows.mask, lead, inputs, rollout_logps,
+                                                   rollout, opts.log_ratio_bound,
+                                                   rows.run.rollout_weights)
+    logp, entropy = rows.run.linear_selected_logprobs(
+        rows.logits, weight, bias, rows.ids, rows.mask, rows.temperature, transform,
+        chunk_rows, True)
+    as_rows = _checks.as_rows
+    loss, metrics = _objective.policy_objective(
+        XP, as_rows(logp, lead), None if ref_logps is None else as_rows(_flat(ref_logps), lead),
+        as_rows(rows.mask, lead), inputs, opts, as_rows(entropy, lead))
+    if opts.loss_agg == "none":
+        loss = loss.reshape(lead)
+    loss = _once.backward_once(loss, "linear_policy_loss")
+    return loss, {**metrics, **rollout_metrics}
+
+
 def linear_policy_loss(hidden, weight, action_ids, mask, old_logps, advantages, *, ref_logps,
                        bias, logit_scale, logit_softcap, chunk_rows, clip_eps, clip_eps_high,
                        dual_clip, ratio_cap, kl_coef, kl_estimator, loss_agg, loss_normalizer,
                        objective, entropy_coef, segment_ids, importance_weights,
                        log_ratio_bound, temperature, backend, check_ids, rollout_logps,
-                       rollout_correction,
-                       rollout_bounds) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+                       rollout_correction, rollout_bounds,
+                       vocab_group) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """``ratiokl.torch.loss.linear_policy_loss`` (documented there)."""
     chunk_rows = check_chunk_rows(chunk_rows)
     transform = logit_transform(logit_scale, logit_softcap)
@@ -118,12 +143,18 @@ def linear_policy_loss(hidden, weight, action_ids, mask, old_logps, advantages, 
     inputs = _checks.token_inputs(lead, old_logps, advantages, segment_ids,
                                   importance_weights, loss_normalizer)
     rows = _rows(
-        hidden, lead, action_ids, mask, temperature, backend, check_ids, None,
+        hidden, lead, action_ids, mask, temperature, backend, check_ids, vocab_group,
         vocab=weight.shape[0], weight=weight, bias=bias, old_logps=old_logps,
         ref_logps=ref_logps, advantages=advantages, segment_ids=segment_ids,
         importance_weights=importance_weights,
     )
     run = rows.run
+    rollout = rollout_options(rollout_correction, rollout_bounds, rollout_logps is not None,
+                              old_given=old_logps is not None, cached=True)
+    if vocab_group is not None:
+        _eager_only("linear_policy_loss", "policy_loss", vocab_group)
+        return rows.checked(_sharded_loss(rows, weight, bias, transform, chunk_rows, lead,
+                                          inputs, ref_logps, opts, rollout, rollout_logps))
     if run.linear_policy_loss is None:
         return rows.checked(_native_loss(hidden, weight, bias, transform, lead, rows.mask, dict(
             action_ids=action_ids, mask=mask, old_logps=old_logps, advantages=advantages,
@@ -135,9 +166,7 @@ def linear_policy_loss(hidden, weight, action_ids, mask, old_logps, advantages, 
             temperature=temperature, backend=backend, check_ids=False,  # checked above
             rollout_logps=rollout_logps, rollout_correction=rollout_correction,
             rollout_bounds=rollout_bounds)))
-    _eager_only("linear_policy_loss", "policy_loss")
-    rollout = rollout_options(rollout_correction, rollout_bounds, rollout_logps is not None,
-                              old_given=old_logps is not None, cached=True)
+    _eager_only("linear_policy_loss", "policy_loss", None)
     rollout_metrics = {}
     if rollout is not None:
         inputs, rollout_metrics = _rollout.correct(rows.mask, lead, inputs, rollout_logps,

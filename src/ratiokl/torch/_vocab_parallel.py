@@ -30,10 +30,10 @@ tensors, never a differentiable all-reduce (whose backward all-reduce would
 multiply the replicated loss's gradient by the group size).
 
 With ``check_ids=True`` (the default) a call first makes sure the ranks agree
-(:meth:`VocabParallel._agree`): one small SUM all-reduce of a ``[world, 10]``
-integer table, each rank's row its call's shape (leading shape, number of
-shard tensors, ``V_r``), read on the host together with the active-id check
-against the global ``V`` (the call's one synchronisation). A rank whose
+(:meth:`VocabParallel._agree`, ``ratiokl.torch._vocab_agree``): one small SUM all-reduce
+of a ``[world, 10]`` integer table, each rank's row its call's shape (leading shape,
+whether it passed reference logits, ``V_r``), read on the host together with the
+active-id check against the global ``V`` (the call's one synchronisation). A rank whose
 shapes differ would otherwise enter all-reduces of another length, which
 NCCL does not detect (the ranks hang until its watchdog's timeout) and gloo
 reports as a mismatch on one rank only; instead every rank raises the same
@@ -51,7 +51,7 @@ collectives are the same for every backend.
 
 from __future__ import annotations
 
-import math
+import functools
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -59,47 +59,11 @@ import torch.distributed as dist
 
 from ratiokl._backend import Backend
 from ratiokl._core import objective as _objective
-from ratiokl.torch import _checks, _native
+from ratiokl.torch import _native, _vocab_agree
 from ratiokl.torch._arrays import XP
 from ratiokl.torch._checks import Temperature
 
-__all__ = ["VocabParallel", "backend"]
-
-#: Leading dimensions that the shape agreement compares one by one (``N`` covers the rest).
-_LEAD_DIMS = 6
-
-
-def _signature(lead: Tuple[int, ...], n_shards: int, local_vocab: int) -> List[int]:
-    """This rank's call as integers: ``[shard tensors, V_r, N, len(lead), lead dims...]``
-    (1 shard tensor: the policy; 2: with the reference), the dims zero-padded."""
-    dims = list(lead[:_LEAD_DIMS])
-    return [n_shards, local_vocab, math.prod(lead), len(lead), *dims,
-            *[0] * (_LEAD_DIMS - len(dims))]
-
-
-def _describe(row: Sequence[int]) -> str:
-    """One rank's :func:`_signature` as the shapes the caller passed."""
-    n_shards, local_vocab, n_rows, ndim, *dims = row
-    lead = [str(d) for d in dims[:ndim]] + (["..."] if ndim > _LEAD_DIMS else [])
-    text = f"logits [{', '.join(lead + [str(local_vocab)])}] ({n_rows} rows)"
-    return text + (" and ref_logits" if n_shards == 2 else ", no ref_logits")
-
-
-def _disagreement(table: Sequence[Sequence[int]]) -> Optional[str]:
-    """The error message when the ranks' signatures differ in more than ``V_r``, else None."""
-    same = lambda row: [row[0], *row[2:]]  # noqa: E731 - V_r (column 1) may differ
-    differ = [r for r, row in enumerate(table) if same(row) != same(table[0])]
-    if not differ:
-        return None
-    shapes = "; ".join(f"rank {r}: {_describe(row)}" for r, row in enumerate(table))
-    return (
-        f"`vocab_group`: rank(s) {', '.join(map(str, differ))} passed inputs whose shapes "
-        "differ from rank 0's. Every rank of the group must pass the same leading shape "
-        "(action_ids, mask and the per-token inputs are global) and the same logit "
-        "arguments; only the logits' last dimension, the rank's vocabulary block, may "
-        f"differ. Shapes by rank: {shapes}"
-    )
-
+__all__ = ["VocabParallel", "backend", "native_block_grad"]
 
 
 def backend(group: dist.ProcessGroup, lead: Tuple[int, ...], kernels: bool,
@@ -114,8 +78,12 @@ def backend(group: dist.ProcessGroup, lead: Tuple[int, ...], kernels: bool,
             "`vocab_group` needs torch.distributed: call "
             "torch.distributed.init_process_group first"
         )
+    from ratiokl.torch import _vocab_linear
+
     parallel = VocabParallel(group, lead, kernels, check_ids)
-    return Backend(parallel.selected_logprobs, parallel.ratio_kl, parallel.logprobs_entropy)
+    return Backend(parallel.selected_logprobs, parallel.ratio_kl, parallel.logprobs_entropy,
+                   linear_selected_logprobs=functools.partial(_vocab_linear.selected_logprobs,
+                                                              parallel))
 
 
 #: One shard tensor's statistics: row max ``m``, ``s = sum exp(z - shift(m))`` and, for the
@@ -218,13 +186,13 @@ class _AttachGrad(torch.autograd.Function):
                 g_ent, ent,
             )
         else:
-            grad = _shard_grad(logits, lse, local_ids, owned, mask, temperature, g_logp,
-                               g_ent, ent)
+            grad = native_block_grad(logits, lse, local_ids, owned, mask, temperature,
+                                     g_logp, g_ent, ent)
         return grad, None, None, None, None, None, None, None, None
 
 
-def _shard_grad(logits, lse, local_ids, owned, mask, temperature, g_logp, g_ent,
-                ent) -> torch.Tensor:
+def native_block_grad(logits, lse, local_ids, owned, mask, temperature, g_logp, g_ent,
+                      ent) -> torch.Tensor:
     """This shard's slice of ``(g * (onehot(a) - p) - g_ent * p * (log p + H)) / T`` in the
     logits' dtype, ``p = softmax(z)`` (``g_ent`` None: no entropy term)."""
     n_rows, vocab = logits.shape
@@ -334,8 +302,8 @@ class VocabParallel:
             return logp, None if ref is None else empty, ent
         with torch.no_grad():
             stats = _stats(shards, mask, temperature, kernels, entropy)
-            z_sel, lse, ent, local_ids, owned = self._combine(shards, stats, ids, mask,
-                                                              temperature)
+            z_sel, lse, ent, local_ids, owned, _ = self._combine(shards, stats, ids, mask,
+                                                                 temperature)
         out = _AttachGrad.apply(
             policy, z_sel[0], lse[0], ent, local_ids, owned, mask, temperature, kernels
         )
@@ -343,6 +311,18 @@ class VocabParallel:
         if ref is None:
             return logp, None, ent
         return logp, torch.where(mask, z_sel[1] - lse[1], torch.zeros_like(lse[1])), ent
+
+    def block_stats(self, block: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor,
+                    temperature: Temperature, entropy: bool):
+        """``(logp, entropy | None, lse, start_r)`` of this rank's block ``[N, V_r]`` of the
+        logits (detached; ``temperature`` 1 on inactive rows): the global float32 ``[N]``
+        row values of :meth:`logprobs` without its gradient, and the rank's first column,
+        from the same statistics and the same two all-reduces (the linear ops' chunks)."""
+        stats = _stats([block], mask, temperature, self.kernels, entropy)
+        z_sel, lse, ent, _, _, start = self._combine([block], stats, ids, mask, temperature)
+        zero = torch.zeros_like(lse[0])
+        logp = torch.where(mask, z_sel[0] - lse[0], zero)
+        return logp, None if ent is None else torch.where(mask, ent, zero), lse[0], start
 
     def _combine(
         self,
@@ -352,9 +332,10 @@ class VocabParallel:
         mask: torch.Tensor,
         temperature: Temperature,
     ) -> Tuple[List[torch.Tensor], List[torch.Tensor], Optional[torch.Tensor], torch.Tensor,
-               torch.Tensor]:
+               torch.Tensor, torch.Tensor]:
         """Global ``z_a`` and ``lse`` per shard tensor, the policy's entropy (None without
-        its ``mu``), plus local ids and ownership ``[N]``.
+        its ``mu``), plus local ids and ownership ``[N]`` and this rank's first column
+        ``start_r`` (0-d int64).
 
         ``stats`` holds each shard tensor's ``(m, s, mu)`` from :func:`_stats`.
         """
@@ -385,25 +366,12 @@ class VocabParallel:
         ent = None
         if mu is not None:  # H = lse - E_p[z] = log(S) - (E_p[z] - shift)
             ent = torch.where(bad, nan, torch.log(sums[0]) - sums[-1] / sums[0])
-        return [sums[2 * k + 1] for k in range(len(shards))], lse, ent, local_ids, owned
+        return [sums[2 * k + 1] for k in range(len(shards))], lse, ent, local_ids, owned, start
 
     def _agree(self, n_shards: int, local_vocab: int, ids: torch.Tensor,
                mask: torch.Tensor) -> None:
-        """Raise ``ValueError`` on every rank unless all ranks' shapes agree, then check the
-        active ids against the global ``V``: one SUM all-reduce of a ``[world, 10]`` table
-        (the rows of the other ranks zero: an all-gather) and one host read of it and the
-        id flag together. The table is identical on every rank, so is the outcome."""
-        row = _signature(self.lead, n_shards, local_vocab)
-        table = torch.zeros((self.world, len(row)), dtype=torch.int64, device=ids.device)
-        table[self.rank] = torch.tensor(row, dtype=torch.int64)
-        dist.all_reduce(table, op=dist.ReduceOp.SUM, group=self.group)
-        vocab = table[:, 1].sum()
-        bad = (mask & ((ids < 0) | (ids >= vocab))).any()
-        *host, any_bad = torch.cat([table.reshape(-1), bad.reshape(1).long()]).tolist()
-        message = _disagreement([host[r * len(row):(r + 1) * len(row)]
-                                 for r in range(self.world)])
-        if message is not None:
-            raise ValueError(message)
-        if any_bad:
-            vocab = sum(host[1::len(row)])
-            _checks.check_active_ids(ids.reshape(self.lead), mask.reshape(self.lead), vocab)
+        """The ranks' agreement on the call's shapes, then the id check against the global
+        ``V`` (:func:`ratiokl.torch._vocab_agree.agree`)."""
+        kind = _vocab_agree.LOGITS if n_shards == 1 else _vocab_agree.LOGITS_REF
+        _vocab_agree.agree(self.group, _vocab_agree.signature(self.lead, kind, local_vocab),
+                           self.lead, ids, mask)

@@ -88,7 +88,7 @@ def selected_logprobs(
         block, in rank order; see docs/vocab_parallel.md). ``action_ids`` are
         global and every input but the logits is identical on every rank.
 
-      return_entropy: also return the entropy (not yet with ``vocab_group``).
+      return_entropy: also return the entropy (with ``vocab_group`` too).
 
     Returns:
       ``logp``: float32 ``[...]``; exactly 0 on inactive rows. The gradient
@@ -449,6 +449,7 @@ def linear_selected_logprobs(
     chunk_rows: int = 2048,
     backend: BackendName = "auto",
     check_ids: bool = True,
+    vocab_group: Optional[torch.distributed.ProcessGroup] = None,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     r""":func:`selected_logprobs` (and the entropy) of the lm_head's logits, never holding them
     for all rows.
@@ -501,12 +502,31 @@ def linear_selected_logprobs(
         :func:`selected_logprobs` on each chunk, eagerly (under ``torch.compile`` a
         ``ValueError``); ``"native"`` (CPU tensors' ``"auto"``) runs framework ops on the
         same chunks.
-      check_ids: as in :func:`selected_logprobs` (ids checked against ``V = weight.shape[0]``).
+      check_ids: as in :func:`selected_logprobs` (ids checked against ``V = weight.shape[0]``,
+        with ``vocab_group`` the global ``V``).
+      vocab_group: a ``torch.distributed`` process group over which the lm_head is sharded
+        by rows (tensor parallelism, Megatron's ``ColumnParallelLinear`` layout; see
+        docs/vocab_parallel.md): rank ``r`` passes its contiguous block of the vocabulary,
+        ``weight [V_r, H]`` and ``bias [V_r]``, in group-rank order (blocks may be uneven,
+        each at least one row; ``V = sum V_r``). ``hidden``, ``action_ids`` (global ids in
+        ``[0, V)``), ``mask`` and ``temperature`` are the same on every rank. Per chunk the
+        ranks combine ``[chunk_rows]``-sized row statistics (one MAX and one SUM
+        all-reduce: the row max, the sums of exponentials, the selected logit and the
+        entropy's term); no ``[N, V]`` array is gathered. With ``check_ids`` the ranks
+        first agree on their shapes: a rank whose inputs differ in shape makes every rank
+        raise the same ``ValueError`` (naming it) instead of hanging. Runs eagerly (under
+        ``torch.compile`` a ``ValueError``).
 
     Returns:
       ``logp`` float32 ``[...]``, or with ``return_entropy`` ``(logp, entropy)``, float32
       ``[...]`` each; 0 on inactive rows. Differentiable w.r.t. ``hidden``, ``weight`` and
-      ``bias`` through both outputs. Inactive rows: whatever their hidden states hold (NaN,
+      ``bias`` through both outputs. With ``vocab_group``: the outputs are the unsharded
+      call's, bitwise the same on every rank; ``weight``'s and ``bias``'s gradients are
+      this rank's rows of the unsharded ones; ``hidden``'s is the whole gradient on every
+      rank, :math:`\sum_r du_r W_r` summed by one SUM all-reduce of ``[N, H]`` in the
+      hidden states' dtype in the backward (so pass the hidden states as they are, not
+      through Megatron's ``copy_to_tensor_model_parallel_region``, which would sum it
+      again). Inactive rows keep every guarantee below on every rank. Inactive rows: whatever their hidden states hold (NaN,
       inf) and whatever their id, they enter no GEMM (``where(mask, hidden, 0)`` first),
       their ``d hidden`` is exactly 0 and they add nothing to ``d weight`` or ``d bias``.
       ``d weight`` accumulates over the chunks in the weight's dtype, ``d bias`` in
@@ -522,7 +542,7 @@ def linear_selected_logprobs(
     return _linear_route.linear_selected_logprobs(
         hidden, weight, action_ids, mask, bias=bias, temperature=temperature,
         logit_scale=logit_scale, logit_softcap=logit_softcap, return_entropy=return_entropy,
-        chunk_rows=chunk_rows, backend=backend, check_ids=check_ids,
+        chunk_rows=chunk_rows, backend=backend, check_ids=check_ids, vocab_group=vocab_group,
     )
 
 
@@ -558,6 +578,7 @@ def linear_policy_loss(
     temperature: Temperature = 1.0,
     backend: BackendName = "auto",
     check_ids: bool = True,
+    vocab_group: Optional[torch.distributed.ProcessGroup] = None,
 ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     r""":func:`policy_loss` of the lm_head's logits, never holding them for all rows.
 
@@ -592,9 +613,19 @@ def linear_policy_loss(
         (Triton's interpreter): the chunks. ``"native"`` (what ``"auto"`` picks for CPU
         tensors) computes every row's logits at once (inactive rows' hidden states zeroed
         first) and runs :func:`policy_loss` on them: the same results, no memory saved.
+      vocab_group: the lm_head sharded by rows over this process group, as in
+        :func:`linear_selected_logprobs` (each rank its ``weight [V_r, H]`` / ``bias
+        [V_r]``; everything else global). The loss takes :func:`policy_loss`'s two-pass
+        route: :func:`linear_selected_logprobs` with the entropy in row chunks (on every
+        backend; the entropy's gradient only with ``entropy_coef``), then the objective on
+        the ``[N]`` log-probs; the gradients come in the backward, which recomputes each
+        chunk's logits (four GEMMs per chunk).
 
     Returns:
-      ``(loss, metrics)`` as :func:`policy_loss`. Differentiable w.r.t. ``hidden``,
+      ``(loss, metrics)`` as :func:`policy_loss`; with ``vocab_group`` the same values on
+      every rank, ``weight``'s and ``bias``'s gradients this rank's rows of the unsharded
+      ones and ``hidden``'s the whole gradient on every rank (summed over the group, as in
+      :func:`linear_selected_logprobs`). Differentiable w.r.t. ``hidden``,
       ``weight`` and ``bias`` (whichever requires a gradient): the gradients are computed
       in the forward and scaled by the upstream value in the backward, so the loss
       backpropagates once, on every backend (a second backward raises ``RuntimeError``).
@@ -620,5 +651,5 @@ def linear_policy_loss(
         importance_weights=importance_weights, log_ratio_bound=log_ratio_bound,
         temperature=temperature, backend=backend, check_ids=check_ids,
         rollout_logps=rollout_logps, rollout_correction=rollout_correction,
-        rollout_bounds=rollout_bounds,
+        rollout_bounds=rollout_bounds, vocab_group=vocab_group,
     )
