@@ -311,6 +311,11 @@ def _linear_magnitudes(x, op: str, agg: str):
             kl_coef=0.1, entropy_coef=0.05, loss_agg=agg, **native)
         obj = value * -1.7
     du = torch.autograd.grad(obj, u)[0].abs().nan_to_num(0.0, 0.0, 0.0)
+    # Each du entry carries a few float32 ulps of its row's upstream gradient even where its
+    # exact value is 0 (V = 1: p = 1 - 1e-7 on the GPU, so du = g (1 - p) is not 0).
+    upstream = 1.7 if op != "linear_logprobs" else x["g1"].abs() + x["g2"].abs()
+    floor = 8.0 * torch.finfo(torch.float32).eps * torch.as_tensor(upstream).max().clamp(min=1.0)
+    du = du + floor
     return float((du @ weight.abs()).max()), float((du.T @ hidden.abs()).max())
 
 
