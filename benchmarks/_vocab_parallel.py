@@ -246,6 +246,8 @@ def run_case(loss: Any, case: Case, policy: Any, ref: Any, x: Dict[str, Any], ba
         kw["rollout_logps"] = x["rollout_logps"]
     value, metrics = loss.policy_loss(policy, ref, x["ids"], x["mask"], x["old_logps"],
                                       x["advantages"], clip_eps=CLIP_EPS, kl_coef=KL_COEF, **kw)
+    if kw.get("loss_agg") == "none":  # the per-token loss: a per-token upstream gradient
+        return (x["cot_a"] * value).sum(), {"loss": value, **metrics}
     return value, {"loss": value, **metrics}
 
 
