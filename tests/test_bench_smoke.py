@@ -24,15 +24,15 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
-from _cases import LMHEAD, PRESETS, TIMINGS, min_bytes, timed_modes  # noqa: E402
+from _cases import HIDDEN_OPS, LINEAR_LOGP, LMHEAD, PRESETS, TIMINGS, min_bytes, timed_modes  # noqa: E402,E501
 from _summary import check_targets  # noqa: E402
 
 REQUIRED = ("op", "provider", "mode", "timing", "N", "V", "density", "dtype", "ms", "gbps",
             "pct_read_ceiling", "pct_copy_ceiling", "peak_extra_bytes", "min_bytes",
             "issue_ms", "issue_blocked")
-SMOKE_OPS = ("ratio_kl", "policy_loss_ref_logps", LMHEAD)
+SMOKE_OPS = ("ratio_kl", "policy_loss_ref_logps", LMHEAD, LINEAR_LOGP)
 NATIVE = ("ratiokl-torch-native", "ratiokl-jax-native", "torch-eager")
-STEP = ("ratiokl-torch-native", "gemm-only")
+STEP = ("ratiokl-torch-native", "ratiokl-torch-native-linear", "gemm-only")
 
 
 def _run_smoke(out: Path) -> str:
@@ -57,7 +57,7 @@ def test_cpu_smoke_run_writes_complete_consistent_records(tmp_path):
     logits_group, step_group = PRESETS["cpu-smoke"].groups
     (case,), (step_case,) = logits_group.cases, step_group.cases
     assert set(logits_group.providers) == set(NATIVE)
-    assert set(step_group.providers) == set(STEP) and step_group.ops == (LMHEAD,)
+    assert set(step_group.providers) == set(STEP) and step_group.ops == HIDDEN_OPS
     _check_coverage(data, logits_group.providers, step_group.providers)
     _check_consistency(data, {c.hidden: c for c in (case, step_case)})
     _check_memory(data, case)
@@ -71,12 +71,14 @@ def _modes(op):
 
 
 def _check_coverage(data, providers, step_providers):
-    """Each (provider, op, mode) exactly once per timing, the lm_head step included."""
+    """Each (provider, op, mode) exactly once per timing, the hidden-state ops included (the
+    lm_head step, the log-prob seam with its derived bwd)."""
     keys = [(r["provider"], r["op"], r["mode"], r["timing"]) for r in data["records"]]
-    ops = [op for op in SMOKE_OPS if op != LMHEAD]
+    ops = [op for op in SMOKE_OPS if op not in HIDDEN_OPS]
     expected = [(p, op, m, t) for p in providers for op in ops for m in _modes(op)
                 for t in TIMINGS]
-    expected += [(p, LMHEAD, "fwd+bwd", t) for p in step_providers for t in TIMINGS]
+    expected += [(p, op, m, t) for p in step_providers for op in HIDDEN_OPS
+                 for m in _modes(op) for t in TIMINGS]
     assert set(TIMINGS) == {"user", "device"}
     assert sorted(keys) == sorted(expected)
     assert any(r["op"] == LMHEAD for r in data["records"])
@@ -103,8 +105,8 @@ def _check_consistency(data, cases):
             assert r["issue_blocked"] is None  # no GPU to wait for
         else:
             assert r["issue_ms"] is None  # a backward is not issued alone
-        if r["min_bytes"] is None:  # the lm_head step: no bandwidth fields
-            assert r["op"] == LMHEAD and r["gbps"] is None and r["pct_read_ceiling"] is None
+        if r["min_bytes"] is None:  # the hidden-state ops: no bandwidth fields
+            assert r["op"] in HIDDEN_OPS and r["gbps"] is None and r["pct_read_ceiling"] is None
         elif r["ms"] > 0:
             gbps = r["min_bytes"] / (r["ms"] * 1e-3) / 1e9
             assert r["gbps"] == pytest.approx(gbps)
@@ -132,12 +134,13 @@ def _check_files_and_summary(data, out, stdout):
     for row in speedups:  # against the peer of the same timing
         eager = [r for r in data["records"] if r["provider"] == "torch-eager"
                  and all(r[k] == row[k] for k in ("op", "mode", "timing"))]
-        if not eager:  # the lm_head step has no eager peer
-            assert row["op"] == LMHEAD and row["x_torch-eager"] is None
+        if not eager:  # the hidden-state ops have no eager peer
+            assert row["op"] in HIDDEN_OPS and row["x_torch-eager"] is None
         elif row["ms"] > 0 and eager[0]["ms"] > 0:
             assert row["x_torch-eager"] == pytest.approx(eager[0]["ms"] / row["ms"])
     for title in ("ms by provider, user timing", "ms by provider, device timing",
-                  "issue ms by provider", "an autograd.Function doing nothing", "lmhead-step"):
+                  "issue ms by provider", "an autograd.Function doing nothing", "lmhead-step",
+                  "lmhead-logprobs"):
         assert title in stdout
 
 
