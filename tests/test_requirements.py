@@ -92,6 +92,44 @@ def test_framework_module_without_its_framework_names_the_extra(framework):
     assert f"pip install 'ratiokl[{framework}]'" in proc.stdout
 
 
+_NATIVE_WITHOUT_TRITON = {
+    "torch": """
+import torch
+from ratiokl.torch import loss
+ids = torch.zeros(2, 3, dtype=torch.long)
+print(loss.selected_logprobs(torch.ones(2, 3, 5), ids, backend="auto").shape)
+print(loss.linear_selected_logprobs(torch.ones(2, 3, 4), torch.ones(5, 4), ids,
+                                    return_entropy=True, backend="auto")[0].shape)
+print(loss.linear_policy_loss(torch.ones(2, 3, 4), torch.ones(5, 4), ids, None,
+                              torch.zeros(2, 3), torch.ones(2), backend="auto")[0].shape)
+""",
+    "jax": """
+import jax.numpy as jnp
+from ratiokl.jax import loss
+ids = jnp.zeros((2, 3), jnp.int32)
+print(loss.selected_logprobs(jnp.ones((2, 3, 5)), ids, backend="auto").shape)
+print(loss.linear_selected_logprobs(jnp.ones((2, 3, 4)), jnp.ones((5, 4)), ids,
+                                    return_entropy=True, backend="auto")[0].shape)
+print(loss.linear_policy_loss(jnp.ones((2, 3, 4)), jnp.ones((5, 4)), ids, None,
+                              jnp.zeros((2, 3)), jnp.ones(2), backend="auto")[0].shape)
+""",
+}
+
+
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_native_ops_run_without_triton(framework):
+    """Without Triton (the ``torch`` / ``jax`` extras alone), ``backend="auto"`` runs every
+    op natively: no module on the native route imports Triton (the JAX linear ops' did)."""
+    pytest.importorskip(framework)
+    code = "import sys; sys.modules['triton'] = None\n" + _NATIVE_WITHOUT_TRITON[framework]
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={"PYTHONPATH": str(SRC), "PATH": "", "JAX_PLATFORMS": "cpu"},
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["torch.Size([2,", "3])"] * 2 + ["torch.Size([])"] \
+        if framework == "torch" else proc.stdout.split() == ["(2,", "3)"] * 2 + ["()"]
+
+
 @pytest.mark.parametrize("adapter, blocked", [
     ("trl", "torch"), ("trl", "trl"), ("tunix", "jax"), ("tunix", "tunix"),
 ])

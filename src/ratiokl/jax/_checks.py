@@ -35,6 +35,7 @@ __all__ = [
     "check_ref",
     "check_row_values",
     "check_temperature",
+    "kernel_rows",
     "poison_bad_temperature",
 ]
 
@@ -351,3 +352,18 @@ def token_inputs(
         importance_weights=weights,
         loss_normalizer=_check_normalizer(loss_normalizer),
     )
+
+
+def kernel_rows(ids: jax.Array, mask: jax.Array, temperature: Temperature):
+    """Kernel-ready ids (int32/int64), bool mask and float32 temperature (``[1]`` or ``[N]``).
+
+    The kernels read the bool mask as it is (one byte per row, as torch's), so
+    no conversion runs on the device.
+    """
+    if ids.dtype not in (jnp.int32, jnp.int64):
+        ids = ids.astype(jnp.int32)
+    if isinstance(temperature, (int, float)):
+        temp = jnp.full((1,), temperature, dtype=jnp.float32)
+    else:
+        temp = jnp.asarray(temperature, dtype=jnp.float32)
+    return ids, mask.astype(jnp.bool_), temp

@@ -24,10 +24,10 @@ from jax import lax
 
 from ratiokl._kernels.loss_rows import METRIC_NAMES
 from ratiokl.jax import _launch
-from ratiokl.jax._checks import Temperature
+from ratiokl.jax._checks import Temperature, kernel_rows
 from ratiokl.jax._launch import Static, TritonCall
 from ratiokl.jax._lm_head import head_grads, head_logits
-from ratiokl.jax._triton import fused_static, kernel_coefficients, kernel_rows
+from ratiokl.jax._triton import fused_static, kernel_coefficients
 from ratiokl.spec import LogitTransform, PolicyLossOptions
 
 __all__ = ["policy_loss"]

@@ -23,7 +23,7 @@ gradient is summed over the axes its input was replicated on.
 from __future__ import annotations
 
 import functools
-from typing import Callable, NamedTuple, Optional
+from typing import TYPE_CHECKING, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -31,13 +31,14 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
 from ratiokl._codes import KL
-from ratiokl.jax import _launch, _native
-from ratiokl.jax._checks import Temperature
-from ratiokl.jax._launch import TritonCall
+from ratiokl.jax import _native
+from ratiokl.jax._checks import Temperature, kernel_rows
 from ratiokl.jax._lm_head import head_grads, head_logits
-from ratiokl.jax._triton import kernel_rows
 from ratiokl.jax._vocab_parallel import varying_axes
 from ratiokl.spec import LogitTransform
+
+if TYPE_CHECKING:
+    from ratiokl.jax._launch import TritonCall
 
 __all__ = ["NATIVE_ROWS", "RowOps", "selected_logprobs", "triton_rows"]
 
@@ -65,8 +66,10 @@ NATIVE_ROWS = RowOps(_native_forward, _native_backward)
 
 
 @functools.lru_cache(maxsize=None)
-def triton_rows(call: TritonCall) -> RowOps:
-    """The row kernels launched through ``call`` (one :class:`RowOps` per launch function)."""
+def triton_rows(call: "TritonCall") -> RowOps:
+    """The row kernels launched through ``call`` (one :class:`RowOps` per launch function;
+    ``_launch`` imported here: the native rows need no Triton)."""
+    from ratiokl.jax import _launch
 
     def forward(x, ids, mask, temp, entropy):
         logp, _, ent, _, lse = _launch.forward_op(call, KL.NONE.value, False, entropy)(

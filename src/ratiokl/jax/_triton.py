@@ -44,12 +44,12 @@ from ratiokl._backend import Backend
 from ratiokl._codes import KL
 from ratiokl._kernels.loss_rows import METRIC_NAMES
 from ratiokl.jax import _launch, _native
-from ratiokl.jax._checks import Temperature
+from ratiokl.jax._checks import Temperature, kernel_rows
 from ratiokl.jax._launch import Static, TritonCall
 from ratiokl.jax._vocab_parallel import as_varying, varies_over
 from ratiokl.spec import PolicyLossOptions
 
-__all__ = ["backend", "fused_static", "kernel_coefficients", "kernel_rows", "logprobs_entropy",
+__all__ = ["backend", "fused_static", "kernel_coefficients", "logprobs_entropy",
            "policy_loss", "ratio_kl", "selected_logprobs", "shard_logps", "shard_stats",
            "token_weights"]
 
@@ -96,21 +96,6 @@ def _op_bwd(call, kl_code, has_ref, residuals, cotangents):
 
 
 _op.defvjp(_op_fwd, _op_bwd)
-
-
-def kernel_rows(ids: jax.Array, mask: jax.Array, temperature: Temperature):
-    """Kernel-ready ids (int32/int64), bool mask and float32 temperature (``[1]`` or ``[N]``).
-
-    The kernels read the bool mask as it is (one byte per row, as torch's), so
-    no conversion runs on the device.
-    """
-    if ids.dtype not in (jnp.int32, jnp.int64):
-        ids = ids.astype(jnp.int32)
-    if isinstance(temperature, (int, float)):
-        temp = jnp.full((1,), temperature, dtype=jnp.float32)
-    else:
-        temp = jnp.asarray(temperature, dtype=jnp.float32)
-    return ids, mask.astype(jnp.bool_), temp
 
 
 def selected_logprobs(
