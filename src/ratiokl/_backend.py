@@ -35,7 +35,8 @@ mean of the log-ratio before the objective) takes the two-pass route:
 same read of the logits), then the objective of ``ratiokl._core.objective`` (written once,
 on the framework's array adapter). ``rollout_weights`` (the rollout correction's weights
 and metrics in one launch; ``seq`` the sequence log-weights ``[R, 1]`` or ``[R, T]``, or
-None) is optional: without it ``ratiokl._core.rollout``'s ops compute the same. The two ops from hidden states take
+None) is optional: without it ``ratiokl._core.rollout``'s ops compute the same. The two ops
+from hidden states take
 ``hidden [N, H]``, the lm_head ``weight [V, H]`` and ``bias [V]`` (or None) of one dtype and
 ``transform``, the validated logit options (``ratiokl.spec.LogitTransform``); they are
 differentiable w.r.t. all three; ``linear_policy_loss`` None: the route materialises the

@@ -106,7 +106,8 @@ def _loss_and_metrics(loss_rows, mask, logp, ratio, kl, ent, bits, old):
 def _objective_metrics(mask, logp, ratio, kl, ent, bits, old):
     return _objective.token_metrics(
         XP, mask, jnp.sum(mask), (bits & CLIP_LOW.value) != 0,
-        (bits & CLIP_HIGH.value) != 0, (bits & CLIP_CAPPED.value) != 0, ratio, kl, jnp.where(mask, old, 0.0) - logp, ent,
+        (bits & CLIP_HIGH.value) != 0, (bits & CLIP_CAPPED.value) != 0, ratio, kl,
+        jnp.where(mask, old, 0.0) - logp, ent,
     )
 
 

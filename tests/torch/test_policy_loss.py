@@ -51,7 +51,8 @@ def _run(x, options, *, backend="native", dtype=torch.float32, keys=()):
 def _assert_matches(actual, expected, dtype="float32"):
     (value, metrics, grad), (exp_loss, exp_metrics, exp_grad) = actual, expected
     assert value.dtype == torch.float32 and value.shape == np.shape(exp_loss)
-    np.testing.assert_allclose(value.detach().numpy(), exp_loss, rtol=LOSS_TOL.rtol, atol=LOSS_TOL.atol)
+    np.testing.assert_allclose(value.detach().numpy(), exp_loss, rtol=LOSS_TOL.rtol,
+                               atol=LOSS_TOL.atol)
     assert set(metrics) == set(exp_metrics)
     for name, m in metrics.items():
         assert m.dtype == torch.float32 and m.dim() == 0 and not m.requires_grad

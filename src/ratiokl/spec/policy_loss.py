@@ -81,7 +81,8 @@ per-token :math:`\mathrm{loss}_t` ``[...]`` above (0 on inactive tokens; GSPO: w
 sequence ratio, the very term the other modes weigh), so that every mode's loss is
 ``sum(loss_none * w)`` with its weights ``w_t = a_t / D``, and its gradient is per
 token (an upstream ``g_t`` scales token :math:`t`'s own gradient only: GSPO's value
-``sg(s_i)`` carries no gradient across tokens). ``loss_normalizer`` is refused with it. Sequences are the rows of the leading shape
+``sg(s_i)`` carries no gradient across tokens). ``loss_normalizer`` is refused with it.
+Sequences are the rows of the leading shape
 ``[..., T]``; with ``segment_ids`` a new sequence starts at every active token
 whose id differs from the previous active token's in the same row.
 
