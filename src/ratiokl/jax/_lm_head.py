@@ -3,13 +3,18 @@
 The transform is ``ratiokl.spec.linear``'s (``x = softcap((h @ W.T + b) * scale)``, slope
 ``scale * (1 - (x / softcap)^2)``), applied in float32 to the GEMM's float32 result and
 rounded once to the weight's dtype (XLA fuses the elementwise steps into the GEMM's
-consumer). Every ``dot_general`` here runs at ``Precision.HIGHEST`` with float32
-accumulation: float32 inputs get float32 GEMMs whatever JAX's default matmul precision
-(TF32-class on GPUs), as the PyTorch op's (``ratiokl.torch._lm_head.ieee_fp32``).
+consumer). The rounding is a ``reduce_precision``: on the GPU, XLA may drop a float32 ->
+bfloat16 -> float32 round trip inside a fusion (excess precision), which gave one consumer
+(the entropy) unrounded logits beside another's (the log-prob) rounded ones (a float16
+logit below 2^-14 in magnitude, a subnormal, becomes 0). Every ``dot_general`` here runs
+at ``Precision.HIGHEST`` with float32 accumulation: float32 inputs get float32 GEMMs
+whatever JAX's default matmul precision (TF32-class on GPUs), as the PyTorch op's
+(``ratiokl.torch._lm_head.ieee_fp32``).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Tuple
 
 import jax
@@ -29,21 +34,50 @@ def matmul(a: jax.Array, b: jax.Array, contract: Tuple[int, int]) -> jax.Array:
                            preferred_element_type=jnp.float32)
 
 
-def head_logits(kept: jax.Array, weight: jax.Array, bias: Optional[jax.Array],
-                transform: LogitTransform) -> jax.Array:
-    """``x = softcap((kept @ weight.T + bias) * scale)`` ``[C, V]`` in the weight's dtype
-    (differentiable; ``kept`` has inactive rows zeroed already)."""
+def _logits(kept: jax.Array, weight: jax.Array, bias: Optional[jax.Array],
+            transform: LogitTransform) -> jax.Array:
     u = matmul(kept, weight, (1, 1))
     if bias is not None:
         u = u + bias.astype(jnp.float32)
-    return transform_logits(u, transform, jnp.tanh).astype(weight.dtype)
+    x = transform_logits(u, transform, jnp.tanh)
+    if weight.dtype != jnp.float32:
+        info = jnp.finfo(weight.dtype)
+        x = lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+    return x.astype(weight.dtype)
 
 
-def head_grads(dx: jax.Array, x: jax.Array, kept: jax.Array, weight: jax.Array,
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def head_logits(kept: jax.Array, weight: jax.Array, bias: Optional[jax.Array],
+                transform: LogitTransform) -> jax.Array:
+    """``x = softcap((kept @ weight.T + bias) * scale)`` ``[C, V]`` in the weight's dtype
+    (``kept`` has inactive rows zeroed already). Differentiable, through :func:`head_grads`
+    (float32 accumulation): JAX's own transpose of a half-precision ``dot_general``
+    accumulates ``d hidden`` in that precision (over the whole vocabulary: a float16
+    ``d hidden`` 20 % off at V = 262,144 on the native route)."""
+    return _logits(kept, weight, bias, transform)
+
+
+def _head_logits_fwd(kept, weight, bias, transform):
+    x = _logits(kept, weight, bias, transform)
+    return x, (kept, weight, bias, x if transform.softcap is not None else None)
+
+
+def _head_logits_bwd(transform, residuals, dx):
+    kept, weight, bias, x = residuals
+    dh, dw, db = head_grads(dx, x, kept, weight, transform)
+    return (dh.astype(kept.dtype), dw.astype(weight.dtype),
+            None if bias is None else db.astype(bias.dtype))
+
+
+head_logits.defvjp(_head_logits_fwd, _head_logits_bwd)
+
+
+def head_grads(dx: jax.Array, x: Optional[jax.Array], kept: jax.Array, weight: jax.Array,
                transform: LogitTransform) -> Tuple[jax.Array, jax.Array, jax.Array]:
     """float32 ``(du @ weight, du.T @ kept, column sums of du)`` with ``du = dx *
-    slope(x)`` (``dx = d / d x`` ``[C, V]``), ``du`` rounded to the weight's dtype for the
-    GEMMs as the PyTorch op's."""
-    du = dx.astype(jnp.float32) * transform_slope(x.astype(jnp.float32), transform)
+    slope(x)`` (``dx = d / d x`` ``[C, V]``; ``x`` may be None without a softcap), ``du``
+    rounded to the weight's dtype for the GEMMs as the PyTorch op's."""
+    du = dx.astype(jnp.float32) * transform_slope(
+        None if x is None else x.astype(jnp.float32), transform)
     du_k = du.astype(weight.dtype)
     return matmul(du_k, weight, (1, 0)), matmul(du_k, kept, (0, 0)), jnp.sum(du, axis=0)
