@@ -229,3 +229,18 @@ def test_errors_name_the_option(native_target, options, name):
     mask, _, poisoned = _data(seed=25)
     with pytest.raises(ValueError, match=f"`{name}`"):
         _ratiokl(fw, mask, poisoned, options)
+
+
+@pytest.mark.parametrize("options", [{"kl_agg": "token-mean"}, {"kl_clamp": 1.0}])
+def test_inplace_grad_says_the_options_take_the_two_pass_route(native_target, options):
+    """The one-kernel path's ``inplace_grad`` cannot apply where these options route the
+    call through the two passes: the error names them."""
+    pytest.importorskip("triton")
+    fw = _framework(native_target)
+    x = _inputs(seed=26)
+    with pytest.raises(ValueError, match="`kl_agg` / `entropy_agg` / `kl_clamp`"):
+        fw.loss.policy_loss(
+            fw.tensor(x["policy_logits"].copy()), None, fw.tensor(x["action_ids"]),
+            fw.tensor(x["mask"]), fw.tensor(x["old_logps"]), fw.tensor(x["advantages"]),
+            ref_logps=fw.tensor(x["ref_logps"]), kl_coef=0.1, backend="interpret",
+            inplace_grad=True, **options)
