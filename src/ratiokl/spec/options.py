@@ -328,8 +328,10 @@ def policy_loss_options(
 
     ``clip_eps``, ``clip_eps_high``, ``kl_coef`` and ``entropy_coef`` may be 0-d
     floating arrays (their values are then the caller's responsibility: reading them would
-    synchronise). With ``cached``, calls with Python values only are cached: a
-    step pays the checks once per distinct option set (a tracer such as
+    synchronise). ``kl_agg`` / ``entropy_agg`` (``TERM_AGGS`` names or None) aggregate
+    the KL / entropy term apart (not with ``loss_agg="none"``); ``kl_clamp`` (a number > 0
+    or None) clamps the KL value. With ``cached``, calls with Python values only are
+    cached: a step pays the checks once per distinct option set (a tracer such as
     ``torch.compile``, which sees through caches, passes False).
     """
     args = (clip_eps, clip_eps_high, dual_clip, ratio_cap, kl_coef, kl_estimator, loss_agg,
