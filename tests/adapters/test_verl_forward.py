@@ -78,8 +78,8 @@ def _run(model, inputs, up, mask):
 def test_fused_forward_matches_verl(backend, layout):
     """log-probs, entropies and every parameter's gradient, in the engine's two layouts:
     ``padded`` (``[B, S]`` with the attention mask; the adapter's hidden states hold NaN /
-    inf on the padded positions, which it skips: 0 there, no gradient) and ``packed`` (``use_remove_padding``: ``[1, N]`` with the engine's
-    rolled ``shift_labels``)."""
+    inf on the padded positions, which it skips: 0 there, no gradient) and ``packed``
+    (``use_remove_padding``: ``[1, N]`` with the engine's rolled ``shift_labels``)."""
     if backend == "interpret":
         pytest.importorskip("triton")
     g = torch.Generator().manual_seed(1)

@@ -31,6 +31,9 @@ _AGGS = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum",
 #: verl's GSPO clamps the sequence log-ratio at +10 (``compute_policy_loss_gspo``).
 GSPO_LOG_RATIO_BOUND = 10.0
 _ACTOR = "actor_rollout_ref.actor"
+#: verl's clip metrics and the ratiokl metric each one is.
+_METRICS = {"actor/pg_clipfrac": "clip_fraction", "actor/ppo_kl": "approx_kl",
+            "actor/pg_clipfrac_lower": "dual_clip_fraction"}
 
 
 def _refuse(field: str, value: Any, why: str) -> NoReturn:
@@ -100,11 +103,11 @@ def loss_normalizer(loss_agg_mode: str, info: Mapping[str, Any],
 
 
 def _verl_metrics(metrics: Mapping[str, torch.Tensor]) -> Dict[str, float]:
-    """ratiokl's metrics under the names verl's losses log (``pg_clipfrac_lower`` is 0
-    for GSPO and CISPO, which have no dual clip)."""
-    return {"actor/pg_clipfrac": metrics["clip_fraction"].item(),
-            "actor/ppo_kl": metrics["approx_kl"].item(),
-            "actor/pg_clipfrac_lower": metrics["dual_clip_fraction"].item()}
+    """ratiokl's metrics under the names verl's losses log, as Python floats like verl's
+    (one host synchronisation; ``pg_clipfrac_lower`` is 0 for GSPO and CISPO, which have
+    no dual clip)."""
+    values = torch.stack([metrics[k] for k in _METRICS.values()]).tolist()
+    return dict(zip(_METRICS, values))
 
 
 PolicyLossFn = Callable[..., Tuple[torch.Tensor, Dict[str, float]]]
