@@ -132,7 +132,8 @@ def make_policy_loss(variant: Variant) -> PolicyLossFn:
                              "`config` (verl's ppo_loss passes it)")
         mask = response_mask.bool()
         options = loss_options(config, variant, loss_agg_mode)
-        normalizer = loss_normalizer(loss_agg_mode, config.global_batch_info or {}, mask)
+        info = getattr(config, "global_batch_info", None) or {}
+        normalizer = loss_normalizer(loss_agg_mode, info, mask)
         loss, metrics = policy_objective(
             log_prob, old_log_prob, advantages, mask, importance_weights=rollout_is_weights,
             loss_normalizer=normalizer, **options)
