@@ -216,11 +216,11 @@ def test_refusals_name_the_field(fields, agg, info, field):
                                       config=config)
 
 
-def _verl_registry_after_import(plugins_dir: Path, policy: str) -> str:
+def _verl_registry_after_import(plugins_dir: Path, policy: str, modules: str = "") -> str:
     code = ("import verl\nfrom verl.trainer.ppo import core_algos\n"
             "print(sorted(k for k in core_algos.POLICY_LOSS_REGISTRY if 'ratiokl' in k))")
     env = {**os.environ, "PYTHONPATH": f"{plugins_dir}{os.pathsep}{ROOT / 'src'}",
-           "VERL_USE_EXTERNAL_PLUGINS": policy}
+           "VERL_USE_EXTERNAL_PLUGINS": policy, "VERL_USE_EXTERNAL_MODULES": modules}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -230,7 +230,8 @@ def _verl_registry_after_import(plugins_dir: Path, policy: str) -> str:
 def test_entry_point_registers_the_losses_when_verl_is_imported(tmp_path):
     """pyproject's ``verl.plugins`` entry point, installed (a dist-info with that entry
     point on the path), makes a bare ``import verl`` register the losses; with verl's
-    plugin loading off they are absent."""
+    plugin loading off they are absent, and ``VERL_USE_EXTERNAL_MODULES`` brings them
+    back."""
     entry = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]
     assert entry["verl.plugins"] == {"ratiokl": "ratiokl.adapters.verl"}
     info = tmp_path / "ratiokl-0.1.0.dist-info"
@@ -241,3 +242,4 @@ def test_entry_point_registers_the_losses_when_verl_is_imported(tmp_path):
     names = "['ratiokl', 'ratiokl_cispo', 'ratiokl_gspo']"
     assert _verl_registry_after_import(tmp_path, "auto") == names
     assert _verl_registry_after_import(tmp_path, "none") == "[]"
+    assert _verl_registry_after_import(tmp_path, "none", "ratiokl.adapters.verl") == names
