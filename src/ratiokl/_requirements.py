@@ -56,6 +56,10 @@ REQUIREMENTS: Dict[str, Requirement] = {
         Requirement("trl", "1.15", "trl",
                     "the first TRL whose GRPOTrainer scores completions through a patched "
                     "model forward (ratiokl.adapters.trl's seam); tested: 1.16 on the CPU"),
+        Requirement("verl", "0.9.1", "verl",
+                    "the verl whose model-engine ppo_loss, policy-loss registry and "
+                    "fused-forward patch ratiokl.adapters.verl was written and tested "
+                    "against (CPU)"),
         Requirement("google-tunix", "0.1.7", "tunix",
                     "the Tunix whose policy-loss registry and TrainExample "
                     "ratiokl.adapters.tunix was written and tested against (CPU)"),

@@ -12,7 +12,13 @@ ratiokl would compute differently:
 - :mod:`ratiokl.adapters.tunix` -- Tunix's GRPO learner (``google-tunix >= 0.1.7``, JAX)
   with the policy loss ``"ratiokl_grpo"`` (:func:`ratiokl.jax.loss.policy_loss` on the
   model's logits), registered in Tunix's function registry on import; its
-  ``GRPOLearner`` checks the configuration when built.
+  ``GRPOLearner`` checks the configuration when built;
+- :mod:`ratiokl.adapters.verl` -- verl's policy losses ``"ratiokl"``, ``"ratiokl_gspo"``,
+  ``"ratiokl_cispo"`` (:func:`ratiokl.torch.loss.policy_objective` on the log-probs
+  verl's engine hands them) and its fused-kernel backend ``"ratiokl"`` (the log-probs and
+  entropies from :func:`ratiokl.torch.loss.linear_selected_logprobs`), registered when
+  ``import verl`` loads the ``verl.plugins`` entry point (``verl >= 0.9.1``); the
+  configuration is checked at the first call (verl runs no hook before).
 """
 
 from __future__ import annotations
