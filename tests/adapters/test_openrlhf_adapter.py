@@ -318,3 +318,26 @@ def test_training_step_refuses_the_moe_router_loss():
             _step(ours, dict(actor=dict(aux_loss_coef=0.01)), make_batch(), poisoned=True)
     finally:
         restore()
+
+
+def test_launcher_installs_in_every_ray_worker(monkeypatch):
+    """``python -m ratiokl.adapters.openrlhf ARGS`` starts Ray with a setup hook that Ray's
+    own loader resolves to :func:`install`, then runs OpenRLHF's CLI module with ARGS."""
+    ray = pytest.importorskip("ray")
+    from ray._private.runtime_env import setup_hook  # how Ray's workers load the hook
+
+    from ratiokl.adapters.openrlhf import __main__ as launcher
+
+    seen = {}
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: seen.update(init=kw))
+    monkeypatch.setattr(launcher.runpy, "run_module",
+                        lambda name, **kw: seen.update(module=name, argv=list(launcher.sys.argv),
+                                                       **kw))
+    monkeypatch.setattr(launcher.sys, "argv", list(launcher.sys.argv))
+    launcher.main(["--actor.pretrain", "x"])
+    hook = seen["init"]["runtime_env"]["worker_process_setup_hook"]
+    assert setup_hook.load_class(hook) is adapter.install
+    assert seen["init"]["runtime_env"]["env_vars"]["NCCL_DEBUG"]
+    assert (seen["module"], seen["run_name"]) == ("openrlhf.cli.train_ppo_ray", "__main__")
+    assert seen["argv"][1:] == ["--actor.pretrain", "x"]
