@@ -249,6 +249,12 @@ STEP_CASES = {
         actor=dict(loss_agg_mode="seq-mean-token-mean"),
         advantage=dict(is_correction_level="token", is_correction_threshold=[0.5, 2.0]),
         kl=dict(use_loss=True, init_coef=0.05, estimator="k2")),
+    # OpenRLHF's own KL code (the clamp at 10, the unbiased gradient, token-mean whatever
+    # the policy loss's level) on the adapter's log-probs; the unbiased gradient reads the
+    # old log-probs too, so they stay finite.
+    "ppo_sequence_kl_k3_unbiased_entropy": dict(finite_old=True,
+        actor=dict(loss_agg_mode="seq-mean-token-mean", entropy_coef=0.02),
+        kl=dict(use_loss=True, init_coef=0.2, estimator="k3", unbiased_gradient=True)),
     "tis_token_clip": dict(advantage=dict(is_correction_level="token",
                                           is_correction_mode="clip",
                                           is_correction_threshold=[0.0, 2.0])),
@@ -256,17 +262,20 @@ STEP_CASES = {
 }
 
 
-def _experience(actor, batch, seq_adv: bool, poisoned: bool):
+def _experience(actor, batch, seq_adv: bool, poisoned: bool, finite_old: bool):
     """The batch's offsets (old, reference and rollout log-probs, advantages) around the
     tiny model's own log-probs; the adapter's copy NaN where padded, but for the reference
-    log-probs (OpenRLHF's ``compute_approx_kl`` reads them on both sides)."""
+    log-probs (OpenRLHF's ``compute_approx_kl`` reads them on both sides) and, with
+    ``finite_old``, the old ones."""
     sequences, attention = _sequences(batch)
     with torch.no_grad():
         logp = actor(sequences, batch.mask, attention_mask=attention)
     base = token_logps(batch.logits, batch.ids)
     source = batch.poisoned() if poisoned else batch
-    shifted = {k: torch.where(batch.mask, logp + getattr(source, k) - base, 0.0 if not poisoned
-                              else float("nan")) for k in ("old", "rollout")}
+    pad = {"old": 0.0 if finite_old or not poisoned else float("nan"),
+           "rollout": float("nan") if poisoned else 0.0}
+    shifted = {k: torch.where(batch.mask, logp + getattr(source, k) - base, pad[k])
+               for k in ("old", "rollout")}
     ref = torch.where(batch.mask, logp + batch.ref - base, 0.0)
     adv = source.adv_seq if seq_adv else source.adv
     return Experience(sequences=sequences, attention_mask=attention, action_mask=batch.mask,
@@ -277,8 +286,9 @@ def _experience(actor, batch, seq_adv: bool, poisoned: bool):
 def _step(actor, case, batch, poisoned: bool):
     args = trainer_args(case.get("actor"), case.get("advantage"), case.get("kl"))
     trainer, strategy = build_trainer(ppo_actor, args, actor, B)
-    trainer.training_step(_experience(actor, batch, case.get("seq_adv", False), poisoned),
-                          args.algo.kl.init_coef, 0)
+    experience = _experience(actor, batch, case.get("seq_adv", False), poisoned,
+                             case.get("finite_old", False))
+    trainer.training_step(experience, args.algo.kl.init_coef, 0)
     return trainer, strategy.loss
 
 
