@@ -324,7 +324,7 @@ def test_training_step_refuses_the_moe_router_loss():
     _, ours = _actor_pair()
     restore = adapter.install("native")
     try:
-        with pytest.raises(ValueError, match="`actor.aux_loss_coef="):
+        with pytest.raises(ValueError, match="`aux_loss_coef="):
             _step(ours, dict(actor=dict(aux_loss_coef=0.01)), make_batch(), poisoned=True)
     finally:
         restore()
@@ -351,3 +351,18 @@ def test_launcher_installs_in_every_ray_worker(monkeypatch):
     assert seen["init"]["runtime_env"]["env_vars"]["NCCL_DEBUG"]
     assert (seen["module"], seen["run_name"]) == ("openrlhf.cli.train_ppo_ray", "__main__")
     assert seen["argv"][1:] == ["--actor.pretrain", "x"]
+
+
+def test_the_readmes_openrlhf_block_runs_here():
+    """The README's OpenRLHF block, as printed, in OpenRLHF's environment: afterwards
+    ``Actor`` runs the adapter's forward and the trainer builds the drop-in."""
+    from readme_blocks import block_importing
+
+    block = block_importing("ratiokl.adapters.openrlhf")
+    own = Actor.forward, ppo_actor.PolicyLoss
+    try:
+        exec(compile(block.code, f"README.md:{block.line}", "exec"), {})
+        assert Actor.forward.ratiokl_original is own[0]
+        assert ppo_actor.PolicyLoss is adapter.PolicyLoss
+    finally:
+        Actor.forward, ppo_actor.PolicyLoss = own

@@ -12,7 +12,11 @@ ratiokl would compute differently:
 - :mod:`ratiokl.adapters.tunix` -- Tunix's GRPO learner (``google-tunix >= 0.1.7``, JAX)
   with the policy loss ``"ratiokl_grpo"`` (:func:`ratiokl.jax.loss.policy_loss` on the
   model's logits), registered in Tunix's function registry on import; its
-  ``GRPOLearner`` checks the configuration when built.
+  ``GRPOLearner`` checks the configuration when built;
+- :mod:`ratiokl.adapters.openrlhf` -- OpenRLHF's PPO actor (``openrlhf >= 0.11``):
+  ``install()`` makes ``ActorPPOTrainer`` build a ``PolicyLoss`` computed by
+  :func:`ratiokl.torch.loss.policy_objective` and ``Actor.forward`` take its log-probs and
+  entropies from the last hidden states (:func:`ratiokl.torch.loss.linear_selected_logprobs`).
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ class ActorOutput(ModelOutput):
 
     def __getattr__(self, name: str):
         if name == "aux_loss":
-            _refuse("actor.aux_loss_coef", "> 0", "the MoE router loss is not computed")
+            _refuse("aux_loss_coef", "> 0", "the MoE router loss is not computed")
         raise AttributeError(name)
 
 
