@@ -41,7 +41,6 @@ class PolicyLoss(torch.nn.Module):
         self.opts = loss_options(clip_eps_low, clip_eps_high, dual_clip, token_level_loss,
                                  policy_loss_type, is_correction_level, is_correction_mode,
                                  is_correction_gating, is_correction_threshold)
-        self.policy_loss_type = policy_loss_type
 
     def forward(self, log_probs: torch.Tensor, old_log_probs: torch.Tensor,
                 advantages: torch.Tensor, action_mask: Optional[torch.Tensor] = None,
