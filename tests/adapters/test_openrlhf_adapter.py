@@ -6,8 +6,9 @@ log-probs, the four logged values), its ``Actor.forward`` against the adapter's 
 and one ``ActorPPOTrainer.training_step`` with OpenRLHF's own against one with
 ``install()`` (the loss and every parameter's gradient). OpenRLHF gets finite values
 everywhere; the adapter gets NaN on the padded positions of the log-probs, old / rollout
-log-probs and advantages (``tests/helpers/trainer_batch.py``), and in the training step
-on those of the old / rollout log-probs and advantages (the reference log-probs feed
+log-probs and advantages (``tests/helpers/trainer_batch.py``), in the forward on the last
+hidden states of the positions the attention mask excludes, and in the training step on
+the padded old / rollout log-probs and advantages (the reference log-probs feed
 OpenRLHF's own ``compute_approx_kl`` on both sides). Its CUDA-only packages are stubbed
 as ``tests/helpers/openrlhf_stubs.py`` says. Runs in its own venv (``.ci/run`` block (d)).
 """
@@ -161,6 +162,14 @@ def _actor_pair(temperature=0.8):
     return actors
 
 
+def _poison_padded_hidden_states(actor, attention):
+    """NaN in the adapter's last hidden states wherever the attention mask is 0 (a hook on
+    the final norm): they must reach neither a value nor a gradient."""
+    keep = attention.bool()[..., None]
+    actor.model.model.norm.register_forward_hook(
+        lambda module, args, out: torch.where(keep, out, float("nan")))
+
+
 def _logit_scale(actor, sequences, attention):
     with torch.no_grad():
         return float(actor.model(sequences, attention_mask=attention).logits.abs().max()) \
@@ -192,6 +201,7 @@ def test_actor_forward_matches_openrlhf(mode, backend):
         kwargs["return_logprobs"] = True
     mask = None if mode == "all_logprobs" else batch.mask
     want, want_out = theirs(sequences, mask, **kwargs)
+    _poison_padded_hidden_states(ours, attention)
     got, got_out = forward(ours, sequences, mask, **kwargs)
     active = attention[:, :-1].bool() & attention[:, 1:].bool()
     rows = active if mask is None else batch.mask
