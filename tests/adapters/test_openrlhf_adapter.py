@@ -244,9 +244,65 @@ def test_actor_forward_refuses_a_head_it_would_compute_otherwise():
     batch = make_batch()
     sequences, attention = _sequences(batch)
     _, ours = _actor_pair()
-    ours.model.config.final_logit_softcapping = 30.0
-    with pytest.raises(ValueError, match="`model.config.final_logit_softcapping=30.0`"):
+    ours.model.config.output_multiplier = 0.5
+    with pytest.raises(ValueError, match="`model.config.output_multiplier=0.5`"):
         adapter.actor_forward("native")(ours, sequences, batch.mask, attention_mask=attention)
+
+
+_SMALL = dict(vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+              num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+
+
+def _with_head_bias(model):
+    """A Llama whose lm_head has a bias (its forward calls ``self.lm_head``)."""
+    head = torch.nn.Linear(16, VOCAB, bias=True)
+    torch.nn.init.normal_(head.bias, std=1.0)
+    model.lm_head = head
+    return model
+
+
+#: Tiny models built in code whose logits are not ``hidden @ W.T``: the model's own forward
+#: (OpenRLHF's) is the oracle for the adapter's options.
+HEADS = {
+    "gemma2_softcap": lambda: transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+        **_SMALL, head_dim=8, final_logit_softcapping=1.5)),
+    "cohere_logit_scale": lambda: transformers.CohereForCausalLM(transformers.CohereConfig(
+        **_SMALL, logit_scale=4.0)),
+    "granite_logits_scaling": lambda: transformers.GraniteForCausalLM(
+        transformers.GraniteConfig(**_SMALL, logits_scaling=0.25)),
+    "llama_head_bias": lambda: _with_head_bias(transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(**_SMALL))),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", list(HEADS))
+def test_actor_forward_reads_the_models_head(name, backend):
+    """A soft cap, a logit scale or a head bias: log-probs, entropies and every parameter's
+    gradient are ``Actor.forward``'s on the model's own logits."""
+    if backend == "interpret":
+        pytest.importorskip("triton")
+    torch.manual_seed(0)
+    model = HEADS[name]().float()
+    model.config._attn_implementation = "eager"
+    theirs, ours = (Actor(copy.deepcopy(model), temperature=0.7) for _ in range(2))
+    theirs.packing_samples = ours.packing_samples = False
+    batch = make_batch()
+    sequences, attention = _sequences(batch)
+    kwargs = dict(attention_mask=attention, return_output=True, return_entropy=True)
+    want, want_out = theirs(sequences, batch.mask, **kwargs)
+    got, got_out = adapter.actor_forward(backend)(ours, sequences, batch.mask, **kwargs)
+    active = attention[:, :-1].bool() & attention[:, 1:].bool()
+    scale = _logit_scale(theirs, sequences, attention)
+    for label, g, w, rows in (("log-probs", got, want, batch.mask),
+                              ("entropy", got_out.entropy, want_out.entropy, active)):
+        tol = linear_forward_tolerance("float32", scale, VOCAB, entropy=label == "entropy")
+        assert_close(g[rows], w[rows].detach(), type(tol)(2 * tol.rtol, 2 * tol.atol), label)
+    g = torch.Generator().manual_seed(3)
+    w_logp, w_ent = torch.randn(got.shape, generator=g), torch.randn(active.shape, generator=g)
+    ((got * w_logp).sum() + (got_out.entropy * w_ent * active).sum()).backward()
+    ((want * w_logp).sum() + (want_out.entropy * w_ent * active).sum()).backward()
+    _assert_grads(ours.model, theirs.model, scale)
 
 
 # --- one training step of OpenRLHF's ActorPPOTrainer, with install() ------------------

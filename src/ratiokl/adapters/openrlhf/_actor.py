@@ -4,7 +4,7 @@ decoder's output and the lm_head weight, never the ``[B, S, V]`` float32 logits.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, NoReturn, Optional
+from typing import Any, Callable, Dict, NoReturn, Optional, Tuple
 
 import torch
 from transformers.modeling_outputs import ModelOutput
@@ -15,10 +15,8 @@ from ratiokl.torch.loss import linear_selected_logprobs
 
 __all__ = ["ActorOutput", "actor_forward"]
 
-#: Model config fields that change the logits beyond ``hidden @ lm_head.weight.T``.
-_HEAD_FIELDS = ("final_logit_softcapping", "logit_scale", "output_multiplier",
-                "lm_head_multiplier", "logits_scaling")
-
+#: Model config fields that scale the logits in ways ratiokl is not told how to read.
+_UNKNOWN_HEAD_FIELDS = ("output_multiplier", "lm_head_multiplier")
 
 def _refuse(field: str, value: Any, why: str) -> NoReturn:
     refuse("ratiokl.adapters.openrlhf.actor_forward", "openrlhf.models.Actor.forward", field,
@@ -41,24 +39,28 @@ class ActorOutput(ModelOutput):
         raise AttributeError(name)
 
 
-def _head(model: torch.nn.Module) -> torch.Tensor:
-    """The lm_head weight ``[V, H]``; a ``ValueError`` naming what makes the logits other
-    than ``hidden @ weight.T``, or a ZeRO-3 partitioned weight."""
+def _head(model: torch.nn.Module) -> Tuple[torch.Tensor, Dict[str, Any]]:
+    """The lm_head weight ``[V, H]`` and the ``linear_selected_logprobs`` options that make
+    its logits the model's own: ``bias`` (the head's), ``logit_scale`` (Cohere's
+    ``logit_scale``, Granite's ``1 / logits_scaling``) and ``logit_softcap`` (Gemma's
+    ``final_logit_softcapping``). A ``ValueError`` naming what it cannot read: another
+    multiplier, LoRA on the head, a ZeRO-3 partitioned weight."""
     config = model.config.get_text_config()
-    for name in _HEAD_FIELDS:
+    for name in _UNKNOWN_HEAD_FIELDS:
         value = getattr(config, name, None)
         if value is not None and value != 1.0:
-            _refuse(f"model.config.{name}", value,
-                    "the logits must be hidden @ lm_head.weight.T exactly")
+            _refuse(f"model.config.{name}", value, "ratiokl reads the logit multipliers of "
+                    "Cohere, Granite and Gemma only")
     head = model.get_output_embeddings()
     if not isinstance(head, torch.nn.Linear) or hasattr(head, "base_layer"):
         _refuse("lm_head", type(head).__name__, "the head must be a plain torch.nn.Linear "
                 "(no LoRA on lm_head)")
-    if head.bias is not None:
-        _refuse("lm_head.bias", "present", "the logits must be hidden @ lm_head.weight.T")
     if hasattr(head.weight, "ds_id"):
         _refuse("ds.zero_stage", 3, "the lm_head weight is partitioned (ZeRO-3); use stage 2")
-    return head.weight
+    scale = float(getattr(config, "logit_scale", None) or 1.0)
+    scale /= float(getattr(config, "logits_scaling", None) or 1.0)
+    return head.weight, dict(bias=head.bias, logit_scale=scale,
+                             logit_softcap=getattr(config, "final_logit_softcapping", None))
 
 
 def actor_forward(backend: BackendName = "auto", chunk_rows: int = 2048) -> Callable:
@@ -69,7 +71,8 @@ def actor_forward(backend: BackendName = "auto", chunk_rows: int = 2048) -> Call
     Per call it runs the model's decoder (``model.base_model``; through PEFT's
     ``get_base_model()``) on OpenRLHF's ``sequences``, ``attention_mask`` and position ids,
     and gives ``linear_selected_logprobs`` the hidden states of positions ``0 .. S-2``,
-    the lm_head weight, ``sequences[:, 1:]`` and the actor's ``temperature``. With an
+    the lm_head weight (with its bias, and the model's logit scale or soft cap: Cohere,
+    Granite, Gemma), ``sequences[:, 1:]`` and the actor's ``temperature``. With an
     ``action_mask [B, T]`` and neither ``return_entropy`` nor ``return_logprobs`` only the
     last ``T`` positions are computed. Returns as OpenRLHF's: ``action_log_probs [B, T]``
     float32 (0 where ``action_mask`` is false), ``[B, S - 1]`` log-probs with
@@ -80,8 +83,8 @@ def actor_forward(backend: BackendName = "auto", chunk_rows: int = 2048) -> Call
     logits (no ``action_mask``, no ``return_logprobs``) runs OpenRLHF's own forward.
 
     ``ValueError`` (naming the field) for packed samples, ring attention, multimodal
-    inputs, an lm_head that is not ``hidden @ weight.T`` (bias, scale, soft cap, LoRA) and
-    a ZeRO-3 partitioned head; reading ``output.aux_loss`` (MoE) raises one too.
+    inputs, a logit multiplier it cannot read, LoRA on the lm_head and a ZeRO-3
+    partitioned head; reading ``output.aux_loss`` (MoE) raises one too.
     """
     from openrlhf.models.actor import Actor
 
@@ -103,7 +106,7 @@ def actor_forward(backend: BackendName = "auto", chunk_rows: int = 2048) -> Call
             _refuse("mm_inputs", sorted(mm_inputs), "the adapter scores text models only")
         model = self.model.get_base_model() if hasattr(self.model, "get_base_model") \
             else self.model
-        weight = _head(model)
+        weight, head = _head(model)
         if attention_mask is None:
             attention_mask = torch.ones_like(sequences)
         position_ids = attention_mask.long().cumsum(-1) - 1
@@ -117,9 +120,10 @@ def actor_forward(backend: BackendName = "auto", chunk_rows: int = 2048) -> Call
         rows = hidden[:, :-1][:, window:]
         if weight.dtype != rows.dtype:  # autocast: the head in the activations' dtype
             weight = weight.to(rows.dtype)
+            head["bias"] = None if head["bias"] is None else head["bias"].to(rows.dtype)
         out = linear_selected_logprobs(
             rows, weight, sequences[:, 1:][:, window:], active, temperature=self.temperature,
-            return_entropy=return_entropy, chunk_rows=chunk_rows, backend=backend)
+            return_entropy=return_entropy, chunk_rows=chunk_rows, backend=backend, **head)
         logp, entropy = out if return_entropy else (out, None)
         output = ActorOutput(entropy=entropy) if return_output else None
         if action_mask is None:
