@@ -39,12 +39,12 @@ class ActorOutput(ModelOutput):
         raise AttributeError(name)
 
 
-def _head(model: torch.nn.Module) -> Tuple[torch.Tensor, Dict[str, Any]]:
-    """The lm_head weight ``[V, H]`` and the ``linear_selected_logprobs`` options that make
-    its logits the model's own: ``bias`` (the head's), ``logit_scale`` (Cohere's
-    ``logit_scale``, Granite's ``1 / logits_scaling``) and ``logit_softcap`` (Gemma's
+def _head(model: torch.nn.Module) -> Tuple[torch.nn.Linear, Dict[str, Any]]:
+    """The lm_head module and the ``linear_selected_logprobs`` options that make its logits
+    the model's own (with its ``bias``): ``logit_scale`` (Cohere's ``logit_scale``,
+    Granite's ``1 / logits_scaling``) and ``logit_softcap`` (Gemma's
     ``final_logit_softcapping``). A ``ValueError`` naming what it cannot read: another
-    multiplier, LoRA on the head, a ZeRO-3 partitioned weight."""
+    multiplier, LoRA on the head."""
     config = model.config.get_text_config()
     for name in _UNKNOWN_HEAD_FIELDS:
         value = getattr(config, name, None)
@@ -55,12 +55,26 @@ def _head(model: torch.nn.Module) -> Tuple[torch.Tensor, Dict[str, Any]]:
     if not isinstance(head, torch.nn.Linear) or hasattr(head, "base_layer"):
         _refuse("lm_head", type(head).__name__, "the head must be a plain torch.nn.Linear "
                 "(no LoRA on lm_head)")
-    if hasattr(head.weight, "ds_id"):
-        _refuse("ds.zero_stage", 3, "the lm_head weight is partitioned (ZeRO-3); use stage 2")
     scale = float(getattr(config, "logit_scale", None) or 1.0)
     scale /= float(getattr(config, "logits_scaling", None) or 1.0)
-    return head.weight, dict(bias=head.bias, logit_scale=scale,
-                             logit_softcap=getattr(config, "final_logit_softcapping", None))
+    return head, dict(logit_scale=scale,
+                      logit_softcap=getattr(config, "final_logit_softcapping", None))
+
+
+def _call_head(head: torch.nn.Linear, rows: torch.Tensor, score: Callable) -> Any:
+    """``score(rows, weight, bias)`` run as the head module's own forward, so that wrappers
+    managing its parameters around its calls see it as the model's own head call: DeepSpeed
+    ZeRO-3 gathers the partitioned weight for this call (and again for its backward) and
+    releases it after, rather than keeping it gathered for the whole actor forward."""
+    own = head.__dict__.get("forward")
+    head.forward = lambda x: score(x, head.weight, head.bias)
+    try:
+        return head(rows)
+    finally:
+        if own is None:
+            del head.forward
+        else:
+            head.forward = own
 
 
 def actor_forward(backend: BackendName = "auto", chunk_rows: int = 2048) -> Callable:
@@ -83,8 +97,9 @@ def actor_forward(backend: BackendName = "auto", chunk_rows: int = 2048) -> Call
     logits (no ``action_mask``, no ``return_logprobs``) runs OpenRLHF's own forward.
 
     ``ValueError`` (naming the field) for packed samples, ring attention, multimodal
-    inputs, a logit multiplier it cannot read, LoRA on the lm_head and a ZeRO-3
-    partitioned head; reading ``output.aux_loss`` (MoE) raises one too.
+    inputs, a logit multiplier it cannot read and LoRA on the lm_head; reading
+    ``output.aux_loss`` (MoE) raises one too. The head's GEMMs run inside the head
+    module's own call (:func:`_call_head`), so DeepSpeed ZeRO-3 gathers its weight.
     """
     from openrlhf.models.actor import Actor
 
@@ -106,7 +121,7 @@ def actor_forward(backend: BackendName = "auto", chunk_rows: int = 2048) -> Call
             _refuse("mm_inputs", sorted(mm_inputs), "the adapter scores text models only")
         model = self.model.get_base_model() if hasattr(self.model, "get_base_model") \
             else self.model
-        weight, head = _head(model)
+        head, options = _head(model)
         if attention_mask is None:
             attention_mask = torch.ones_like(sequences)
         position_ids = attention_mask.long().cumsum(-1) - 1
@@ -117,13 +132,18 @@ def actor_forward(backend: BackendName = "auto", chunk_rows: int = 2048) -> Call
         window = 0 if return_entropy or return_logprobs else -action_mask.shape[1]
         if window:
             active = active[:, window:] & action_mask.bool()
-        rows = hidden[:, :-1][:, window:]
-        if weight.dtype != rows.dtype:  # autocast: the head in the activations' dtype
-            weight = weight.to(rows.dtype)
-            head["bias"] = None if head["bias"] is None else head["bias"].to(rows.dtype)
-        out = linear_selected_logprobs(
-            rows, weight, sequences[:, 1:][:, window:], active, temperature=self.temperature,
-            return_entropy=return_entropy, chunk_rows=chunk_rows, backend=backend, **head)
+        ids = sequences[:, 1:][:, window:]
+
+        def score(rows, weight, bias):
+            if weight.dtype != rows.dtype:  # autocast: the head in the activations' dtype
+                weight = weight.to(rows.dtype)
+                bias = None if bias is None else bias.to(rows.dtype)
+            return linear_selected_logprobs(
+                rows, weight, ids, active, bias=bias, temperature=self.temperature,
+                return_entropy=return_entropy, chunk_rows=chunk_rows, backend=backend,
+                **options)
+
+        out = _call_head(head, hidden[:, :-1][:, window:], score)
         logp, entropy = out if return_entropy else (out, None)
         output = ActorOutput(entropy=entropy) if return_output else None
         if action_mask is None:
