@@ -59,6 +59,16 @@ LOSS_CASES = {
     "gspo_ratio_to_rollout": dict(seq_adv=True, kw=dict(policy_loss_type="gspo", **TOKEN)),
     "tis_token_clip": dict(kw=dict(is_correction_mode="clip",
                                    is_correction_threshold=[0.0, 2.0], **TOKEN)),
+    "tis_token_clip_floor": dict(kw=dict(is_correction_mode="clip", **TOKEN)),  # (0.5, 5)
+    "tis_token_clip_floor_sequence_dp": dict(info=DP, kw=dict(
+        token_level_loss=False, is_correction_mode="clip", is_correction_threshold=[0.8, 2.0],
+        **TOKEN)),
+    "geomean_sequence_mask": dict(kw=dict(is_correction_level="seq",
+                                          is_correction_threshold=[0.5, 2.0])),
+    "geomean_sequence_mask_default_bounds_dual_clip": dict(kw=dict(
+        is_correction_level="seq", dual_clip=3.0)),
+    "geomean_sequence_mask_sequence_level": dict(kw=dict(
+        is_correction_level="seq", token_level_loss=False, is_correction_threshold=[0.7, 1.5])),
     "icepop_token_mask": dict(kw=TOKEN),
     "icepop_sequence_dual_clip_dp": dict(info=DP, kw=dict(
         token_level_loss=False, dual_clip=3.0, is_correction_threshold=[0.5, 2.0], **TOKEN)),
@@ -103,12 +113,10 @@ def test_policy_loss_matches_openrlhf(name):
 
 
 @pytest.mark.parametrize("kw, field", [
-    (dict(is_correction_level="seq"), "is_correction_level"),
     (dict(is_correction_level="token", is_correction_gating="tv",
           is_correction_threshold=[0.0, 0.1]), "is_correction_gating"),
-    (dict(is_correction_level="token", is_correction_gating="binary_kl",
+    (dict(is_correction_level="seq", is_correction_gating="binary_kl",
           is_correction_threshold=[0.0, 0.1]), "is_correction_gating"),
-    (dict(is_correction_level="token", is_correction_mode="clip"), "is_correction_threshold"),
 ])
 def test_policy_loss_refuses_at_construction(kw, field):
     """What OpenRLHF accepts and ratiokl computes otherwise is refused when built, naming
@@ -400,9 +408,10 @@ STEP_CASES = {
     "ppo_sequence_kl_k3_unbiased_entropy": dict(finite_old=True,
         actor=dict(loss_agg_mode="seq-mean-token-mean", entropy_coef=0.02),
         kl=dict(use_loss=True, init_coef=0.2, estimator="k3", unbiased_gradient=True)),
-    "tis_token_clip": dict(advantage=dict(is_correction_level="token",
-                                          is_correction_mode="clip",
-                                          is_correction_threshold=[0.0, 2.0])),
+    "tis_token_clip_floor": dict(advantage=dict(is_correction_level="token",
+                                                is_correction_mode="clip")),  # (0.5, 5)
+    "geomean_sequence_mask": dict(advantage=dict(is_correction_level="seq",
+                                                 is_correction_threshold=[0.6, 1.6])),
     "gspo": dict(seq_adv=True, actor=dict(policy_loss_type="gspo", entropy_coef=-0.01)),
 }
 

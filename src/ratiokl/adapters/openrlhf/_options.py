@@ -35,13 +35,14 @@ class LossOptions:
     ``batch_num_tokens`` rather than ``global_batch_size``). ``ratio_to_rollout``: GSPO
     with a correction level on takes its ratio against ``rollout_log_probs``.
     ``corrects``: the rollout correction is on (``vllm_kl`` and ``is_filter_ratio`` are
-    returned). ``bounds``: its ``(low, high)``.
+    returned); ``sequence_gate``: at the sequence level. ``bounds``: its ``(low, high)``.
     """
 
     options: Dict[str, Any]
     token_level: bool
     ratio_to_rollout: bool
     corrects: bool
+    sequence_gate: bool
     bounds: tuple
 
 
@@ -72,23 +73,16 @@ def loss_options(clip_eps_low: float = 0.2, clip_eps_high: float = 0.2,
         if is_correction_gating != "ratio":
             _refuse("is_correction_gating", is_correction_gating,
                     "ratiokl gates on the importance ratio only (no binary-KL / TV gate)")
-        if is_correction_level == "seq":
-            _refuse("is_correction_level", "seq", "OpenRLHF gates each sequence on the "
-                    "geometric mean of its token weights and keeps the per-token weights; "
-                    "ratiokl's 'sequence-mask' gates and weighs by their product")
-        if is_correction_mode == "clip":
-            if low != 0.0:
-                _refuse("is_correction_threshold", list(is_correction_threshold),
-                        "is_correction_mode='clip' clamps the token weight into [low, high]; "
-                        "ratiokl's 'token-truncate' caps it at high with no floor: pass a "
-                        "low of 0")
-            options["rollout_correction"] = "token-truncate"
+        if is_correction_level == "seq":  # mode "clip" with "seq": OpenRLHF's own error
+            options["rollout_correction"] = "sequence-geomean-mask"
+        elif is_correction_mode == "clip":
+            options["rollout_correction"] = "token-clip"
         else:
             options["rollout_correction"] = "token-mask"
         options["rollout_bounds"] = (low, high)
     return LossOptions(options=options, token_level=options["loss_agg"] == "token-mean",
                        ratio_to_rollout=on and gspo, corrects=on and not gspo,
-                       bounds=(low, high))
+                       sequence_gate=is_correction_level == "seq", bounds=(low, high))
 
 
 def loss_normalizer(opts: LossOptions, dp_size: int, batch_num_tokens: Union[None, float, Any],

@@ -21,11 +21,10 @@ class PolicyLoss(torch.nn.Module):
     ``clip_eps_high``, ``dual_clip`` is ``dual_clip``, ``token_level_loss`` picks
     ``token-mean`` over ``batch_num_tokens / dp_size`` or ``seq-mean-token-mean`` over
     ``global_batch_size / dp_size``, ``policy_loss_type="gspo"`` is
-    ``ratio_level="sequence"`` at the sequence level, and the token-level correction is
-    ``token-mask`` (``is_correction_mode="mask"``, IcePop) or ``token-truncate``
-    (``"clip"`` with a low of 0). A ``ValueError`` naming the argument refuses the rest
-    (the sequence-level geometric-mean gate, the ``binary_kl`` / ``tv`` gates, a clip
-    floor above 0).
+    ``ratio_level="sequence"`` at the sequence level, and the correction is ``token-mask``
+    (``is_correction_mode="mask"``, IcePop), ``token-clip`` (``"clip"``, TIS with its
+    floor) or ``sequence-geomean-mask`` (``is_correction_level="seq"``). A ``ValueError``
+    naming the argument refuses the ``binary_kl`` / ``tv`` gates.
 
     Inactive tokens (``action_mask`` false) are selected out before any arithmetic:
     whatever they hold, they reach neither the loss, the logged values nor a gradient
@@ -64,8 +63,8 @@ class PolicyLoss(torch.nn.Module):
           the float32 0-d loss; detached 0-d ``clip_ratio`` (the fraction of active
           tokens whose clipped surrogate is the smaller), ``ppo_kl`` (mean of ``old -
           logp``); with a correction on, ``vllm_kl`` (mean of ``rollout - old``) and
-          ``is_filter_ratio`` (the fraction of tokens whose weight is outside
-          ``[low, high]``), else None and None. Means over active tokens, 0 without one.
+          ``is_filter_ratio`` (the fraction of tokens, or at the sequence level of rows,
+          whose weight is outside ``[low, high]``), else None and None. Means over active tokens, 0 without one.
         """
         mask = torch.ones_like(log_probs, dtype=torch.bool) if action_mask is None \
             else action_mask.bool()
@@ -85,17 +84,29 @@ class PolicyLoss(torch.nn.Module):
             return loss, metrics["clip_fraction"], ppo_kl, None, None
         old = torch.where(mask, old_log_probs.float(), 0.0)
         rollout = torch.where(mask, rollout_log_probs.float(), 0.0)
-        weight = torch.exp(old - rollout)
-        low, high = opts.bounds
-        filtered = (weight < low) | (weight > high)
         return (loss, metrics["clip_fraction"], ppo_kl, _mean(rollout - old, mask),
-                _mean(filtered.float(), mask))
+                _filter_ratio(old - rollout, mask, opts.bounds, opts.sequence_gate))
 
 
 def _mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Detached float32 mean of ``values`` over active tokens (0 without one)."""
     total = torch.where(mask, values.detach().float(), 0.0).sum()
     return total / mask.sum().clamp(min=1)
+
+
+def _filter_ratio(log_weight: torch.Tensor, mask: torch.Tensor, bounds, sequence: bool):
+    """OpenRLHF's ``is_filter_ratio``: the fraction of active tokens whose weight
+    ``exp(log_weight)`` is outside ``bounds``, or at the sequence level the fraction of all
+    rows whose geometric-mean weight is (a row without an active token counts: OpenRLHF's
+    gate is NaN there)."""
+    low, high = bounds
+    if not sequence:
+        weight = torch.exp(log_weight)
+        return _mean(((weight < low) | (weight > high)).float(), mask)
+    count = mask.sum(-1)
+    gate = torch.exp(log_weight.sum(-1) / count.clamp(min=1))
+    kept = (gate >= low) & (gate <= high) & (count > 0)
+    return (~kept).float().mean()
 
 
 def _per_sequence(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
