@@ -123,10 +123,10 @@ def require(distribution: str, *, needed_by: str, extra: Optional[str] = None) -
 def import_framework(distribution: str, *, needed_by: str, module: Optional[str] = None,
                      extra: Optional[str] = None) -> ModuleType:
     """Import a framework (``torch``, ``jax``, or a trainer: ``trl``, ``google-tunix``,
-    ``openrlhf``) for ``needed_by``; raise :class:`MissingDependency` saying which extra to install if it is
-    absent or too old (the version is the module's own ``__version__``, so a build without
-    pip metadata passes too; the installed distribution's where the module has none, as
-    OpenRLHF's). ``module``: the import name, when not ``distribution``;
+    ``openrlhf``) for ``needed_by``; raise :class:`MissingDependency` saying which extra to
+    install if it is absent or too old (the version is the module's own ``__version__``, so
+    a build without pip metadata passes too; the installed distribution's where the module
+    has none, as OpenRLHF's). ``module``: the import name, when not ``distribution``;
     ``extra``: the ratiokl extra to suggest, when not the table's (an adapter's)."""
     try:
         imported = importlib.import_module(module or distribution)

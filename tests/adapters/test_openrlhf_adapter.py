@@ -126,6 +126,15 @@ def test_policy_loss_refuses_at_construction(kw, field):
         adapter.PolicyLoss(**kw)
 
 
+def test_policy_loss_refuses_what_openrlhf_refuses():
+    """A sequence-level clip: OpenRLHF's constructor raises, and so does the drop-in's."""
+    kw = dict(is_correction_level="seq", is_correction_mode="clip")
+    with pytest.raises(ValueError):
+        OpenRLHFPolicyLoss(**kw)
+    with pytest.raises(ValueError, match="`is_correction_mode='clip'`"):
+        adapter.PolicyLoss(**kw)
+
+
 def test_gspo_refuses_per_token_advantages():
     """GSPO with advantages that vary within a sequence: the gradients would differ
     (``test_openrlhf_parity.test_gspo_with_per_token_advantages_differs``)."""

@@ -12,11 +12,19 @@ denominators (``get_loss_batch_info``'s ``batch_num_tokens``, ``global_batch_siz
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, NoReturn, Optional, Sequence, Union
+from typing import Any, Dict, Literal, NoReturn, Optional, Sequence, Union
 
 from ratiokl.adapters import refuse
 
-__all__ = ["LossOptions", "loss_options", "loss_normalizer"]
+__all__ = ["CorrectionGating", "CorrectionLevel", "CorrectionMode", "LossOptions",
+           "PolicyLossType", "loss_normalizer", "loss_options"]
+
+#: OpenRLHF 0.11's ``--actor.policy_loss_type``.
+PolicyLossType = Literal["ppo", "gspo"]
+#: OpenRLHF 0.11's ``--algo.advantage.is_correction_{level,mode,gating}``.
+CorrectionLevel = Literal["off", "token", "seq"]
+CorrectionMode = Literal["mask", "clip"]
+CorrectionGating = Literal["ratio", "binary_kl", "tv"]
 
 _ADAPTER = "ratiokl.adapters.openrlhf.PolicyLoss"
 _FALLBACK = "openrlhf.models.PolicyLoss"
@@ -48,8 +56,10 @@ class LossOptions:
 
 def loss_options(clip_eps_low: float = 0.2, clip_eps_high: float = 0.2,
                  dual_clip: Optional[float] = None, token_level_loss: bool = True,
-                 policy_loss_type: str = "ppo", is_correction_level: str = "off",
-                 is_correction_mode: str = "mask", is_correction_gating: str = "ratio",
+                 policy_loss_type: PolicyLossType = "ppo",
+                 is_correction_level: CorrectionLevel = "off",
+                 is_correction_mode: CorrectionMode = "mask",
+                 is_correction_gating: CorrectionGating = "ratio",
                  is_correction_threshold: Sequence[float] = (0.5, 5.0)) -> LossOptions:
     """The options of OpenRLHF 0.11's ``PolicyLoss(...)`` arguments (same names and
     defaults); ``ValueError`` naming the argument for what ratiokl computes otherwise."""
@@ -73,7 +83,10 @@ def loss_options(clip_eps_low: float = 0.2, clip_eps_high: float = 0.2,
         if is_correction_gating != "ratio":
             _refuse("is_correction_gating", is_correction_gating,
                     "ratiokl gates on the importance ratio only (no binary-KL / TV gate)")
-        if is_correction_level == "seq":  # mode "clip" with "seq": OpenRLHF's own error
+        if is_correction_level == "seq":
+            if is_correction_mode == "clip":  # OpenRLHF's own ValueError too
+                _refuse("is_correction_mode", "clip", "OpenRLHF clamps per-token weights "
+                        "only (is_correction_level='token')")
             options["rollout_correction"] = "sequence-geomean-mask"
         elif is_correction_mode == "clip":
             options["rollout_correction"] = "token-clip"

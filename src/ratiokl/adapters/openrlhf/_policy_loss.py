@@ -6,7 +6,9 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from ratiokl.adapters.openrlhf._options import loss_normalizer, loss_options
+from ratiokl.adapters.openrlhf._options import (CorrectionGating, CorrectionLevel,
+                                                CorrectionMode, PolicyLossType,
+                                                loss_normalizer, loss_options)
 from ratiokl.torch.loss import policy_objective
 
 __all__ = ["PolicyLoss"]
@@ -33,8 +35,10 @@ class PolicyLoss(torch.nn.Module):
 
     def __init__(self, clip_eps_low: float = 0.2, clip_eps_high: float = 0.2,
                  dual_clip: Optional[float] = None, token_level_loss: bool = True,
-                 policy_loss_type: str = "ppo", is_correction_level: str = "off",
-                 is_correction_mode: str = "mask", is_correction_gating: str = "ratio",
+                 policy_loss_type: PolicyLossType = "ppo",
+                 is_correction_level: CorrectionLevel = "off",
+                 is_correction_mode: CorrectionMode = "mask",
+                 is_correction_gating: CorrectionGating = "ratio",
                  is_correction_threshold: Sequence[float] = (0.5, 5.0)) -> None:
         super().__init__()
         self.opts = loss_options(clip_eps_low, clip_eps_high, dual_clip, token_level_loss,
@@ -64,7 +68,8 @@ class PolicyLoss(torch.nn.Module):
           tokens whose clipped surrogate is the smaller), ``ppo_kl`` (mean of ``old -
           logp``); with a correction on, ``vllm_kl`` (mean of ``rollout - old``) and
           ``is_filter_ratio`` (the fraction of tokens, or at the sequence level of rows,
-          whose weight is outside ``[low, high]``), else None and None. Means over active tokens, 0 without one.
+          whose weight is outside ``[low, high]``), else None and None. Means over active
+          tokens, 0 without one.
         """
         mask = torch.ones_like(log_probs, dtype=torch.bool) if action_mask is None \
             else action_mask.bool()
