@@ -170,9 +170,9 @@ def _sequences(batch):
     return sequences, torch.cat([prompt_mask, batch.mask], 1).long()
 
 
-def _actor_pair(temperature=0.8):
+def _actor_pair(temperature=0.8, dtype=torch.float32):
     """Two ``Actor``s on equal copies of one tiny model: OpenRLHF's and the adapter's."""
-    model = _model()
+    model = _model().to(dtype)
     actors = [Actor(copy.deepcopy(model), temperature=temperature) for _ in range(2)]
     for actor in actors:
         actor.packing_samples = False  # set by Actor.__init__ only when it loads a checkpoint
@@ -193,24 +193,26 @@ def _logit_scale(actor, sequences, attention):
             / actor.temperature
 
 
-def _assert_grads(got_model, want_model, scale):
+def _assert_grads(got_model, want_model, scale, dtype="float32"):
     for (name, got), (_, want) in zip(got_model.named_parameters(),
                                       want_model.named_parameters()):
         magnitude = float(want.grad.abs().max())
-        tol = linear_grad_tolerance("float32", scale, magnitude)
+        tol = linear_grad_tolerance(dtype, scale, magnitude)
         assert_close(got.grad, want.grad, type(tol)(2 * tol.rtol, 2 * tol.atol), name)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("mode", ["entropy", "action_only", "all_logprobs"])
-def test_actor_forward_matches_openrlhf(mode, backend):
+def test_actor_forward_matches_openrlhf(mode, backend, dtype):
     """Log-probs, entropies and every parameter's gradient (of a loss weighing both) of the
-    adapter's forward are ``Actor.forward``'s; 0 where inactive."""
+    adapter's forward are ``Actor.forward``'s (a bfloat16 model too: OpenRLHF's logits
+    and the adapter's chunks are both rounded to it once); 0 where inactive."""
     if backend == "interpret":
         pytest.importorskip("triton")
     batch = make_batch()
     sequences, attention = _sequences(batch)
-    theirs, ours = _actor_pair()
+    theirs, ours = _actor_pair(dtype=getattr(torch, dtype))
     forward = adapter.actor_forward(backend)
     kwargs = dict(attention_mask=attention, return_output=True,
                   return_entropy=mode == "entropy")
@@ -225,13 +227,13 @@ def test_actor_forward_matches_openrlhf(mode, backend):
     g = torch.Generator().manual_seed(3)
     w_logp = torch.randn(got.shape, generator=g) * rows
     scale = _logit_scale(theirs, sequences, attention)
-    tol = linear_forward_tolerance("float32", scale, VOCAB)
+    tol = linear_forward_tolerance(dtype, scale, VOCAB)
     assert_close(got[rows], want[rows].detach(), type(tol)(2 * tol.rtol, 2 * tol.atol),
                  "log-probs")
     assert torch.all(got[~rows] == 0)
     objective = [(got * w_logp).sum(), (want * w_logp).sum()]
     if mode == "entropy":
-        ent_tol = linear_forward_tolerance("float32", scale, VOCAB, entropy=True)
+        ent_tol = linear_forward_tolerance(dtype, scale, VOCAB, entropy=True)
         assert_close(got_out.entropy[active], want_out.entropy[active].detach(),
                      type(ent_tol)(2 * ent_tol.rtol, 2 * ent_tol.atol), "entropy")
         assert torch.all(got_out.entropy[~active] == 0)
@@ -242,7 +244,7 @@ def test_actor_forward_matches_openrlhf(mode, backend):
         assert got_out.entropy is None
     objective[0].backward()
     objective[1].backward()
-    _assert_grads(ours.model, theirs.model, scale)
+    _assert_grads(ours.model, theirs.model, scale, dtype)
 
 
 def test_actor_forward_wanting_logits_runs_openrlhfs():
