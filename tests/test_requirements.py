@@ -133,6 +133,7 @@ def test_native_ops_run_without_triton(framework):
 @pytest.mark.parametrize("adapter, blocked", [
     ("trl", "torch"), ("trl", "trl"), ("tunix", "jax"), ("tunix", "tunix"),
     ("verl", "torch"), ("verl", "verl"),
+    ("openrlhf", "torch"), ("openrlhf", "openrlhf"),
 ])
 def test_adapter_without_its_framework_or_trainer_names_the_extra(adapter, blocked):
     """``import ratiokl.adapters.<trainer>`` with its framework or its trainer unimportable

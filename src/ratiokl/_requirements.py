@@ -60,6 +60,9 @@ REQUIREMENTS: Dict[str, Requirement] = {
                     "the verl whose model-engine ppo_loss, policy-loss registry and "
                     "fused-forward patch ratiokl.adapters.verl was written and tested "
                     "against (CPU)"),
+        Requirement("openrlhf", "0.11", "openrlhf",
+                    "the OpenRLHF whose PolicyLoss, Actor.forward and ActorPPOTrainer "
+                    "ratiokl.adapters.openrlhf mirrors; tested: 0.11.2 on the CPU"),
         Requirement("google-tunix", "0.1.7", "tunix",
                     "the Tunix whose policy-loss registry and TrainExample "
                     "ratiokl.adapters.tunix was written and tested against (CPU)"),
@@ -123,10 +126,11 @@ def require(distribution: str, *, needed_by: str, extra: Optional[str] = None) -
 
 def import_framework(distribution: str, *, needed_by: str, module: Optional[str] = None,
                      extra: Optional[str] = None) -> ModuleType:
-    """Import a framework (``torch``, ``jax``, or a trainer: ``trl``, ``google-tunix``) for
-    ``needed_by``; raise :class:`MissingDependency` saying which extra to install if it is
-    absent or too old (the version is the module's own ``__version__``, so a build without
-    pip metadata passes too). ``module``: the import name, when not ``distribution``;
+    """Import a framework (``torch``, ``jax``, or a trainer: ``trl``, ``google-tunix``,
+    ``openrlhf``) for ``needed_by``; raise :class:`MissingDependency` saying which extra to
+    install if it is absent or too old (the version is the module's own ``__version__``, so
+    a build without pip metadata passes too; the installed distribution's where the module
+    has none, as OpenRLHF's). ``module``: the import name, when not ``distribution``;
     ``extra``: the ratiokl extra to suggest, when not the table's (an adapter's)."""
     try:
         imported = importlib.import_module(module or distribution)
@@ -135,7 +139,8 @@ def import_framework(distribution: str, *, needed_by: str, module: Optional[str]
             f"{needed_by} needs {distribution}: "
             f"{version_problem(distribution, None, extra=extra)}"
         ) from err
-    reason = version_problem(distribution, imported.__version__, extra=extra)
+    version = getattr(imported, "__version__", None) or installed_version(distribution)
+    reason = version_problem(distribution, version, extra=extra)
     if reason is not None:
         raise MissingDependency(f"{needed_by} needs {distribution}: {reason}")
     return imported

@@ -8,76 +8,31 @@ or sequence-level loss, GSPO, the train / rollout correction), ``compute_approx_
 actor wraps a model whose output logits are a parameter, so ``d loss / d logits`` is
 that parameter's gradient (float32: ``Actor.forward`` casts the logits to float32).
 ratiokl gets the same logits with NaN / inf on the padded positions
-(``tests/helpers/trainer_batch.py``) and ``_mapped``'s options. The ``*_differs`` tests pin
-the semantics ratiokl cannot express today.
+(``tests/helpers/trainer_batch.py``) and ``_mapped``'s options (``kl_agg`` /
+``entropy_agg``, ``kl_clamp``, ``token-clip`` and ``sequence-geomean-mask`` included). The
+``*_differs`` tests pin what differs without those options, and the two semantics ratiokl
+cannot express (``unbiased_gradient``, GSPO with per-token advantages).
 
-OpenRLHF's wheel needs CUDA-only packages this machine cannot install; they are stubbed
-while OpenRLHF is imported (``_import_openrlhf``), and only where absent: ``flash_attn``
-(``bert_padding``, ``utils.distributed``: the sample-packing path, never run here) and
-``vllm`` (``SamplingParams``, ``inputs.TokensPrompt``, ``utils.random_uuid``: the rollout
-engines). While the trainer is built, its two CUDA calls are replaced:
-``torch_dist_barrier_and_cuda_sync`` (a barrier and ``torch.cuda.synchronize``) by a no-op
-and ``torch.cuda.current_device`` (the replay buffer's device, unused here) by 0. Runs in its own venv (``.ci/run`` block (d)).
+OpenRLHF is imported with its CUDA-only packages stubbed and its trainer built on the CPU
+as ``tests/helpers/openrlhf_stubs.py`` says. Runs in its own venv (``.ci/run`` block (d)).
 """
 
 from __future__ import annotations
-
-import importlib.machinery
-import importlib.util
-import sys
-import types
-from types import SimpleNamespace as NS
-from unittest import mock
 
 import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("openrlhf", reason="OpenRLHF is not installed (see .ci/run block (d))")
 
+from openrlhf_stubs import build_trainer, import_openrlhf, trainer_args  # noqa: E402
 from trainer_batch import B, T, V, assert_matches, differs, make_batch, tolerances  # noqa: E402
 
 from ratiokl.torch import loss  # noqa: E402
 
 P = 2  # prompt positions before the completion
-STUBS = {
-    "flash_attn": (), "flash_attn.utils": (),
-    "flash_attn.bert_padding": ("index_first_axis", "pad_input", "rearrange", "unpad_input"),
-    "flash_attn.utils.distributed": ("all_gather",),
-    "vllm": ("SamplingParams",), "vllm.inputs": ("TokensPrompt",), "vllm.utils": ("random_uuid",),
-}
-
-
-def _stubbed(name: str):
-    def call(*_, **__):
-        raise NotImplementedError(f"{name} is a test stub (a CUDA-only package)")
-    return call
-
-
-def _import_openrlhf():
-    """``openrlhf.trainer.ray.ppo_actor`` with the absent CUDA-only packages stubbed during
-    the import (and removed after it: nothing else sees them)."""
-    absent = {name for name in STUBS if "." not in name and name not in sys.modules
-              and importlib.util.find_spec(name) is None}
-    added = []
-    for name, attrs in STUBS.items():
-        if name.split(".")[0] not in absent:
-            continue
-        module = types.ModuleType(name)
-        module.__spec__ = importlib.machinery.ModuleSpec(name, None)
-        for attr in attrs:
-            setattr(module, attr, _stubbed(f"{name}.{attr}"))
-        sys.modules[name] = module
-        added.append(name)
-    try:
-        from openrlhf.trainer.ray import ppo_actor
-    finally:
-        for name in added:
-            del sys.modules[name]
-    return ppo_actor
-
 
 try:
-    ppo_actor = _import_openrlhf()
+    ppo_actor = import_openrlhf()
 except ImportError as error:  # a dependency that is neither installed nor stubbed
     pytest.skip(f"OpenRLHF's training step is not importable: {error}", allow_module_level=True)
 
@@ -97,42 +52,6 @@ class _Logits(torch.nn.Module):
         return CausalLMOutputWithPast(logits=self.logits * 1.0)
 
 
-class _Strategy:
-    """The DeepSpeed strategy's part ``training_step`` uses: a plain backward (keeping the
-    loss it was given), no optimizer step."""
-
-    ring_attn_group = None
-
-    def __init__(self, args):
-        self.args, self.loss = args, None
-
-    def backward(self, value, model, optimizer):
-        self.loss = value.detach()
-        value.backward()
-
-    def optimizer_step(self, *_, **__):
-        pass
-
-    def get_grad_norm(self, model):
-        return 0.0
-
-
-def _args(actor=None, advantage=None, kl=None):
-    """The CLI's arguments that the actor trainer reads: its defaults, but clip-higher."""
-    return NS(
-        actor=NS(**{"eps_clip_low_high": (0.2, 0.28), "dual_clip": None,
-                    "loss_agg_mode": "token-mean", "policy_loss_type": "ppo",
-                    "entropy_coef": None, "aux_loss_coef": 0.0, **(actor or {})}),
-        algo=NS(advantage=NS(**{"is_correction_level": "off", "is_correction_mode": "mask",
-                                "is_correction_gating": "ratio",
-                                "is_correction_threshold": [0.5, 5.0], **(advantage or {})}),
-                kl=NS(**{"use_loss": False, "init_coef": 0.0, "estimator": "k1",
-                         "unbiased_gradient": False, **(kl or {})})),
-        train=NS(max_epochs=1, dynamic_batch_enable=False, colocate_all=False,
-                 async_enable=False),
-        ds=NS(packing_samples=False), vllm=NS(sync_backend="gloo"))
-
-
 def _actor(batch, temperature):
     g = torch.Generator().manual_seed(2)
     full = torch.randn(B, P + T, V, generator=g)
@@ -145,11 +64,7 @@ def _actor(batch, temperature):
 def _openrlhf_step(args, batch, temperature=1.0, seq_adv=False, batch_info=None):
     """OpenRLHF's ``training_step`` on the batch: ``(loss, d loss / d logits)``."""
     actor = _actor(batch, temperature)
-    with mock.patch.object(ppo_actor, "torch_dist_barrier_and_cuda_sync", lambda: None), \
-            mock.patch.object(torch.cuda, "current_device", lambda: 0):  # CUDA calls of __init__
-        strategy = _Strategy(args)
-        trainer = ppo_actor.ActorPPOTrainer(
-            strategy, actor, None, None, NS(get_last_lr=lambda: [0.0]), micro_train_batch_size=B)
+    trainer, strategy = build_trainer(ppo_actor, args, actor, B)
     sequences = torch.cat([torch.full((B, P), 3), batch.ids], 1)
     experience = Experience(
         sequences=sequences, attention_mask=torch.cat([torch.ones(B, P, dtype=torch.long),
@@ -178,11 +93,15 @@ def _mapped(args, info) -> dict:
         / info["dp_size"],
         ratio_level="sequence" if a.policy_loss_type == "gspo" else "token",
         entropy_coef=a.entropy_coef or 0.0)
-    if kl.use_loss:
-        options.update(kl_coef=kl.init_coef, kl_estimator=kl.estimator)
-    if corr.is_correction_level == "token":
-        options["rollout_correction"] = ("token-truncate" if corr.is_correction_mode == "clip"
-                                         else "token-mask")
+    if kl.use_loss:  # compute_approx_kl clamps every estimator's value at 10
+        options.update(kl_coef=kl.init_coef, kl_estimator=kl.estimator, kl_clamp=10.0)
+    if kl.use_loss or a.entropy_coef:  # both always a token mean over batch_num_tokens
+        options.update(kl_agg="token-mean", entropy_agg="token-mean",
+                       kl_entropy_normalizer=float(info["batch_num_tokens"]) / info["dp_size"])
+    if corr.is_correction_level != "off":
+        options["rollout_correction"] = (
+            "sequence-geomean-mask" if corr.is_correction_level == "seq"
+            else "token-clip" if corr.is_correction_mode == "clip" else "token-mask")
         options["rollout_bounds"] = tuple(corr.is_correction_threshold)
     return options
 
@@ -215,6 +134,16 @@ CASES = {
     "tis_token_clip": dict(advantage=dict(is_correction_level="token", is_correction_mode="clip",
                                           is_correction_threshold=[0.0, 2.0])),
     "icepop_token_mask": dict(advantage=dict(is_correction_level="token")),
+    "tis_token_clip_floor": dict(advantage=dict(is_correction_level="token",
+                                                is_correction_mode="clip")),
+    "geomean_sequence_mask": dict(advantage=dict(is_correction_level="seq",
+                                                 is_correction_threshold=[0.5, 2.0])),
+    "kl_k3_entropy_sequence": dict(actor=dict(loss_agg_mode="seq-mean-token-mean",
+                                              entropy_coef=0.05),
+                                   kl=dict(use_loss=True, init_coef=0.1, estimator="k3")),
+    "kl_k2_entropy_sequence_dp": dict(info=DP, actor=dict(
+        loss_agg_mode="seq-mean-token-mean", entropy_coef=-0.02),
+        kl=dict(use_loss=True, init_coef=0.3, estimator="k2")),
     **KL,
     "entropy": dict(actor=dict(entropy_coef=0.05)),
     "temperature_kl_k3_entropy": dict(temperature=0.8, actor=dict(entropy_coef=-0.02),
@@ -224,7 +153,7 @@ CASES = {
 
 def _run(case, backend="native"):
     batch = make_batch()
-    args = _args(case.get("actor"), case.get("advantage"), case.get("kl"))
+    args = trainer_args(case.get("actor"), case.get("advantage"), case.get("kl"))
     temperature, seq_adv = case.get("temperature", 1.0), case.get("seq_adv", False)
     want, want_grad = _openrlhf_step(args, batch, temperature, seq_adv, case.get("info"))
     options = _mapped(args, _batch_info(batch, case.get("info")))
@@ -270,34 +199,26 @@ def _differ(case, **ratiokl_options):
 
 def test_kl_and_entropy_token_mean_under_sequence_loss_differs():
     """OpenRLHF aggregates the KL and entropy terms as a token mean whatever the policy
-    loss's level; one ratiokl call aggregates all three alike. Two calls reproduce it: the
-    policy term at the sequence level, the KL and entropy (zero advantages) per token."""
-    case = dict(actor=dict(loss_agg_mode="seq-mean-token-mean", entropy_coef=0.05),
-                kl=dict(use_loss=True, init_coef=0.1, estimator="k3"))
-    assert _differ(case) == (True, True)
-    batch, args, _, (want, want_grad) = _run(case)
-    info = _batch_info(batch, None)
-    options = _mapped(args, info)
-    policy, g1 = _ratiokl(batch, {**options, "kl_coef": 0.0, "entropy_coef": 0.0})
-    per_token = dict(options, loss_agg="token-mean", loss_normalizer=info["batch_num_tokens"])
-    rest, g2 = _ratiokl(batch, per_token, adv=torch.zeros(B, T))
-    assert_matches(policy + rest, g1 + g2, want, want_grad, batch, both_float32=True)
+    loss's level: without ``kl_agg`` / ``entropy_agg`` one ratiokl call aggregates all
+    three alike (``kl_k3_entropy_sequence`` above matches with them)."""
+    case = CASES["kl_k3_entropy_sequence"]
+    assert _differ(case, kl_agg=None, entropy_agg=None, kl_entropy_normalizer=None) \
+        == (True, True)
 
 
 def test_tis_floor_differs():
-    """``is_correction_mode="clip"`` clamps the token weight into ``[low, high]``; ratiokl's
-    ``token-truncate`` only caps it (three tokens here weigh below 0.5)."""
-    case = dict(advantage=dict(is_correction_level="token", is_correction_mode="clip",
-                               is_correction_threshold=[0.5, 2.0]))
-    assert _differ(case)[0]
+    """``is_correction_mode="clip"`` clamps the token weight into ``[low, high]``: ratiokl's
+    ``token-truncate`` only caps it (three tokens here weigh below 0.5); ``token-clip``
+    (``tis_token_clip_floor`` above) matches."""
+    assert _differ(CASES["tis_token_clip_floor"], rollout_correction="token-truncate")[0]
 
 
 def test_geometric_mean_sequence_gate_differs():
     """``is_correction_level="seq"`` gates each sequence on the geometric mean of its token
-    weights and keeps the survivors' per-token weights; ratiokl's ``sequence-mask`` gates
-    and weighs by the product."""
-    case = dict(advantage=dict(is_correction_level="seq", is_correction_threshold=[0.5, 2.0]))
-    assert _differ(case, rollout_correction="sequence-mask", rollout_bounds=(0.5, 2.0))[0]
+    weights and keeps the survivors' per-token weights: ratiokl's ``sequence-mask`` gates
+    and weighs by the product; ``sequence-geomean-mask`` (``geomean_sequence_mask`` above)
+    matches."""
+    assert _differ(CASES["geomean_sequence_mask"], rollout_correction="sequence-mask")[0]
 
 
 def test_unbiased_gradient_differs():
@@ -306,18 +227,21 @@ def test_unbiased_gradient_differs():
     assert _differ(case) == (False, True)
 
 
-def test_k3_clamp_at_10_differs():
+def test_k3_clamp_at_10():
     """``compute_approx_kl`` clamps every estimator's value to ``[-10, 10]``; one token's
-    k3 of 49.6 (``d = 4``) tells ratiokl's unclamped k3 apart."""
+    k3 of 49.6 (``d = 4``): ``kl_clamp=10`` matches, ratiokl's unclamped k3 does not."""
     batch = make_batch()
     logp = torch.log_softmax(batch.logits.double(), -1).gather(-1, batch.ids[..., None])[..., 0]
     ref = batch.ref.clone()
     ref[0, 0] = float(logp[0, 0]) + 4.0
     batch = type(batch)(**{**batch.__dict__, "ref": ref})
-    args = _args(kl=dict(use_loss=True, init_coef=0.1, estimator="k3"))
+    args = trainer_args(kl=dict(use_loss=True, init_coef=0.1, estimator="k3"))
     want, want_grad = _openrlhf_step(args, batch)
-    got, _ = _ratiokl(batch, _mapped(args, _batch_info(batch, None)))
-    assert differs(got, want, tolerances(batch.logits, want_grad, both_float32=True)[0])
+    options = _mapped(args, _batch_info(batch, None))
+    got, grad = _ratiokl(batch, options)
+    assert_matches(got, grad, want, want_grad, batch, both_float32=True)
+    unclamped, _ = _ratiokl(batch, {**options, "kl_clamp": None})
+    assert differs(unclamped, want, tolerances(batch.logits, want_grad, both_float32=True)[0])
 
 
 def test_gspo_with_per_token_advantages_differs():

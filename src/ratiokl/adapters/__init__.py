@@ -19,6 +19,10 @@ ratiokl would compute differently:
   entropies from :func:`ratiokl.torch.loss.linear_selected_logprobs`), registered when
   ``import verl`` loads the ``verl.plugins`` entry point (``verl >= 0.9.1``); the
   configuration is checked at the first call (verl runs no hook before).
+- :mod:`ratiokl.adapters.openrlhf` -- OpenRLHF's PPO actor (``openrlhf >= 0.11``):
+  ``install()`` makes ``ActorPPOTrainer`` build a ``PolicyLoss`` computed by
+  :func:`ratiokl.torch.loss.policy_objective` and ``Actor.forward`` take its log-probs and
+  entropies from the last hidden states (:func:`ratiokl.torch.loss.linear_selected_logprobs`).
 """
 
 from __future__ import annotations

@@ -1,0 +1,130 @@
+"""``PolicyLoss``: OpenRLHF's policy-loss module computed by ``policy_objective``."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+from ratiokl.adapters.openrlhf._options import (CorrectionGating, CorrectionLevel,
+                                                CorrectionMode, PolicyLossType,
+                                                loss_normalizer, loss_options)
+from ratiokl.torch.loss import policy_objective
+
+__all__ = ["PolicyLoss"]
+
+
+class PolicyLoss(torch.nn.Module):
+    """OpenRLHF 0.11's ``openrlhf.models.PolicyLoss`` (same constructor, same forward, same
+    five outputs) on :func:`ratiokl.torch.loss.policy_objective`.
+
+    The arguments resolve once, here (:func:`~ratiokl.adapters.openrlhf._options.
+    loss_options`): ``clip_eps_low`` / ``clip_eps_high`` are ``clip_eps`` /
+    ``clip_eps_high``, ``dual_clip`` is ``dual_clip``, ``token_level_loss`` picks
+    ``token-mean`` over ``batch_num_tokens / dp_size`` or ``seq-mean-token-mean`` over
+    ``global_batch_size / dp_size``, ``policy_loss_type="gspo"`` is
+    ``ratio_level="sequence"`` at the sequence level, and the correction is ``token-mask``
+    (``is_correction_mode="mask"``, IcePop), ``token-clip`` (``"clip"``, TIS with its
+    floor) or ``sequence-geomean-mask`` (``is_correction_level="seq"``). A ``ValueError``
+    naming the argument refuses the ``binary_kl`` / ``tv`` gates.
+
+    Inactive tokens (``action_mask`` false) are selected out before any arithmetic:
+    whatever they hold, they reach neither the loss, the logged values nor a gradient
+    (exactly 0 there), where OpenRLHF multiplies by the mask (a NaN there is NaN).
+    """
+
+    def __init__(self, clip_eps_low: float = 0.2, clip_eps_high: float = 0.2,
+                 dual_clip: Optional[float] = None, token_level_loss: bool = True,
+                 policy_loss_type: PolicyLossType = "ppo",
+                 is_correction_level: CorrectionLevel = "off",
+                 is_correction_mode: CorrectionMode = "mask",
+                 is_correction_gating: CorrectionGating = "ratio",
+                 is_correction_threshold: Sequence[float] = (0.5, 5.0)) -> None:
+        super().__init__()
+        self.opts = loss_options(clip_eps_low, clip_eps_high, dual_clip, token_level_loss,
+                                 policy_loss_type, is_correction_level, is_correction_mode,
+                                 is_correction_gating, is_correction_threshold)
+
+    def forward(self, log_probs: torch.Tensor, old_log_probs: torch.Tensor,
+                advantages: torch.Tensor, action_mask: Optional[torch.Tensor] = None,
+                rollout_log_probs: Optional[torch.Tensor] = None, dp_size: int = 1,
+                batch_num_tokens: Optional[float] = None,
+                global_batch_size: Optional[float] = None) -> Tuple[torch.Tensor, ...]:
+        """``(loss, clip_ratio, ppo_kl, vllm_kl, is_filter_ratio)`` as OpenRLHF's.
+
+        Args:
+          log_probs: ``[B, T]`` floating action log-probs with autograd (``Actor.forward``'s).
+          old_log_probs, rollout_log_probs: ``[B, T]`` floating, detached; the rollout
+            ones needed with a correction level on.
+          advantages: ``[B, T]`` floating; with ``policy_loss_type="gspo"`` constant over
+            each sequence's active tokens (a ``ValueError`` naming ``advantages``
+            otherwise: OpenRLHF then differentiates the sequence ratio itself, ratiokl
+            gives each token ``d r / d logp_t = r``; the check reads one bool on the host).
+          action_mask: ``[B, T]`` bool or 0/1; None: all active.
+          dp_size, batch_num_tokens, global_batch_size: ``get_loss_batch_info``'s.
+
+        Returns:
+          the float32 0-d loss; detached 0-d ``clip_ratio`` (the fraction of active
+          tokens whose clipped surrogate is the smaller), ``ppo_kl`` (mean of ``old -
+          logp``); with a correction on, ``vllm_kl`` (mean of ``rollout - old``) and
+          ``is_filter_ratio`` (the fraction of tokens, or at the sequence level of rows,
+          whose weight is outside ``[low, high]``), else None and None. Means over active
+          tokens, 0 without one.
+        """
+        mask = torch.ones_like(log_probs, dtype=torch.bool) if action_mask is None \
+            else action_mask.bool()
+        opts = self.opts
+        if opts.options["ratio_level"] == "sequence":
+            advantages = _per_sequence(advantages, mask)
+        reference = rollout_log_probs if opts.ratio_to_rollout else old_log_probs
+        loss, metrics = policy_objective(
+            log_probs, reference, advantages, mask,
+            loss_normalizer=loss_normalizer(opts, dp_size, batch_num_tokens,
+                                            global_batch_size),
+            rollout_logps=rollout_log_probs if opts.corrects else None, **opts.options)
+        ppo_kl = metrics["approx_kl"] if not opts.ratio_to_rollout else _mean(
+            torch.where(mask, old_log_probs, 0.0) - torch.where(mask, log_probs.detach(), 0.0),
+            mask)
+        if not opts.corrects:
+            return loss, metrics["clip_fraction"], ppo_kl, None, None
+        old = torch.where(mask, old_log_probs.float(), 0.0)
+        rollout = torch.where(mask, rollout_log_probs.float(), 0.0)
+        return (loss, metrics["clip_fraction"], ppo_kl, _mean(rollout - old, mask),
+                _filter_ratio(old - rollout, mask, opts.bounds, opts.sequence_gate))
+
+
+def _mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Detached float32 mean of ``values`` over active tokens (0 without one)."""
+    total = torch.where(mask, values.detach().float(), 0.0).sum()
+    return total / mask.sum().clamp(min=1)
+
+
+def _filter_ratio(log_weight: torch.Tensor, mask: torch.Tensor, bounds, sequence: bool):
+    """OpenRLHF's ``is_filter_ratio``: the fraction of active tokens whose weight
+    ``exp(log_weight)`` is outside ``bounds``, or at the sequence level the fraction of all
+    rows whose geometric-mean weight is (a row without an active token counts: OpenRLHF's
+    gate is NaN there)."""
+    low, high = bounds
+    if not sequence:
+        weight = torch.exp(log_weight)
+        return _mean(((weight < low) | (weight > high)).float(), mask)
+    count = mask.sum(-1)
+    gate = torch.exp(log_weight.sum(-1) / count.clamp(min=1))
+    kept = (gate >= low) & (gate <= high) & (count > 0)
+    return (~kept).float().mean()
+
+
+def _per_sequence(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """GSPO's advantages as ``[B, 1]``: each row's value at its first active token; a
+    ``ValueError`` naming ``advantages`` if an active token holds another."""
+    first = mask.float().argmax(-1, keepdim=True)
+    row = advantages.gather(-1, first)
+    nan_row = (mask & advantages.isnan()).any(-1, keepdim=True)  # stays NaN, not "varying"
+    if bool(torch.any(mask & ((advantages - row).abs() > 0))):
+        raise ValueError(
+            "ratiokl.adapters.openrlhf.PolicyLoss cannot compute `policy_loss_type='gspo'` "
+            "with `advantages` that vary within a sequence: OpenRLHF differentiates the "
+            "sequence ratio itself, ratiokl's GSPO gives each token the gradient of its own "
+            "log-prob (equal only for per-sequence advantages). Use "
+            "openrlhf.models.PolicyLoss, or per-sequence advantages")
+    return torch.where(nan_row, float("nan"), torch.where(mask.any(-1, keepdim=True), row, 0.0))

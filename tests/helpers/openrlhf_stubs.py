@@ -1,0 +1,108 @@
+"""OpenRLHF 0.11.2 on the CPU: its modules imported with the CUDA-only packages stubbed,
+and its actor trainer built without DeepSpeed, Ray or vLLM.
+
+OpenRLHF's wheel needs CUDA-only packages this machine cannot install; they are stubbed
+while OpenRLHF is imported (:func:`import_openrlhf`), and only where absent:
+``flash_attn`` (``bert_padding``, ``utils.distributed``: the sample-packing path, never run
+here) and ``vllm`` (``SamplingParams``, ``inputs.TokensPrompt``, ``utils.random_uuid``: the
+rollout engines); each stub raises if called. While the trainer is built
+(:func:`build_trainer`), its two CUDA calls are replaced: ``torch_dist_barrier_and_cuda_sync``
+(a barrier and ``torch.cuda.synchronize``) by a no-op and ``torch.cuda.current_device``
+(the replay buffer's device, unused here) by 0. Used by ``tests/adapters/
+test_openrlhf_parity.py`` and ``test_openrlhf_adapter.py`` (``.ci/run`` block (d)).
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import sys
+import types
+from types import SimpleNamespace as NS
+from unittest import mock
+
+import torch
+
+STUBS = {
+    "flash_attn": (), "flash_attn.utils": (),
+    "flash_attn.bert_padding": ("index_first_axis", "pad_input", "rearrange", "unpad_input"),
+    "flash_attn.utils.distributed": ("all_gather",),
+    "vllm": ("SamplingParams",), "vllm.inputs": ("TokensPrompt",), "vllm.utils": ("random_uuid",),
+}
+
+
+def _stubbed(name: str):
+    def call(*_, **__):
+        raise NotImplementedError(f"{name} is a test stub (a CUDA-only package)")
+    return call
+
+
+def import_openrlhf():
+    """``openrlhf.trainer.ray.ppo_actor`` with the absent CUDA-only packages stubbed during
+    the import (and removed after it: nothing else sees them)."""
+    absent = {name for name in STUBS if "." not in name and name not in sys.modules
+              and importlib.util.find_spec(name) is None}
+    added = []
+    for name, attrs in STUBS.items():
+        if name.split(".")[0] not in absent:
+            continue
+        module = types.ModuleType(name)
+        module.__spec__ = importlib.machinery.ModuleSpec(name, None)
+        for attr in attrs:
+            setattr(module, attr, _stubbed(f"{name}.{attr}"))
+        sys.modules[name] = module
+        added.append(name)
+    try:
+        from openrlhf.trainer.ray import ppo_actor
+    finally:
+        for name in added:
+            del sys.modules[name]
+    return ppo_actor
+
+
+class Strategy:
+    """The DeepSpeed strategy's part ``training_step`` uses: a plain backward (keeping the
+    loss it was given), no optimizer step."""
+
+    ring_attn_group = None
+
+    def __init__(self, args):
+        self.args, self.loss = args, None
+
+    def backward(self, value, model, optimizer):
+        self.loss = value.detach()
+        value.backward()
+
+    def optimizer_step(self, *_, **__):
+        pass
+
+    def get_grad_norm(self, model):
+        return 0.0
+
+
+def trainer_args(actor=None, advantage=None, kl=None):
+    """The CLI's arguments that the actor trainer reads: its defaults, but clip-higher."""
+    return NS(
+        actor=NS(**{"eps_clip_low_high": (0.2, 0.28), "dual_clip": None,
+                    "loss_agg_mode": "token-mean", "policy_loss_type": "ppo",
+                    "entropy_coef": None, "aux_loss_coef": 0.0, **(actor or {})}),
+        algo=NS(advantage=NS(**{"is_correction_level": "off", "is_correction_mode": "mask",
+                                "is_correction_gating": "ratio",
+                                "is_correction_threshold": [0.5, 5.0], **(advantage or {})}),
+                kl=NS(**{"use_loss": False, "init_coef": 0.0, "estimator": "k1",
+                         "unbiased_gradient": False, **(kl or {})})),
+        train=NS(max_epochs=1, dynamic_batch_enable=False, colocate_all=False,
+                 async_enable=False),
+        ds=NS(packing_samples=False), vllm=NS(sync_backend="gloo"))
+
+
+def build_trainer(ppo_actor, args, actor, micro_batch: int):
+    """OpenRLHF's ``ActorPPOTrainer`` around ``actor`` (its ``__init__`` builds the
+    ``PolicyLoss`` from ``args``), with :class:`Strategy`: ``(trainer, strategy)``."""
+    with mock.patch.object(ppo_actor, "torch_dist_barrier_and_cuda_sync", lambda: None), \
+            mock.patch.object(torch.cuda, "current_device", lambda: 0):  # CUDA calls of __init__
+        strategy = Strategy(args)
+        trainer = ppo_actor.ActorPPOTrainer(
+            strategy, actor, None, None, NS(get_last_lr=lambda: [0.0]),
+            micro_train_batch_size=micro_batch)
+    return trainer, strategy
