@@ -86,6 +86,11 @@ SCENARIOS: Dict[str, Scenario] = {
     "policy_loss_on_policy": Scenario(
         "policy_loss", {"kl_coef": 0.1, "entropy_coef": 0.1},
         ("policy_logits", "ref_logits", "advantages")),
+    "policy_loss_terms_apart_kl_clamp": Scenario(
+        "policy_loss", {"loss_agg": "seq-mean-token-mean", "kl_coef": 0.1,
+                        "entropy_coef": 0.1, "kl_agg": "token-mean",
+                        "entropy_agg": "token-mean", "kl_clamp": 0.5},
+        ("policy_logits", "ref_logits", "old_logps", "advantages")),
 }
 
 

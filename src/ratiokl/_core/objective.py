@@ -12,6 +12,9 @@ entropy bonus,
     \mathrm{loss} = \sum_t w_t L_t, \quad w_t = a_t / D
 
 with the aggregation weights :math:`w_t` of ``loss_agg`` (:func:`aggregation_weights`);
+with ``kl_agg`` (``entropy_agg``) the KL (entropy) term is instead aggregated apart, with
+the weights of its own aggregation and ``kl_entropy_normalizer`` as its denominator, and
+added to the aggregated loss;
 ``loss_agg="none"`` returns :math:`L_t` itself (0 on inactive tokens). Three callers
 share it: both frameworks' two-pass ``policy_loss`` (the log-probs and entropies of a
 backend's logits), their ``policy_objective`` (the trainer's own log-probs) and, for the
@@ -53,21 +56,27 @@ def _straight_through(xp, grad_like, value):
     return grad_like - xp.stop_gradient(grad_like) + xp.stop_gradient(value)
 
 
-def kl_value(xp, d, code: int, ratio, bound: Optional[float]):
+def kl_value(xp, d, code: int, ratio, bound: Optional[float], clamp: Optional[float] = None):
     """KL variant ``code`` (``ratiokl.spec.POLICY_KL_ESTIMATORS``) on ``d = logp_ref - logp``.
 
     Only the terms the variant uses are computed (``ratio`` is read by ``k3-is`` only).
+    ``clamp`` (``kl_clamp``): the value clipped to ``[-clamp, clamp]``, with gradient 1
+    inside (bounds included, as ``torch.clamp``) and 0 beyond; the straight-through ``k1+`` /
+    ``k3+`` clamp their detached value only (their gradient stays k2's).
     """
     if code == KL.K1:
-        return -d
+        return _bounded(xp, -d, clamp)
     k2 = 0.5 * d * d
     if code in (KL.K2, KL.K1_PLUS):
-        return k2 if code == KL.K2 else _straight_through(xp, k2, -d)
+        return _bounded(xp, k2, clamp) if code == KL.K2 else _straight_through(
+            xp, k2, _bounded(xp, -d, clamp))
     d_b = _bounded(xp, d, bound)
     k3 = xp.expm1(d_b) - d_b
     if code == KL.K3:
-        return k3
-    return _straight_through(xp, k2, k3) if code == KL.K3_PLUS else ratio * k3
+        return _bounded(xp, k3, clamp)
+    if code == KL.K3_PLUS:
+        return _straight_through(xp, k2, _bounded(xp, k3, clamp))
+    return _bounded(xp, ratio * k3, clamp)
 
 
 def token_ratio_kl(xp, logp, logp_ref, old_logps, mask, kl_code: int) -> Tuple[Any, Any]:
@@ -114,10 +123,9 @@ def _with(xp, total, coef, term, uses: bool):
     return weighted if isinstance(coef, float) else xp.where(coef != 0.0, weighted, total)
 
 
-def _denominator(xp, opts: PolicyLossOptions, n_tok, n_seq, width: int, normalizer):
-    """``D`` of ``sum(a * loss) / D``; a count of 0 becomes 1 (its numerator is 0);
-    ``"none"``: 1 (it takes no normaliser)."""
-    agg = opts.loss_agg
+def _denominator(xp, agg: str, n_tok, n_seq, width: int, normalizer):
+    """``D`` of ``sum(a * loss) / D`` for the aggregation ``agg``; a count of 0 becomes 1
+    (its numerator is 0); ``"none"``: 1 (it takes no normaliser)."""
     if normalizer is not None and agg != "none":
         return normalizer
     if agg == "token-mean":
@@ -141,7 +149,7 @@ def aggregation_weights(xp, mask, segment_ids, normalizer, opts: PolicyLossOptio
         n_seq = xp.count(seq.starts)
         if opts.loss_agg == "seq-mean-token-mean":
             weights = 1.0 / xp.maximum(segment_totals(xp, xp.as_float(mask), seq), 1.0)
-    denom = _denominator(xp, opts, xp.count(mask), n_seq, mask.shape[-1], normalizer)
+    denom = _denominator(xp, opts.loss_agg, xp.count(mask), n_seq, mask.shape[-1], normalizer)
     return xp.as_float(xp.where(mask, weights / denom, 0.0))
 
 
@@ -155,7 +163,8 @@ def policy_objective(xp, logp, logp_ref: Optional[Any], mask, inputs,
       mask: bool ``[R, T]``.
       inputs: the other per-token inputs, ``[R, T]`` without gradient (a framework's
         ``_checks.TokenInputs``: ``old_logps`` (None: on-policy, ``old = sg(logp)``),
-        ``advantages``, ``segment_ids``, ``importance_weights``, ``loss_normalizer``).
+        ``advantages``, ``segment_ids``, ``importance_weights``, ``loss_normalizer``,
+        ``kl_entropy_normalizer``).
       opts: the validated options.
       entropy: float32 ``[R, T]``, differentiable, or None (only where ``entropy_coef`` is
         the number 0). ``- entropy_coef * H`` joins each token's loss where the coefficient
@@ -171,7 +180,7 @@ def policy_objective(xp, logp, logp_ref: Optional[Any], mask, inputs,
     old = xp.stop_gradient(logp) if inputs.old_logps is None else xp.where(
         mask, inputs.old_logps, 0.0)
     adv = xp.where(mask, inputs.advantages, 0.0)
-    need_segments = opts.sequence_ratio or opts.seq_aggregation
+    need_segments = opts.needs_segments
     if need_segments:
         seq = segments(xp, mask, inputs.segment_ids)
         counts = xp.maximum(segment_totals(xp, xp.as_float(mask), seq), 1.0)
@@ -192,26 +201,42 @@ def policy_objective(xp, logp, logp_ref: Optional[Any], mask, inputs,
         per_token = -adv * q
     if inputs.importance_weights is not None:
         per_token = per_token * xp.where(mask, inputs.importance_weights, 0.0)
+    n_tok = xp.count(mask)
+    n_seq = xp.count(seq.starts) if need_segments else None
+
+    def aggregate(x, agg, normalizer):
+        """``sum_t a_t x_t / D`` of the aggregation ``agg`` (a 0-d array)."""
+        if agg == "seq-mean-token-mean":
+            x = x / counts
+        denom = _denominator(xp, agg, n_tok, n_seq, mask.shape[-1], normalizer)
+        return xp.sum(xp.where(mask, x, 0.0)) / denom
+
+    # A term with an aggregation of its own (kl_agg / entropy_agg) is aggregated apart and
+    # added to the aggregated loss; the others join each token's loss.
+    apart = []
     kl = xp.zeros_like(logp)
     if logp_ref is not None:
         d = xp.where(mask, logp_ref, 0.0) - logp
-        kl = kl_value(xp, d, opts.kl_code, ratio, opts.log_ratio_bound)
-        per_token = _with(xp, per_token, opts.kl_coef, kl, opts.uses_kl)
+        kl = kl_value(xp, d, opts.kl_code, ratio, opts.log_ratio_bound, opts.kl_clamp)
+        if opts.kl_agg is None:
+            per_token = _with(xp, per_token, opts.kl_coef, kl, opts.uses_kl)
+        else:
+            apart.append((opts.kl_coef, kl, opts.kl_agg, opts.uses_kl))
     if entropy is not None:
         entropy = xp.where(mask, entropy, 0.0)
-        per_token = _with(xp, per_token, -opts.entropy_coef, entropy, opts.uses_entropy)
-    n_tok = xp.count(mask)
+        if opts.entropy_agg is None:
+            per_token = _with(xp, per_token, -opts.entropy_coef, entropy, opts.uses_entropy)
+        else:
+            apart.append((-opts.entropy_coef, entropy, opts.entropy_agg, opts.uses_entropy))
     metrics = token_metrics(xp, mask, n_tok, low, high, capped, ratio, kl, old - logp,
                             xp.zeros_like(kl) if entropy is None else entropy)
     if entropy is None:
         del metrics["entropy_mean"]
     if opts.loss_agg == "none":
         return xp.as_float(xp.where(mask, per_token, 0.0)), metrics
-    if opts.loss_agg == "seq-mean-token-mean":
-        per_token = per_token / counts
-    n_seq = xp.count(seq.starts) if need_segments else None
-    denom = _denominator(xp, opts, n_tok, n_seq, mask.shape[-1], inputs.loss_normalizer)
-    loss = xp.sum(xp.where(mask, per_token, 0.0)) / denom
+    loss = aggregate(per_token, opts.loss_agg, inputs.loss_normalizer)
+    for coef, term, agg, uses in apart:
+        loss = _with(xp, loss, coef, aggregate(term, agg, inputs.kl_entropy_normalizer), uses)
     return xp.as_float(loss), metrics
 
 

@@ -277,6 +277,7 @@ class TokenInputs:
     segment_ids: Optional[jax.Array]  # integer
     importance_weights: Optional[jax.Array]  # float32
     loss_normalizer: Normalizer
+    kl_entropy_normalizer: Normalizer = None  # the denominator of kl_agg / entropy_agg terms
 
 
 def _floats(x: jax.Array, lead: Tuple[int, ...]) -> jax.Array:
@@ -302,18 +303,18 @@ def _check_advantages(advantages: Any, lead: Tuple[int, ...]) -> jax.Array:
     return _floats(adv, lead)
 
 
-def _check_normalizer(value: Any) -> Normalizer:
+def _check_normalizer(value: Any, name: str = "loss_normalizer") -> Normalizer:
     """None, a positive finite Python number, or a 0-d floating array (not inspected)."""
     if value is None:
         return None
     if isinstance(value, _ARRAYS):
         if value.ndim != 0 or not jnp.issubdtype(value.dtype, jnp.floating):
-            raise ValueError("`loss_normalizer` array must be a 0-d floating array")
+            raise ValueError(f"`{name}` array must be a 0-d floating array")
         return lax.stop_gradient(jnp.asarray(value, jnp.float32))
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError("`loss_normalizer` must be None, a Python number or a 0-d array")
+        raise TypeError(f"`{name}` must be None, a Python number or a 0-d array")
     if not (math.isfinite(float(value)) and float(value) > 0.0):
-        raise ValueError(f"`loss_normalizer` must be a positive finite number; got {value}")
+        raise ValueError(f"`{name}` must be a positive finite number; got {value}")
     return float(value)
 
 
@@ -337,6 +338,7 @@ def token_inputs(
     segment_ids: Any,
     importance_weights: Any,
     loss_normalizer: Any,
+    kl_entropy_normalizer: Any = None,
 ) -> TokenInputs:
     """Validate ``policy_loss``'s per-token arguments (errors name the argument);
     ``old_logps`` None (on-policy) stays None."""
@@ -351,6 +353,7 @@ def token_inputs(
         segment_ids=_check_segments(segment_ids, lead),
         importance_weights=weights,
         loss_normalizer=_check_normalizer(loss_normalizer),
+        kl_entropy_normalizer=_check_normalizer(kl_entropy_normalizer, "kl_entropy_normalizer"),
     )
 
 

@@ -23,7 +23,7 @@ from ratiokl.spec import (
     LogitTransform,
     check_chunk_rows,
     check_head_shapes,
-    check_loss_normalizer,
+    check_loss_normalizer, check_term_normalizer,
     logit_transform,
     policy_loss_options,
     rollout_options,
@@ -85,10 +85,11 @@ def _sharded_loss(rows, weight, bias, transform: LogitTransform, chunk_rows: int
     return loss, {**metrics, **rollout_metrics}
 
 
-def linear_policy_loss(hidden, weight, action_ids, mask, old_logps, advantages, *, ref_logps,
-                       bias, logit_scale, logit_softcap, chunk_rows, clip_eps, clip_eps_high,
-                       dual_clip, ratio_cap, kl_coef, kl_estimator, loss_agg, loss_normalizer,
-                       objective, entropy_coef, segment_ids, importance_weights,
+def linear_policy_loss(hidden, weight, action_ids, mask, old_logps, advantages, *,
+                       ref_logps, bias, logit_scale, logit_softcap, chunk_rows, clip_eps,
+                       clip_eps_high, dual_clip, ratio_cap, kl_coef, kl_estimator, loss_agg,
+                       loss_normalizer, objective, entropy_coef, kl_agg, entropy_agg,
+                       kl_entropy_normalizer, kl_clamp, segment_ids, importance_weights,
                        log_ratio_bound, temperature, backend, check_ids, rollout_logps,
                        rollout_correction, rollout_bounds,
                        vocab_axis) -> Tuple[jax.Array, Dict[str, jax.Array]]:
@@ -99,14 +100,17 @@ def linear_policy_loss(hidden, weight, action_ids, mask, old_logps, advantages, 
         clip_eps=clip_eps, clip_eps_high=clip_eps_high, dual_clip=dual_clip,
         ratio_cap=ratio_cap, kl_coef=kl_coef, kl_estimator=kl_estimator, loss_agg=loss_agg,
         ratio_level="token", log_ratio_bound=log_ratio_bound, objective=objective,
-        entropy_coef=entropy_coef,
+        entropy_coef=entropy_coef, kl_agg=kl_agg, entropy_agg=entropy_agg,
+        kl_clamp=kl_clamp,
     )
     hidden, weight, bias, ids, lead = _head(hidden, weight, bias, action_ids)
     if ref_logps is not None or opts.uses_kl:
         _, ref_logps = _checks.check_ref(None, ref_logps, hidden.shape)
     check_loss_normalizer(loss_agg, loss_normalizer)
+    check_term_normalizer(opts, kl_entropy_normalizer)
     inputs = _checks.token_inputs(lead, old_logps, advantages, segment_ids,
-                                  importance_weights, loss_normalizer)
+                                  importance_weights, loss_normalizer,
+                                  kl_entropy_normalizer)
     rows = _rows(hidden, lead, ids, mask, temperature, backend, check_ids, vocab_axis,
                  vocab=weight.shape[0])
     run = rows.run
@@ -123,7 +127,9 @@ def linear_policy_loss(hidden, weight, action_ids, mask, old_logps, advantages, 
             clip_eps=clip_eps, clip_eps_high=clip_eps_high, dual_clip=dual_clip,
             ratio_cap=ratio_cap, kl_coef=kl_coef, kl_estimator=kl_estimator, loss_agg=loss_agg,
             loss_normalizer=loss_normalizer, ratio_level="token", objective=objective,
-            entropy_coef=entropy_coef, segment_ids=segment_ids,
+            entropy_coef=entropy_coef, kl_agg=kl_agg, entropy_agg=entropy_agg,
+            kl_entropy_normalizer=kl_entropy_normalizer, kl_clamp=kl_clamp,
+            segment_ids=segment_ids,
             importance_weights=importance_weights, log_ratio_bound=log_ratio_bound,
             temperature=temperature, backend=backend, check_ids=False, vocab_axis=None,
             inplace_grad=False, rollout_logps=rollout_logps,
@@ -132,7 +138,7 @@ def linear_policy_loss(hidden, weight, action_ids, mask, old_logps, advantages, 
     if rollout is not None:
         inputs, rollout_metrics = _rollout.correct(rows.mask, lead, inputs, rollout_logps,
                                                    rollout, opts.log_ratio_bound)
-    if opts.loss_agg == "none":
+    if opts.loss_agg == "none" or not opts.fuses:  # two passes (see _per_token)
         loss, metrics = _per_token(run, rows, weight, bias, transform, chunk_rows, lead,
                                    inputs, ref_logps, opts)
         return rows.checked((loss, {**metrics, **rollout_metrics}))
@@ -146,15 +152,16 @@ def linear_policy_loss(hidden, weight, action_ids, mask, old_logps, advantages, 
 
 
 def _per_token(run, rows, weight, bias, transform, chunk_rows, lead, inputs, ref_logps, opts):
-    """``loss_agg="none"`` on the chunks: the per-token loss's cotangent is ``[...]``, and
-    ``d weight`` sums every row's share, so it cannot be scaled after the fact as the fused
-    chunks' scalar one is. Two passes instead: :func:`linear_selected_logprobs`'s chunks
-    (log-probs and entropies, differentiable w.r.t. hidden, weight and bias), then the
-    objective of ``ratiokl._core.objective`` on them."""
+    """``loss_agg="none"`` (and the options the fused chunks lack: ``kl_agg``, ``entropy_agg``,
+    ``kl_clamp``) on the chunks. ``"none"``: the per-token loss's cotangent is ``[...]``,
+    and ``d weight`` sums every row's share, so it cannot be scaled after the fact as the
+    fused chunks' scalar one is. Two passes instead: :func:`linear_selected_logprobs`'s
+    chunks (log-probs and entropies, differentiable w.r.t. hidden, weight and bias), then
+    the objective of ``ratiokl._core.objective`` on them."""
     logp, ent = run.linear_selected_logprobs(rows.logits, weight, bias, rows.ids, rows.mask,
                                              rows.temperature, transform, chunk_rows, True)
     as_rows = _checks.as_rows
     ref = None if ref_logps is None else as_rows(lax.stop_gradient(_flat(ref_logps)), lead)
     loss, metrics = _objective.policy_objective(
         XP, as_rows(logp, lead), ref, as_rows(rows.mask, lead), inputs, opts, as_rows(ent, lead))
-    return loss.reshape(lead), metrics
+    return (loss.reshape(lead) if opts.loss_agg == "none" else loss), metrics

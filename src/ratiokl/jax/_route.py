@@ -43,7 +43,7 @@ from ratiokl._requirements import unmet
 from ratiokl.jax import _checks, _jax_triton, _rollout
 from ratiokl.jax._arrays import XP
 from ratiokl.jax._checks import Temperature
-from ratiokl.spec import (BACKENDS, check_loss_normalizer, kl_estimator_code,
+from ratiokl.spec import (BACKENDS, check_loss_normalizer, check_term_normalizer, kl_estimator_code,
                           policy_loss_options, rollout_options)
 
 __all__ = ["backend_name", "policy_loss", "ratio_kl", "resolve", "selected_logprobs"]
@@ -259,7 +259,8 @@ def ratio_kl(policy_logits, ref_logits, action_ids, mask, old_logps, *, ref_logp
 
 def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantages, *,
                 ref_logps, clip_eps, clip_eps_high, dual_clip, ratio_cap, kl_coef,
-                kl_estimator, loss_agg, loss_normalizer, ratio_level, objective, entropy_coef,
+                kl_estimator, loss_agg, loss_normalizer, ratio_level, objective,
+                entropy_coef, kl_agg, entropy_agg, kl_entropy_normalizer, kl_clamp,
                 segment_ids, importance_weights, log_ratio_bound, temperature, backend,
                 check_ids, vocab_axis, inplace_grad, rollout_logps, rollout_correction,
                 rollout_bounds) -> Tuple[jax.Array, Dict[str, jax.Array]]:
@@ -268,14 +269,17 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
         clip_eps=clip_eps, clip_eps_high=clip_eps_high, dual_clip=dual_clip,
         ratio_cap=ratio_cap, kl_coef=kl_coef, kl_estimator=kl_estimator, loss_agg=loss_agg,
         ratio_level=ratio_level, log_ratio_bound=log_ratio_bound, objective=objective,
-        entropy_coef=entropy_coef,
+        entropy_coef=entropy_coef, kl_agg=kl_agg, entropy_agg=entropy_agg,
+        kl_clamp=kl_clamp,
     )
     policy_logits, ids, lead = _lead(policy_logits, action_ids)
     if ref_logits is not None or ref_logps is not None or opts.uses_kl:
         ref_logits, ref_logps = _checks.check_ref(ref_logits, ref_logps, policy_logits.shape)
     check_loss_normalizer(loss_agg, loss_normalizer)
+    check_term_normalizer(opts, kl_entropy_normalizer)
     inputs = _checks.token_inputs(lead, old_logps, advantages, segment_ids,
-                                  importance_weights, loss_normalizer)
+                                  importance_weights, loss_normalizer,
+                                  kl_entropy_normalizer)
     rows = _rows(policy_logits, lead, ids, mask, temperature, backend, check_ids, vocab_axis)
     ref = None if ref_logits is None else ref_logits.reshape(rows.logits.shape)
     run = rows.run
@@ -288,8 +292,8 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
     if rollout is not None:
         inputs, rollout_metrics = _rollout.correct(rows.mask, lead, inputs, rollout_logps,
                                                    rollout, opts.log_ratio_bound)
-    if run.policy_loss is not None and not opts.sequence_ratio:  # one kernel: the loss,
-        # the metrics' row values and the gradient together
+    if run.policy_loss is not None and opts.fuses and not opts.sequence_ratio:
+        # one kernel: the loss, the metrics' row values and the gradient together
         weights = _aggregation_weights(run, rows.mask, lead, inputs, opts)
         loss, metrics = run.policy_loss(
             rows.logits, ref, rows.ids, rows.mask, _flat(inputs.old_logps), _flat(ref_logps),
@@ -298,7 +302,7 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
         )
         return rows.checked((_per_token(loss, lead, opts), {**metrics, **rollout_metrics}))
     if inplace_grad:
-        raise inplace_grad_error(opts.sequence_ratio)
+        raise inplace_grad_error(opts.sequence_ratio, fuses=opts.fuses)
     # The entropy from the same read of the logits (entropy_mean always; in the loss with
     # entropy_coef).
     logp, entropy = run.logprobs_entropy(rows.logits, rows.ids, rows.mask, rows.temperature)

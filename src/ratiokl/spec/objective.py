@@ -20,7 +20,7 @@ from ratiokl.spec.reference import ArrayLike
 __all__ = ["policy_objective", "policy_objective_grad"]
 
 #: ``policy_objective``'s array keywords besides ``ref_logps`` and ``entropy``.
-_ARRAYS = ("loss_normalizer", "segment_ids", "importance_weights")
+_ARRAYS = ("loss_normalizer", "segment_ids", "importance_weights", "kl_entropy_normalizer")
 
 
 def _terms(logps, old_logps, advantages, mask, ref_logps, entropy, options):

@@ -24,6 +24,7 @@ __all__ = [
     "PolicyKLEstimator",
     "RatioLevel",
     "RolloutCorrection",
+    "TermAgg",
     "DEFAULT_LOG_RATIO_BOUND",
     "KL_ESTIMATORS",
     "LOSS_AGGS",
@@ -32,6 +33,8 @@ __all__ = [
     "PolicyLossOptions",
     "RATIO_LEVELS",
     "ROLLOUT_CORRECTIONS",
+    "TERM_AGGS",
+    "check_term_normalizer",
     "check_loss_normalizer",
     "kl_estimator_code",
     "option_code",
@@ -46,6 +49,10 @@ LossAgg = Literal["token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-to
                   "seq-mean-token-sum-norm", "none"]
 RatioLevel = Literal["token", "sequence"]
 Objective = Literal["ppo", "cispo"]
+#: ``kl_agg`` / ``entropy_agg``: an aggregation of its own for the KL or entropy term
+#: (every ``LossAgg`` but ``"none"``).
+TermAgg = Literal["token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum",
+                  "seq-mean-token-sum-norm"]
 RolloutCorrection = Literal["token-truncate", "token-mask", "sequence-truncate", "sequence-mask"]
 
 #: Schulman's estimators of KL(pi || pi_ref) from ``d = logp_ref - logp``.
@@ -88,6 +95,9 @@ POLICY_KL_ESTIMATORS: Mapping[str, int] = {
 LOSS_AGGS: Mapping[str, int] = {name: code for code, name in enumerate(get_args(LossAgg))}
 #: ``loss_agg`` names by code (``LOSS_AGGS`` inverted).
 _LOSS_AGG_NAMES: Tuple[LossAgg, ...] = get_args(LossAgg)
+
+#: ``kl_agg`` / ``entropy_agg`` names and their codes (those of ``LOSS_AGGS``).
+TERM_AGGS: Mapping[str, int] = {name: LOSS_AGGS[name] for name in get_args(TermAgg)}
 
 #: Importance-ratio level: per token (PPO/GRPO) or per sequence (GSPO).
 RATIO_LEVELS: Mapping[str, int] = {name: code for code, name in enumerate(get_args(RatioLevel))}
@@ -133,6 +143,32 @@ class PolicyLossOptions:
     log_ratio_bound: Optional[float]  # None: no bound
     objective_code: int = 0  # OBJECTIVES
     entropy_coef: Coefficient = 0.0  # weight of -agg(entropy) in the loss (verl's entropy_coeff)
+    kl_agg_code: Optional[int] = None  # TERM_AGGS: the KL term aggregated apart; None: loss_agg's
+    entropy_agg_code: Optional[int] = None  # the same for the entropy term
+    kl_clamp: Optional[float] = None  # the KL estimator's value clamped to [-c, c]; None: not
+
+    @property
+    def kl_agg(self) -> Optional[LossAgg]:
+        """The KL term's own aggregation (``kl_agg``), or None: inside ``loss_agg``'s."""
+        return None if self.kl_agg_code is None else _LOSS_AGG_NAMES[self.kl_agg_code]
+
+    @property
+    def entropy_agg(self) -> Optional[LossAgg]:
+        """The entropy term's own aggregation (``entropy_agg``), or None: inside ``loss_agg``'s."""
+        return None if self.entropy_agg_code is None else _LOSS_AGG_NAMES[self.entropy_agg_code]
+
+    @property
+    def split_terms(self) -> bool:
+        """Whether the KL or the entropy term is aggregated apart from the policy term."""
+        return self.kl_agg_code is not None or self.entropy_agg_code is not None
+
+    @property
+    def fuses(self) -> bool:
+        """Whether the fused policy-loss kernels express these options: not with a term
+        aggregated apart (the kernels weigh each row's whole loss by one weight) nor with
+        ``kl_clamp``; those calls take the two-pass route (the backend's log-probs and
+        entropies, then ``ratiokl._core.objective``)."""
+        return not self.split_terms and self.kl_clamp is None
 
     @property
     def cispo(self) -> bool:
@@ -160,6 +196,13 @@ class PolicyLossOptions:
     def seq_aggregation(self) -> bool:
         """Whether ``loss_agg`` averages over sequences (``seq-mean-token-{mean,sum}``)."""
         return self.loss_agg in ("seq-mean-token-mean", "seq-mean-token-sum")
+
+    @property
+    def needs_segments(self) -> bool:
+        """Whether any term's aggregation (or GSPO's ratio) needs the sequences."""
+        aggs = (self.loss_agg, self.kl_agg, self.entropy_agg)
+        return self.sequence_ratio or any(a in ("seq-mean-token-mean", "seq-mean-token-sum")
+                                          for a in aggs)
 
     def uniform_weight(self, normalizer: object, width: int) -> Optional[Tuple[float, bool]]:
         """``(denom, count)`` of the aggregation weights ``w = where(mask, 1 / D, 0)`` where
@@ -195,6 +238,18 @@ def check_loss_normalizer(loss_agg: str, loss_normalizer: object) -> None:
             '`loss_normalizer` has no meaning with loss_agg="none" (the per-token loss is '
             "returned unreduced); pass loss_normalizer=None and divide by it where you "
             "reduce the per-token loss"
+        )
+
+
+def check_term_normalizer(opts: PolicyLossOptions, kl_entropy_normalizer: object) -> None:
+    """``kl_entropy_normalizer`` is the denominator of the terms ``kl_agg`` / ``entropy_agg``
+    aggregate apart: ``ValueError`` naming it when neither is set."""
+    if kl_entropy_normalizer is not None and not opts.split_terms:
+        raise ValueError(
+            "`kl_entropy_normalizer` is the denominator of the KL / entropy terms aggregated "
+            "apart by `kl_agg` / `entropy_agg`, and neither is set; pass kl_agg= or "
+            "entropy_agg= (e.g. \"token-mean\"), or kl_entropy_normalizer=None (the terms then "
+            "follow loss_agg and loss_normalizer)"
         )
 
 
@@ -262,6 +317,9 @@ def policy_loss_options(
     log_ratio_bound: Optional[float],
     objective: str = "ppo",
     entropy_coef: Coefficient = 0.0,
+    kl_agg: Optional[str] = None,
+    entropy_agg: Optional[str] = None,
+    kl_clamp: Optional[float] = None,
     cached: bool = True,
 ) -> PolicyLossOptions:
     """Check ``policy_loss``'s scalar options; errors name the argument and the fix.
@@ -273,7 +331,7 @@ def policy_loss_options(
     ``torch.compile``, which sees through caches, passes False).
     """
     args = (clip_eps, clip_eps_high, dual_clip, ratio_cap, kl_coef, kl_estimator, loss_agg,
-            ratio_level, log_ratio_bound, objective, entropy_coef)
+            ratio_level, log_ratio_bound, objective, entropy_coef, kl_agg, entropy_agg, kl_clamp)
     # Python values only (their exact types: a subclass takes the checks every call):
     # the cache. One C-level pass, no Python call per value (host time per call).
     if cached and all(map(_SCALAR_TYPES.__contains__, map(type, args))):
@@ -283,7 +341,8 @@ def policy_loss_options(
 
 def _policy_loss_options(clip_eps, clip_eps_high, dual_clip, ratio_cap, kl_coef,
                          kl_estimator, loss_agg, ratio_level,
-                         log_ratio_bound, objective, entropy_coef) -> PolicyLossOptions:
+                         log_ratio_bound, objective, entropy_coef, kl_agg=None,
+                         entropy_agg=None, kl_clamp=None) -> PolicyLossOptions:
     objective_code = option_code("objective", objective, OBJECTIVES)
     cispo = objective_code == ObjectiveCode.CISPO
     eps_low = _coefficient("clip_eps", clip_eps)
@@ -321,6 +380,17 @@ def _policy_loss_options(clip_eps, clip_eps_high, dual_clip, ratio_cap, kl_coef,
             "clipped to [1 - clip_eps, min(1 + clip_eps_high, ratio_cap)] for every "
             "advantage); pass dual_clip=None, or ratio_cap= to lower the ceiling"
         )
+    clamp = _number("kl_clamp", kl_clamp, allow_none=True)
+    _above("kl_clamp", clamp, 0.0, "the KL value's bound c, e.g. 10.0; None: no clamp")
+    agg_code = option_code("loss_agg", loss_agg, LOSS_AGGS)
+    term_codes = [None if agg is None else option_code(name, agg, TERM_AGGS)
+                  for name, agg in (("kl_agg", kl_agg), ("entropy_agg", entropy_agg))]
+    for name, code in zip(("kl_agg", "entropy_agg"), term_codes):
+        if code is not None and loss_agg == "none":
+            raise ValueError(
+                f"`{name}` has no meaning with loss_agg=\"none\" (the per-token loss is "
+                f"returned unreduced); pass {name}=None and aggregate the terms yourself"
+            )
     caps = [c for c in (dual, cap) if c is not None]
     if cispo:
         caps = []  # CISPO: ratio_cap only lowers the one ceiling (ratio_high)
@@ -330,12 +400,15 @@ def _policy_loss_options(clip_eps, clip_eps_high, dual_clip, ratio_cap, kl_coef,
         neg_cap=min(caps) if caps else None,
         kl_coef=kl_coef,
         kl_code=option_code("kl_estimator", kl_estimator, POLICY_KL_ESTIMATORS),
-        agg_code=option_code("loss_agg", loss_agg, LOSS_AGGS),
+        agg_code=agg_code,
         sequence_ratio=option_code("ratio_level", ratio_level, RATIO_LEVELS) == 1,
         log_ratio_bound=bound,
         objective_code=objective_code,
         # Any finite number: > 0 rewards entropy (exploration), < 0 penalises it.
         entropy_coef=_coefficient("entropy_coef", entropy_coef),
+        kl_agg_code=term_codes[0],
+        entropy_agg_code=term_codes[1],
+        kl_clamp=clamp,
     )
 
 

@@ -106,6 +106,7 @@ from ratiokl.spec.options import (
     DEFAULT_LOG_RATIO_BOUND,
     PolicyLossOptions,
     check_loss_normalizer,
+    check_term_normalizer,
     policy_loss_options,
 )
 from ratiokl.spec.reference import (
@@ -130,6 +131,7 @@ POLICY_LOSS_DEFAULTS = dict(
     clip_eps=0.2, clip_eps_high=None, dual_clip=None, ratio_cap=None, kl_coef=0.0,
     kl_estimator="k3", loss_agg="token-mean", ratio_level="token",
     log_ratio_bound=DEFAULT_LOG_RATIO_BOUND, objective="ppo", entropy_coef=0.0,
+    kl_agg=None, entropy_agg=None, kl_clamp=None,
 )
 
 
@@ -176,8 +178,23 @@ def _advantages(advantages: ArrayLike, lead: Tuple[int, ...]) -> np.ndarray:
     )
 
 
-def _kl_terms(d, kind: int, r, dr, bound):
-    """KL value and its derivative w.r.t. ``logp`` (``dd/dlogp = -1``) per variant."""
+def _kl_terms(d, kind: int, r, dr, bound, clamp=None):
+    """KL value and its derivative w.r.t. ``logp`` (``dd/dlogp = -1``) per variant.
+
+    ``clamp`` (``kl_clamp``): the value clipped to ``[-c, c]``; the gradient is 0 where the
+    value lies beyond (at ``|value| = c`` it is kept, as ``torch.clamp``'s), except for the
+    straight-through ``k1+`` / ``k3+``, whose k2 gradient the detached value never touches.
+    """
+    value, grad = _kl_unclamped(d, kind, r, dr, bound)
+    if clamp is None:
+        return value, grad
+    straight = kind in (KL.K1_PLUS, KL.K3_PLUS)
+    beyond = np.abs(value) > clamp  # a NaN value is not beyond: its gradient stays NaN
+    return np.clip(value, -clamp, clamp), np.where(beyond & ~straight, 0.0, grad)
+
+
+def _kl_unclamped(d, kind: int, r, dr, bound):
+    """The estimator's value and gradient before ``kl_clamp``."""
     # A NaN d is not beyond the bound: its gradient stays NaN (never a silent 0).
     inside = np.ones_like(d, dtype=bool) if bound is None else ~(np.abs(d) > bound)
     d_b = d if bound is None else np.clip(d, -bound, bound)
@@ -207,17 +224,18 @@ def _cispo_weight(r, opts: PolicyLossOptions):
     return weight, high, low, np.zeros_like(high)
 
 
-def _aggregation(mask, seq, n_seq, opts: PolicyLossOptions, loss_normalizer):
-    """Per-token weights ``a`` and the denominator ``D`` of ``sum(a * loss) / D``."""
+def _aggregation(mask, seq, n_seq, agg: str, loss_normalizer):
+    """Per-token weights ``a`` and the denominator ``D`` of ``sum(a * loss) / D`` of the
+    aggregation ``agg`` (a ``loss_agg`` name)."""
     n_tok = int(mask.sum())
     weights = np.where(mask, 1.0, 0.0)
-    if opts.loss_agg == "seq-mean-token-mean":
+    if agg == "seq-mean-token-mean":
         counts = np.bincount(seq[mask], minlength=n_seq).astype(np.float64)
         weights[mask] = 1.0 / counts[seq[mask]]
     width = mask.shape[-1] if mask.shape else 1
     denom = {"token-mean": max(n_tok, 1), "token-sum": 1, "seq-mean-token-mean": max(n_seq, 1),
              "seq-mean-token-sum": max(n_seq, 1), "seq-mean-token-sum-norm": width,
-             "none": 1}[opts.loss_agg]
+             "none": 1}[agg]
     return weights, float(denom if loss_normalizer is None else loss_normalizer)
 
 
@@ -235,6 +253,7 @@ def policy_loss_from_logps(
     rollout_correction: Optional[str] = None,
     rollout_bounds: Tuple[float, float] = DEFAULT_ROLLOUT_BOUNDS,
     entropy: Optional[np.ndarray] = None,
+    kl_entropy_normalizer: Optional[float] = None,
     **options,
 ) -> Tuple[float, np.ndarray, Dict[str, float]]:
     """Policy loss from per-token log-probs ``[...]``: ``(loss, dloss/dlogp, metrics)``.
@@ -252,16 +271,17 @@ def policy_loss_from_logps(
         logp, logp_ref, old_logps, advantages, mask, entropy, loss_normalizer=loss_normalizer,
         segment_ids=segment_ids, importance_weights=importance_weights,
         rollout_logps=rollout_logps, rollout_correction=rollout_correction,
-        rollout_bounds=rollout_bounds, **options)
+        rollout_bounds=rollout_bounds, kl_entropy_normalizer=kl_entropy_normalizer, **options)
     return loss, dlogp, metrics
 
 
 def _policy_terms(logp, logp_ref, old_logps, advantages, mask, entropy, *, loss_normalizer,
                   segment_ids, importance_weights, rollout_logps=None, rollout_correction=None,
-                  rollout_bounds=DEFAULT_ROLLOUT_BOUNDS, **options):
+                  rollout_bounds=DEFAULT_ROLLOUT_BOUNDS, kl_entropy_normalizer=None, **options):
     """``(loss, dloss/dlogp, dloss/dentropy, metrics)`` (:func:`policy_loss_from_logps`)."""
     opts = policy_loss_options(**{**POLICY_LOSS_DEFAULTS, **options})
     check_loss_normalizer(opts.loss_agg, loss_normalizer)
+    check_term_normalizer(opts, kl_entropy_normalizer)
     mask = np.asarray(mask, dtype=bool)
     lead = mask.shape
     if logp_ref is None and opts.kl_coef != 0.0:
@@ -307,16 +327,28 @@ def _policy_terms(logp, logp_ref, old_logps, advantages, mask, entropy, *, loss_
             kl, dkl = np.zeros(lead), np.zeros(lead)
         else:
             ref = np.where(mask, np.asarray(logp_ref, np.float64), 0.0)
-            kl, dkl = _kl_terms(ref - logp, opts.kl_code, r, dr, bound)
-        if opts.kl_coef != 0.0:  # kl_coef = 0: the KL is only logged (0 * inf would be NaN)
-            pg, dpg = pg + opts.kl_coef * kl, dpg + opts.kl_coef * dkl
+            kl, dkl = _kl_terms(ref - logp, opts.kl_code, r, dr, bound, opts.kl_clamp)
         ent = None if entropy is None else np.where(mask, np.asarray(entropy, np.float64), 0.0)
+        # Each term weighed by its aggregation: loss_agg's (with loss_normalizer), or for the
+        # KL / entropy term kl_agg's / entropy_agg's own (with kl_entropy_normalizer).
+        main = _aggregation(mask, seq, n_seq, opts.loss_agg, loss_normalizer)
+
+        def weights_of(agg):
+            if agg is None:
+                return main
+            return _aggregation(mask, seq, n_seq, agg, kl_entropy_normalizer)
+
+        (a, denom), (a_kl, d_kl), (a_h, d_h) = main, weights_of(opts.kl_agg), \
+            weights_of(opts.entropy_agg)
+        total = np.where(mask, a * pg / denom, 0.0)
+        grad = a * dpg / denom
+        if opts.kl_coef != 0.0:  # kl_coef = 0: the KL is only logged (0 * inf would be NaN)
+            total = total + np.where(mask, opts.kl_coef * a_kl * kl / d_kl, 0.0)
+            grad = grad + opts.kl_coef * a_kl * dkl / d_kl
         if opts.entropy_coef != 0.0:  # entropy_coef = 0: the entropy is only logged
-            pg = pg - opts.entropy_coef * ent
-        a, denom = _aggregation(mask, seq, n_seq, opts, loss_normalizer)
-        per_token = np.where(mask, a * pg, 0.0)
-        grad = np.where(mask, a * dpg / denom, 0.0)
-        dent = np.where(mask, -opts.entropy_coef * a / denom, 0.0)
+            total = total - np.where(mask, opts.entropy_coef * a_h * ent / d_h, 0.0)
+        grad = np.where(mask, grad, 0.0)
+        dent = np.where(mask, -opts.entropy_coef * a_h / d_h, 0.0)
         n_tok = max(int(mask.sum()), 1)
 
         def mean(x):
@@ -334,9 +366,9 @@ def _policy_terms(logp, logp_ref, old_logps, advantages, mask, entropy, *, loss_
         if ent is not None:
             metrics["entropy_mean"] = mean(ent)
         metrics.update(rollout_metrics)  # the bindings' order: the rollout's last
-        if opts.loss_agg == "none":  # a = 1 and D = 1 on active tokens
-            return per_token, grad, dent, metrics
-        return float(per_token.sum() / denom), grad, dent, metrics
+        if opts.loss_agg == "none":  # a = 1 and D = 1 on active tokens: the per-token loss
+            return total, grad, dent, metrics
+        return float(total.sum()), grad, dent, metrics
 
 
 def _reference_logps(ref_logits, ref_logps, action_ids, mask, temperature):
@@ -355,7 +387,8 @@ def _from_logits(policy_logits, ref_logits, action_ids, mask, old_logps, advanta
     logp_ref = _reference_logps(ref_logits, ref_logps, action_ids, mask, temperature)
     ent = entropy(policy_logits, mask, temperature=temperature)
     arrays = {k: options.pop(k, None)
-              for k in ("loss_normalizer", "segment_ids", "importance_weights")}
+              for k in ("loss_normalizer", "segment_ids", "importance_weights",
+                        "kl_entropy_normalizer")}
     return _policy_terms(logp, logp_ref, old_logps, advantages, mask, ent, **arrays, **options)
 
 

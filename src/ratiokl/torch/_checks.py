@@ -356,6 +356,7 @@ class TokenInputs:
     segment_ids: Optional[torch.Tensor]  # integer
     importance_weights: Optional[torch.Tensor]  # float32
     loss_normalizer: Normalizer
+    kl_entropy_normalizer: Normalizer = None  # the denominator of kl_agg / entropy_agg terms
 
 
 def _check_advantages(advantages: object, lead: Tuple[int, ...]) -> torch.Tensor:
@@ -390,18 +391,18 @@ def kernel_advantages(advantages: torch.Tensor) -> Tuple[torch.Tensor, int]:
     return advantages.reshape(-1).contiguous(), 1
 
 
-def _check_normalizer(value: object) -> Normalizer:
+def _check_normalizer(value: object, name: str = "loss_normalizer") -> Normalizer:
     """None, a positive finite Python number, or a 0-d floating tensor (not inspected)."""
     if value is None:
         return None
     if isinstance(value, torch.Tensor):
         if value.dim() != 0 or not value.dtype.is_floating_point:
-            raise ValueError("`loss_normalizer` tensor must be a 0-d floating tensor")
+            raise ValueError(f"`{name}` tensor must be a 0-d floating tensor")
         return value.detach().float()
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError("`loss_normalizer` must be None, a Python number or a 0-d tensor")
+        raise TypeError(f"`{name}` must be None, a Python number or a 0-d tensor")
     if not 0.0 < float(value) < math.inf:  # comparisons: they trace with dynamic=True
-        raise ValueError(f"`loss_normalizer` must be a positive finite number; got {value}")
+        raise ValueError(f"`{name}` must be a positive finite number; got {value}")
     return float(value)
 
 
@@ -412,6 +413,7 @@ def token_inputs(
     segment_ids: object,
     importance_weights: object,
     loss_normalizer: object,
+    kl_entropy_normalizer: object = None,
 ) -> TokenInputs:
     """Validate ``policy_loss``'s per-token arguments (errors name the argument);
     ``old_logps`` None (on-policy) stays None."""
@@ -437,4 +439,5 @@ def token_inputs(
         segment_ids=segs,
         importance_weights=weights,
         loss_normalizer=_check_normalizer(loss_normalizer),
+        kl_entropy_normalizer=_check_normalizer(kl_entropy_normalizer, "kl_entropy_normalizer"),
     )

@@ -15,7 +15,8 @@ from typing import Dict, Tuple
 import torch
 
 from ratiokl._core import objective as _core
-from ratiokl.spec import check_loss_normalizer, policy_loss_options, rollout_options
+from ratiokl.spec import (check_loss_normalizer, check_term_normalizer, policy_loss_options,
+                          rollout_options)
 from ratiokl.torch import _checks, _rollout
 from ratiokl.torch._arrays import XP
 
@@ -37,7 +38,8 @@ def _missing(name: str, coef: str) -> ValueError:
 
 def policy_objective(logps, old_logps, advantages, mask, *, ref_logps, entropy, clip_eps,
                      clip_eps_high, dual_clip, ratio_cap, kl_coef, kl_estimator, loss_agg,
-                     loss_normalizer, ratio_level, objective, entropy_coef, segment_ids,
+                     loss_normalizer, ratio_level, objective, entropy_coef, kl_agg,
+                     entropy_agg, kl_entropy_normalizer, kl_clamp, segment_ids,
                      importance_weights, rollout_logps, rollout_correction, rollout_bounds,
                      log_ratio_bound) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """``ratiokl.torch.loss.policy_objective`` (documented there)."""
@@ -46,7 +48,8 @@ def policy_objective(logps, old_logps, advantages, mask, *, ref_logps, entropy, 
         clip_eps=clip_eps, clip_eps_high=clip_eps_high, dual_clip=dual_clip,
         ratio_cap=ratio_cap, kl_coef=kl_coef, kl_estimator=kl_estimator, loss_agg=loss_agg,
         ratio_level=ratio_level, log_ratio_bound=log_ratio_bound, objective=objective,
-        entropy_coef=entropy_coef, cached=not compiling,
+        entropy_coef=entropy_coef, kl_agg=kl_agg, entropy_agg=entropy_agg,
+        kl_clamp=kl_clamp, cached=not compiling,
     )
     lead = tuple(getattr(logps, "shape", ()))  # not a tensor: check_row_values names it
     logp = _values("logps", logps, lead)
@@ -56,8 +59,10 @@ def policy_objective(logps, old_logps, advantages, mask, *, ref_logps, entropy, 
     if entropy is None and opts.uses_entropy:
         raise _missing("entropy", "entropy_coef")
     check_loss_normalizer(loss_agg, loss_normalizer)
+    check_term_normalizer(opts, kl_entropy_normalizer)
     inputs = _checks.token_inputs(lead, old_logps, advantages, segment_ids,
-                                  importance_weights, loss_normalizer)
+                                  importance_weights, loss_normalizer,
+                                  kl_entropy_normalizer)
     _checks.check_same_device(
         logps=logps, mask=mask, old_logps=old_logps, advantages=advantages,
         ref_logps=ref_logps, entropy=entropy, segment_ids=segment_ids,

@@ -36,8 +36,8 @@ import torch
 from ratiokl._backend import Backend, inplace_grad_error
 from ratiokl._core import objective as _objective
 from ratiokl._requirements import unmet
-from ratiokl.spec import (BACKENDS, check_loss_normalizer, kl_estimator_code,
-                          policy_loss_options, rollout_options)
+from ratiokl.spec import (BACKENDS, check_loss_normalizer, check_term_normalizer,
+                          kl_estimator_code, policy_loss_options, rollout_options)
 from ratiokl.torch import _checks, _once, _rollout
 from ratiokl.torch._arrays import XP
 from ratiokl.torch._checks import Temperature
@@ -281,7 +281,8 @@ def _compiled_backward(logits: torch.Tensor) -> bool:
 
 def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantages, *,
                 ref_logps, clip_eps, clip_eps_high, dual_clip, ratio_cap, kl_coef,
-                kl_estimator, loss_agg, loss_normalizer, ratio_level, objective, entropy_coef,
+                kl_estimator, loss_agg, loss_normalizer, ratio_level, objective,
+                entropy_coef, kl_agg, entropy_agg, kl_entropy_normalizer, kl_clamp,
                 segment_ids, importance_weights, log_ratio_bound, temperature, backend,
                 check_ids, vocab_group, inplace_grad, rollout_logps, rollout_correction,
                 rollout_bounds, op: str = "policy_loss",
@@ -292,7 +293,8 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
         clip_eps=clip_eps, clip_eps_high=clip_eps_high, dual_clip=dual_clip,
         ratio_cap=ratio_cap, kl_coef=kl_coef, kl_estimator=kl_estimator, loss_agg=loss_agg,
         ratio_level=ratio_level, log_ratio_bound=log_ratio_bound, objective=objective,
-        entropy_coef=entropy_coef, cached=not torch.compiler.is_compiling(),
+        entropy_coef=entropy_coef, kl_agg=kl_agg, entropy_agg=entropy_agg, kl_clamp=kl_clamp,
+        cached=not torch.compiler.is_compiling(),
     )
     lead = _lead(policy_logits, action_ids)
     if inplace_grad and not policy_logits.is_contiguous():
@@ -303,8 +305,10 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
     if ref_logits is not None or ref_logps is not None or opts.uses_kl:
         _reference(policy_logits, lead, ref_logits, ref_logps)
     check_loss_normalizer(loss_agg, loss_normalizer)
+    check_term_normalizer(opts, kl_entropy_normalizer)
     inputs = _checks.token_inputs(lead, old_logps, advantages, segment_ids,
-                                  importance_weights, loss_normalizer)
+                                  importance_weights, loss_normalizer,
+                                  kl_entropy_normalizer)
     rows = _rows(
         policy_logits, lead, action_ids, mask, temperature, backend, check_ids, vocab_group,
         ref_logits=ref_logits, old_logps=old_logps, ref_logps=ref_logps, advantages=advantages,
@@ -322,8 +326,9 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
         inputs, rollout_metrics = _rollout.correct(rows.mask, lead, inputs, rollout_logps,
                                                    rollout, opts.log_ratio_bound,
                                                    run.rollout_weights)
-    if run.policy_loss is not None and not opts.sequence_ratio and not _compiled_backward(
-            rows.logits):  # one kernel: the loss, the metrics' row values and the gradient
+    # One kernel: the loss, the metrics' row values and the gradient.
+    if run.policy_loss is not None and opts.fuses and not opts.sequence_ratio \
+            and not _compiled_backward(rows.logits):
         weights = _aggregation_weights(run, rows.mask, lead, inputs, opts)
         if inplace_grad:  # the launch consumes the logits: check before it
             rows.checked(None)
@@ -335,7 +340,8 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
         )
         return rows.checked((_per_token(loss, lead, opts), {**metrics, **rollout_metrics}))
     if inplace_grad:  # the two-pass route writes a new gradient: the opt-in cannot apply
-        raise inplace_grad_error(opts.sequence_ratio, torch.compiler.is_compiling())
+        raise inplace_grad_error(opts.sequence_ratio, torch.compiler.is_compiling(),
+                                 fuses=opts.fuses)
     # The entropy from the same read of the logits (entropy_mean always; in the loss with
     # entropy_coef): without a coefficient nothing differentiates it, and its backward
     # term is skipped.

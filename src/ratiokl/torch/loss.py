@@ -26,6 +26,7 @@ from ratiokl.spec import (
     PolicyKLEstimator,
     RatioLevel,
     RolloutCorrection,
+    TermAgg,
 )
 from ratiokl.torch import _linear_route, _objective, _route
 from ratiokl.torch._checks import Temperature
@@ -193,6 +194,10 @@ def policy_loss(
     ratio_level: RatioLevel = "token",
     objective: Objective = "ppo",
     entropy_coef: Coefficient = 0.0,
+    kl_agg: Optional[TermAgg] = None,
+    entropy_agg: Optional[TermAgg] = None,
+    kl_entropy_normalizer: Union[None, float, torch.Tensor] = None,
+    kl_clamp: Optional[float] = None,
     segment_ids: Optional[torch.Tensor] = None,
     importance_weights: Optional[torch.Tensor] = None,
     rollout_logps: Optional[torch.Tensor] = None,
@@ -285,6 +290,25 @@ def policy_loss(
         no recompile per value, not read on the host). 0 (the number): the entropy is
         only averaged into ``metrics["entropy_mean"]``, from the same read of the
         logits, and costs no pass of its own.
+      kl_agg, entropy_agg: None (the default): the KL (entropy) term joins each token's
+        loss and follows ``loss_agg`` and ``loss_normalizer``. An aggregation name
+        (``"token-mean"``, ``"token-sum"``, ``"seq-mean-token-mean"``,
+        ``"seq-mean-token-sum"``, ``"seq-mean-token-sum-norm"``): the term is aggregated
+        apart by it and added to the aggregated loss,
+        ``loss = agg(pg) + kl_coef * kl_agg(kl) - entropy_coef * entropy_agg(H)``
+        (OpenRLHF's KL and entropy are token means whatever its policy aggregation; TRL's
+        entropy bonus is a token mean whatever its ``loss_type``). Not with
+        ``loss_agg="none"``. Such a call takes the two-pass route on every backend (the
+        backend's log-probs and entropies, then the objective's framework ops), as GSPO does.
+      kl_entropy_normalizer: the denominator of the terms ``kl_agg`` / ``entropy_agg``
+        aggregate apart (a positive number or a 0-d float, e.g. OpenRLHF's
+        ``batch_num_tokens / dp_size``); None: their aggregation's own count on this call's
+        tokens. Only with ``kl_agg`` or ``entropy_agg`` (a ``ValueError`` otherwise).
+      kl_clamp: ``c > 0`` clamps the KL estimator's value to ``[-c, c]`` (verl's
+        ``low_var_kl`` and OpenRLHF's estimators clamp at 10): the gradient is 0 beyond
+        ``c`` and kept at ``|kl| = c`` (``torch.clamp``'s); ``"k1+"`` / ``"k3+"`` clamp
+        their value only (their gradient stays k2's). None: no clamp. Takes the two-pass
+        route, as ``kl_agg`` does.
       segment_ids: integer ``[...]``; sequences of packed rows (a new one starts
         where the id of consecutive active tokens changes). None: one per row.
       importance_weights: floating ``[...]`` (e.g. truncated IS from the rollout
@@ -341,7 +365,8 @@ def policy_loss(
         ref_logps=ref_logps, clip_eps=clip_eps, clip_eps_high=clip_eps_high,
         dual_clip=dual_clip, ratio_cap=ratio_cap, kl_coef=kl_coef, kl_estimator=kl_estimator,
         loss_agg=loss_agg, loss_normalizer=loss_normalizer, ratio_level=ratio_level,
-        objective=objective, entropy_coef=entropy_coef,
+        objective=objective, entropy_coef=entropy_coef, kl_agg=kl_agg, entropy_agg=entropy_agg,
+        kl_entropy_normalizer=kl_entropy_normalizer, kl_clamp=kl_clamp,
         segment_ids=segment_ids, importance_weights=importance_weights,
         log_ratio_bound=log_ratio_bound, temperature=temperature, backend=backend,
         check_ids=check_ids, vocab_group=vocab_group, inplace_grad=inplace_grad,
@@ -369,6 +394,10 @@ def policy_objective(
     ratio_level: RatioLevel = "token",
     objective: Objective = "ppo",
     entropy_coef: Coefficient = 0.0,
+    kl_agg: Optional[TermAgg] = None,
+    entropy_agg: Optional[TermAgg] = None,
+    kl_entropy_normalizer: Union[None, float, torch.Tensor] = None,
+    kl_clamp: Optional[float] = None,
     segment_ids: Optional[torch.Tensor] = None,
     importance_weights: Optional[torch.Tensor] = None,
     rollout_logps: Optional[torch.Tensor] = None,
@@ -428,7 +457,8 @@ def policy_objective(
         clip_eps=clip_eps, clip_eps_high=clip_eps_high, dual_clip=dual_clip,
         ratio_cap=ratio_cap, kl_coef=kl_coef, kl_estimator=kl_estimator, loss_agg=loss_agg,
         loss_normalizer=loss_normalizer, ratio_level=ratio_level, objective=objective,
-        entropy_coef=entropy_coef, segment_ids=segment_ids,
+        entropy_coef=entropy_coef, kl_agg=kl_agg, entropy_agg=entropy_agg,
+        kl_entropy_normalizer=kl_entropy_normalizer, kl_clamp=kl_clamp, segment_ids=segment_ids,
         importance_weights=importance_weights, rollout_logps=rollout_logps,
         rollout_correction=rollout_correction, rollout_bounds=rollout_bounds,
         log_ratio_bound=log_ratio_bound,
@@ -569,6 +599,10 @@ def linear_policy_loss(
     loss_normalizer: Union[None, float, torch.Tensor] = None,
     objective: Objective = "ppo",
     entropy_coef: Coefficient = 0.0,
+    kl_agg: Optional[TermAgg] = None,
+    entropy_agg: Optional[TermAgg] = None,
+    kl_entropy_normalizer: Union[None, float, torch.Tensor] = None,
+    kl_clamp: Optional[float] = None,
     segment_ids: Optional[torch.Tensor] = None,
     importance_weights: Optional[torch.Tensor] = None,
     rollout_logps: Optional[torch.Tensor] = None,
@@ -647,7 +681,8 @@ def linear_policy_loss(
         chunk_rows=chunk_rows, clip_eps=clip_eps, clip_eps_high=clip_eps_high,
         dual_clip=dual_clip, ratio_cap=ratio_cap, kl_coef=kl_coef, kl_estimator=kl_estimator,
         loss_agg=loss_agg, loss_normalizer=loss_normalizer, objective=objective,
-        entropy_coef=entropy_coef, segment_ids=segment_ids,
+        entropy_coef=entropy_coef, kl_agg=kl_agg, entropy_agg=entropy_agg,
+        kl_entropy_normalizer=kl_entropy_normalizer, kl_clamp=kl_clamp, segment_ids=segment_ids,
         importance_weights=importance_weights, log_ratio_bound=log_ratio_bound,
         temperature=temperature, backend=backend, check_ids=check_ids,
         rollout_logps=rollout_logps, rollout_correction=rollout_correction,
