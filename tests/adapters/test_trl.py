@@ -155,9 +155,18 @@ CONFIGS = {
     "entropy_quantile_gspo_grpo": ({"loss_type": "grpo", "top_entropy_quantile": 0.5,
                                     "importance_sampling_level": "sequence",
                                     "epsilon": 0.05}, True, False),
-    # TRL's entropy bonus: a token mean, ratiokl's entropy_coef for bnpo.
+    # TRL's entropy bonus, a token mean whatever the loss_type: ratiokl's entropy_coef for
+    # bnpo, with entropy_agg="token-mean" for the others.
     "bnpo_entropy_bonus_kl": ({"loss_type": "bnpo", "entropy_coef": 0.05, "beta": 0.04},
                               True, True),
+    "grpo_entropy_bonus_kl": ({"loss_type": "grpo", "entropy_coef": 0.05, "beta": 0.04},
+                              True, True),
+    "dapo_entropy_bonus_on_policy": ({"entropy_coef": -0.02}, False, False),
+    "cispo_entropy_bonus": ({"loss_type": "cispo", "epsilon_high": 1.2,
+                             "entropy_coef": 0.05}, True, False),
+    "gspo_dr_grpo_entropy_bonus": ({"loss_type": "dr_grpo", "importance_sampling_level":
+                                    "sequence", "epsilon": 0.05, "entropy_coef": 0.05},
+                                   True, False),
 }
 
 
@@ -261,7 +270,7 @@ def test_head_bias_scale_and_softcap_match_trl(tiny_head, tmp_path, name, backen
     {"beta": 0.04},
     {"beta": 0.04, "loss_type": "bnpo", "importance_sampling_level": "sequence",
      "use_bias_correction_kl": False, "top_entropy_quantile": 0.5},
-    {"beta": 0.04, "loss_type": "bnpo", "entropy_coef": 0.01},
+    {"beta": 0.04, "loss_type": "grpo", "entropy_coef": 0.01},
 ], ids=["dapo", "gspo_entropy_mask", "entropy_bonus"])
 def test_train_runs_and_logs(tiny, tmp_path, config):
     """Two optimizer steps of real generation and training through the adapter's loss, on
@@ -285,8 +294,7 @@ def test_train_runs_and_logs(tiny, tmp_path, config):
     ({"loss_type": "luspo"}, "loss_type"),
     ({"off_policy_mask_threshold": 0.5}, "off_policy_mask_threshold"),
     ({"use_adaptive_entropy": True}, "use_adaptive_entropy"),
-    ({"loss_type": "dapo", "entropy_coef": 0.01}, "entropy_coef"),
-    ({"loss_type": "bnpo", "entropy_coef": 0.01, "top_entropy_quantile": 0.5}, "entropy_coef"),
+    ({"entropy_coef": 0.01, "top_entropy_quantile": 0.5}, "entropy_coef"),
     ({"importance_sampling_level": "sequence", "beta": 0.04}, "use_bias_correction_kl"),
     ({"loss_type": "cispo", "epsilon_high": 0.28}, "epsilon_high"),
     ({"epsilon_high": 0.28, "delta": 1.2}, "delta"),

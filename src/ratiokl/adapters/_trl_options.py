@@ -25,20 +25,26 @@ def refuse_trl(field: str, value: Any, why: str) -> NoReturn:
     refuse("ratiokl.adapters.trl.GRPOTrainer", "trl.GRPOTrainer", field, value, why)
 
 
-def _entropy_coef(args: Any, loss_type: str, quantile: float) -> float:
+def _entropy_options(args: Any, loss_type: str, quantile: float) -> Dict[str, Any]:
     """TRL's static entropy bonus ``- entropy_coef * mean(H) / GA``, a mean over the active
-    tokens (those of the entropy mask with ``top_entropy_quantile``) whatever the
-    ``loss_type``: ratiokl's ``entropy_coef`` (aggregated like the loss) is that bonus
-    where the loss is itself a token mean over the same tokens, ``bnpo`` without the mask."""
+    tokens whatever the ``loss_type``: ratiokl's ``entropy_coef`` with
+    ``entropy_agg="token-mean"`` over ``kl_entropy_normalizer = max(active tokens, 1) *
+    GA`` (per step); for ``bnpo``, whose loss is that same token mean, ``entropy_coef``
+    alone (the one-pass route). With ``top_entropy_quantile`` TRL averages the bonus over
+    the masked tokens only: refused."""
     if getattr(args, "use_adaptive_entropy", False):
         refuse_trl("use_adaptive_entropy", True, "the adaptive entropy controller is TRL's "
                    "state between steps, not reproduced here")
     coef = float(getattr(args, "entropy_coef", 0.0))
-    if coef != 0.0 and (loss_type != "bnpo" or quantile < 1.0):
-        refuse_trl("entropy_coef", coef, "TRL's entropy bonus is a token mean over the active "
-                   "tokens whatever the loss_type; ratiokl aggregates it like the loss, which "
-                   "is that mean for loss_type='bnpo' without top_entropy_quantile only")
-    return coef
+    if coef == 0.0:
+        return {"entropy_coef": 0.0}
+    if quantile < 1.0:
+        refuse_trl("entropy_coef", coef, "with top_entropy_quantile < 1 TRL's entropy bonus is "
+                   "a mean over the high-entropy tokens only, and ratiokl's over every active "
+                   "token")
+    if loss_type == "bnpo":
+        return {"entropy_coef": coef}
+    return {"entropy_coef": coef, "entropy_agg": "token-mean"}
 
 
 def loss_options(args: Any) -> Dict[str, Any]:
@@ -73,7 +79,7 @@ def loss_options(args: Any) -> Dict[str, Any]:
         "kl_coef": float(args.beta),
         "kl_estimator": "k3-is" if bias_corrected else "k3",
         "ratio_level": level,
-        "entropy_coef": _entropy_coef(args, loss_type, quantile),
+        **_entropy_options(args, loss_type, quantile),
     }
     if loss_type == "cispo":  # TRL: min(r, epsilon_high), detached, on logp; no floor
         if not eps_high > 1.0:

@@ -38,17 +38,20 @@ gradient-accumulation steps in training, 1 in evaluation):
 ``importance_sampling_level`` is ``ratio_level``. TRL's high-entropy mask (its own
 ``get_high_entropy_mask`` on the entropies of the same pass) and vLLM's
 ``importance_sampling_ratio`` are ``importance_weights`` (the policy term only; the
-denominators keep every active token). ``entropy_coef`` is ratiokl's for ``bnpo``. One
-difference: ratiokl bounds the log-ratio at ``+-20`` before ``exp``
+denominators keep every active token); with GSPO's PPO term per-token weights are
+averaged per sequence first (:func:`_sequence_mean`). TRL's entropy bonus, a token mean
+whatever the ``loss_type``, is ``entropy_coef`` with ``entropy_agg="token-mean"`` over
+``kl_entropy_normalizer = max(active tokens, 1) * GA`` (for ``bnpo``, ``entropy_coef``
+alone). One difference: ratiokl bounds the log-ratio at ``+-20`` before ``exp``
 (``log_ratio_bound``), TRL does not.
 
 Refused at construction with a ``ValueError`` naming the field (ratiokl would compute
 something else): ``loss_type`` ``sapo``, ``vespo`` or ``luspo``;
-``off_policy_mask_threshold``; ``use_adaptive_entropy``; ``entropy_coef`` other than
-with ``bnpo`` and no entropy mask; GSPO with a bias-corrected KL
-(``use_bias_correction_kl``, ``beta != 0``); an MoE router loss
-(``router_aux_loss_coef``); a non-positive logit scale or soft cap. Multimodal inputs are
-refused in the loss step.
+``off_policy_mask_threshold``; ``use_adaptive_entropy``; ``entropy_coef`` with
+``top_entropy_quantile < 1`` (TRL averages the bonus over the masked tokens); GSPO with
+a bias-corrected KL (``use_bias_correction_kl``, ``beta != 0``); ``delta <= 1 +
+epsilon_high``; an MoE router loss (``router_aux_loss_coef``); a non-positive logit
+scale or soft cap. Multimodal inputs are refused in the loss step.
 
 Logged (TRL's names and definitions, means over every process's active tokens, or
 sequences for GSPO's clip ratios): ``kl`` (with ``beta``), ``entropy``,
@@ -180,6 +183,8 @@ class GRPOTrainer(trl.GRPOTrainer):
         options, head = self._ratiokl_options, self._ratiokl_head
         ids, mask, weights = batch["completion_ids"], batch["mask"], batch["weights"]
         common = dict(ref_logps=batch["ref_logps"], loss_normalizer=batch["normalizer"])
+        if "entropy_agg" in options:  # TRL's bonus: a token mean, over GA steps
+            common["kl_entropy_normalizer"] = batch["tokens"]
         if self._ratiokl_fused:  # the token level: linear_policy_loss has no ratio_level
             fused = {k: v for k, v in options.items() if k != "ratio_level"}
             loss, metrics = linear_policy_loss(
@@ -220,7 +225,9 @@ class GRPOTrainer(trl.GRPOTrainer):
                  "advantages": inputs["advantages"],
                  "ref_logps": inputs.get("ref_per_token_logps")
                  if self._ratiokl_options["kl_coef"] != 0.0 else None,
-                 "normalizer": self._normalizer(mask, inputs, train)}
+                 "normalizer": self._normalizer(mask, inputs, train),
+                 "tokens": mask.sum().clamp(min=1).float() * (
+                     self.current_gradient_accumulation_steps if train else 1)}
 
         def loss_of(hidden, weight, bias):
             return self._loss_on_head(hidden, weight, bias, batch)
