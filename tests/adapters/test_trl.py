@@ -155,6 +155,12 @@ CONFIGS = {
     "entropy_quantile_gspo_grpo": ({"loss_type": "grpo", "top_entropy_quantile": 0.5,
                                     "importance_sampling_level": "sequence",
                                     "epsilon": 0.05}, True, False),
+    # TRL's off-policy sequence mask (DeepSeek-V3.2): the first sequence (advantage < 0,
+    # old - logp about 0.3) is dropped from the policy term.
+    "off_policy_mask_dapo_kl": ({"off_policy_mask_threshold": 0.1, "beta": 0.04}, True, True),
+    "off_policy_mask_gspo_entropy_quantile": (
+        {"loss_type": "grpo", "off_policy_mask_threshold": 0.1, "epsilon": 0.05,
+         "importance_sampling_level": "sequence", "top_entropy_quantile": 0.5}, True, False),
     # TRL's entropy bonus, a token mean whatever the loss_type: ratiokl's entropy_coef for
     # bnpo, with entropy_agg="token-mean" for the others.
     "bnpo_entropy_bonus_kl": ({"loss_type": "bnpo", "entropy_coef": 0.05, "beta": 0.04},
@@ -208,13 +214,16 @@ def test_loss_step_matches_trl(tiny, tmp_path, name, backend):
     {"loss_type": "dapo"},
     {"loss_type": "dapo", "importance_sampling_level": "sequence", "epsilon": 0.05},
     {"loss_type": "cispo", "importance_sampling_level": "sequence", "epsilon_high": 1.02},
-], ids=["token", "gspo", "gspo_cispo"])
+    {"loss_type": "dapo", "off_policy_mask_threshold": 0.1},
+], ids=["token", "gspo", "gspo_cispo", "off_policy_mask"])
 @pytest.mark.parametrize("ratio_shape", ["sequence", "token"])
 def test_vllm_importance_sampling_ratio_weighs_the_policy_term(tiny, tmp_path, config,
                                                                ratio_shape):
     """With vLLM's correction on, TRL multiplies the policy term by the batch's
     ``importance_sampling_ratio`` (``[B, 1]`` in its sequence modes, ``[B, T]`` in its
-    token modes, whatever ``importance_sampling_level``); so does the adapter."""
+    token modes, whatever ``importance_sampling_level``); so does the adapter. The
+    off-policy mask reads the engine's ``sampling_per_token_logps`` (here they put the
+    fourth sequence, not the first, beyond the threshold)."""
     trainer = _trainer(tiny, tmp_path, **config)
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1
@@ -224,6 +233,8 @@ def test_vllm_importance_sampling_ratio_weighs_the_policy_term(tiny, tmp_path, c
     if ratio_shape == "token":
         ratio = ratio + torch.linspace(0.0, 1.0, T)
     batch["importance_sampling_ratio"] = ratio
+    batch["sampling_per_token_logps"] = batch["old_per_token_logps"] + torch.tensor(
+        [-0.3, 0.0, 0.0, 0.3])[:, None]
     _assert_same_step(trainer, batch, config)
 
 
@@ -292,7 +303,6 @@ def test_train_runs_and_logs(tiny, tmp_path, config):
 @pytest.mark.parametrize("config, field", [
     ({"loss_type": "sapo"}, "loss_type"),
     ({"loss_type": "luspo"}, "loss_type"),
-    ({"off_policy_mask_threshold": 0.5}, "off_policy_mask_threshold"),
     ({"use_adaptive_entropy": True}, "use_adaptive_entropy"),
     ({"entropy_coef": 0.01, "top_entropy_quantile": 0.5}, "entropy_coef"),
     ({"importance_sampling_level": "sequence", "beta": 0.04}, "use_bias_correction_kl"),

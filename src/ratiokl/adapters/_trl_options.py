@@ -63,9 +63,6 @@ def loss_options(args: Any) -> Dict[str, Any]:
     if level not in ("token", "sequence"):
         refuse_trl("importance_sampling_level", level, "TRL has 'token' and 'sequence'")
     quantile = float(getattr(args, "top_entropy_quantile", 1.0))
-    if getattr(args, "off_policy_mask_threshold", None) is not None:
-        refuse_trl("off_policy_mask_threshold", args.off_policy_mask_threshold,
-                   "the off-policy sequence mask is not implemented")
     bias_corrected = bool(getattr(args, "use_bias_correction_kl", False))
     if level == "sequence" and args.beta != 0.0 and bias_corrected:
         refuse_trl("use_bias_correction_kl", True, "with importance_sampling_level='sequence' "

@@ -7,8 +7,9 @@ level without an entropy mask it calls :func:`ratiokl.torch.loss.linear_policy_l
 per chunk of rows one GEMM, one fused kernel (loss, metrics' row values and
 ``d loss / d logits`` together) and the two gradient GEMMs, three GEMMs a step where
 TRL's chunked log-prob head recomputes the logits in its backward (four). GSPO
-(``importance_sampling_level="sequence"``) and ``top_entropy_quantile < 1`` need every
-token's log-prob or entropy before the loss: they take the two-pass route,
+(``importance_sampling_level="sequence"``), ``top_entropy_quantile < 1`` and
+``off_policy_mask_threshold`` need every token's log-prob or entropy before the loss:
+they take the two-pass route,
 :func:`~ratiokl.torch.loss.linear_selected_logprobs` (the entropy with it, four GEMMs, as
 TRL) then :func:`~ratiokl.torch.loss.policy_objective`. The ``[N, V]`` logits are never
 held. Everything else (generation, rewards, advantages, the reference model, logging) is
@@ -35,10 +36,11 @@ gradient-accumulation steps in training, 1 in evaluation):
 ``beta`` is ``kl_coef`` on TRL's k3 (``"k3-is"``, times the ratio, with
 ``use_bias_correction_kl``), ``delta`` is ``ratio_cap``, CISPO's ratio cap
 ``epsilon_high`` is ``clip_eps_high = epsilon_high - 1`` with ``clip_eps = 1``,
-``importance_sampling_level`` is ``ratio_level``. TRL's high-entropy mask (its own
-``get_high_entropy_mask`` on the entropies of the same pass) and vLLM's
-``importance_sampling_ratio`` are ``importance_weights`` (the policy term only; the
-denominators keep every active token); with GSPO's PPO term per-token weights are
+``importance_sampling_level`` is ``ratio_level``. TRL's high-entropy mask and
+off-policy sequence mask (its own ``get_high_entropy_mask`` and ``get_off_policy_mask``
+on the entropies and log-probs of the same pass) and vLLM's ``importance_sampling_ratio``
+are ``importance_weights`` (the policy term only; the denominators keep every active
+token); with GSPO's PPO term per-token weights are
 averaged per sequence first (:func:`_sequence_mean`). TRL's entropy bonus, a token mean
 whatever the ``loss_type``, is ``entropy_coef`` with ``entropy_agg="token-mean"`` over
 ``kl_entropy_normalizer = max(active tokens, 1) * GA`` (for ``bnpo``, ``entropy_coef``
@@ -47,11 +49,11 @@ alone). One difference: ratiokl bounds the log-ratio at ``+-20`` before ``exp``
 
 Refused at construction with a ``ValueError`` naming the field (ratiokl would compute
 something else): ``loss_type`` ``sapo``, ``vespo`` or ``luspo``;
-``off_policy_mask_threshold``; ``use_adaptive_entropy``; ``entropy_coef`` with
-``top_entropy_quantile < 1`` (TRL averages the bonus over the masked tokens); GSPO with
-a bias-corrected KL (``use_bias_correction_kl``, ``beta != 0``); ``delta <= 1 +
-epsilon_high``; an MoE router loss (``router_aux_loss_coef``); a non-positive logit
-scale or soft cap. Multimodal inputs are refused in the loss step.
+``use_adaptive_entropy``; ``entropy_coef`` with ``top_entropy_quantile < 1`` (TRL
+averages the bonus over the masked tokens); GSPO with a bias-corrected KL
+(``use_bias_correction_kl``, ``beta != 0``); ``delta <= 1 + epsilon_high``; an MoE
+router loss (``router_aux_loss_coef``); a non-positive logit scale or soft cap.
+Multimodal inputs are refused in the loss step.
 
 Logged (TRL's names and definitions, means over every process's active tokens, or
 sequences for GSPO's clip ratios): ``kl`` (with ``beta``), ``entropy``,
@@ -62,7 +64,7 @@ entropy bonus ``policy_loss`` and ``entropy_coef``. Not logged: ``clip_ratio/low
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
 from ratiokl._requirements import import_framework
 
@@ -74,7 +76,8 @@ import torch  # noqa: E402
 import trl  # noqa: E402
 
 from ratiokl.adapters._trl_head import head_options, install_head  # noqa: E402
-from ratiokl.adapters._trl_options import PPO_TYPES, loss_options, refuse_trl  # noqa: E402
+from ratiokl.adapters._trl_metrics import log_bonus, log_metrics, sequence_clips  # noqa: E402
+from ratiokl.adapters._trl_options import loss_options, refuse_trl  # noqa: E402
 from ratiokl.spec import BACKENDS, BackendName  # noqa: E402
 from ratiokl.torch._route import backend_name  # noqa: E402
 from ratiokl.torch.loss import (  # noqa: E402
@@ -88,10 +91,6 @@ __all__ = ["GRPOTrainer", "loss_options"]
 #: Inputs of the loss step that carry images (the adapter scores text only).
 _MULTIMODAL = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "image_sizes",
                "token_type_ids", "mm_token_type_ids", "image_position_ids")
-#: TRL's clip-ratio metrics and ratiokl's names for them.
-_CLIP_METRICS = (("clip_ratio/low_mean", "clip_fraction_low"),
-                 ("clip_ratio/high_mean", "clip_fraction_high"),
-                 ("clip_ratio/region_mean", "clip_fraction"))
 
 
 def _check_backend(backend: str, device: torch.device) -> None:
@@ -152,7 +151,8 @@ class GRPOTrainer(trl.GRPOTrainer):
         options = loss_options(self.args)
         self._ratiokl_options = options
         self._ratiokl_quantile = float(self.args.top_entropy_quantile)
-        self._ratiokl_fused = options["ratio_level"] == "token" and self._ratiokl_quantile >= 1.0
+        self._ratiokl_fused = options["ratio_level"] == "token" and \
+            self._ratiokl_quantile >= 1.0 and self.off_policy_mask_threshold is None
         self._ratiokl_spread = options["ratio_level"] == "sequence" and \
             options.get("objective", "ppo") == "ppo"
         is_peft = hasattr(self.model, "get_base_model")
@@ -193,16 +193,38 @@ class GRPOTrainer(trl.GRPOTrainer):
             return loss, metrics, None
         logp, entropy = linear_selected_logprobs(hidden, weight, ids, mask, bias=bias,
                                                  return_entropy=True, **head)
-        if self._ratiokl_quantile < 1.0:  # TRL's own mask, on this pass's entropies
-            keep = self.get_high_entropy_mask(entropy.detach(), mask,
-                                              1.0 - self._ratiokl_quantile).float()
-            weights = keep if weights is None else weights * keep
-        if weights is not None and self._ratiokl_spread:
-            weights = _sequence_mean(weights, mask)
-        loss, metrics = policy_objective(logp, batch["old_logps"], batch["advantages"], mask,
-                                         entropy=entropy, importance_weights=weights,
-                                         **common, **options)
+        loss, metrics = policy_objective(
+            logp, batch["old_logps"], batch["advantages"], mask, entropy=entropy,
+            importance_weights=self._policy_weights(logp.detach(), entropy.detach(), batch),
+            **common, **options)
         return loss, metrics, logp.detach()
+
+    def _policy_weights(self, logp: torch.Tensor, entropy: torch.Tensor,
+                        batch: Dict[str, Any]) -> Optional[torch.Tensor]:
+        """The two-pass route's ``importance_weights`` ``[B, T]`` (or None): what TRL
+        multiplies its policy term by, from this pass's log-probs and entropies through
+        TRL's own methods. vLLM's ratio, the off-policy sequence mask
+        (``get_off_policy_mask``, ``[B, 1]``) and the high-entropy token mask
+        (``get_high_entropy_mask``); with GSPO's PPO term, averaged per sequence."""
+        mask, weights = batch["mask"], batch["weights"]
+        parts = [] if weights is None else [weights]
+        if self.off_policy_mask_threshold is not None:
+            old = logp if batch["old_logps"] is None else batch["old_logps"]
+            sampling = batch["sampling_logps"]
+            adv = batch["advantages"]
+            parts.append(self.get_off_policy_mask(
+                adv.unsqueeze(1) if adv.dim() == 1 else adv, logp,
+                old if sampling is None else sampling, mask.float(),
+                self.off_policy_mask_threshold).expand(mask.shape))
+        if self._ratiokl_quantile < 1.0:
+            parts.append(self.get_high_entropy_mask(
+                entropy, mask, 1.0 - self._ratiokl_quantile).float())
+        if not parts:
+            return None
+        weights = parts[0]
+        for part in parts[1:]:
+            weights = weights * part
+        return _sequence_mean(weights, mask) if self._ratiokl_spread else weights
 
     def _compute_loss(self, model: torch.nn.Module, inputs: Dict[str, Any]) -> torch.Tensor:
         for name in _MULTIMODAL:
@@ -222,6 +244,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         train = self.model.training
         batch = {"completion_ids": completion_ids, "mask": mask, "weights": weights,
                  "old_logps": inputs.get("old_per_token_logps"),
+                 "sampling_logps": inputs.get("sampling_per_token_logps"),
                  "advantages": inputs["advantages"],
                  "ref_logps": inputs.get("ref_per_token_logps")
                  if self._ratiokl_options["kl_coef"] != 0.0 else None,
@@ -237,65 +260,7 @@ class GRPOTrainer(trl.GRPOTrainer):
                 input_ids=input_ids, attention_mask=attention_mask, ratiokl_loss=loss_of,
                 ratiokl_tokens=completion_ids.size(1))
         mode = "train" if train else "eval"
-        self._log_metrics(mode, metrics, mask, self._sequence_clips(logp, batch))
+        log_metrics(self, mode, metrics, mask, sequence_clips(self, logp, batch))
         if self._ratiokl_options["entropy_coef"] != 0.0:
-            self._log_bonus(mode, loss, metrics, train)
+            log_bonus(self, mode, loss, metrics, train)
         return loss
-
-    def _sequence_clips(self, logp: Optional[torch.Tensor],
-                        batch: Dict[str, Any]) -> Optional[List[torch.Tensor]]:
-        """GSPO's clip indicators per sequence ``[B]`` (low, high, either), TRL's definition:
-        ``r = exp(masked mean of logp - old)`` (its cap ``delta``, above the clip, changes
-        nothing here), clipped where it leaves ``[1 - epsilon, 1 + epsilon_high]`` on the
-        advantage's side; None at the token level or for ``cispo``."""
-        if logp is None or self._ratiokl_options["ratio_level"] != "sequence" \
-                or self.args.loss_type not in PPO_TYPES:
-            return None
-        mask = batch["mask"]
-        old = logp if batch["old_logps"] is None else batch["old_logps"]
-        log_ratio = torch.where(mask, logp - old, 0.0).sum(-1) / mask.sum(-1).clamp(min=1)
-        ratio = torch.exp(log_ratio)
-        adv = batch["advantages"].reshape(-1)
-        options = self._ratiokl_options
-        low = (ratio < 1 - options["clip_eps"]) & (adv < 0)
-        high = (ratio > 1 + options["clip_eps_high"]) & (adv > 0)
-        return [low.float(), high.float(), (low | high).float()]
-
-    def _log_metrics(self, mode: str, metrics: Dict[str, torch.Tensor], mask: torch.Tensor,
-                     sequence_clips: Optional[List[torch.Tensor]]) -> None:
-        """TRL's names: the means over every process's active tokens (the clip ratios over
-        its sequences with ``sequence_clips``), one all-reduce."""
-        tokens = mask.sum().float()
-        names: List[str] = ["entropy"]
-        sums = [metrics["entropy_mean"] * tokens]
-        counts = [tokens]
-        if self._ratiokl_options["kl_coef"] != 0.0:
-            names.append("kl")
-            sums.append(metrics["kl_mean"] * tokens)
-            counts.append(tokens)
-        if self.args.loss_type in PPO_TYPES:
-            rows = None if sequence_clips is None else torch.tensor(
-                float(mask.shape[0]), device=tokens.device)
-            for i, (theirs, ours) in enumerate(_CLIP_METRICS):
-                names.append(theirs)
-                sums.append(metrics[ours] * tokens if rows is None else sequence_clips[i].sum())
-                counts.append(tokens if rows is None else rows)
-        totals = self.accelerator.reduce(torch.stack(sums + counts), reduction="sum")
-        for i, name in enumerate(names):
-            mean = totals[i] / totals[len(names) + i].clamp(min=1.0)
-            self._metrics[mode][name].append(mean.item())
-
-    def _log_bonus(self, mode: str, loss: torch.Tensor, metrics: Dict[str, torch.Tensor],
-                   train: bool) -> None:
-        """With an entropy bonus TRL also logs ``policy_loss`` (the loss without the bonus
-        ``entropy_coef * mean(H) / GA``, times ``GA`` for the per-micro-batch means
-        ``grpo`` / ``bnpo`` / ``dr_grpo``) and, at each optimizer step, ``entropy_coef``."""
-        steps = self.current_gradient_accumulation_steps if train else 1
-        coef = self._ratiokl_options["entropy_coef"]
-        policy = loss.detach() + coef * metrics["entropy_mean"] / steps
-        if self.args.loss_type in ("grpo", "bnpo", "dr_grpo"):
-            policy = policy * steps
-        self._metrics[mode]["policy_loss"].append(
-            self.accelerator.gather(policy).nanmean().item())
-        if train and self.accelerator.sync_gradients:
-            self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
