@@ -119,14 +119,16 @@ def _batch(trainer, old: bool, ref: bool, seed: int = 0):
 
 
 def _step(trainer, compute, batch):
-    """``(loss, {parameter: gradient}, logged metrics)`` of one loss step."""
+    """``(loss, {parameter: gradient}, logged metrics)`` of one loss step (the metrics of
+    the model's mode, ``"train"`` or ``"eval"``)."""
     model = trainer.model
+    mode = "train" if model.training else "eval"
     model.zero_grad(set_to_none=True)
-    trainer._metrics["train"].clear()
+    trainer._metrics[mode].clear()
     loss = compute(model, batch)
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    logged = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    logged = {k: v[-1] for k, v in trainer._metrics[mode].items()}
     return loss.item(), grads, logged
 
 
@@ -176,12 +178,14 @@ CONFIGS = {
 }
 
 
-def _assert_same_step(trainer, batch, config):
-    """TRL's ``_compute_loss`` and the adapter's on ``batch``: the loss, every parameter's
-    gradient and every metric the adapter logs (TRL's names) agree."""
+def _assert_same_step(trainer, batch, config, ours=None):
+    """TRL's ``_compute_loss`` on ``batch`` and the adapter's (on ``ours``, default
+    ``batch``): the loss, every parameter's gradient and every metric the adapter logs
+    (TRL's names) agree."""
     want_loss, want_grads, want_logged = _step(
         trainer, lambda m, b: trl.GRPOTrainer._compute_loss(trainer, m, b), batch)
-    got_loss, got_grads, got_logged = _step(trainer, trainer._compute_loss, batch)
+    got_loss, got_grads, got_logged = _step(trainer, trainer._compute_loss,
+                                            batch if ours is None else ours)
     assert got_loss == pytest.approx(want_loss, rel=1e-4, abs=1e-6)
     assert set(got_grads) == set(want_grads)
     for param, want in want_grads.items():
@@ -189,7 +193,7 @@ def _assert_same_step(trainer, batch, config):
     assert set(got_logged) <= set(want_logged), set(got_logged) - set(want_logged)
     expected = {"entropy"} | ({"kl"} if config.get("beta", 0) != 0 else set())
     if config.get("entropy_coef", 0) != 0:
-        expected |= {"policy_loss", "entropy_coef"}
+        expected |= {"policy_loss"} | ({"entropy_coef"} if trainer.model.training else set())
     if config.get("loss_type") != "cispo":
         expected |= {"clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"}
     assert expected <= set(got_logged), expected - set(got_logged)
@@ -208,6 +212,42 @@ def test_loss_step_matches_trl(tiny, tmp_path, name, backend):
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 2  # set by train(); 2 tests the factor
     _assert_same_step(trainer, _batch(trainer, old, ref), config)
+
+
+@pytest.mark.parametrize("name", ["dapo_clip_higher_delta", "grpo_entropy_bonus_kl",
+                                  "off_policy_mask_gspo_entropy_quantile"])
+def test_evaluation_step_matches_trl(tiny, tmp_path, name):
+    """In evaluation (``prediction_step``: the model in eval mode, no accumulation factor,
+    ``dapo``'s denominator without ``steps_per_generation``) on each route, TRL's loss and
+    its ``eval`` metrics."""
+    config, old, ref = CONFIGS[name]
+    trainer = _trainer(tiny, tmp_path, steps_per_generation=2, **config)
+    trainer.model.eval()
+    trainer.current_gradient_accumulation_steps = 2  # must not enter the eval loss
+    _assert_same_step(trainer, _batch(trainer, old, ref), config)
+
+
+@pytest.mark.parametrize("name", ["dapo_clip_higher_delta", "off_policy_mask_dapo_kl",
+                                  "off_policy_mask_gspo_entropy_quantile",
+                                  "grpo_entropy_bonus_kl"])
+def test_padded_positions_may_hold_nan_or_inf(tiny, tmp_path, name):
+    """NaN, +inf and -inf in the padded positions of every per-token input (old,
+    reference and engine log-probs, vLLM's ratio): the adapter's step on that batch is
+    TRL's on the clean one (TRL itself would carry them into its loss)."""
+    config, old, ref = CONFIGS[name]
+    trainer = _trainer(tiny, tmp_path, **config)
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True
+    clean = _batch(trainer, old, ref)
+    clean["importance_sampling_ratio"] = torch.linspace(0.5, 1.5, B * T).reshape(B, T)
+    clean["sampling_per_token_logps"] = clean["old_per_token_logps"] - 0.05
+    padded = clean["completion_mask"] == 0
+    junk = torch.tensor([float("nan"), float("inf"), -float("inf")]).repeat(B * T)[:B * T]
+    poisoned = {k: torch.where(padded, junk.reshape(B, T), v) if k in (
+        "old_per_token_logps", "ref_per_token_logps", "sampling_per_token_logps",
+        "importance_sampling_ratio") else v for k, v in clean.items()}
+    _assert_same_step(trainer, clean, config, ours=poisoned)
 
 
 @pytest.mark.parametrize("config", [
