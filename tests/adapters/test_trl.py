@@ -178,12 +178,14 @@ CONFIGS = {
 }
 
 
-def _assert_same_step(trainer, batch, config, ours=None):
+def _assert_same_step(trainer, batch, config, ours=None, between=None):
     """TRL's ``_compute_loss`` on ``batch`` and the adapter's (on ``ours``, default
-    ``batch``): the loss, every parameter's gradient and every metric the adapter logs
-    (TRL's names) agree."""
+    ``batch``; ``between()`` runs in between): the loss, every parameter's gradient and
+    every metric the adapter logs (TRL's names) agree."""
     want_loss, want_grads, want_logged = _step(
         trainer, lambda m, b: trl.GRPOTrainer._compute_loss(trainer, m, b), batch)
+    if between is not None:
+        between()
     got_loss, got_grads, got_logged = _step(trainer, trainer._compute_loss,
                                             batch if ours is None else ours)
     assert got_loss == pytest.approx(want_loss, rel=1e-4, abs=1e-6)
@@ -192,8 +194,10 @@ def _assert_same_step(trainer, batch, config, ours=None):
         torch.testing.assert_close(got_grads[param], want, rtol=2e-3, atol=2e-6, msg=param)
     assert set(got_logged) <= set(want_logged), set(got_logged) - set(want_logged)
     expected = {"entropy"} | ({"kl"} if config.get("beta", 0) != 0 else set())
-    if config.get("entropy_coef", 0) != 0:
-        expected |= {"policy_loss"} | ({"entropy_coef"} if trainer.model.training else set())
+    if config.get("entropy_coef", 0) != 0 or config.get("use_adaptive_entropy"):
+        expected |= {"policy_loss"}
+        if trainer.model.training and trainer.accelerator.sync_gradients:
+            expected |= {"entropy_coef"}
     if config.get("loss_type") != "cispo":
         expected |= {"clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"}
     assert expected <= set(got_logged), expected - set(got_logged)
@@ -212,6 +216,54 @@ def test_loss_step_matches_trl(tiny, tmp_path, name, backend):
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 2  # set by train(); 2 tests the factor
     _assert_same_step(trainer, _batch(trainer, old, ref), config)
+
+
+_CONTROLLER = ("entropy_coef", "_last_world_entropy", "_entropy_window_stats")
+
+
+@pytest.mark.parametrize("loss_type", ["bnpo", "dapo"])
+@pytest.mark.parametrize("entropy_target", [5.0, 1.0], ids=["below_target", "above_target"])
+def test_adaptive_entropy_controller_matches_trl(tiny, tmp_path, loss_type, entropy_target):
+    """``use_adaptive_entropy``: two optimizer steps of two micro-batches each. No bonus
+    in the first window; then the coefficient moves up (entropy below the target, and
+    the bonus applies) or down (above it: no bonus). Each micro-batch: TRL's step, the
+    controller's state put back, the adapter's step; the loss, gradients, metrics and
+    the controller's state after it agree."""
+    config = {"loss_type": loss_type, "use_adaptive_entropy": True, "entropy_coef": 0.05,
+              "entropy_coef_delta": 0.02, "entropy_target": entropy_target}
+    trainer = _trainer(tiny, tmp_path, **config)
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 2
+
+    def state():
+        return {n: (lambda v: v.clone() if torch.is_tensor(v) else v)(getattr(trainer, n))
+                for n in _CONTROLLER}
+
+    applied = []
+    for micro in range(4):
+        trainer.accelerator.gradient_state._set_sync_gradients(micro % 2 == 1)
+        before, want = state(), {}
+        below = trainer._last_world_entropy <= entropy_target
+        applied.append(trainer.entropy_coef if below else 0.0)
+
+        def put_back():
+            want.update(state())
+            for name, value in before.items():
+                setattr(trainer, name, value)
+
+        _assert_same_step(trainer, _batch(trainer, True, False, seed=micro), config,
+                          between=put_back)
+        got = state()
+        assert got["entropy_coef"] == pytest.approx(want["entropy_coef"])
+        assert got["_last_world_entropy"] == pytest.approx(want["_last_world_entropy"],
+                                                           rel=1e-5)
+        if want["_entropy_window_stats"] is None:
+            assert got["_entropy_window_stats"] is None
+        else:
+            torch.testing.assert_close(got["_entropy_window_stats"].float(),
+                                       want["_entropy_window_stats"].float())
+    assert applied[:2] == [0.0, 0.0]
+    assert applied[2] > 0.05 if entropy_target == 5.0 else applied[2] == 0.0
 
 
 @pytest.mark.parametrize("name", ["dapo_clip_higher_delta", "grpo_entropy_bonus_kl",
@@ -322,7 +374,8 @@ def test_head_bias_scale_and_softcap_match_trl(tiny_head, tmp_path, name, backen
     {"beta": 0.04, "loss_type": "bnpo", "importance_sampling_level": "sequence",
      "use_bias_correction_kl": False, "top_entropy_quantile": 0.5},
     {"beta": 0.04, "loss_type": "grpo", "entropy_coef": 0.01},
-], ids=["dapo", "gspo_entropy_mask", "entropy_bonus"])
+    {"beta": 0.04, "use_adaptive_entropy": True, "entropy_target": 5.0},
+], ids=["dapo", "gspo_entropy_mask", "entropy_bonus", "adaptive_entropy"])
 def test_train_runs_and_logs(tiny, tmp_path, config):
     """Two optimizer steps of real generation and training through the adapter's loss, on
     the fused route and the two-pass one."""
@@ -343,7 +396,7 @@ def test_train_runs_and_logs(tiny, tmp_path, config):
 @pytest.mark.parametrize("config, field", [
     ({"loss_type": "sapo"}, "loss_type"),
     ({"loss_type": "luspo"}, "loss_type"),
-    ({"use_adaptive_entropy": True}, "use_adaptive_entropy"),
+    ({"use_adaptive_entropy": True, "top_entropy_quantile": 0.5}, "use_adaptive_entropy"),
     ({"entropy_coef": 0.01, "top_entropy_quantile": 0.5}, "entropy_coef"),
     ({"importance_sampling_level": "sequence", "beta": 0.04}, "use_bias_correction_kl"),
     ({"loss_type": "cispo", "epsilon_high": 0.28}, "epsilon_high"),

@@ -2,8 +2,8 @@
 
 Token metrics (``entropy``, ``kl``, ``clip_ratio/*_mean``) are means over every process's
 active tokens; with GSPO TRL's clip ratios are means over the sequences (every row of
-every process), recomputed here from the pass's log-probs. With an entropy bonus TRL
-also logs ``policy_loss`` and ``entropy_coef``. Each function takes the adapter's
+every process), recomputed here from the pass's log-probs (the entropy bonus's
+``policy_loss`` and ``entropy_coef``: ``_trl_bonus``). Each function takes the adapter's
 trainer (``ratiokl.adapters.trl.GRPOTrainer``) and appends to its ``_metrics``.
 """
 
@@ -15,14 +15,12 @@ import torch
 
 from ratiokl.adapters._trl_options import PPO_TYPES
 
-__all__ = ["log_bonus", "log_metrics", "sequence_clips"]
+__all__ = ["log_metrics", "sequence_clips"]
 
 #: TRL's clip-ratio metrics and ratiokl's names for them.
 _CLIP_METRICS = (("clip_ratio/low_mean", "clip_fraction_low"),
                  ("clip_ratio/high_mean", "clip_fraction_high"),
                  ("clip_ratio/region_mean", "clip_fraction"))
-#: The loss types whose loss TRL logs per micro-batch, before dividing by ``GA``.
-_PER_MICRO_BATCH = ("grpo", "bnpo", "dr_grpo")
 
 
 def sequence_clips(trainer: Any, logp: Optional[torch.Tensor],
@@ -68,19 +66,3 @@ def log_metrics(trainer: Any, mode: str, metrics: Dict[str, torch.Tensor], mask:
     for i, name in enumerate(names):
         mean = totals[i] / totals[len(names) + i].clamp(min=1.0)
         trainer._metrics[mode][name].append(mean.item())
-
-
-def log_bonus(trainer: Any, mode: str, loss: torch.Tensor, metrics: Dict[str, torch.Tensor],
-              train: bool) -> None:
-    """``policy_loss``: the loss without TRL's bonus ``entropy_coef * mean(H) / GA``
-    (times ``GA`` for the loss types TRL logs per micro-batch), gathered, NaN-mean; and,
-    at each optimizer step in training, ``entropy_coef``."""
-    steps = trainer.current_gradient_accumulation_steps if train else 1
-    coef = trainer._ratiokl_options["entropy_coef"]
-    policy = loss.detach() + coef * metrics["entropy_mean"] / steps
-    if trainer.args.loss_type in _PER_MICRO_BATCH:
-        policy = policy * steps
-    trainer._metrics[mode]["policy_loss"].append(
-        trainer.accelerator.gather(policy).nanmean().item())
-    if train and trainer.accelerator.sync_gradients:
-        trainer._metrics[mode]["entropy_coef"].append(trainer.entropy_coef)

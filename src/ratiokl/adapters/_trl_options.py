@@ -26,22 +26,21 @@ def refuse_trl(field: str, value: Any, why: str) -> NoReturn:
 
 
 def _entropy_options(args: Any, loss_type: str, quantile: float) -> Dict[str, Any]:
-    """TRL's static entropy bonus ``- entropy_coef * mean(H) / GA``, a mean over the active
-    tokens whatever the ``loss_type``: ratiokl's ``entropy_coef`` with
-    ``entropy_agg="token-mean"`` over ``kl_entropy_normalizer = max(active tokens, 1) *
-    GA`` (per step); for ``bnpo``, whose loss is that same token mean, ``entropy_coef``
-    alone (the one-pass route). With ``top_entropy_quantile`` TRL averages the bonus over
-    the masked tokens only: refused."""
-    if getattr(args, "use_adaptive_entropy", False):
-        refuse_trl("use_adaptive_entropy", True, "the adaptive entropy controller is TRL's "
-                   "state between steps, not reproduced here")
+    """TRL's entropy bonus ``- c * mean(H) / GA``, a mean over the active tokens whatever
+    the ``loss_type`` (``c`` is ``entropy_coef``, or, with ``use_adaptive_entropy``, the
+    controller's value for the step: ``ratiokl.adapters._trl_bonus``): ratiokl's
+    ``entropy_coef`` with ``entropy_agg="token-mean"`` over ``kl_entropy_normalizer =
+    max(active tokens, 1) * GA`` (per step); for ``bnpo``, whose loss is that same token
+    mean, ``entropy_coef`` alone (the one-pass route). With ``top_entropy_quantile`` TRL
+    averages the bonus over the masked tokens only: refused."""
     coef = float(getattr(args, "entropy_coef", 0.0))
-    if coef == 0.0:
+    adaptive = bool(getattr(args, "use_adaptive_entropy", False))
+    if coef == 0.0 and not adaptive:
         return {"entropy_coef": 0.0}
     if quantile < 1.0:
-        refuse_trl("entropy_coef", coef, "with top_entropy_quantile < 1 TRL's entropy bonus is "
-                   "a mean over the high-entropy tokens only, and ratiokl's over every active "
-                   "token")
+        field, value = ("use_adaptive_entropy", True) if adaptive else ("entropy_coef", coef)
+        refuse_trl(field, value, "with top_entropy_quantile < 1 TRL's entropy bonus is a mean "
+                   "over the high-entropy tokens only, and ratiokl's over every active token")
     if loss_type == "bnpo":
         return {"entropy_coef": coef}
     return {"entropy_coef": coef, "entropy_agg": "token-mean"}

@@ -44,13 +44,14 @@ token); with GSPO's PPO term per-token weights are
 averaged per sequence first (:func:`_sequence_mean`). TRL's entropy bonus, a token mean
 whatever the ``loss_type``, is ``entropy_coef`` with ``entropy_agg="token-mean"`` over
 ``kl_entropy_normalizer = max(active tokens, 1) * GA`` (for ``bnpo``, ``entropy_coef``
-alone). One difference: ratiokl bounds the log-ratio at ``+-20`` before ``exp``
-(``log_ratio_bound``), TRL does not.
+alone); with ``use_adaptive_entropy`` the coefficient of each step is TRL's controller's
+(``_trl_bonus``, on TRL's own state). One difference: ratiokl bounds the log-ratio at
+``+-20`` before ``exp`` (``log_ratio_bound``), TRL does not.
 
 Refused at construction with a ``ValueError`` naming the field (ratiokl would compute
-something else): ``loss_type`` ``sapo``, ``vespo`` or ``luspo``;
-``use_adaptive_entropy``; ``entropy_coef`` with ``top_entropy_quantile < 1`` (TRL
-averages the bonus over the masked tokens); GSPO with a bias-corrected KL
+something else): ``loss_type`` ``sapo``, ``vespo`` or ``luspo``; an entropy bonus
+(``entropy_coef``, ``use_adaptive_entropy``) with ``top_entropy_quantile < 1`` (TRL
+averages it over the masked tokens); GSPO with a bias-corrected KL
 (``use_bias_correction_kl``, ``beta != 0``); ``delta <= 1 + epsilon_high``; an MoE
 router loss (``router_aux_loss_coef``); a non-positive logit scale or soft cap.
 Multimodal inputs are refused in the loss step.
@@ -76,7 +77,8 @@ import torch  # noqa: E402
 import trl  # noqa: E402
 
 from ratiokl.adapters._trl_head import head_options, install_head  # noqa: E402
-from ratiokl.adapters._trl_metrics import log_bonus, log_metrics, sequence_clips  # noqa: E402
+from ratiokl.adapters._trl_bonus import after_step, applied_coef  # noqa: E402
+from ratiokl.adapters._trl_metrics import log_metrics, sequence_clips  # noqa: E402
 from ratiokl.adapters._trl_options import loss_options, refuse_trl  # noqa: E402
 from ratiokl.spec import BACKENDS, BackendName  # noqa: E402
 from ratiokl.torch._route import backend_name  # noqa: E402
@@ -180,7 +182,8 @@ class GRPOTrainer(trl.GRPOTrainer):
                       bias: Optional[torch.Tensor], batch: Dict[str, Any]):
         """``(loss, metrics, logp)`` from the head: the fused route (``logp`` None) or the
         two-pass one (``logp [B, T]`` detached, for the sequence-level clip metrics)."""
-        options, head = self._ratiokl_options, self._ratiokl_head
+        options = {**self._ratiokl_options, "entropy_coef": batch["entropy_coef"]}
+        head = self._ratiokl_head
         ids, mask, weights = batch["completion_ids"], batch["mask"], batch["weights"]
         common = dict(ref_logps=batch["ref_logps"], loss_normalizer=batch["normalizer"])
         if "entropy_agg" in options:  # TRL's bonus: a token mean, over GA steps
@@ -249,6 +252,7 @@ class GRPOTrainer(trl.GRPOTrainer):
                  "ref_logps": inputs.get("ref_per_token_logps")
                  if self._ratiokl_options["kl_coef"] != 0.0 else None,
                  "normalizer": self._normalizer(mask, inputs, train),
+                 "entropy_coef": applied_coef(self) if self._entropy_bonus_enabled else 0.0,
                  "tokens": mask.sum().clamp(min=1).float() * (
                      self.current_gradient_accumulation_steps if train else 1)}
 
@@ -261,6 +265,7 @@ class GRPOTrainer(trl.GRPOTrainer):
                 ratiokl_tokens=completion_ids.size(1))
         mode = "train" if train else "eval"
         log_metrics(self, mode, metrics, mask, sequence_clips(self, logp, batch))
-        if self._ratiokl_options["entropy_coef"] != 0.0:
-            log_bonus(self, mode, loss, metrics, train)
+        if self._entropy_bonus_enabled:
+            after_step(self, mode, loss, metrics, mask.sum().float(), batch["entropy_coef"],
+                       train)
         return loss
