@@ -140,6 +140,10 @@ CONFIGS = {
     "dapo_clip_higher_delta": (
         {"loss_type": "dapo", "epsilon_high": 0.28, "delta": 1.5}, True, False),
     "cispo": ({"loss_type": "cispo", "epsilon_high": 1.2}, True, False),
+    # LUSPO: the PPO term summed over each sequence, then the mean over sequences.
+    "luspo_gspo": ({"loss_type": "luspo", "importance_sampling_level": "sequence",
+                    "epsilon": 0.05}, True, False),
+    "luspo_token_kl": ({"loss_type": "luspo", "beta": 0.04}, True, True),
     # GSPO: TRL's sequence ratio exp(masked mean log-ratio); small epsilons so that some
     # sequences clip and some do not.
     "gspo_grpo": ({"loss_type": "grpo", "importance_sampling_level": "sequence",
@@ -395,7 +399,7 @@ def test_train_runs_and_logs(tiny, tmp_path, config):
 
 @pytest.mark.parametrize("config, field", [
     ({"loss_type": "sapo"}, "loss_type"),
-    ({"loss_type": "luspo"}, "loss_type"),
+    ({"loss_type": "vespo"}, "loss_type"),
     ({"use_adaptive_entropy": True, "top_entropy_quantile": 0.5}, "use_adaptive_entropy"),
     ({"entropy_coef": 0.01, "top_entropy_quantile": 0.5}, "entropy_coef"),
     ({"importance_sampling_level": "sequence", "beta": 0.04}, "use_bias_correction_kl"),

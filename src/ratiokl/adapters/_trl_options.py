@@ -15,9 +15,9 @@ __all__ = ["LOSS_AGG", "PPO_TYPES", "loss_options", "refuse_trl"]
 
 #: TRL ``loss_type`` -> ratiokl ``loss_agg`` (the denominators: ``GRPOTrainer._normalizer``).
 LOSS_AGG = {"grpo": "seq-mean-token-mean", "bnpo": "token-mean", "dr_grpo": "token-mean",
-            "dapo": "token-mean", "cispo": "token-mean"}
+            "dapo": "token-mean", "cispo": "token-mean", "luspo": "seq-mean-token-sum"}
 #: The loss types whose clipped ratio TRL logs as ``clip_ratio/*``.
-PPO_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+PPO_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 
 
 def refuse_trl(field: str, value: Any, why: str) -> NoReturn:

@@ -28,6 +28,7 @@ construction (the table: docs/trainers.md, "TRL"). With the default
 gradient-accumulation steps in training, 1 in evaluation):
 
 - ``grpo``: ``seq-mean-token-mean``, ``loss_normalizer = B * GA``;
+- ``luspo``: ``seq-mean-token-sum``, ``loss_normalizer = B * GA``;
 - ``bnpo``: ``token-mean``, ``loss_normalizer = max(active tokens, 1) * GA``;
 - ``dr_grpo``: ``token-mean``, ``loss_normalizer = B * max_completion_length * GA``;
 - ``dapo`` and ``cispo``: ``token-mean``, ``loss_normalizer = num_items_in_batch /
@@ -49,7 +50,7 @@ alone); with ``use_adaptive_entropy`` the coefficient of each step is TRL's cont
 ``+-20`` before ``exp`` (``log_ratio_bound``), TRL does not.
 
 Refused at construction with a ``ValueError`` naming the field (ratiokl would compute
-something else): ``loss_type`` ``sapo``, ``vespo`` or ``luspo``; an entropy bonus
+something else): ``loss_type`` ``sapo`` or ``vespo``; an entropy bonus
 (``entropy_coef``, ``use_adaptive_entropy``) with ``top_entropy_quantile < 1`` (TRL
 averages it over the masked tokens); GSPO with a bias-corrected KL
 (``use_bias_correction_kl``, ``beta != 0``); ``delta <= 1 + epsilon_high``; an MoE
@@ -169,7 +170,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         """The loss's denominator for TRL's ``loss_type`` (the module docstring)."""
         steps = self.current_gradient_accumulation_steps if train else 1
         loss_type = self.args.loss_type
-        if loss_type == "grpo":
+        if loss_type in ("grpo", "luspo"):
             return mask.shape[0] * steps
         if loss_type == "bnpo":
             return mask.sum().clamp(min=1).float() * steps
