@@ -72,7 +72,7 @@ def tiny(tmp_path_factory):
     return _save_tiny(tmp_path_factory.mktemp("tiny-llama"), LlamaConfig, LlamaForCausalLM)
 
 
-def _trainer(tiny, tmp_path, backend="native", **config):
+def _trainer(tiny, tmp_path, backend="native", chunk_rows=2048, **config):
     path, tokenizer = tiny
     args = trl.GRPOConfig(
         output_dir=str(tmp_path), per_device_train_batch_size=B, num_generations=B,
@@ -81,7 +81,8 @@ def _trainer(tiny, tmp_path, backend="native", **config):
     data = Dataset.from_dict({"prompt": ["a b c", "d e f", "g h", "i j k l"] * 2})
     return adapter.GRPOTrainer(
         model=path, reward_funcs=lambda completions, **_: [float(len(c)) for c in completions],
-        args=args, train_dataset=data, processing_class=tokenizer, ratiokl_backend=backend)
+        args=args, train_dataset=data, processing_class=tokenizer, ratiokl_backend=backend,
+        ratiokl_chunk_rows=chunk_rows)
 
 
 def _batch(trainer, old: bool, ref: bool, seed: int = 0):
@@ -225,9 +226,11 @@ def test_loss_step_matches_trl(tiny, tmp_path, name, backend):
 _CONTROLLER = ("entropy_coef", "_last_world_entropy", "_entropy_window_stats")
 
 
-@pytest.mark.parametrize("loss_type", ["bnpo", "dapo"])
+@pytest.mark.parametrize("loss_type, backend", [("bnpo", "native"), ("dapo", "native"),
+                                               ("bnpo", "interpret")])
 @pytest.mark.parametrize("entropy_target", [5.0, 1.0], ids=["below_target", "above_target"])
-def test_adaptive_entropy_controller_matches_trl(tiny, tmp_path, loss_type, entropy_target):
+def test_adaptive_entropy_controller_matches_trl(tiny, tmp_path, loss_type, backend,
+                                                 entropy_target):
     """``use_adaptive_entropy``: two optimizer steps of two micro-batches each. No bonus
     in the first window; then the coefficient moves up (entropy below the target, and
     the bonus applies) or down (above it: no bonus). Each micro-batch: TRL's step, the
@@ -235,7 +238,9 @@ def test_adaptive_entropy_controller_matches_trl(tiny, tmp_path, loss_type, entr
     the controller's state after it agree."""
     config = {"loss_type": loss_type, "use_adaptive_entropy": True, "entropy_coef": 0.05,
               "entropy_coef_delta": 0.02, "entropy_target": entropy_target}
-    trainer = _trainer(tiny, tmp_path, **config)
+    if backend == "interpret":
+        pytest.importorskip("triton")
+    trainer = _trainer(tiny, tmp_path, backend=backend, **config)
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 2
 
@@ -361,13 +366,13 @@ def tiny_head(request, tmp_path_factory):
 @pytest.mark.parametrize("name", ["bnpo_off_policy_kl", "entropy_quantile_gspo_grpo"])
 def test_head_bias_scale_and_softcap_match_trl(tiny_head, tmp_path, name, backend):
     """The lm_head's bias and the config's logit scale and soft cap, on the fused route
-    and the two-pass one, at a temperature of 0.7: TRL's step, loss, gradients (the
-    bias's included) and metrics."""
+    and the two-pass one, at a temperature of 0.7, in chunks of 5 of the 24 rows: TRL's
+    step, loss, gradients (the bias's included) and metrics."""
     if backend == "interpret":
         pytest.importorskip("triton")
     config, old, ref = CONFIGS[name]
     config = {**config, "temperature": 0.7}
-    trainer = _trainer(tiny_head, tmp_path, backend=backend, **config)
+    trainer = _trainer(tiny_head, tmp_path, backend=backend, chunk_rows=5, **config)
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 2
     _assert_same_step(trainer, _batch(trainer, old, ref), config)

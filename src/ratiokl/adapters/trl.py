@@ -179,6 +179,16 @@ class GRPOTrainer(trl.GRPOTrainer):
         items = inputs["num_items_in_batch"].clamp(min=1).float() / self.accelerator.num_processes
         return items * steps / self.args.steps_per_generation if train else items
 
+    def _bonus_coef(self, device: torch.device) -> Any:
+        """This micro-batch's ``entropy_coef``: 0 without TRL's bonus, the static number,
+        or the adaptive controller's value as a 0-d float32 tensor (it changes between
+        optimizer steps: no kernel specialised per value)."""
+        if not self._entropy_bonus_enabled:
+            return 0.0
+        if self.use_adaptive_entropy:
+            return torch.tensor(applied_coef(self), dtype=torch.float32, device=device)
+        return applied_coef(self)
+
     def _loss_on_head(self, hidden: torch.Tensor, weight: torch.Tensor,
                       bias: Optional[torch.Tensor], batch: Dict[str, Any]):
         """``(loss, metrics, logp)`` from the head: the fused route (``logp`` None) or the
@@ -253,7 +263,7 @@ class GRPOTrainer(trl.GRPOTrainer):
                  "ref_logps": inputs.get("ref_per_token_logps")
                  if self._ratiokl_options["kl_coef"] != 0.0 else None,
                  "normalizer": self._normalizer(mask, inputs, train),
-                 "entropy_coef": applied_coef(self) if self._entropy_bonus_enabled else 0.0,
+                 "entropy_coef": self._bonus_coef(mask.device),
                  "tokens": mask.sum().clamp(min=1).float() * (
                      self.current_gradient_accumulation_steps if train else 1)}
 
