@@ -460,6 +460,37 @@ def test_bf16_autocast_step_matches_trl(tiny, tmp_path):
         assert rel < 3e-2, (param, rel)
 
 
+def test_cast_lm_head_to_fp32_under_bf16_matches_trl(tiny, tmp_path):
+    """``cast_lm_head_to_fp32``: with bf16 hidden states under bf16 autocast, TRL runs the
+    head in float32 outside autocast; so does the adapter (float32 hidden states, head
+    and bias), and the step is TRL's to float32 tolerances."""
+    config = {"loss_type": "bnpo", "beta": 0.04, "cast_lm_head_to_fp32": True}
+    trainer = _trainer(tiny, tmp_path, **config)
+    trainer.model.model.norm.register_forward_hook(lambda m, i, out: out.to(torch.bfloat16))
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _assert_same_step(trainer, _batch(trainer, old=True, ref=True), config)
+
+
+@pytest.mark.parametrize("name", ["dapo_clip_higher_delta", "entropy_quantile_gspo_grpo",
+                                  "grpo_entropy_bonus_kl"])
+def test_tool_mask_leaves_tool_tokens_out(tiny, tmp_path, name):
+    """TRL's ``tool_mask`` (tokens a tool wrote, not the policy) multiplies the completion
+    mask: the loss, its denominators (but ``dapo``'s ``num_items_in_batch``), the masks
+    and the metrics skip those tokens, on every route."""
+    config, old, ref = CONFIGS[name]
+    trainer = _trainer(tiny, tmp_path, **config)
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 2
+    batch = _batch(trainer, old, ref)
+    tool_mask = torch.ones(B, T, dtype=torch.long)
+    tool_mask[1, 2:4] = 0
+    tool_mask[3, 1] = 0
+    batch["tool_mask"] = tool_mask
+    _assert_same_step(trainer, batch, config)
+
+
 @pytest.mark.parametrize("keyword, value", [
     ("ratiokl_chunk_rows", 0), ("ratiokl_chunk_rows", 2.5), ("ratiokl_backend", "cuda"),
 ])

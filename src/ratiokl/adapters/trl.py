@@ -2,16 +2,16 @@
 
 ``ratiokl.adapters.trl.GRPOTrainer`` is ``trl.GRPOTrainer`` (``trl >= 1.15``) whose loss
 step runs on the policy's last hidden states and lm_head (weight, bias, logit scale and
-soft cap, read from the model's config as TRL's fused head reads them). At the token
-level without an entropy mask it calls :func:`ratiokl.torch.loss.linear_policy_loss`:
-per chunk of rows one GEMM, one fused kernel (loss, metrics' row values and
-``d loss / d logits`` together) and the two gradient GEMMs, three GEMMs a step where
-TRL's chunked log-prob head recomputes the logits in its backward (four). GSPO
-(``importance_sampling_level="sequence"``), ``top_entropy_quantile < 1`` and
-``off_policy_mask_threshold`` need every token's log-prob or entropy before the loss:
-they take the two-pass route,
-:func:`~ratiokl.torch.loss.linear_selected_logprobs` (the entropy with it, four GEMMs, as
-TRL) then :func:`~ratiokl.torch.loss.policy_objective`. The ``[N, V]`` logits are never
+soft cap, read from the model's config as TRL's fused head reads them). On TRL's default
+path (the token level, no entropy or off-policy mask) it calls
+:func:`ratiokl.torch.loss.linear_policy_loss`: per chunk of rows one GEMM, one fused
+kernel (loss, metrics' row values and ``d loss / d logits`` together) and the two
+gradient GEMMs, three GEMMs a step where TRL's chunked log-prob head recomputes the
+logits in its backward (four). GSPO (``importance_sampling_level="sequence"``),
+``top_entropy_quantile < 1`` and ``off_policy_mask_threshold`` need every token's
+log-prob or entropy before the loss: they take the two-pass route,
+:func:`~ratiokl.torch.loss.linear_selected_logprobs` (with the entropy; four GEMMs, as
+TRL's) then :func:`~ratiokl.torch.loss.policy_objective`. The ``[N, V]`` logits are never
 held. Everything else (generation, rewards, advantages, the reference model, logging) is
 TRL's.
 
@@ -41,9 +41,9 @@ gradient-accumulation steps in training, 1 in evaluation):
 off-policy sequence mask (its own ``get_high_entropy_mask`` and ``get_off_policy_mask``
 on the entropies and log-probs of the same pass) and vLLM's ``importance_sampling_ratio``
 are ``importance_weights`` (the policy term only; the denominators keep every active
-token); with GSPO's PPO term per-token weights are
-averaged per sequence first (:func:`_sequence_mean`). TRL's entropy bonus, a token mean
-whatever the ``loss_type``, is ``entropy_coef`` with ``entropy_agg="token-mean"`` over
+token); with GSPO's PPO term they are averaged per sequence first
+(:func:`_sequence_mean`). TRL's entropy bonus, a token mean whatever the ``loss_type``,
+is ``entropy_coef`` with ``entropy_agg="token-mean"`` over
 ``kl_entropy_normalizer = max(active tokens, 1) * GA`` (for ``bnpo``, ``entropy_coef``
 alone); with ``use_adaptive_entropy`` the coefficient of each step is TRL's controller's
 (``_trl_bonus``, on TRL's own state). One difference: ratiokl bounds the log-ratio at
@@ -114,8 +114,10 @@ def _sequence_mean(weights: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     tokens, on every token: GSPO's PPO term with TRL's sequence ratio :math:`s` (its
     gradient spread over the sequence) equals ratiokl's GSPO-token term (value
     :math:`s`, gradient on each token's own log-prob) with the weights averaged, as every
-    token of a sequence has the same aggregation weight :math:`a`:
-    :math:`\partial_{\log p_u} \sum_t a w_t \ell(s) = a \bar w\, \ell'(s)\, s`."""
+    token of a sequence has the same aggregation weight :math:`a`: with
+    :math:`\partial s / \partial \log p_u = s / L`,
+    :math:`\partial_{\log p_u} \sum_t a w_t \ell(s) = a \bar w\, \ell'(s)\, s`, the
+    GSPO-token gradient of :math:`\sum_t a \bar w\, \ell(r_t)`."""
     kept = torch.where(mask, weights, 0.0)
     mean = kept.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
     return mean.expand_as(weights)
