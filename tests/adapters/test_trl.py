@@ -1,14 +1,15 @@
 """``ratiokl.adapters.trl.GRPOTrainer`` against TRL's own ``GRPOTrainer`` loss step.
 
 A tiny random Llama (saved to a temporary folder: TRL rebuilds the reference model
-from its path), a word-level tokenizer built in memory, no download. For each
-``GRPOConfig`` the adapter maps, the same batch goes through TRL's
-``_compute_loss`` (its fused log-prob head and loss) and through the adapter's
-(``linear_policy_loss`` on the hidden states): the loss, every parameter's gradient
-and the logged metrics must agree. Then a short ``train()`` runs end to end, and the
+from its path; a tiny Phi, Cohere, Granite and Gemma 2 for the lm_head options), a
+word-level tokenizer built in memory, no download. For each ``GRPOConfig`` the adapter
+maps, the same batch goes through TRL's ``_compute_loss`` (its fused log-prob head and
+loss) and through the adapter's (``linear_policy_loss`` on the hidden states, or the
+two-pass route: ``linear_selected_logprobs`` then ``policy_objective``): the loss, every
+parameter's gradient and the logged metrics must agree; with TRL's adaptive entropy
+controller, its state too. Then short ``train()`` runs go end to end, and the
 configurations ratiokl would compute differently are refused, naming the field.
 """
-
 from __future__ import annotations
 
 import os

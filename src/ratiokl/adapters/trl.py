@@ -200,7 +200,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         ids, mask, weights = batch["completion_ids"], batch["mask"], batch["weights"]
         common = dict(ref_logps=batch["ref_logps"], loss_normalizer=batch["normalizer"])
         if "entropy_agg" in options:  # TRL's bonus: a token mean, over GA steps
-            common["kl_entropy_normalizer"] = batch["tokens"]
+            common["kl_entropy_normalizer"] = batch["bonus_normalizer"]
         if self._ratiokl_fused:  # the token level: linear_policy_loss has no ratio_level
             fused = {k: v for k, v in options.items() if k != "ratio_level"}
             loss, metrics = linear_policy_loss(
@@ -266,7 +266,7 @@ class GRPOTrainer(trl.GRPOTrainer):
                  if self._ratiokl_options["kl_coef"] != 0.0 else None,
                  "normalizer": self._normalizer(mask, inputs, train),
                  "entropy_coef": self._bonus_coef(mask.device),
-                 "tokens": mask.sum().clamp(min=1).float() * (
+                 "bonus_normalizer": mask.sum().clamp(min=1).float() * (
                      self.current_gradient_accumulation_steps if train else 1)}
 
         def loss_of(hidden, weight, bias):
