@@ -86,6 +86,14 @@ SCENARIOS: Dict[str, Scenario] = {
     "policy_loss_on_policy": Scenario(
         "policy_loss", {"kl_coef": 0.1, "entropy_coef": 0.1},
         ("policy_logits", "ref_logits", "advantages")),
+    "policy_loss_rollout_token_clip": Scenario(
+        "policy_loss_rollout", {"rollout_correction": "token-clip",
+                                "rollout_bounds": (0.9, 1.1)},
+        ("policy_logits", "old_logps", "advantages", "rollout_logps")),
+    "policy_loss_rollout_geomean_mask": Scenario(
+        "policy_loss_rollout", {"rollout_correction": "sequence-geomean-mask",
+                                "rollout_bounds": (0.9, 1.1)},
+        ("policy_logits", "old_logps", "advantages", "rollout_logps")),
     "policy_loss_terms_apart_kl_clamp": Scenario(
         "policy_loss", {"loss_agg": "seq-mean-token-mean", "kl_coef": 0.1,
                         "entropy_coef": 0.1, "kl_agg": "token-mean",

@@ -32,7 +32,7 @@ def _weights(correction, bounds, *, segments=None, bound=20.0):
 
 def test_the_option_table_is_the_literal() -> None:
     assert tuple(spec.ROLLOUT_CORRECTIONS) == get_args(spec.RolloutCorrection)
-    assert sorted(spec.ROLLOUT_CORRECTIONS.values()) == [1, 2, 3, 4]
+    assert sorted(spec.ROLLOUT_CORRECTIONS.values()) == [1, 2, 3, 4, 5, 6]
 
 
 @pytest.mark.parametrize("correction, bounds, segments, bound, weights, masked", [

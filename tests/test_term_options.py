@@ -229,3 +229,47 @@ def test_errors_name_the_option(native_target, options, name):
     mask, _, poisoned = _data(seed=25)
     with pytest.raises(ValueError, match=f"`{name}`"):
         _ratiokl(fw, mask, poisoned, options)
+
+
+@pytest.mark.parametrize("options", [{"kl_agg": "token-mean"}, {"kl_clamp": 1.0}])
+def test_inplace_grad_says_the_options_take_the_two_pass_route(native_target, options):
+    """The one-kernel path's ``inplace_grad`` cannot apply where these options route the
+    call through the two passes: the error names them."""
+    pytest.importorskip("triton")
+    fw = _framework(native_target)
+    x = _inputs(seed=26)
+    with pytest.raises(ValueError, match="`kl_agg` / `entropy_agg` / `kl_clamp`"):
+        fw.loss.policy_loss(
+            fw.tensor(x["policy_logits"].copy()), None, fw.tensor(x["action_ids"]),
+            fw.tensor(x["mask"]), fw.tensor(x["old_logps"]), fw.tensor(x["advantages"]),
+            ref_logps=fw.tensor(x["ref_logps"]), kl_coef=0.1, backend="interpret",
+            inplace_grad=True, **options)
+
+
+@pytest.mark.parametrize("loss_agg, entropy_agg", [("token-sum", "token-mean"),
+                                                   ("seq-mean-token-mean", "seq-mean-token-sum")])
+def test_torch_compile_fullgraph(loss_agg, entropy_agg):
+    """``torch.compile(fullgraph=True)`` traces the options (with and without the
+    sequences) and gives the eager loss and gradient."""
+    mask, _, poisoned = _data(seed=27)
+    t = {k: torch.from_numpy(v) for k, v in poisoned.items()}
+    from ratiokl.torch import loss
+
+    def step(logps, entropy):
+        value, _ = loss.policy_objective(
+            logps, t["old_logps"], t["advantages"], torch.from_numpy(mask),
+            ref_logps=t["ref_logps"], entropy=entropy, kl_coef=0.3, entropy_coef=0.05,
+            loss_agg=loss_agg, kl_agg="token-mean", entropy_agg=entropy_agg,
+            kl_clamp=0.5)
+        return value
+
+    results = []
+    for fn in (step, torch.compile(step, fullgraph=True)):
+        leaves = [t["logps"].clone().requires_grad_(), t["entropy"].clone().requires_grad_()]
+        value = fn(*leaves)
+        value.backward()
+        results.append((value.item(), leaves[0].grad.numpy(), leaves[1].grad.numpy()))
+    (want, *want_grads), (got, *got_grads) = results
+    assert_close(got, want, LOSS_TOL, "loss")
+    for g, w in zip(got_grads, want_grads):
+        assert_close(g, w, GRAD_TOL, "grad")

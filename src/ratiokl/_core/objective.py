@@ -135,6 +135,16 @@ def _denominator(xp, agg: str, n_tok, n_seq, width: int, normalizer):
     return float(width) if agg == "seq-mean-token-sum-norm" else 1.0
 
 
+def _aggregate(xp, x, mask, agg: str, counts, n_tok, n_seq, normalizer):
+    """``sum_t a_t x_t / D`` of the aggregation ``agg`` (a 0-d array); ``counts``: each
+    token's sequence length (read by ``seq-mean-token-mean`` only), ``n_seq`` the number of
+    sequences (read by the ``seq-mean-*`` ones)."""
+    if agg == "seq-mean-token-mean":
+        x = x / counts
+    denom = _denominator(xp, agg, n_tok, n_seq, mask.shape[-1], normalizer)
+    return xp.sum(xp.where(mask, x, 0.0)) / denom
+
+
 def aggregation_weights(xp, mask, segment_ids, normalizer, opts: PolicyLossOptions):
     """Per-token weights ``w = a / D`` with ``loss = sum_t w_t * loss_t``: float32 ``[R, T]``.
 
@@ -202,14 +212,7 @@ def policy_objective(xp, logp, logp_ref: Optional[Any], mask, inputs,
     if inputs.importance_weights is not None:
         per_token = per_token * xp.where(mask, inputs.importance_weights, 0.0)
     n_tok = xp.count(mask)
-    n_seq = xp.count(seq.starts) if need_segments else None
-
-    def aggregate(x, agg, normalizer):
-        """``sum_t a_t x_t / D`` of the aggregation ``agg`` (a 0-d array)."""
-        if agg == "seq-mean-token-mean":
-            x = x / counts
-        denom = _denominator(xp, agg, n_tok, n_seq, mask.shape[-1], normalizer)
-        return xp.sum(xp.where(mask, x, 0.0)) / denom
+    counts, n_seq = (counts, xp.count(seq.starts)) if need_segments else (None, None)
 
     # A term with an aggregation of its own (kl_agg / entropy_agg) is aggregated apart and
     # added to the aggregated loss; the others join each token's loss.
@@ -234,9 +237,11 @@ def policy_objective(xp, logp, logp_ref: Optional[Any], mask, inputs,
         del metrics["entropy_mean"]
     if opts.loss_agg == "none":
         return xp.as_float(xp.where(mask, per_token, 0.0)), metrics
-    loss = aggregate(per_token, opts.loss_agg, inputs.loss_normalizer)
+    loss = _aggregate(xp, per_token, mask, opts.loss_agg, counts, n_tok, n_seq,
+                      inputs.loss_normalizer)
     for coef, term, agg, uses in apart:
-        loss = _with(xp, loss, coef, aggregate(term, agg, inputs.kl_entropy_normalizer), uses)
+        term = _aggregate(xp, term, mask, agg, counts, n_tok, n_seq, inputs.kl_entropy_normalizer)
+        loss = _with(xp, loss, coef, term, uses)
     return xp.as_float(loss), metrics
 
 

@@ -38,11 +38,12 @@ def correct(xp, mask, inputs, rollout, opts: RolloutOptions, bound: Optional[flo
     ``mask``: bool ``[R, T]``; ``inputs``: the framework's ``TokenInputs`` (``[R, T]``,
     ``old_logps`` given); ``rollout``: float32 ``[R, T]`` without gradient. ``launch``: a
     backend's one-launch ``rollout_weights(mask, old, rollout, seq, iw, opts, bound)`` on
-    flattened ``[N]`` arrays, or None (the ops of :func:`weights`).
+    flattened ``[N]`` arrays, or None (the ops of :func:`weights`; also for the modes the
+    kernel lacks, ``"token-clip"`` and ``"sequence-geomean-mask"``).
     """
-    seq = sequence_log_weights(xp, mask, inputs.old_logps, rollout, inputs.segment_ids) \
-        if opts.sequence else None
-    if launch is not None:
+    seq = sequence_log_weights(xp, mask, inputs.old_logps, rollout, inputs.segment_ids,
+                               opts.geomean) if opts.sequence else None
+    if launch is not None and opts.in_kernel:
         flat = lambda x: None if x is None else x.reshape(-1)  # noqa: E731
         w, metrics = launch(flat(mask), flat(inputs.old_logps), flat(rollout), seq,
                             flat(inputs.importance_weights), opts, bound)
@@ -65,13 +66,18 @@ def _log_weights(xp, mask, old, rollout):
     return xp.where(mask, old, 0.0) - xp.where(mask, rollout, 0.0)
 
 
-def sequence_log_weights(xp, mask, old, rollout, segment_ids: Optional[Any]):
-    """The sum of ``old - rollout`` over each token's sequence: ``[R, 1]`` (one sequence a
-    row) or, with ``segment_ids``, ``[R, T]``."""
+def sequence_log_weights(xp, mask, old, rollout, segment_ids: Optional[Any],
+                         mean: bool = False):
+    """The sum (``mean``: the mean) of ``old - rollout`` over each token's sequence:
+    ``[R, 1]`` (one sequence a row) or, with ``segment_ids``, ``[R, T]``."""
     lw = _log_weights(xp, mask, old, rollout)
+    count = xp.as_float(mask)
     if segment_ids is None:
-        return xp.sum(lw, axis=-1, keepdims=True)
-    return sequence_totals(xp, lw, mask, segment_ids)
+        total, count = xp.sum(lw, axis=-1, keepdims=True), xp.sum(count, axis=-1, keepdims=True)
+    else:
+        total = sequence_totals(xp, lw, mask, segment_ids)
+        count = sequence_totals(xp, count, mask, segment_ids) if mean else count
+    return total / xp.maximum(count, 1.0) if mean else total
 
 
 def weights(xp, mask, old, rollout, seq: Optional[Any], iw: Optional[Any],
@@ -79,7 +85,8 @@ def weights(xp, mask, old, rollout, seq: Optional[Any], iw: Optional[Any],
     """``where(mask, w * iw, 0)`` float32 ``[R, T]`` and the metrics (``ROLLOUT_METRIC_NAMES``:
     the mean weight, the masked fraction and the k3 estimate of KL(engine || old)).
 
-    ``seq``: :func:`sequence_log_weights` at the sequence level, else None (per token).
+    ``seq``: :func:`sequence_log_weights` at the sequence level (its mean with
+    ``opts.geomean``), else None (per token).
     """
     lw_tok = _log_weights(xp, mask, old, rollout)
     e = xp.exp(_clip(xp, lw_tok if seq is None else seq, bound))
@@ -88,8 +95,12 @@ def weights(xp, mask, old, rollout, seq: Optional[Any], iw: Optional[Any],
     if opts.masks:  # NaN is not outside: it stays NaN
         outside = (e < opts.low) | (e > opts.high)
         w = xp.where(outside, 0.0, e)
+        if opts.geomean:  # the gate keeps the token's own weight; a NaN gate stays NaN
+            w = xp.where(outside, 0.0, xp.where(e == e, xp.exp(_clip(xp, lw_tok, bound)), e))
     elif opts.corrects:
         w = xp.where(e > opts.high, opts.high, e)
+        if opts.floors:
+            w = xp.where(e < opts.low, opts.low, w)
     d = _clip(xp, lw_tok, bound)
     means = masked_means(xp, mask, (w, outside, xp.expm1(d) - d))
     w = xp.broadcast_to(w, mask.shape)

@@ -324,13 +324,18 @@ def policy_loss(
         read). Given, the metrics gain ``rollout_weight_mean``, ``rollout_masked_fraction``
         and ``rollout_k3`` (the k3 estimate of KL(engine || old) over active tokens).
       rollout_correction: ``None`` (no weight: the metrics only), ``"token-truncate"``,
-        ``"token-mask"``, ``"sequence-truncate"`` or ``"sequence-mask"``: the level of
+        ``"token-mask"``, ``"sequence-truncate"``, ``"sequence-mask"``, ``"token-clip"``
+        (``clip(e, lo, hi)``: TIS with a floor, OpenRLHF's ``is_correction_mode="clip"``) or
+        ``"sequence-geomean-mask"`` (OpenRLHF's sequence gate: the sequence's weights are 0
+        where the geometric mean of its token ratios lies outside ``[lo, hi]``, else each
+        token's own ``e``): the level of
         ``lw`` (a sequence is what ``loss_agg`` calls one: a row, or a segment of
         ``segment_ids``) and what the bounds do. Needs ``rollout_logps``. The weight is
         detached, multiplies the policy term only (with ``importance_weights``), and a
         token of weight 0 stays in the aggregation's denominator.
       rollout_bounds: ``(lo, hi)`` Python numbers, ``0 <= lo <= hi``: truncate caps ``e`` at
-        ``hi`` (finite); mask zeroes the weight outside ``[lo, hi]`` (``hi`` may be inf).
+        ``hi`` (finite; clip also raises it to ``lo``); mask zeroes the weight outside
+        ``[lo, hi]`` (``hi`` may be inf).
         IcePop is ``"token-mask"`` with ``(0.5, 5.0)``; docs/policy_loss.md maps verl's and
         TRL's options.
       log_ratio_bound: bound on ``|log ratio|`` (and on ``|d|`` before k3's exp)

@@ -53,7 +53,8 @@ Objective = Literal["ppo", "cispo"]
 #: (every ``LossAgg`` but ``"none"``).
 TermAgg = Literal["token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum",
                   "seq-mean-token-sum-norm"]
-RolloutCorrection = Literal["token-truncate", "token-mask", "sequence-truncate", "sequence-mask"]
+RolloutCorrection = Literal["token-truncate", "token-mask", "sequence-truncate", "sequence-mask",
+                            "token-clip", "sequence-geomean-mask"]
 
 #: Schulman's estimators of KL(pi || pi_ref) from ``d = logp_ref - logp``.
 KL_ESTIMATORS: Mapping[str, int] = {"k1": KL.K1, "k2": KL.K2, "k3": KL.K3}
@@ -107,7 +108,8 @@ RATIO_LEVELS: Mapping[str, int] = {name: code for code, name in enumerate(get_ar
 OBJECTIVES: Mapping[str, int] = {"ppo": ObjectiveCode.PPO, "cispo": ObjectiveCode.CISPO}
 
 #: Rollout correction (``ratiokl.spec.rollout``): the log-weight's level (token or sequence)
-#: and what the bounds do (truncate from above: TIS; mask outside: rejection, IcePop).
+#: and what the bounds do (truncate from above: TIS; clip to both bounds: TIS with a floor;
+#: mask outside: rejection, IcePop; the geometric-mean sequence gate).
 #: Code 0 is no correction (``rollout_correction=None``: metrics only).
 ROLLOUT_CORRECTIONS: Mapping[str, int] = {
     name: code for code, name in enumerate(get_args(RolloutCorrection), 1)

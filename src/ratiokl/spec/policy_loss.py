@@ -82,6 +82,14 @@ sequence ratio, the very term the other modes weigh), so that every mode's loss 
 ``sum(loss_none * w)`` with its weights ``w_t = a_t / D``, and its gradient is per
 token (an upstream ``g_t`` scales token :math:`t`'s own gradient only: GSPO's value
 ``sg(s_i)`` carries no gradient across tokens). ``loss_normalizer`` is refused with it.
+``kl_agg`` / ``entropy_agg`` (None: the term joins ``loss_t`` above) aggregate the KL /
+entropy term apart, by their own ``(a', D')`` (``D'`` = ``kl_entropy_normalizer`` when
+given), so that ``loss = sum_t a_t w pg_t / D + c_KL sum_t a'_t kl_t / D'_KL - c_H sum_t
+a''_t H_t / D'_H`` (OpenRLHF's token-mean KL and entropy under a sequence-level policy
+loss; TRL's token-mean entropy bonus); refused with ``loss_agg="none"``. ``kl_clamp``
+(:math:`c`) replaces the KL value by :math:`\mathrm{clip}(\mathrm{kl}, -c, c)`, its gradient
+by 0 where :math:`|\mathrm{kl}| > c` (kept at :math:`|\mathrm{kl}| = c`, as ``torch.clamp``),
+except for ``k1+`` / ``k3+``, whose gradient stays k2's (the clamp acts on the detached value).
 Sequences are the rows of the leading shape
 ``[..., T]``; with ``segment_ids`` a new sequence starts at every active token
 whose id differs from the previous active token's in the same row.

@@ -10,15 +10,27 @@ precision, a stale copy of the weights). Per active token :math:`t`, with
 
     \ell_t = \log p_{\mathrm{old},t} - \log p_{\mathrm{rollout},t}, \qquad
     \ell = \begin{cases} \ell_t & \texttt{"token-*"} \\
-           \sum_{u \in \text{active tokens of } t\text{'s sequence}} \ell_u
-           & \texttt{"sequence-*"} \end{cases}
+           \sum_{u \in S_t} \ell_u & \texttt{"sequence-truncate"}, \texttt{"sequence-mask"} \\
+           \frac{1}{|S_t|} \sum_{u \in S_t} \ell_u & \texttt{"sequence-geomean-mask"}
+           \end{cases}
 
     e = \exp\big(\mathrm{clip}(\ell, -b, b)\big), \qquad
     w = \begin{cases} \min(e, \mathrm{hi}) & \texttt{"*-truncate"} \text{ (truncated IS, TIS)} \\
+        \min(\max(e, \mathrm{lo}), \mathrm{hi})
+        & \texttt{"token-clip"} \text{ (TIS with a floor)} \\
         e \text{ if } \mathrm{lo} \le e \le \mathrm{hi}, \text{ else } 0
-        & \texttt{"*-mask"} \text{ (rejection; IcePop)} \end{cases}
+        & \texttt{"token-mask"}, \texttt{"sequence-mask"} \text{ (rejection; IcePop)} \\
+        e_t \text{ if } \mathrm{lo} \le e \le \mathrm{hi}, \text{ else } 0
+        & \texttt{"sequence-geomean-mask"} \end{cases}
 
-with ``(lo, hi) = rollout_bounds`` (``lo`` is read by the mask modes only). ``w``
+with :math:`S_t` the active tokens of :math:`t`'s sequence, :math:`e_t =
+\exp(\mathrm{clip}(\ell_t, -b, b))` the token's own weight, and ``(lo, hi) =
+rollout_bounds`` (``lo`` is read by the mask and clip modes only). ``"token-clip"`` is
+OpenRLHF's ``is_correction_mode="clip"`` (its weight never below ``lo``);
+``"sequence-geomean-mask"`` is OpenRLHF's ``is_correction_level="seq"`` mask: the gate
+reads the geometric mean of the sequence's token ratios, and the tokens it keeps weigh
+their own ratio (a NaN in the gate's mean makes the whole sequence's weights NaN, as
+``"sequence-mask"`` does). ``w``
 is detached and multiplies the per-token policy term together with
 ``importance_weights`` (never the KL term): ``loss_t = w * iw * pg + kl_coef * kl``.
 A weight of 0 keeps its token in the aggregation's denominator. A NaN ``lw`` on
@@ -73,8 +85,14 @@ ROLLOUT_METRIC_NAMES: Tuple[str, ...] = (
 #: The code of ``rollout_correction=None`` (metrics only; every correction's code is above it).
 NO_CORRECTION = 0
 #: Codes of the sequence-level and of the masking corrections.
-_SEQUENCE_CODES = (ROLLOUT_CORRECTIONS["sequence-truncate"], ROLLOUT_CORRECTIONS["sequence-mask"])
-_MASK_CODES = (ROLLOUT_CORRECTIONS["token-mask"], ROLLOUT_CORRECTIONS["sequence-mask"])
+_GEOMEAN = ROLLOUT_CORRECTIONS["sequence-geomean-mask"]
+_CLIP = ROLLOUT_CORRECTIONS["token-clip"]
+_SEQUENCE_CODES = (ROLLOUT_CORRECTIONS["sequence-truncate"], ROLLOUT_CORRECTIONS["sequence-mask"],
+                   _GEOMEAN)
+_MASK_CODES = (ROLLOUT_CORRECTIONS["token-mask"], ROLLOUT_CORRECTIONS["sequence-mask"], _GEOMEAN)
+#: The codes ``ratiokl._kernels.rollout``'s one-launch kernel implements.
+_KERNEL_CODES = (NO_CORRECTION,) + tuple(ROLLOUT_CORRECTIONS[name] for name in (
+    "token-truncate", "token-mask", "sequence-truncate", "sequence-mask"))
 
 
 @dataclass(frozen=True)
@@ -82,8 +100,8 @@ class RolloutOptions:
     """Validated rollout-correction options (shared by both frameworks)."""
 
     code: int  # ROLLOUT_CORRECTIONS, or NO_CORRECTION (metrics only)
-    low: float  # lo: the mask modes' floor of exp(lw)
-    high: float  # hi: the truncate modes' cap, the mask modes' ceiling (may be inf there)
+    low: float  # lo: the mask modes' floor of exp(lw), token-clip's floor of the weight
+    high: float  # hi: the truncate and clip modes' cap, the mask modes' ceiling (may be inf)
 
     @property
     def corrects(self) -> bool:
@@ -94,6 +112,23 @@ class RolloutOptions:
     def sequence(self) -> bool:
         """Whether the log-weight is the sequence's sum (``"sequence-*"``)."""
         return self.code in _SEQUENCE_CODES
+
+    @property
+    def geomean(self) -> bool:
+        """Whether the sequence's log-weight is its mean (``"sequence-geomean-mask"``: the
+        gate reads the geometric mean of the token ratios; the weight is the token's own)."""
+        return self.code == _GEOMEAN
+
+    @property
+    def floors(self) -> bool:
+        """Whether the weight is raised to ``lo`` below it (``"token-clip"``)."""
+        return self.code == _CLIP
+
+    @property
+    def in_kernel(self) -> bool:
+        """Whether the one-launch rollout kernel implements this mode (not ``"token-clip"``
+        nor ``"sequence-geomean-mask"``, which take the framework's ops)."""
+        return self.code in _KERNEL_CODES
 
     @property
     def masks(self) -> bool:
@@ -164,7 +199,8 @@ def _checked_bounds(bounds: Tuple[object, ...], truncates: bool) -> Tuple[float,
         )
     if truncates and not high < math.inf:
         raise ValueError(
-            "`rollout_bounds`' hi is the truncate modes' cap min(exp(lw), hi) and must be "
+            "`rollout_bounds`' hi is the truncate and clip modes' cap min(exp(lw), hi) and "
+            "must be "
             f"finite; got {bounds!r}. Pass e.g. (0.0, 2.0)"
         )
     return low, high
@@ -196,6 +232,8 @@ def rollout_weights(
         if opts.sequence:
             seq, n_seq = sequences
             sums = np.bincount(seq[mask], weights=lw_tok[mask], minlength=n_seq)
+            if opts.geomean:  # the mean: the log of the token ratios' geometric mean
+                sums = sums / np.maximum(np.bincount(seq[mask], minlength=n_seq), 1)
             lw = np.where(mask, np.append(sums, 0.0)[seq], 0.0)  # slot -1: inactive tokens
 
         def bounded(x):
@@ -207,9 +245,13 @@ def rollout_weights(
         w = np.ones(mask.shape)
         if opts.masks:
             outside = (e < opts.low) | (e > opts.high)
-            w = np.where(outside, 0.0, e)
+            # The geometric-mean gate keeps the token's own weight (a NaN gate: NaN).
+            w = np.where(outside, 0.0, np.where(np.isnan(e), e, np.exp(bounded(lw_tok)))
+                         if opts.geomean else e)
         elif opts.corrects:
             w = np.where(e > opts.high, opts.high, e)
+            if opts.floors:
+                w = np.where(e < opts.low, opts.low, w)
         d = bounded(lw_tok)
         k3 = np.expm1(d) - d
     n_tok = max(int(mask.sum()), 1)
