@@ -1,17 +1,19 @@
 """``ratiokl.adapters.trl.GRPOTrainer`` against TRL's own ``GRPOTrainer`` loss step.
 
 A tiny random Llama (saved to a temporary folder: TRL rebuilds the reference model
-from its path), a word-level tokenizer built in memory, no download. For each
-``GRPOConfig`` the adapter maps, the same batch goes through TRL's
-``_compute_loss`` (its fused log-prob head and loss) and through the adapter's
-(``linear_policy_loss`` on the hidden states): the loss, every parameter's gradient
-and the logged metrics must agree. Then a short ``train()`` runs end to end, and the
+from its path; a tiny Phi, Cohere, Granite and Gemma 2 for the lm_head options), a
+word-level tokenizer built in memory, no download. For each ``GRPOConfig`` the adapter
+maps, the same batch goes through TRL's ``_compute_loss`` (its fused log-prob head and
+loss) and through the adapter's (``linear_policy_loss`` on the hidden states, or the
+two-pass route: ``linear_selected_logprobs`` then ``policy_objective``): the loss, every
+parameter's gradient and the logged metrics must agree; with TRL's adaptive entropy
+controller, its state too. Then short ``train()`` runs go end to end, and the
 configurations ratiokl would compute differently are refused, naming the field.
 """
-
 from __future__ import annotations
 
 import os
+import types
 
 import pytest
 
@@ -23,20 +25,20 @@ pytest.importorskip("datasets")
 
 from datasets import Dataset  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
+import transformers  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 
 from readme_blocks import block_importing  # noqa: E402
 
 from ratiokl.adapters import trl as adapter  # noqa: E402
+from ratiokl.adapters._trl_head import head_options  # noqa: E402
 
 WORDS = "a b c d e f g h i j k l m n o p q r s t".split()
 B, P, T = 4, 5, 6  # completions, prompt and completion lengths of the hand-made batch
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """The path of a saved tiny Llama and its tokenizer (vocabulary of 24)."""
-    path = tmp_path_factory.mktemp("tiny-llama")
+def _tokenizer():
+    """A word-level tokenizer over ``WORDS`` (vocabulary of 24), built in memory."""
     vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3}
     vocab.update({w: 4 + i for i, w in enumerate(WORDS)})
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
@@ -44,17 +46,34 @@ def tiny(tmp_path_factory):
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>",
                                         eos_token="<eos>", bos_token="<bos>", unk_token="<unk>")
     tokenizer.padding_side = "left"
-    config = LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=64, pad_token_id=0, eos_token_id=1,
-                         bos_token_id=2)
+    return tokenizer
+
+
+def _save_tiny(path, config_cls, model_cls, **config):
+    """Save a tiny random ``model_cls`` (vocabulary of 24) and the tokenizer to ``path``."""
+    config = config_cls(vocab_size=24, hidden_size=32, intermediate_size=64,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        max_position_embeddings=64, pad_token_id=0, eos_token_id=1,
+                        bos_token_id=2, **config)
     torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(path)
+    model = model_cls(config)
+    bias = getattr(model.get_output_embeddings(), "bias", None)
+    if bias is not None:  # a bias that moves the logits (models initialise it to 0)
+        with torch.no_grad():
+            bias.normal_(0.0, 0.5)
+    model.save_pretrained(path)
+    tokenizer = _tokenizer()
     tokenizer.save_pretrained(path)
     return str(path), tokenizer
 
 
-def _trainer(tiny, tmp_path, backend="native", **config):
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """The path of a saved tiny Llama and its tokenizer."""
+    return _save_tiny(tmp_path_factory.mktemp("tiny-llama"), LlamaConfig, LlamaForCausalLM)
+
+
+def _trainer(tiny, tmp_path, backend="native", chunk_rows=2048, **config):
     path, tokenizer = tiny
     args = trl.GRPOConfig(
         output_dir=str(tmp_path), per_device_train_batch_size=B, num_generations=B,
@@ -63,12 +82,17 @@ def _trainer(tiny, tmp_path, backend="native", **config):
     data = Dataset.from_dict({"prompt": ["a b c", "d e f", "g h", "i j k l"] * 2})
     return adapter.GRPOTrainer(
         model=path, reward_funcs=lambda completions, **_: [float(len(c)) for c in completions],
-        args=args, train_dataset=data, processing_class=tokenizer, ratiokl_backend=backend)
+        args=args, train_dataset=data, processing_class=tokenizer, ratiokl_backend=backend,
+        ratiokl_chunk_rows=chunk_rows)
 
 
-def _batch(old: bool, ref: bool, seed: int = 0):
+def _batch(trainer, old: bool, ref: bool, seed: int = 0):
     """A generation batch as TRL's loss step receives it: left-padded prompts, completions
-    ending in padding, per-sequence advantages."""
+    ending in padding, per-sequence advantages. ``old``: behaviour log-probs off the
+    trainer's policy (TRL's own) by a per-sequence shift, ``(0.3, -0.3, 0.02, -0.06)``
+    plus noise, against advantages of signs ``(-, +, +, -)``: the first sequence's ratio
+    clips low, the second's high, at the token and at the sequence level, and the last
+    one's (about 1.06) passes a ``delta`` of 1.02."""
     g = torch.Generator().manual_seed(seed)
     n_words = len(WORDS) + 4
     prompt_mask = torch.ones(B, P, dtype=torch.long)
@@ -81,25 +105,32 @@ def _batch(old: bool, ref: bool, seed: int = 0):
         "prompt_mask": prompt_mask,
         "completion_ids": torch.randint(4, n_words, (B, T), generator=g) * completion_mask,
         "completion_mask": completion_mask,
-        "advantages": torch.randn(B, generator=g),
+        "advantages": torch.randn(B, generator=g).abs() * torch.tensor([-1.0, 1.0, 1.0, -1.0]),
         "num_items_in_batch": completion_mask.sum(),
     }
-    if old:  # a behaviour policy a little off the current one
-        batch["old_per_token_logps"] = -3.0 + 0.3 * torch.randn(B, T, generator=g)
+    if old:
+        with torch.no_grad():
+            policy, _, _ = trainer._get_per_token_logps_and_entropies(
+                trainer.model, torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1),
+                torch.cat([prompt_mask, completion_mask], 1), T)
+        shift = torch.tensor([0.3, -0.3, 0.02, -0.06])[:, None]
+        batch["old_per_token_logps"] = policy + shift + 0.1 * torch.randn(B, T, generator=g)
     if ref:
         batch["ref_per_token_logps"] = -3.0 + 0.3 * torch.randn(B, T, generator=g)
     return batch
 
 
 def _step(trainer, compute, batch):
-    """``(loss, {parameter: gradient}, logged metrics)`` of one loss step."""
+    """``(loss, {parameter: gradient}, logged metrics)`` of one loss step (the metrics of
+    the model's mode, ``"train"`` or ``"eval"``)."""
     model = trainer.model
+    mode = "train" if model.training else "eval"
     model.zero_grad(set_to_none=True)
-    trainer._metrics["train"].clear()
+    trainer._metrics[mode].clear()
     loss = compute(model, batch)
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    logged = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    logged = {k: v[-1] for k, v in trainer._metrics[mode].items()}
     return loss.item(), grads, logged
 
 
@@ -111,7 +142,74 @@ CONFIGS = {
     "dapo_clip_higher_delta": (
         {"loss_type": "dapo", "epsilon_high": 0.28, "delta": 1.5}, True, False),
     "cispo": ({"loss_type": "cispo", "epsilon_high": 1.2}, True, False),
+    # LUSPO: the PPO term summed over each sequence, then the mean over sequences.
+    "luspo_gspo": ({"loss_type": "luspo", "importance_sampling_level": "sequence",
+                    "epsilon": 0.05}, True, False),
+    "luspo_token_kl": ({"loss_type": "luspo", "beta": 0.04}, True, True),
+    # GSPO: TRL's sequence ratio exp(masked mean log-ratio); small epsilons so that some
+    # sequences clip and some do not.
+    "gspo_grpo": ({"loss_type": "grpo", "importance_sampling_level": "sequence",
+                   "epsilon": 0.05, "epsilon_high": 0.05}, True, False),
+    "gspo_bnpo_on_policy": ({"loss_type": "bnpo", "importance_sampling_level": "sequence"},
+                            False, False),
+    "gspo_dapo_kl_delta": ({"loss_type": "dapo", "importance_sampling_level": "sequence",
+                            "epsilon": 0.05, "epsilon_high": 0.01, "delta": 1.02,
+                            "beta": 0.04, "use_bias_correction_kl": False}, True, True),
+    "gspo_cispo": ({"loss_type": "cispo", "importance_sampling_level": "sequence",
+                    "epsilon_high": 1.02}, True, False),
+    # TRL's high-entropy token mask on the policy term, from the same pass's entropies.
+    "entropy_quantile_dapo_kl": ({"loss_type": "dapo", "top_entropy_quantile": 0.5,
+                                  "beta": 0.04}, True, True),
+    "entropy_quantile_gspo_grpo": ({"loss_type": "grpo", "top_entropy_quantile": 0.5,
+                                    "importance_sampling_level": "sequence",
+                                    "epsilon": 0.05}, True, False),
+    # TRL's off-policy sequence mask (DeepSeek-V3.2): the first sequence (advantage < 0,
+    # old - logp about 0.3) is dropped from the policy term.
+    "off_policy_mask_dapo_kl": ({"off_policy_mask_threshold": 0.1, "beta": 0.04}, True, True),
+    "off_policy_mask_gspo_entropy_quantile": (
+        {"loss_type": "grpo", "off_policy_mask_threshold": 0.1, "epsilon": 0.05,
+         "importance_sampling_level": "sequence", "top_entropy_quantile": 0.5}, True, False),
+    # TRL's entropy bonus, a token mean whatever the loss_type: ratiokl's entropy_coef for
+    # bnpo, with entropy_agg="token-mean" for the others.
+    "bnpo_entropy_bonus_kl": ({"loss_type": "bnpo", "entropy_coef": 0.05, "beta": 0.04},
+                              True, True),
+    "grpo_entropy_bonus_kl": ({"loss_type": "grpo", "entropy_coef": 0.05, "beta": 0.04},
+                              True, True),
+    "dapo_entropy_bonus_on_policy": ({"entropy_coef": -0.02}, False, False),
+    "cispo_entropy_bonus": ({"loss_type": "cispo", "epsilon_high": 1.2,
+                             "entropy_coef": 0.05}, True, False),
+    "gspo_dr_grpo_entropy_bonus": ({"loss_type": "dr_grpo", "importance_sampling_level":
+                                    "sequence", "epsilon": 0.05, "entropy_coef": 0.05},
+                                   True, False),
 }
+
+
+def _assert_same_step(trainer, batch, config, ours=None, between=None):
+    """TRL's ``_compute_loss`` on ``batch`` and the adapter's (on ``ours``, default
+    ``batch``; ``between()`` runs in between): the loss, every parameter's gradient and
+    every metric the adapter logs (TRL's names) agree."""
+    want_loss, want_grads, want_logged = _step(
+        trainer, lambda m, b: trl.GRPOTrainer._compute_loss(trainer, m, b), batch)
+    if between is not None:
+        between()
+    got_loss, got_grads, got_logged = _step(trainer, trainer._compute_loss,
+                                            batch if ours is None else ours)
+    assert got_loss == pytest.approx(want_loss, rel=1e-4, abs=1e-6)
+    assert set(got_grads) == set(want_grads)
+    for param, want in want_grads.items():
+        torch.testing.assert_close(got_grads[param], want, rtol=2e-3, atol=2e-6, msg=param)
+    assert set(got_logged) <= set(want_logged), set(got_logged) - set(want_logged)
+    expected = {"entropy"} | ({"kl"} if config.get("beta", 0) != 0 else set())
+    if config.get("entropy_coef", 0) != 0 or config.get("use_adaptive_entropy"):
+        expected |= {"policy_loss"}
+        if trainer.model.training and trainer.accelerator.sync_gradients:
+            expected |= {"entropy_coef"}
+    if config.get("loss_type") != "cispo":
+        expected |= {"clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"}
+    assert expected <= set(got_logged), expected - set(got_logged)
+    for key, value in got_logged.items():
+        assert value == pytest.approx(want_logged[key], rel=1e-4, abs=1e-6), key
+    return want_logged
 
 
 @pytest.mark.parametrize("backend", ["native", "interpret"])
@@ -123,40 +221,175 @@ def test_loss_step_matches_trl(tiny, tmp_path, name, backend):
     trainer = _trainer(tiny, tmp_path, backend=backend, **config)
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 2  # set by train(); 2 tests the factor
-    batch = _batch(old, ref)
-    want_loss, want_grads, want_logged = _step(
-        trainer, lambda m, b: trl.GRPOTrainer._compute_loss(trainer, m, b), batch)
-    got_loss, got_grads, got_logged = _step(trainer, trainer._compute_loss, batch)
-    assert got_loss == pytest.approx(want_loss, rel=1e-4, abs=1e-6)
-    assert set(got_grads) == set(want_grads)
-    for param, want in want_grads.items():
-        torch.testing.assert_close(got_grads[param], want, rtol=2e-3, atol=2e-6, msg=param)
-    assert set(got_logged) <= set(want_logged), set(got_logged) - set(want_logged)
-    assert "entropy" in got_logged and ("kl" in got_logged) == (config.get("beta", 0) != 0)
-    for key, value in got_logged.items():
-        assert value == pytest.approx(want_logged[key], rel=1e-4, abs=1e-6), key
+    _assert_same_step(trainer, _batch(trainer, old, ref), config)
 
 
-def test_vllm_importance_sampling_ratio_weighs_the_policy_term(tiny, tmp_path):
-    """With vLLM's correction on, TRL multiplies the policy term by the batch's
-    ``importance_sampling_ratio`` (``[B, 1]`` in its sequence modes); so does the adapter."""
-    trainer = _trainer(tiny, tmp_path, loss_type="dapo")
+_CONTROLLER = ("entropy_coef", "_last_world_entropy", "_entropy_window_stats")
+
+
+@pytest.mark.parametrize("loss_type, backend", [("bnpo", "native"), ("dapo", "native"),
+                                               ("bnpo", "interpret")])
+@pytest.mark.parametrize("entropy_target", [5.0, 1.0], ids=["below_target", "above_target"])
+def test_adaptive_entropy_controller_matches_trl(tiny, tmp_path, loss_type, backend,
+                                                 entropy_target):
+    """``use_adaptive_entropy``: two optimizer steps of two micro-batches each. No bonus
+    in the first window; then the coefficient moves up (entropy below the target, and
+    the bonus applies) or down (above it: no bonus). Each micro-batch: TRL's step, the
+    controller's state put back, the adapter's step; the loss, gradients, metrics and
+    the controller's state after it agree."""
+    config = {"loss_type": loss_type, "use_adaptive_entropy": True, "entropy_coef": 0.05,
+              "entropy_coef_delta": 0.02, "entropy_target": entropy_target}
+    if backend == "interpret":
+        pytest.importorskip("triton")
+    trainer = _trainer(tiny, tmp_path, backend=backend, **config)
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 2
+
+    def state():
+        return {n: (lambda v: v.clone() if torch.is_tensor(v) else v)(getattr(trainer, n))
+                for n in _CONTROLLER}
+
+    applied = []
+    for micro in range(4):
+        trainer.accelerator.gradient_state._set_sync_gradients(micro % 2 == 1)
+        before, want = state(), {}
+        below = trainer._last_world_entropy <= entropy_target
+        applied.append(trainer.entropy_coef if below else 0.0)
+
+        def put_back():
+            want.update(state())
+            for name, value in before.items():
+                setattr(trainer, name, value)
+
+        _assert_same_step(trainer, _batch(trainer, True, False, seed=micro), config,
+                          between=put_back)
+        got = state()
+        assert got["entropy_coef"] == pytest.approx(want["entropy_coef"])
+        assert got["_last_world_entropy"] == pytest.approx(want["_last_world_entropy"],
+                                                           rel=1e-5)
+        if want["_entropy_window_stats"] is None:
+            assert got["_entropy_window_stats"] is None
+        else:
+            torch.testing.assert_close(got["_entropy_window_stats"].float(),
+                                       want["_entropy_window_stats"].float())
+    assert applied[:2] == [0.0, 0.0]
+    assert applied[2] > 0.05 if entropy_target == 5.0 else applied[2] == 0.0
+
+
+@pytest.mark.parametrize("name", ["dapo_clip_higher_delta", "grpo_entropy_bonus_kl",
+                                  "off_policy_mask_gspo_entropy_quantile"])
+def test_evaluation_step_matches_trl(tiny, tmp_path, name):
+    """In evaluation (``prediction_step``: the model in eval mode, no accumulation factor,
+    ``dapo``'s denominator without ``steps_per_generation``) on each route, TRL's loss and
+    its ``eval`` metrics."""
+    config, old, ref = CONFIGS[name]
+    trainer = _trainer(tiny, tmp_path, steps_per_generation=2, **config)
+    trainer.model.eval()
+    trainer.current_gradient_accumulation_steps = 2  # must not enter the eval loss
+    _assert_same_step(trainer, _batch(trainer, old, ref), config)
+
+
+@pytest.mark.parametrize("name", ["dapo_clip_higher_delta", "off_policy_mask_dapo_kl",
+                                  "off_policy_mask_gspo_entropy_quantile",
+                                  "grpo_entropy_bonus_kl"])
+def test_padded_positions_may_hold_nan_or_inf(tiny, tmp_path, name):
+    """NaN, +inf and -inf in the padded positions of every per-token input (old,
+    reference and engine log-probs, vLLM's ratio): the adapter's step on that batch is
+    TRL's on the clean one (TRL itself would carry them into its loss)."""
+    config, old, ref = CONFIGS[name]
+    trainer = _trainer(tiny, tmp_path, **config)
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1
     trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True
-    batch = _batch(old=True, ref=False)
-    batch["importance_sampling_ratio"] = torch.tensor([[0.5], [1.0], [2.0], [0.0]])
-    want_loss, want_grads, _ = _step(
-        trainer, lambda m, b: trl.GRPOTrainer._compute_loss(trainer, m, b), batch)
-    got_loss, got_grads, _ = _step(trainer, trainer._compute_loss, batch)
-    assert got_loss == pytest.approx(want_loss, rel=1e-4, abs=1e-6)
-    for param, want in want_grads.items():
-        torch.testing.assert_close(got_grads[param], want, rtol=2e-3, atol=2e-6, msg=param)
+    clean = _batch(trainer, old, ref)
+    clean["importance_sampling_ratio"] = torch.linspace(0.5, 1.5, B * T).reshape(B, T)
+    clean["sampling_per_token_logps"] = clean["old_per_token_logps"] - 0.05
+    padded = clean["completion_mask"] == 0
+    junk = torch.tensor([float("nan"), float("inf"), -float("inf")]).repeat(B * T)[:B * T]
+    poisoned = {k: torch.where(padded, junk.reshape(B, T), v) if k in (
+        "old_per_token_logps", "ref_per_token_logps", "sampling_per_token_logps",
+        "importance_sampling_ratio") else v for k, v in clean.items()}
+    _assert_same_step(trainer, clean, config, ours=poisoned)
 
 
-def test_train_runs_and_logs(tiny, tmp_path):
-    """Two optimizer steps of real generation and training through the adapter's loss."""
-    trainer = _trainer(tiny, tmp_path, beta=0.04)
+@pytest.mark.parametrize("config", [
+    {"loss_type": "dapo"},
+    {"loss_type": "dapo", "importance_sampling_level": "sequence", "epsilon": 0.05},
+    {"loss_type": "cispo", "importance_sampling_level": "sequence", "epsilon_high": 1.02},
+    {"loss_type": "dapo", "off_policy_mask_threshold": 0.1},
+], ids=["token", "gspo", "gspo_cispo", "off_policy_mask"])
+@pytest.mark.parametrize("ratio_shape", ["sequence", "token"])
+def test_vllm_importance_sampling_ratio_weighs_the_policy_term(tiny, tmp_path, config,
+                                                               ratio_shape):
+    """With vLLM's correction on, TRL multiplies the policy term by the batch's
+    ``importance_sampling_ratio`` (``[B, 1]`` in its sequence modes, ``[B, T]`` in its
+    token modes, whatever ``importance_sampling_level``); so does the adapter. The
+    off-policy mask reads the engine's ``sampling_per_token_logps`` (here they put the
+    fourth sequence, not the first, beyond the threshold)."""
+    trainer = _trainer(tiny, tmp_path, **config)
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True
+    batch = _batch(trainer, old=True, ref=False)
+    ratio = torch.tensor([[0.5], [1.0], [2.0], [0.0]])
+    if ratio_shape == "token":
+        ratio = ratio + torch.linspace(0.0, 1.0, T)
+    batch["importance_sampling_ratio"] = ratio
+    batch["sampling_per_token_logps"] = batch["old_per_token_logps"] + torch.tensor(
+        [-0.3, 0.0, 0.0, 0.3])[:, None]
+    _assert_same_step(trainer, batch, config)
+
+
+#: Heads that are not ``hidden @ W.T``, set the way each family's config sets them (TRL's
+#: fused head reads the same fields): ``(config class, model class, config fields)``.
+HEADS = {
+    "phi_bias": ("PhiConfig", "PhiForCausalLM", {}),
+    "cohere_logit_scale": ("CohereConfig", "CohereForCausalLM", {"logit_scale": 0.5}),
+    "granite_logits_scaling": ("GraniteConfig", "GraniteForCausalLM",
+                               {"logits_scaling": 2.0}),
+    "gemma2_softcap": ("Gemma2Config", "Gemma2ForCausalLM",
+                       {"final_logit_softcapping": 1.5, "head_dim": 8}),
+    # All three at once, in TRL's order (bias, scale, soft cap, temperature).
+    "phi_bias_scale_softcap": ("PhiConfig", "PhiForCausalLM",
+                               {"logit_scale": 3.0, "final_logit_softcapping": 2.0}),
+}
+
+
+@pytest.fixture(scope="module", params=list(HEADS))
+def tiny_head(request, tmp_path_factory):
+    config_cls, model_cls, fields = HEADS[request.param]
+    return _save_tiny(tmp_path_factory.mktemp(request.param),
+                      getattr(transformers, config_cls), getattr(transformers, model_cls),
+                      **fields)
+
+
+@pytest.mark.parametrize("backend", ["native", "interpret"])
+@pytest.mark.parametrize("name", ["bnpo_off_policy_kl", "entropy_quantile_gspo_grpo"])
+def test_head_bias_scale_and_softcap_match_trl(tiny_head, tmp_path, name, backend):
+    """The lm_head's bias and the config's logit scale and soft cap, on the fused route
+    and the two-pass one, at a temperature of 0.7, in chunks of 5 of the 24 rows: TRL's
+    step, loss, gradients (the bias's included) and metrics."""
+    if backend == "interpret":
+        pytest.importorskip("triton")
+    config, old, ref = CONFIGS[name]
+    config = {**config, "temperature": 0.7}
+    trainer = _trainer(tiny_head, tmp_path, backend=backend, chunk_rows=5, **config)
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 2
+    _assert_same_step(trainer, _batch(trainer, old, ref), config)
+
+
+@pytest.mark.parametrize("config", [
+    {"beta": 0.04},
+    {"beta": 0.04, "loss_type": "bnpo", "importance_sampling_level": "sequence",
+     "use_bias_correction_kl": False, "top_entropy_quantile": 0.5},
+    {"beta": 0.04, "loss_type": "grpo", "entropy_coef": 0.01},
+    {"beta": 0.04, "use_adaptive_entropy": True, "entropy_target": 5.0},
+], ids=["dapo", "gspo_entropy_mask", "entropy_bonus", "adaptive_entropy"])
+def test_train_runs_and_logs(tiny, tmp_path, config):
+    """Two optimizer steps of real generation and training through the adapter's loss, on
+    the fused route and the two-pass one."""
+    trainer = _trainer(tiny, tmp_path, **config)
     calls = []
     step = trainer._compute_loss
     trainer._compute_loss = lambda model, inputs: calls.append(1) or step(model, inputs)
@@ -172,15 +405,40 @@ def test_train_runs_and_logs(tiny, tmp_path):
 
 @pytest.mark.parametrize("config, field", [
     ({"loss_type": "sapo"}, "loss_type"),
-    ({"importance_sampling_level": "sequence"}, "importance_sampling_level"),
-    ({"top_entropy_quantile": 0.2}, "top_entropy_quantile"),
-    ({"entropy_coef": 0.01}, "entropy_coef"),
+    ({"loss_type": "vespo"}, "loss_type"),
+    ({"use_adaptive_entropy": True, "top_entropy_quantile": 0.5}, "use_adaptive_entropy"),
+    ({"entropy_coef": 0.01, "top_entropy_quantile": 0.5}, "entropy_coef"),
+    ({"importance_sampling_level": "sequence", "beta": 0.04}, "use_bias_correction_kl"),
     ({"loss_type": "cispo", "epsilon_high": 0.28}, "epsilon_high"),
+    ({"epsilon_high": 0.28, "delta": 1.2}, "delta"),
 ])
 def test_refused_configurations_name_the_field(config, field):
     args = trl.GRPOConfig(output_dir="unused", report_to="none", use_cpu=True, **config)
     with pytest.raises(ValueError, match=f"`{field}="):
         adapter.loss_options(args)
+
+
+@pytest.mark.parametrize("fields, field", [
+    ({"logit_scale": 0.0}, "logit_scale"), ({"logits_scaling": 0.0}, "logits_scaling"),
+    ({"final_logit_softcapping": -1.0}, "final_logit_softcapping"),
+])
+def test_refused_heads_name_the_config_field(fields, field):
+    """A logit scale or soft cap ratiokl's head options cannot take (TRL would run it)."""
+    config = LlamaConfig(vocab_size=24)
+    for name, value in fields.items():
+        setattr(config, name, value)
+    with pytest.raises(ValueError, match=f"`model.config.{field}="):
+        head_options(types.SimpleNamespace(config=config))
+
+
+def test_moe_router_loss_is_refused_at_construction(tmp_path):
+    """TRL adds the router's load-balancing loss of an MoE model; the adapter does not, so
+    it refuses the model when TRL would add it, naming ``router_aux_loss_coef``."""
+    moe = _save_tiny(tmp_path / "moe", transformers.MixtralConfig,
+                     transformers.MixtralForCausalLM, num_local_experts=2,
+                     num_experts_per_tok=1)
+    with pytest.raises(ValueError, match="`router_aux_loss_coef="):
+        _trainer(moe, tmp_path / "out")
 
 
 def test_bf16_autocast_step_matches_trl(tiny, tmp_path):
@@ -192,7 +450,7 @@ def test_bf16_autocast_step_matches_trl(tiny, tmp_path):
     trainer.model.model.norm.register_forward_hook(lambda m, i, out: out.to(torch.bfloat16))
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1
-    batch = _batch(old=True, ref=True)
+    batch = _batch(trainer, old=True, ref=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         want_loss, want_grads, _ = _step(
             trainer, lambda m, b: trl.GRPOTrainer._compute_loss(trainer, m, b), batch)
@@ -201,6 +459,37 @@ def test_bf16_autocast_step_matches_trl(tiny, tmp_path):
     for param, want in want_grads.items():
         rel = float((got_grads[param] - want).norm() / (want.norm() + 1e-12))
         assert rel < 3e-2, (param, rel)
+
+
+def test_cast_lm_head_to_fp32_under_bf16_matches_trl(tiny, tmp_path):
+    """``cast_lm_head_to_fp32``: with bf16 hidden states under bf16 autocast, TRL runs the
+    head in float32 outside autocast; so does the adapter (float32 hidden states, head
+    and bias), and the step is TRL's to float32 tolerances."""
+    config = {"loss_type": "bnpo", "beta": 0.04, "cast_lm_head_to_fp32": True}
+    trainer = _trainer(tiny, tmp_path, **config)
+    trainer.model.model.norm.register_forward_hook(lambda m, i, out: out.to(torch.bfloat16))
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _assert_same_step(trainer, _batch(trainer, old=True, ref=True), config)
+
+
+@pytest.mark.parametrize("name", ["dapo_clip_higher_delta", "entropy_quantile_gspo_grpo",
+                                  "grpo_entropy_bonus_kl"])
+def test_tool_mask_leaves_tool_tokens_out(tiny, tmp_path, name):
+    """TRL's ``tool_mask`` (tokens a tool wrote, not the policy) multiplies the completion
+    mask: the loss, its denominators (but ``dapo``'s ``num_items_in_batch``), the masks
+    and the metrics skip those tokens, on every route."""
+    config, old, ref = CONFIGS[name]
+    trainer = _trainer(tiny, tmp_path, **config)
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 2
+    batch = _batch(trainer, old, ref)
+    tool_mask = torch.ones(B, T, dtype=torch.long)
+    tool_mask[1, 2:4] = 0
+    tool_mask[3, 1] = 0
+    batch["tool_mask"] = tool_mask
+    _assert_same_step(trainer, batch, config)
 
 
 @pytest.mark.parametrize("keyword, value", [

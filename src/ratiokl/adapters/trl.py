@@ -1,12 +1,19 @@
 """TRL's ``GRPOTrainer`` with ratiokl's policy loss from the last hidden states.
 
 ``ratiokl.adapters.trl.GRPOTrainer`` is ``trl.GRPOTrainer`` (``trl >= 1.15``) whose loss
-step calls :func:`ratiokl.torch.loss.linear_policy_loss` on the policy's last hidden
-states and lm_head weight: per chunk of rows one GEMM, one fused kernel (loss,
-metrics' row values and ``d loss / d logits`` together) and the two gradient GEMMs,
-three GEMMs a step where TRL's chunked log-prob head recomputes the logits in its
-backward (four). The ``[N, V]`` logits are never held. Everything else (generation,
-rewards, advantages, the reference model, logging) is TRL's.
+step runs on the policy's last hidden states and lm_head (weight, bias, logit scale and
+soft cap, read from the model's config as TRL's fused head reads them). On TRL's default
+path (the token level, no entropy or off-policy mask) it calls
+:func:`ratiokl.torch.loss.linear_policy_loss`: per chunk of rows one GEMM, one fused
+kernel (loss, metrics' row values and ``d loss / d logits`` together) and the two
+gradient GEMMs, three GEMMs a step where TRL's chunked log-prob head recomputes the
+logits in its backward (four). GSPO (``importance_sampling_level="sequence"``),
+``top_entropy_quantile < 1`` and ``off_policy_mask_threshold`` need every token's
+log-prob or entropy before the loss: they take the two-pass route,
+:func:`~ratiokl.torch.loss.linear_selected_logprobs` (with the entropy; four GEMMs, as
+TRL's) then :func:`~ratiokl.torch.loss.policy_objective`. The ``[N, V]`` logits are never
+held. Everything else (generation, rewards, advantages, the reference model, logging) is
+TRL's.
 
 Usage: replace the import, keep the arguments::
 
@@ -14,13 +21,14 @@ Usage: replace the import, keep the arguments::
     trainer = GRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(...),
                           train_dataset=...)
 
-The ``GRPOConfig`` maps to ``policy_loss`` options by :func:`loss_options`, once, at
-construction (the table: docs/policy_loss.md, "verl and TRL equivalents"). With the
-default ``num_iterations=1`` TRL computes no old log-probs and the loss is on-policy
+The ``GRPOConfig`` maps to ratiokl's options by :func:`loss_options`, once, at
+construction (the table: docs/trainers.md, "TRL"). With the default
+``num_iterations=1`` TRL computes no old log-probs and the loss is on-policy
 (``old_logps=None``). Per ``loss_type`` (``B`` completions, ``GA`` the current
 gradient-accumulation steps in training, 1 in evaluation):
 
 - ``grpo``: ``seq-mean-token-mean``, ``loss_normalizer = B * GA``;
+- ``luspo``: ``seq-mean-token-sum``, ``loss_normalizer = B * GA``;
 - ``bnpo``: ``token-mean``, ``loss_normalizer = max(active tokens, 1) * GA``;
 - ``dr_grpo``: ``token-mean``, ``loss_normalizer = B * max_completion_length * GA``;
 - ``dapo`` and ``cispo``: ``token-mean``, ``loss_normalizer = num_items_in_batch /
@@ -28,27 +36,37 @@ gradient-accumulation steps in training, 1 in evaluation):
 
 ``beta`` is ``kl_coef`` on TRL's k3 (``"k3-is"``, times the ratio, with
 ``use_bias_correction_kl``), ``delta`` is ``ratio_cap``, CISPO's ratio cap
-``epsilon_high`` is ``clip_eps_high = epsilon_high - 1`` with ``clip_eps = 1``, vLLM's
-``importance_sampling_ratio`` is ``importance_weights``. One difference: ratiokl bounds
-the log-ratio at ``+-20`` before ``exp`` (``log_ratio_bound``), TRL does not.
+``epsilon_high`` is ``clip_eps_high = epsilon_high - 1`` with ``clip_eps = 1``,
+``importance_sampling_level`` is ``ratio_level``. TRL's high-entropy mask and
+off-policy sequence mask (its own ``get_high_entropy_mask`` and ``get_off_policy_mask``
+on the entropies and log-probs of the same pass) and vLLM's ``importance_sampling_ratio``
+are ``importance_weights`` (the policy term only; the denominators keep every active
+token); with GSPO's PPO term they are averaged per sequence first
+(:func:`_sequence_mean`). TRL's entropy bonus, a token mean whatever the ``loss_type``,
+is ``entropy_coef`` with ``entropy_agg="token-mean"`` over
+``kl_entropy_normalizer = max(active tokens, 1) * GA`` (for ``bnpo``, ``entropy_coef``
+alone); with ``use_adaptive_entropy`` the coefficient of each step is TRL's controller's
+(``_trl_bonus``, on TRL's own state). One difference: ratiokl bounds the log-ratio at
+``+-20`` before ``exp`` (``log_ratio_bound``), TRL does not.
 
 Refused at construction with a ``ValueError`` naming the field (ratiokl would compute
-something else): ``loss_type`` ``sapo``, ``vespo`` or ``luspo``;
-``importance_sampling_level="sequence"``; ``top_entropy_quantile < 1``;
-``off_policy_mask_threshold``; an entropy bonus (``entropy_coef``,
-``use_adaptive_entropy``); an MoE router loss; an lm_head bias, logit scale or
-soft-capping. Multimodal inputs are refused in the loss step.
+something else): ``loss_type`` ``sapo`` or ``vespo``; an entropy bonus
+(``entropy_coef``, ``use_adaptive_entropy``) with ``top_entropy_quantile < 1`` (TRL
+averages it over the masked tokens); GSPO with a bias-corrected KL
+(``use_bias_correction_kl``, ``beta != 0``); ``delta <= 1 + epsilon_high``; an MoE
+router loss (``router_aux_loss_coef``); a non-positive logit scale or soft cap.
+Multimodal inputs are refused in the loss step.
 
-Logged (TRL's names and definitions, means over every process's active tokens):
-``kl`` (with ``beta``), ``entropy``, ``clip_ratio/low_mean``, ``clip_ratio/high_mean``,
-``clip_ratio/region_mean``. Not logged: ``clip_ratio/low_min`` / ``high_max`` (per
-sequence) and ``cispo_clip_ratio``.
+Logged (TRL's names and definitions, means over every process's active tokens, or
+sequences for GSPO's clip ratios): ``kl`` (with ``beta``), ``entropy``,
+``clip_ratio/low_mean``, ``clip_ratio/high_mean``, ``clip_ratio/region_mean``; with an
+entropy bonus ``policy_loss`` and ``entropy_coef``. Not logged: ``clip_ratio/low_min`` /
+``high_max`` and ``cispo_clip_ratio``.
 """
 
 from __future__ import annotations
 
-import types
-from typing import Any, Callable, Dict, NoReturn, Tuple
+from typing import Any, Dict, Optional
 
 from ratiokl._requirements import import_framework
 
@@ -58,82 +76,24 @@ import_framework("trl", needed_by="ratiokl.adapters.trl")
 
 import torch  # noqa: E402
 import trl  # noqa: E402
-from trl.trainer.utils import maybe_gather_lm_head_ctx  # noqa: E402
 
-from ratiokl.adapters import refuse  # noqa: E402
+from ratiokl.adapters._trl_head import head_options, install_head  # noqa: E402
+from ratiokl.adapters._trl_bonus import after_step, applied_coef  # noqa: E402
+from ratiokl.adapters._trl_metrics import log_metrics, sequence_clips  # noqa: E402
+from ratiokl.adapters._trl_options import loss_options, refuse_trl  # noqa: E402
 from ratiokl.spec import BACKENDS, BackendName  # noqa: E402
 from ratiokl.torch._route import backend_name  # noqa: E402
-from ratiokl.torch.loss import linear_policy_loss  # noqa: E402
+from ratiokl.torch.loss import (  # noqa: E402
+    linear_policy_loss,
+    linear_selected_logprobs,
+    policy_objective,
+)
 
 __all__ = ["GRPOTrainer", "loss_options"]
 
-#: TRL ``loss_type`` -> ratiokl ``loss_agg`` (the denominators: ``GRPOTrainer._normalizer``).
-_LOSS_AGG = {"grpo": "seq-mean-token-mean", "bnpo": "token-mean", "dr_grpo": "token-mean",
-             "dapo": "token-mean", "cispo": "token-mean"}
-#: The loss types whose clipped ratio TRL logs as ``clip_ratio/*``.
-_PPO_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 #: Inputs of the loss step that carry images (the adapter scores text only).
 _MULTIMODAL = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "image_sizes",
                "token_type_ids", "mm_token_type_ids", "image_position_ids")
-
-
-def _refuse(field: str, value: Any, why: str) -> NoReturn:
-    refuse("ratiokl.adapters.trl.GRPOTrainer", "trl.GRPOTrainer", field, value, why)
-
-
-def loss_options(args: "trl.GRPOConfig") -> Dict[str, Any]:
-    """The :func:`~ratiokl.torch.loss.linear_policy_loss` options of a ``GRPOConfig``
-    (those fixed for the run; the denominator is per step). ``ValueError`` naming the
-    field for whatever ratiokl does not compute as TRL does."""
-    loss_type = args.loss_type
-    if loss_type not in _LOSS_AGG:
-        _refuse("loss_type", loss_type, f"ratiokl implements {sorted(_LOSS_AGG)}")
-    if args.importance_sampling_level != "token":
-        _refuse("importance_sampling_level", args.importance_sampling_level,
-                "the hidden-state path has the token-level ratio only")
-    if getattr(args, "top_entropy_quantile", 1.0) < 1.0:
-        _refuse("top_entropy_quantile", args.top_entropy_quantile,
-                "the high-entropy token mask needs every entropy before the loss")
-    if getattr(args, "off_policy_mask_threshold", None) is not None:
-        _refuse("off_policy_mask_threshold", args.off_policy_mask_threshold,
-                "the off-policy sequence mask is not implemented")
-    if getattr(args, "entropy_coef", 0.0) or getattr(args, "use_adaptive_entropy", False):
-        _refuse("entropy_coef", getattr(args, "entropy_coef", 0.0),
-                "TRL's entropy bonus is a token mean whatever the loss_type, ratiokl's is "
-                "aggregated like the loss")
-    eps_low = args.epsilon
-    eps_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
-    options: Dict[str, Any] = {
-        "loss_agg": _LOSS_AGG[loss_type],
-        "kl_coef": float(args.beta),
-        "kl_estimator": "k3-is" if getattr(args, "use_bias_correction_kl", False) else "k3",
-        "temperature": float(args.temperature),
-    }
-    if loss_type == "cispo":  # TRL: min(r, epsilon_high), detached, on logp; no floor
-        if not eps_high > 1.0:
-            _refuse("epsilon_high", eps_high, "CISPO's epsilon_high is the ratio's cap (e.g. "
-                    "5.0) and must be above 1")
-        options.update(objective="cispo", clip_eps=1.0, clip_eps_high=eps_high - 1.0)
-    else:
-        options.update(clip_eps=eps_low, clip_eps_high=eps_high, ratio_cap=args.delta)
-    return options
-
-
-def _check_head(model: torch.nn.Module) -> None:
-    """Refuse an lm_head that is not ``hidden @ weight.T`` (a bias, a scale, a soft cap)."""
-    config = model.config.get_text_config()
-    for name in ("final_logit_softcapping", "logit_scale", "output_multiplier",
-                 "lm_head_multiplier", "logits_scaling"):
-        value = getattr(config, name, None)
-        if value is not None and value != 1.0:
-            _refuse(f"model.config.{name}", value,
-                    "the logits must be hidden @ lm_head.weight.T exactly")
-    if getattr(model.get_output_embeddings(), "bias", None) is not None:
-        _refuse("lm_head.bias", "present", "the logits must be hidden @ lm_head.weight.T")
-    if getattr(config, "output_router_logits", False) and getattr(
-            config, "router_aux_loss_coef", 0.0):
-        _refuse("model.config.router_aux_loss_coef", config.router_aux_loss_coef,
-                "the MoE router loss is not added")
 
 
 def _check_backend(backend: str, device: torch.device) -> None:
@@ -149,32 +109,18 @@ def _check_backend(backend: str, device: torch.device) -> None:
             "else the native path) or 'native'") from err
 
 
-def _install_head(model: torch.nn.Module, fp32: bool) -> None:
-    """Patch ``model.forward``: ``model(..., ratiokl_loss=fn, ratiokl_tokens=T)`` runs the
-    backbone and returns ``fn(hidden [B, T, H], weight [V, H])`` of the hidden states
-    that predict the last ``T`` tokens; without ``ratiokl_loss`` the previous forward
-    (TRL's, or the model's own) runs. Through the forward, so DDP / FSDP / DeepSpeed
-    wrappers see the call; the backbone and head are looked up per call (FSDP and PEFT
-    replace them)."""
-    previous = model.forward
-
-    def forward(self, *args, ratiokl_loss: Callable = None, ratiokl_tokens: int = 0, **kwargs):
-        if ratiokl_loss is None:
-            return previous(*args, **kwargs)
-        kwargs["use_cache"] = False
-        hidden = self.base_model(*args, **kwargs).last_hidden_state
-        hidden = hidden[:, -ratiokl_tokens - 1:-1]
-        weight = self.get_output_embeddings().weight
-        if hasattr(weight, "full_tensor"):  # an FSDP2 DTensor: the whole head
-            weight = weight.full_tensor()
-        with maybe_gather_lm_head_ctx(weight):  # ZeRO-3: the gathered head
-            if fp32:
-                hidden, weight = hidden.float(), weight.float()
-            elif weight.dtype != hidden.dtype:  # autocast: the head in the activations' dtype
-                weight = weight.to(hidden.dtype)
-            return ratiokl_loss(hidden.to(weight.device), weight)
-
-    model.forward = types.MethodType(forward, model)
+def _sequence_mean(weights: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    r"""Per-token policy weights ``w [B, T]`` -> their mean over each sequence's active
+    tokens, on every token: GSPO's PPO term with TRL's sequence ratio :math:`s` (its
+    gradient spread over the sequence) equals ratiokl's GSPO-token term (value
+    :math:`s`, gradient on each token's own log-prob) with the weights averaged, as every
+    token of a sequence has the same aggregation weight :math:`a`: with
+    :math:`\partial s / \partial \log p_u = s / L`,
+    :math:`\partial_{\log p_u} \sum_t a w_t \ell(s) = a \bar w\, \ell'(s)\, s`, the
+    GSPO-token gradient of :math:`\sum_t a \bar w\, \ell(r_t)`."""
+    kept = torch.where(mask, weights, 0.0)
+    mean = kept.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+    return mean.expand_as(weights)
 
 
 class GRPOTrainer(trl.GRPOTrainer):
@@ -204,20 +150,29 @@ class GRPOTrainer(trl.GRPOTrainer):
                              f"; got {ratiokl_backend!r}")
         super().__init__(*args, **kwargs)
         _check_backend(ratiokl_backend, self.accelerator.device)
-        self._ratiokl_options = loss_options(self.args)
-        self._ratiokl_call = {"chunk_rows": ratiokl_chunk_rows, "backend": ratiokl_backend,
-                              "check_ids": ratiokl_check_ids}
+        if self.aux_loss_enabled:
+            refuse_trl("router_aux_loss_coef", self.router_aux_loss_coef,
+                       "the MoE router loss is not added")
+        options = loss_options(self.args)
+        self._ratiokl_options = options
+        self._ratiokl_quantile = float(self.args.top_entropy_quantile)
+        self._ratiokl_fused = options["ratio_level"] == "token" and \
+            self._ratiokl_quantile >= 1.0 and self.off_policy_mask_threshold is None
+        self._ratiokl_spread = options["ratio_level"] == "sequence" and \
+            options.get("objective", "ppo") == "ppo"
         is_peft = hasattr(self.model, "get_base_model")
         target = self.model.get_base_model() if is_peft else self.model
-        _check_head(target)
-        _install_head(target, bool(getattr(self.args, "cast_lm_head_to_fp32", False)))
+        self._ratiokl_head = {**head_options(target), "temperature": float(self.args.temperature),
+                              "chunk_rows": ratiokl_chunk_rows, "backend": ratiokl_backend,
+                              "check_ids": ratiokl_check_ids}
+        install_head(target, bool(getattr(self.args, "cast_lm_head_to_fp32", False)))
 
     def _normalizer(self, mask: torch.Tensor, inputs: Dict[str, Any],
                     train: bool) -> Any:
         """The loss's denominator for TRL's ``loss_type`` (the module docstring)."""
         steps = self.current_gradient_accumulation_steps if train else 1
         loss_type = self.args.loss_type
-        if loss_type == "grpo":
+        if loss_type in ("grpo", "luspo"):
             return mask.shape[0] * steps
         if loss_type == "bnpo":
             return mask.sum().clamp(min=1).float() * steps
@@ -225,6 +180,67 @@ class GRPOTrainer(trl.GRPOTrainer):
             return mask.shape[0] * self.max_completion_length * steps
         items = inputs["num_items_in_batch"].clamp(min=1).float() / self.accelerator.num_processes
         return items * steps / self.args.steps_per_generation if train else items
+
+    def _bonus_coef(self, device: torch.device) -> Any:
+        """This micro-batch's ``entropy_coef``: 0 without TRL's bonus, the static number,
+        or the adaptive controller's value as a 0-d float32 tensor (it changes between
+        optimizer steps: no kernel specialised per value)."""
+        if not self._entropy_bonus_enabled:
+            return 0.0
+        if self.use_adaptive_entropy:
+            return torch.tensor(applied_coef(self), dtype=torch.float32, device=device)
+        return applied_coef(self)
+
+    def _loss_on_head(self, hidden: torch.Tensor, weight: torch.Tensor,
+                      bias: Optional[torch.Tensor], batch: Dict[str, Any]):
+        """``(loss, metrics, logp)`` from the head: the fused route (``logp`` None) or the
+        two-pass one (``logp [B, T]`` detached, for the sequence-level clip metrics)."""
+        options = {**self._ratiokl_options, "entropy_coef": batch["entropy_coef"]}
+        head = self._ratiokl_head
+        ids, mask, weights = batch["completion_ids"], batch["mask"], batch["weights"]
+        common = dict(ref_logps=batch["ref_logps"], loss_normalizer=batch["normalizer"])
+        if "entropy_agg" in options:  # TRL's bonus: a token mean, over GA steps
+            common["kl_entropy_normalizer"] = batch["bonus_normalizer"]
+        if self._ratiokl_fused:  # the token level: linear_policy_loss has no ratio_level
+            fused = {k: v for k, v in options.items() if k != "ratio_level"}
+            loss, metrics = linear_policy_loss(
+                hidden, weight, ids, mask, batch["old_logps"], batch["advantages"], bias=bias,
+                importance_weights=weights, **common, **fused, **head)
+            return loss, metrics, None
+        logp, entropy = linear_selected_logprobs(hidden, weight, ids, mask, bias=bias,
+                                                 return_entropy=True, **head)
+        loss, metrics = policy_objective(
+            logp, batch["old_logps"], batch["advantages"], mask, entropy=entropy,
+            importance_weights=self._policy_weights(logp.detach(), entropy.detach(), batch),
+            **common, **options)
+        return loss, metrics, logp.detach()
+
+    def _policy_weights(self, logp: torch.Tensor, entropy: torch.Tensor,
+                        batch: Dict[str, Any]) -> Optional[torch.Tensor]:
+        """The two-pass route's ``importance_weights`` ``[B, T]`` (or None): what TRL
+        multiplies its policy term by, from this pass's log-probs and entropies through
+        TRL's own methods. vLLM's ratio, the off-policy sequence mask
+        (``get_off_policy_mask``, ``[B, 1]``) and the high-entropy token mask
+        (``get_high_entropy_mask``); with GSPO's PPO term, averaged per sequence."""
+        mask, weights = batch["mask"], batch["weights"]
+        parts = [] if weights is None else [weights]
+        if self.off_policy_mask_threshold is not None:
+            old = logp if batch["old_logps"] is None else batch["old_logps"]
+            sampling = batch["sampling_logps"]
+            adv = batch["advantages"]
+            parts.append(self.get_off_policy_mask(
+                adv.unsqueeze(1) if adv.dim() == 1 else adv, logp,
+                old if sampling is None else sampling, mask.float(),
+                self.off_policy_mask_threshold).expand(mask.shape))
+        if self._ratiokl_quantile < 1.0:
+            parts.append(self.get_high_entropy_mask(
+                entropy, mask, 1.0 - self._ratiokl_quantile).float())
+        if not parts:
+            return None
+        weights = parts[0]
+        for part in parts[1:]:
+            weights = weights * part
+        return _sequence_mean(weights, mask) if self._ratiokl_spread else weights
 
     def _compute_loss(self, model: torch.nn.Module, inputs: Dict[str, Any]) -> torch.Tensor:
         for name in _MULTIMODAL:
@@ -242,35 +258,27 @@ class GRPOTrainer(trl.GRPOTrainer):
         if self.use_vllm and self.vllm_importance_sampling_correction:
             weights = inputs["importance_sampling_ratio"].expand(mask.shape)
         train = self.model.training
-        options = self._ratiokl_options
+        batch = {"completion_ids": completion_ids, "mask": mask, "weights": weights,
+                 "old_logps": inputs.get("old_per_token_logps"),
+                 "sampling_logps": inputs.get("sampling_per_token_logps"),
+                 "advantages": inputs["advantages"],
+                 "ref_logps": inputs.get("ref_per_token_logps")
+                 if self._ratiokl_options["kl_coef"] != 0.0 else None,
+                 "normalizer": self._normalizer(mask, inputs, train),
+                 "entropy_coef": self._bonus_coef(mask.device),
+                 "bonus_normalizer": mask.sum().clamp(min=1).float() * (
+                     self.current_gradient_accumulation_steps if train else 1)}
 
-        def loss_of(hidden: torch.Tensor, weight: torch.Tensor):
-            return linear_policy_loss(
-                hidden, weight, completion_ids, mask, inputs.get("old_per_token_logps"),
-                inputs["advantages"], ref_logps=inputs.get("ref_per_token_logps")
-                if options["kl_coef"] != 0.0 else None, importance_weights=weights,
-                loss_normalizer=self._normalizer(mask, inputs, train), **options,
-                **self._ratiokl_call)
+        def loss_of(hidden, weight, bias):
+            return self._loss_on_head(hidden, weight, bias, batch)
 
         with self.accelerator.autocast():
-            loss, metrics = model(input_ids=input_ids, attention_mask=attention_mask,
-                                  ratiokl_loss=loss_of, ratiokl_tokens=completion_ids.size(1))
-        self._log_metrics("train" if train else "eval", metrics, mask)
+            loss, metrics, logp = model(
+                input_ids=input_ids, attention_mask=attention_mask, ratiokl_loss=loss_of,
+                ratiokl_tokens=completion_ids.size(1))
+        mode = "train" if train else "eval"
+        log_metrics(self, mode, metrics, mask, sequence_clips(self, logp, batch))
+        if self._entropy_bonus_enabled:
+            after_step(self, mode, loss, metrics, mask.sum().float(), batch["entropy_coef"],
+                       train)
         return loss
-
-    def _log_metrics(self, mode: str, metrics: Dict[str, torch.Tensor],
-                     mask: torch.Tensor) -> None:
-        """TRL's names: the means over every process's active tokens."""
-        tokens = mask.sum().float()
-        logged: Tuple[Tuple[str, str], ...] = (("entropy", "entropy_mean"),)
-        if self._ratiokl_options["kl_coef"] != 0.0:
-            logged += (("kl", "kl_mean"),)
-        if self.args.loss_type in _PPO_TYPES:
-            logged += (("clip_ratio/low_mean", "clip_fraction_low"),
-                       ("clip_ratio/high_mean", "clip_fraction_high"),
-                       ("clip_ratio/region_mean", "clip_fraction"))
-        sums = torch.stack([metrics[ours] * tokens for _, ours in logged] + [tokens])
-        totals = self.accelerator.reduce(sums, reduction="sum")
-        count = totals[-1].clamp(min=1.0)
-        for i, (theirs, _) in enumerate(logged):
-            self._metrics[mode][theirs].append((totals[i] / count).item())

@@ -1,0 +1,68 @@
+"""TRL's logged metrics from ratiokl's, under TRL's names and definitions.
+
+Token metrics (``entropy``, ``kl``, ``clip_ratio/*_mean``) are means over every process's
+active tokens; with GSPO TRL's clip ratios are means over the sequences (every row of
+every process), recomputed here from the pass's log-probs (the entropy bonus's
+``policy_loss`` and ``entropy_coef``: ``_trl_bonus``). Each function takes the adapter's
+trainer (``ratiokl.adapters.trl.GRPOTrainer``) and appends to its ``_metrics``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from ratiokl.adapters._trl_options import PPO_TYPES
+
+__all__ = ["log_metrics", "sequence_clips"]
+
+#: TRL's clip-ratio metrics and ratiokl's names for them.
+_CLIP_METRICS = (("clip_ratio/low_mean", "clip_fraction_low"),
+                 ("clip_ratio/high_mean", "clip_fraction_high"),
+                 ("clip_ratio/region_mean", "clip_fraction"))
+
+
+def sequence_clips(trainer: Any, logp: Optional[torch.Tensor],
+                   batch: Dict[str, Any]) -> Optional[List[torch.Tensor]]:
+    """GSPO's clip indicators per sequence, float ``[B]`` each (low, high, either), TRL's
+    definition: ``r = exp(masked mean of logp - old)`` (its cap ``delta``, above the
+    clip, changes nothing here), clipped where it leaves ``[1 - epsilon, 1 +
+    epsilon_high]`` on the advantage's side. None at the token level or for ``cispo``
+    (``logp`` None: the one-pass route)."""
+    options = trainer._ratiokl_options
+    if logp is None or options["ratio_level"] != "sequence" \
+            or trainer.args.loss_type not in PPO_TYPES:
+        return None
+    mask = batch["mask"]
+    old = logp if batch["old_logps"] is None else batch["old_logps"]
+    log_ratio = torch.where(mask, logp - old, 0.0).sum(-1) / mask.sum(-1).clamp(min=1)
+    ratio = torch.exp(log_ratio)
+    adv = batch["advantages"].reshape(-1)
+    low = (ratio < 1 - options["clip_eps"]) & (adv < 0)
+    high = (ratio > 1 + options["clip_eps_high"]) & (adv > 0)
+    return [low.float(), high.float(), (low | high).float()]
+
+
+def log_metrics(trainer: Any, mode: str, metrics: Dict[str, torch.Tensor], mask: torch.Tensor,
+                clips: Optional[List[torch.Tensor]]) -> None:
+    """``entropy``, ``kl`` (with ``beta``) and the clip ratios (PPO loss types; over the
+    sequences with ``clips``, from :func:`sequence_clips`): one all-reduce of the sums
+    and counts."""
+    tokens = mask.sum().float()
+    names: List[str] = ["entropy"]
+    sums, counts = [metrics["entropy_mean"] * tokens], [tokens]
+    if trainer._ratiokl_options["kl_coef"] != 0.0:
+        names.append("kl")
+        sums.append(metrics["kl_mean"] * tokens)
+        counts.append(tokens)
+    if trainer.args.loss_type in PPO_TYPES:
+        rows = torch.tensor(float(mask.shape[0]), device=tokens.device)
+        for i, (theirs, ours) in enumerate(_CLIP_METRICS):
+            names.append(theirs)
+            sums.append(metrics[ours] * tokens if clips is None else clips[i].sum())
+            counts.append(tokens if clips is None else rows)
+    totals = trainer.accelerator.reduce(torch.stack(sums + counts), reduction="sum")
+    for i, name in enumerate(names):
+        mean = totals[i] / totals[len(names) + i].clamp(min=1.0)
+        trainer._metrics[mode][name].append(mean.item())

@@ -1,0 +1,91 @@
+"""TRL's ``GRPOConfig`` as ratiokl's loss options, resolved once when the trainer is built.
+
+:func:`loss_options` maps it to the options of :func:`ratiokl.torch.loss.policy_objective`
+(and, at the token level, of :func:`~ratiokl.torch.loss.linear_policy_loss`). Whatever
+ratiokl would compute differently is refused with a ``ValueError`` naming the field.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, NoReturn
+
+from ratiokl.adapters import refuse
+
+__all__ = ["LOSS_AGG", "PPO_TYPES", "loss_options", "refuse_trl"]
+
+#: TRL ``loss_type`` -> ratiokl ``loss_agg`` (the denominators: ``GRPOTrainer._normalizer``).
+LOSS_AGG = {"grpo": "seq-mean-token-mean", "bnpo": "token-mean", "dr_grpo": "token-mean",
+            "dapo": "token-mean", "cispo": "token-mean", "luspo": "seq-mean-token-sum"}
+#: The loss types whose clipped ratio TRL logs as ``clip_ratio/*``.
+PPO_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+
+
+def refuse_trl(field: str, value: Any, why: str) -> NoReturn:
+    """The adapter's ``ValueError`` for ``field=value``, pointing at ``trl.GRPOTrainer``."""
+    refuse("ratiokl.adapters.trl.GRPOTrainer", "trl.GRPOTrainer", field, value, why)
+
+
+def _entropy_options(args: Any, loss_type: str, quantile: float) -> Dict[str, Any]:
+    """TRL's entropy bonus ``- c * mean(H) / GA``, a mean over the active tokens whatever
+    the ``loss_type`` (``c`` is ``entropy_coef``, or, with ``use_adaptive_entropy``, the
+    controller's value for the step: ``ratiokl.adapters._trl_bonus``): ratiokl's
+    ``entropy_coef`` with ``entropy_agg="token-mean"`` over ``kl_entropy_normalizer =
+    max(active tokens, 1) * GA`` (per step); for ``bnpo``, whose loss is that same token
+    mean, ``entropy_coef`` alone (the one-pass route). With ``top_entropy_quantile`` TRL
+    averages the bonus over the masked tokens only: refused."""
+    coef = float(getattr(args, "entropy_coef", 0.0))
+    adaptive = bool(getattr(args, "use_adaptive_entropy", False))
+    if coef == 0.0 and not adaptive:
+        return {"entropy_coef": 0.0}
+    if quantile < 1.0:
+        field, value = ("use_adaptive_entropy", True) if adaptive else ("entropy_coef", coef)
+        refuse_trl(field, value, "with top_entropy_quantile < 1 TRL's entropy bonus is a mean "
+                   "over the high-entropy tokens only, and ratiokl's over every active token")
+    if loss_type == "bnpo":
+        return {"entropy_coef": coef}
+    return {"entropy_coef": coef, "entropy_agg": "token-mean"}
+
+
+def loss_options(args: Any) -> Dict[str, Any]:
+    """The :func:`~ratiokl.torch.loss.policy_objective` options of a ``trl.GRPOConfig``
+    (those fixed for the run; the denominator is per step, the entropy mask per batch).
+
+    ``ratio_level`` is ``"token"`` or ``"sequence"`` (GSPO: TRL's
+    ``exp(masked mean of the log-ratio)`` per sequence; ratiokl's GSPO-token form has its
+    value and, with per-sequence advantages, its gradient). ``ValueError`` naming the field
+    for whatever ratiokl does not compute as TRL does.
+    """
+    loss_type = args.loss_type
+    if loss_type not in LOSS_AGG:
+        refuse_trl("loss_type", loss_type, f"ratiokl implements {sorted(LOSS_AGG)}")
+    level = args.importance_sampling_level
+    if level not in ("token", "sequence"):
+        refuse_trl("importance_sampling_level", level, "TRL has 'token' and 'sequence'")
+    quantile = float(getattr(args, "top_entropy_quantile", 1.0))
+    bias_corrected = bool(getattr(args, "use_bias_correction_kl", False))
+    if level == "sequence" and args.beta != 0.0 and bias_corrected:
+        refuse_trl("use_bias_correction_kl", True, "with importance_sampling_level='sequence' "
+                   "TRL weighs each token's KL by the sequence ratio with its gradient on every "
+                   "token of the sequence; ratiokl's k3-is carries it to the token's own "
+                   "log-prob. Set use_bias_correction_kl=False (or beta=0)")
+    eps_low = args.epsilon
+    eps_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
+    options: Dict[str, Any] = {
+        "loss_agg": LOSS_AGG[loss_type],
+        "kl_coef": float(args.beta),
+        "kl_estimator": "k3-is" if bias_corrected else "k3",
+        "ratio_level": level,
+        **_entropy_options(args, loss_type, quantile),
+    }
+    if loss_type == "cispo":  # TRL: min(r, epsilon_high), detached, on logp; no floor
+        if not eps_high > 1.0:
+            refuse_trl("epsilon_high", eps_high, "CISPO's epsilon_high is the ratio's cap (e.g. "
+                       "5.0) and must be above 1")
+        options.update(objective="cispo", clip_eps=1.0, clip_eps_high=eps_high - 1.0)
+    else:
+        if args.delta is not None and not args.delta > 1.0 + eps_high:
+            refuse_trl("delta", args.delta, f"TRL then caps the ratio of positive advantages "
+                       f"below the clip 1 + epsilon_high = {1.0 + eps_high}; ratiokl's "
+                       "ratio_cap is above it (INTELLECT-2's delta, e.g. 4.0)")
+        options.update(clip_eps=eps_low, clip_eps_high=eps_high, ratio_cap=args.delta)
+    return options
