@@ -103,12 +103,16 @@ def test_packed_token_scale_is_refused():
 
 
 def _gemma(softcap):
+    """Gemma with its embedding scaled up, so that logits reach past the softcap."""
     layers = 2
-    return gemma_lib.Gemma(gemma_lib.ModelConfig(
+    model = gemma_lib.Gemma(gemma_lib.ModelConfig(
         num_layers=layers, num_embed=48, embed_dim=16, hidden_dim=32, num_heads=2,
         head_dim=8, num_kv_heads=1, final_logit_softcap=softcap, use_post_attn_norm=True,
         use_post_ffw_norm=True, attention_types=(gemma_lib.AttentionType.GLOBAL,) * layers),
         rngs=nnx.Rngs(1))
+    embedding = model.embedder.input_embedding
+    embedding[...] = embedding[...] * 300.0
+    return model
 
 
 def _gemma3():

@@ -24,7 +24,6 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, NamedTuple, Optional, Union
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 __all__ = ["LMHead", "hidden_states", "lm_head_of", "register_lm_head"]

@@ -1,23 +1,38 @@
-"""Tunix's GRPO loss computed by :func:`ratiokl.jax.loss.policy_loss`.
+"""Tunix's GRPO loss from the last hidden states and the lm_head, through
+:func:`ratiokl.jax.loss.linear_policy_loss`.
 
-Importing this module registers the policy loss ``"ratiokl_grpo"`` in Tunix's function
-registry (``tunix.rl.function_registry``). Select it by name and build the learner from
-this module (Tunix's ``GRPOLearner`` with the configuration checked when it is built)::
+Importing this module registers two policy losses in Tunix's function registry
+(``tunix.rl.function_registry``). Select one by name and build the learner from this
+module (Tunix's ``GRPOLearner`` with the configuration checked when it is built)::
 
-    from ratiokl.adapters.tunix import GRPOLearner  # registers "ratiokl_grpo"
+    from ratiokl.adapters.tunix import GRPOLearner  # registers both names
     from tunix.rl.grpo.grpo_learner import GRPOConfig
 
     algo_config = GRPOConfig(..., policy_loss_fn="ratiokl_grpo")
     learner = GRPOLearner(rl_cluster, algo_config, reward_fns)
 
-The learner then calls :func:`grpo_loss_fn` where it would call Tunix's ``grpo`` loss.
-The model call is Tunix's own (``common.process_ids`` for positions and the causal
-mask, then the model, which returns the logits). One fused kernel then computes the
-loss, its metrics and the policy-logit gradient (``backend="auto"``: Triton through
-jax-triton on a GPU, else the native path), instead of log-softmax, the loss terms,
-and an entropy pass over the logits. Inactive (padding) positions are isolated by
-construction: whatever their logits hold, they add nothing and get an exact zero
-gradient.
+- ``"ratiokl_grpo"`` (:func:`grpo_loss_fn`): the model runs as Tunix runs it
+  (``common.process_ids``) with ``output_hidden_states=True``; the final hidden states
+  ``[B, T, H]`` of the scoring positions and the model's head (weight, bias, logit
+  softcap: ``ratiokl.adapters._tunix_heads``) go to ``linear_policy_loss``, which never
+  holds the ``[B, T, V]`` float32 logits (on a GPU; its ``"native"`` backend, the CPU's,
+  builds the scored rows' logits at once). The model's own head output is left unread,
+  so XLA drops it under ``jit`` (Tunix's train step). Known heads: Gemma (tied, softcap),
+  Gemma3, Qwen2, Qwen3 (tied or ``lm_head``) and Tunix's test ``ToyTransformer``;
+  :func:`register_lm_head` adds a class. Any other model is refused (``ValueError``
+  naming its class): Llama3 and Gemma4 have no ``output_hidden_states`` in Tunix 0.1.7.
+- ``"ratiokl_grpo_logits"`` (:func:`grpo_logits_loss_fn`): the same loss from the
+  model's full logits (:func:`ratiokl.jax.loss.policy_loss`), for any model.
+
+Inactive (padding) positions are isolated by construction in both: whatever their
+hidden states or logits hold, they add nothing and get an exact zero gradient.
+
+Packed sequences (``max_seq_token_per_tpu``; Tunix's ``rl.utils.pack_sequences``): the
+``TrainExample``'s ``segment_ids`` go to ratiokl's ``segment_ids``, so the sequence-level
+aggregations and GSPO's ratio take each packed sequence as a sequence (Tunix's own loss
+takes the whole packed row as one; ``token-mean`` is the same either way).
+``"sequence-mean-token-scale"`` is refused there (it divides by the padded completion
+length, which a packed row does not have).
 
 Mapping (:func:`loss_options`; ``algo_config`` fields):
 
@@ -37,9 +52,9 @@ Mapping (:func:`loss_options`; ``algo_config`` fields):
 Differences that remain: ratiokl bounds the log-ratio at ``+-20`` (``log_ratio_bound``)
 and GSPO's sequence log-ratio at ``+-20``, where Tunix clips the token's at ``+-20`` and the
 sequence's at ``+10`` only. Refused with a ``ValueError`` naming the field:
-``kl_clamp_value``, another ``kl_loss_mode`` or ``loss_agg_mode``, packed sequences
-(``segment_ids``). The ids are not checked on the host (``check_ids=False``: the loss
-runs under ``jit``); an out-of-range active id makes its token's loss NaN.
+``kl_clamp_value``, another ``kl_loss_mode`` or ``loss_agg_mode``. The ids are not checked
+on the host (``check_ids=False``: the loss runs under ``jit``); an out-of-range active id
+makes its token's loss NaN.
 
 ``aux`` holds the keys the GRPO learner logs and those whose definitions agree with
 Tunix's: ``kl`` (token mean of the KL), ``pg_clipfrac``, ``ppo_kl`` (mean ``old - logp``),
@@ -59,7 +74,7 @@ import_framework("google-tunix", module="tunix", needed_by="ratiokl.adapters.tun
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from tunix.rl import common, function_registry  # noqa: E402
+from tunix.rl import function_registry  # noqa: E402
 from tunix.rl.grpo import grpo_learner  # noqa: E402
 
 from ratiokl.adapters import _tunix_batch, _tunix_heads, refuse  # noqa: E402
@@ -126,7 +141,8 @@ def _split(options: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, Any], str
     return options, kernel, options.pop("ratio_level")
 
 
-def _inputs(example: Any, options: Dict[str, Any]) -> Tuple[_tunix_batch.Targets, Dict[str, Any]]:
+def _inputs(example: Any,
+            options: Dict[str, Any]) -> Tuple[_tunix_batch.Targets, Dict[str, Any]]:
     """The scored tokens of ``example`` and the keyword arguments every route shares:
     the reference (none given: no KL term), the weights, the packing's segments and the
     normaliser of ``"sequence-mean-token-scale"``."""
@@ -175,7 +191,8 @@ def grpo_loss_fn(model: Any, train_example: Any, algo_config: Any, pad_id: int, 
     go to :func:`ratiokl.jax.loss.linear_policy_loss` (``loss_algo="gspo-token"``:
     :func:`~ratiokl.jax.loss.linear_selected_logprobs` then
     :func:`~ratiokl.jax.loss.policy_objective`), so no ``[B, T, V]`` float32 logits are
-    built. Differentiable w.r.t. the model's parameters through the hidden states and the
+    built (on a GPU; the CPU's ``"native"`` backend builds the scored rows' logits at
+    once). Differentiable w.r.t. the model's parameters through the hidden states and the
     head. A model class with no registered head is refused (``ValueError``).
     """
     del kwargs
