@@ -10,8 +10,10 @@ sequence in both. ``token-mean`` does not depend on the grouping: there the orac
 Tunix's loss on the packed batch as it is.
 
 Heads: tiny Gemma (tied embedding, ``final_logit_softcap``), Gemma3 and Qwen3 (tied
-embedding; untied ``lm_head``) built in code with random weights: the
-``"ratiokl_grpo"`` loss (hidden states and head) against Tunix's ``grpo`` loss.
+embedding; untied ``lm_head``) built in code with random weights, and the toy with
+qwix LoRA (Tunix's ``test_common.get_lora_model``) on its MLP: the ``"ratiokl_grpo"``
+loss (hidden states and head) against Tunix's ``grpo`` loss. LoRA on the head is
+refused by it, and ``"ratiokl_grpo_logits"`` runs that model as Tunix does.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from tunix.models.gemma3 import model as gemma3_lib  # noqa: E402
 from tunix.models.qwen3 import model as qwen3_lib  # noqa: E402
 from tunix.rl import algo_core  # noqa: E402
 from tunix.rl import utils as rl_utils  # noqa: E402
+from tunix.tests import test_common  # noqa: E402
 from tunix_batches import (  # noqa: E402
     EOS, PAD, assert_same_loss, config, example, loss_and_grads, toy_model)
 
@@ -140,3 +143,25 @@ def test_tunix_models_heads_match_tunix_grpo(model_name, name):
         MODELS[model_name]()
     want = loss_and_grads(algo_core.grpo_loss_fn, model, batch, algo_config)
     assert_same_loss(loss_and_grads(adapter.grpo_loss_fn, model, batch, algo_config), want)
+
+
+def _lora(module_path):
+    return test_common.get_lora_model(toy_model(), module_path=module_path)
+
+
+def test_lora_model_matches_tunix_grpo():
+    """LoRA on the toy's MLP (Tunix's own test pattern): the head is untouched, and the
+    loss and every gradient (the LoRA parameters' included) are Tunix's."""
+    algo_config, batch, model = config(beta=0.04), example(True, True), _lora(".*w1|.*w2")
+    assert jax.tree_util.tree_leaves(nnx.state(model, nnx.LoRAParam))
+    want = loss_and_grads(algo_core.grpo_loss_fn, model, batch, algo_config)
+    assert_same_loss(loss_and_grads(adapter.grpo_loss_fn, model, batch, algo_config), want)
+
+
+def test_lora_on_the_head_is_refused_and_the_logits_loss_runs_it():
+    algo_config, batch, model = config(beta=0.04), example(True, True), _lora(".*lm_head")
+    with pytest.raises(ValueError, match="lm_head.kernel.*LoRA.*ratiokl_grpo_logits"):
+        adapter.grpo_loss_fn(model, batch, algo_config, PAD, EOS)
+    want = loss_and_grads(algo_core.grpo_loss_fn, model, batch, algo_config)
+    assert_same_loss(loss_and_grads(adapter.grpo_logits_loss_fn, model, batch, algo_config),
+                     want)
