@@ -19,16 +19,13 @@ pytest.importorskip("tunix")
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 from tunix.rl import algo_core, function_registry  # noqa: E402
-from tunix.rl import rl_cluster as rl_cluster_lib  # noqa: E402
-from tunix.rl.rollout import base_rollout  # noqa: E402
 from tunix.tests import test_common  # noqa: E402
 
 from readme_blocks import block_importing  # noqa: E402
 from tunix_batches import (  # noqa: E402
-    EOS, PAD, VOCAB, assert_same_loss, config, example, loss_and_grads, toy_model)
+    EOS, PAD, assert_same_loss, cluster, config, example, loss_and_grads, toy_model)
 
 from ratiokl.adapters import tunix as adapter  # noqa: E402
 
@@ -209,24 +206,6 @@ def test_refused_configurations_name_the_field(fields, field):
         adapter.loss_options(algo_config)
 
 
-def _cluster(packing=None, model=None):
-    """A Tunix ``RLCluster`` of the toy transformer on one CPU device (vanilla rollout;
-    the model's vocabulary of ``VOCAB`` covers the mock tokenizer's)."""
-    vocab, model = test_common.MockVocab(), model or toy_model()
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
-    roles = (rl_cluster_lib.Role.ACTOR, rl_cluster_lib.Role.REFERENCE,
-             rl_cluster_lib.Role.ROLLOUT)
-    cluster_config = rl_cluster_lib.ClusterConfig(
-        role_to_mesh=dict.fromkeys(roles, mesh), rollout_engine="vanilla",
-        training_config=rl_cluster_lib.RLTrainingConfig(
-            actor_optimizer=optax.sgd(1e-3), eval_every_n_steps=10, max_steps=1,
-            max_seq_token_per_tpu=packing),
-        rollout_config=base_rollout.RolloutConfig(max_tokens_to_generate=4,
-                                                  max_prompt_length=8, kv_cache_size=64))
-    return rl_cluster_lib.RLCluster(actor=model, reference=model, tokenizer=vocab,
-                                    cluster_config=cluster_config)
-
-
 def _reward(prompts, completions, **_):
     return [0.0] * len(completions)
 
@@ -243,12 +222,12 @@ def test_learner_refuses_when_built(fields, packing, field):
     reaches the loss inside the first jitted train step)."""
     algo_config = config(**{"policy_loss_fn": adapter.NAME, **fields})
     with pytest.raises(ValueError, match=f"`{field}="):
-        adapter.GRPOLearner(_cluster(packing), algo_config, _reward)
+        adapter.GRPOLearner(cluster(packing), algo_config, _reward)
 
 
 def test_learner_refuses_an_unregistered_actor_when_built():
     with pytest.raises(ValueError, match="_Unregistered.*ratiokl_grpo_logits"):
-        adapter.GRPOLearner(_cluster(model=_Unregistered()),
+        adapter.GRPOLearner(cluster(model=_Unregistered()),
                             config(policy_loss_fn=adapter.NAME), _reward)
 
 
@@ -257,13 +236,13 @@ def test_learner_refuses_an_unregistered_actor_when_built():
 def test_learner_built_trains_with_the_ratiokl_loss(loss, packing):
     """A mapped configuration builds (packed or not), and the actor trainer's loss is the
     selected one."""
-    cluster = _cluster(packing)
+    built = cluster(packing)
     algo_config = config(policy_loss_fn=loss, beta=0.04)
-    learner = adapter.GRPOLearner(cluster, algo_config, _reward)
-    model, batch = cluster.actor_trainer.model, example(True, True)
-    got, _ = cluster.actor_trainer.loss_fn(model, batch, algo_config)
-    want, _ = LOSSES[loss](model, batch, learner.algo_config, cluster.rollout.pad_id(),
-                           cluster.rollout.eos_id())
+    learner = adapter.GRPOLearner(built, algo_config, _reward)
+    model, batch = built.actor_trainer.model, example(True, True)
+    got, _ = built.actor_trainer.loss_fn(model, batch, algo_config)
+    want, _ = LOSSES[loss](model, batch, learner.algo_config, built.rollout.pad_id(),
+                           built.rollout.eos_id())
     assert np.isfinite(float(want)) and float(got) == float(want)
 
 

@@ -8,13 +8,17 @@ uneven lengths ending in padding (one of a single token).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import optax
 import pytest
 from flax import nnx
+from tunix.rl import rl_cluster as rl_cluster_lib
 from tunix.rl.grpo import grpo_learner
+from tunix.rl.rollout import base_rollout
 from tunix.tests import test_common
 
 VOCAB, PAD, EOS = 32, 0, 1
@@ -52,6 +56,28 @@ def config(**fields: Any) -> Any:
     for key, value in extra.items():
         object.__setattr__(made, key, value)
     return made
+
+
+def cluster(packing: Optional[int] = None, model: Optional[nnx.Module] = None,
+            reference: Optional[nnx.Module] = None, seed: Optional[int] = None) -> Any:
+    """A Tunix ``RLCluster`` on one CPU device: the toy transformer (``VOCAB`` covers the
+    mock tokenizer's ids) as actor and reference unless given, vanilla rollout (seeded
+    with ``seed``), SGD, one step, packed rows of ``packing`` tokens."""
+    model = model or toy_model()
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
+    roles = (rl_cluster_lib.Role.ACTOR, rl_cluster_lib.Role.REFERENCE,
+             rl_cluster_lib.Role.ROLLOUT)
+    cluster_config = rl_cluster_lib.ClusterConfig(
+        role_to_mesh=dict.fromkeys(roles, mesh), rollout_engine="vanilla",
+        training_config=rl_cluster_lib.RLTrainingConfig(
+            actor_optimizer=optax.sgd(1e-2), eval_every_n_steps=10, max_steps=1,
+            max_seq_token_per_tpu=packing),
+        rollout_config=base_rollout.RolloutConfig(
+            max_tokens_to_generate=4, max_prompt_length=8, kv_cache_size=64,
+            seed=None if seed is None else jax.random.PRNGKey(seed)))
+    return rl_cluster_lib.RLCluster(actor=model, reference=reference or model,
+                                    tokenizer=test_common.MockVocab(),
+                                    cluster_config=cluster_config)
 
 
 def loss_and_grads(fn: LossFn, model: nnx.Module, batch: Any, algo_config: Any,
