@@ -9,8 +9,8 @@ repeated once per packed sequence, each copy's ``completion_mask`` kept to its s
 sequence in both. ``token-mean`` does not depend on the grouping: there the oracle is also
 Tunix's loss on the packed batch as it is.
 
-Heads: tiny Gemma (tied embedding, ``final_logit_softcap``), Gemma3 and Qwen3 (tied
-embedding; untied ``lm_head``) built in code with random weights, and the toy with
+Heads: tiny Gemma (tied embedding, ``final_logit_softcap``), Gemma3, Qwen2 (tied
+embedding) and Qwen3 (tied embedding; untied ``lm_head``) built in code with random weights, and the toy with
 qwix LoRA (Tunix's ``test_common.get_lora_model``) on its MLP: the ``"ratiokl_grpo"``
 loss (hidden states and head) against Tunix's ``grpo`` loss. LoRA on the head is
 refused by it, and ``"ratiokl_grpo_logits"`` runs that model as Tunix does.
@@ -27,6 +27,7 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 from tunix.models.gemma import model as gemma_lib  # noqa: E402
 from tunix.models.gemma3 import model as gemma3_lib  # noqa: E402
+from tunix.models.qwen2 import model as qwen2_lib  # noqa: E402
 from tunix.models.qwen3 import model as qwen3_lib  # noqa: E402
 from tunix.rl import algo_core  # noqa: E402
 from tunix.rl import utils as rl_utils  # noqa: E402
@@ -124,21 +125,29 @@ def _gemma3():
         num_kv_heads=1, sliding_window_size=4, param_dtype=jnp.float32), rngs=nnx.Rngs(1))
 
 
-def _qwen3(tied):
-    return qwen3_lib.Qwen3(qwen3_lib.ModelConfig(
+def _qwen(lib, cls, tied):
+    return cls(lib.ModelConfig(
         num_layers=2, vocab_size=48, embed_dim=16, hidden_dim=32, num_heads=2, head_dim=8,
         num_kv_heads=1, rope_theta=10_000, norm_eps=1e-6, use_tied_embedding=tied),
         rngs=nnx.Rngs(1))
 
 
 MODELS = {"gemma_softcap": lambda: _gemma(5.0), "gemma3": _gemma3,
-          "qwen3_tied": lambda: _qwen3(True), "qwen3_lm_head": lambda: _qwen3(False)}
+          "qwen2_tied": lambda: _qwen(qwen2_lib, qwen2_lib.Qwen2, True),
+          "qwen3_tied": lambda: _qwen(qwen3_lib, qwen3_lib.Qwen3, True),
+          "qwen3_lm_head": lambda: _qwen(qwen3_lib, qwen3_lib.Qwen3, False)}
+
+
+#: On-policy GSPO: with these models' log-probs far from the batch's old ones, off-policy
+#: GSPO clips every sequence and leaves a gradient of float32 rounding noise only.
+HEAD_CASES = {"token_mean_k1": PACKED_CASES["token_mean_k1"],
+              "gspo_on_policy": ({"beta": 0.0, "loss_algo": "gspo-token"}, False, False)}
 
 
 @pytest.mark.parametrize("model_name", list(MODELS))
-@pytest.mark.parametrize("name", ["token_mean_k1", "gspo_token"])
+@pytest.mark.parametrize("name", list(HEAD_CASES))
 def test_tunix_models_heads_match_tunix_grpo(model_name, name):
-    fields, old, ref = PACKED_CASES[name]
+    fields, old, ref = HEAD_CASES[name]
     algo_config, batch, model = config(**fields), example(old, ref, vocab=48), \
         MODELS[model_name]()
     want = loss_and_grads(algo_core.grpo_loss_fn, model, batch, algo_config)
