@@ -21,11 +21,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 from tunix.rl import algo_core, function_registry  # noqa: E402
-from tunix.tests import test_common  # noqa: E402
 
 from readme_blocks import block_importing  # noqa: E402
 from tunix_batches import (  # noqa: E402
-    EOS, PAD, assert_same_loss, cluster, config, example, loss_and_grads, toy_model)
+    EOS, PAD, NonFiniteAtPads, assert_same_loss, cluster, config, example, loss_and_grads,
+    toy_model)
 
 from ratiokl.adapters import tunix as adapter  # noqa: E402
 
@@ -73,24 +73,6 @@ def test_matches_tunix_grpo_under_jit(name, loss):
     assert_same_loss(loss_and_grads(LOSSES[loss], model, batch, algo_config, jit=True), want)
 
 
-class _NonFiniteAtPads(test_common.ToyTransformer):
-    """The toy transformer whose hidden states and logits are NaN / +inf wherever the
-    input token is padding: the positions that score inactive completion tokens. The
-    logits are poisoned after the head (its backward stays finite, so the logits path is
-    judged on its logits alone); the hidden states before it."""
-
-    def __call__(self, x, positions, cache=None, attention_mask=None,
-                 output_hidden_states=False, images=None, segment_ids=None):
-        h = self.emb(x)
-        for layer in self.layers:
-            h = layer(h)
-        pads = (x == PAD)[..., None]
-        poison = jnp.where((jnp.arange(x.shape[1]) % 2 == 1)[None, :, None], jnp.inf, jnp.nan)
-        if output_hidden_states:
-            self.sow(nnx.Intermediate, "all_hidden_states", jnp.where(pads, poison, h))
-        return jnp.where(pads, poison, self.lm_head(h)), cache
-
-
 @pytest.mark.parametrize("loss", list(LOSSES))
 @pytest.mark.parametrize("backend", ["native", "interpret"])
 @pytest.mark.parametrize("name", ["grpo_kl_k1_token_mean", "low_var_kl_dual_clip_token_scale",
@@ -110,11 +92,11 @@ def test_nonfinite_padding_is_isolated(name, backend, loss, monkeypatch):
     batch = clean.replace(old_per_token_logps=poisoned(clean.old_per_token_logps),
                           ref_per_token_logps=poisoned(clean.ref_per_token_logps))
     want = loss_and_grads(algo_core.grpo_loss_fn, toy_model(), clean, algo_config)
-    tunix_on_poison, _, _ = loss_and_grads(algo_core.grpo_loss_fn, toy_model(_NonFiniteAtPads),
+    tunix_on_poison, _, _ = loss_and_grads(algo_core.grpo_loss_fn, toy_model(NonFiniteAtPads),
                                            batch, algo_config)
     assert not np.isfinite(float(tunix_on_poison))  # the poison reaches Tunix's own loss
     _with_backend(monkeypatch, backend)
-    assert_same_loss(loss_and_grads(LOSSES[loss], toy_model(_NonFiniteAtPads), batch,
+    assert_same_loss(loss_and_grads(LOSSES[loss], toy_model(NonFiniteAtPads), batch,
                                     algo_config), want)
 
 

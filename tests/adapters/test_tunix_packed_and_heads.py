@@ -33,7 +33,7 @@ from tunix.rl import algo_core  # noqa: E402
 from tunix.rl import utils as rl_utils  # noqa: E402
 from tunix.tests import test_common  # noqa: E402
 from tunix_batches import (  # noqa: E402
-    EOS, PAD, assert_same_loss, config, example, loss_and_grads, toy_model)
+    EOS, PAD, NonFiniteAtPads, assert_same_loss, config, example, loss_and_grads, toy_model)
 
 from ratiokl.adapters import tunix as adapter  # noqa: E402
 
@@ -94,6 +94,28 @@ def test_packed_batch_matches_tunix_per_packed_sequence(name, backend, loss, mon
     options = adapter.loss_options
     monkeypatch.setattr(adapter, "loss_options", lambda c: {**options(c), "backend": backend})
     assert_same_loss(loss_and_grads(LOSSES[loss], model, packed, algo_config), want)
+
+
+@pytest.mark.parametrize("loss", list(LOSSES))
+@pytest.mark.parametrize("name", ["token_mean_k1", "gspo_token"])
+def test_packed_nonfinite_padding_is_isolated(name, loss):
+    """A packed row with NaN / +inf hidden states and logits on its trailing padding and
+    NaN / -inf old and reference log-probs wherever ``completion_mask`` is 0 (prompts,
+    padding, the dropped first position): Tunix's per-sequence loss on the clean row."""
+    fields, old, ref = PACKED_CASES[name]
+    algo_config, packed = config(**fields), _packed(example(old, ref))
+    inactive = packed.completion_mask == 0
+    poison = jnp.where(jnp.arange(BUDGET) % 2 == 0, jnp.nan, -jnp.inf)
+
+    def poisoned(x):
+        return None if x is None else jnp.where(inactive, poison, x)
+
+    batch = packed.replace(old_per_token_logps=poisoned(packed.old_per_token_logps),
+                           ref_per_token_logps=poisoned(packed.ref_per_token_logps))
+    want = loss_and_grads(algo_core.grpo_loss_fn, toy_model(), _one_copy_per_sequence(packed),
+                          algo_config)
+    assert_same_loss(loss_and_grads(LOSSES[loss], toy_model(NonFiniteAtPads), batch,
+                                    algo_config), want)
 
 
 def test_packed_token_scale_is_refused():

@@ -32,6 +32,24 @@ def toy_model(cls: type = test_common.ToyTransformer, vocab: int = VOCAB) -> nnx
     return cls(test_common.ModelConfig(vocab_size=vocab), rngs=nnx.Rngs(0))
 
 
+class NonFiniteAtPads(test_common.ToyTransformer):
+    """The toy transformer whose hidden states and logits are NaN / +inf wherever the
+    input token is padding: the positions that score inactive completion tokens. The
+    logits are poisoned after the head (its backward stays finite, so the logits path is
+    judged on its logits alone); the hidden states before it."""
+
+    def __call__(self, x, positions, cache=None, attention_mask=None,
+                 output_hidden_states=False, images=None, segment_ids=None):
+        h = self.emb(x)
+        for layer in self.layers:
+            h = layer(h)
+        pads = (x == PAD)[..., None]
+        poison = jnp.where((jnp.arange(x.shape[1]) % 2 == 1)[None, :, None], jnp.inf, jnp.nan)
+        if output_hidden_states:
+            self.sow(nnx.Intermediate, "all_hidden_states", jnp.where(pads, poison, h))
+        return jnp.where(pads, poison, self.lm_head(h)), cache
+
+
 def example(old: bool, ref: bool, seed: int = 0, vocab: int = VOCAB) -> Any:
     """A ``TrainExample`` of ``B`` prompts of ``P`` and completions of ``T`` tokens."""
     keys = jax.random.split(jax.random.PRNGKey(seed), 5)
