@@ -7,9 +7,10 @@ that turns ``hidden [B, L, H]`` into the logits the model's own ``__call__`` ret
 
 The hidden states come from Tunix's own convention for them (its score-head models use
 it): ``model(tokens, output_hidden_states=True, ...)`` sows the final-norm output as the
-``nnx.Intermediate`` ``"all_hidden_states"``, popped here. The model still builds its
-logits in that call; nothing reads them, so under ``jit`` (Tunix's train step) XLA drops
-the head's GEMM and the ``[B, L, V]`` array, and only the linear op's chunks remain.
+``nnx.Intermediate`` ``"all_hidden_states"``, captured here (``nnx.capture``; ``nnx.pop``
+on older flax). The model still builds its logits in that call; nothing reads them, so
+under ``jit`` (Tunix's train step) XLA drops the head's GEMM and the ``[B, L, V]`` array,
+leaving the linear op's own (chunks of rows on a GPU).
 
 Known classes (``tunix`` 0.1.7): ``Gemma`` (tied embedding, ``final_logit_softcap``),
 ``Gemma3`` (tied embedding), ``Qwen2`` and ``Qwen3`` (tied embedding or ``lm_head``, both
