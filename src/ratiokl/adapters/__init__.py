@@ -10,7 +10,8 @@ ratiokl would compute differently:
   loss and its gradients from the last hidden states and the lm_head weight
   (:func:`ratiokl.torch.loss.linear_policy_loss`), never the ``[N, V]`` logits;
 - :mod:`ratiokl.adapters.tunix` -- Tunix's GRPO learner (``google-tunix >= 0.1.7``, JAX)
-  with the policy loss ``"ratiokl_grpo"`` (:func:`ratiokl.jax.loss.policy_loss` on the
+  with the policy loss ``"ratiokl_grpo"`` (:func:`ratiokl.jax.loss.linear_policy_loss` on
+  the last hidden states and the model's head) and ``"ratiokl_grpo_logits"`` (on the
   model's logits), registered in Tunix's function registry on import; its
   ``GRPOLearner`` checks the configuration when built;
 - :mod:`ratiokl.adapters.verl` -- verl's policy losses ``"ratiokl"``, ``"ratiokl_gspo"``,
