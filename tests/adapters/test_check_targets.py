@@ -56,3 +56,31 @@ def test_verl_refuses_what_it_cannot_express_by_name(verl):
     assert {"verl has no ratio_cap", "verl's policy loss always aggregates (loss_agg='none')"} \
         <= reasons
     assert any(r.startswith("ratio_kl: verl's loss code") for r in reasons)
+
+
+@pytest.fixture(scope="module")
+def openrlhf():
+    if importlib.util.find_spec("openrlhf") is None:
+        pytest.skip("OpenRLHF is not installed (see .ci/run block (d))")
+    from ratiokl.conformance.targets import openrlhf
+
+    return openrlhf
+
+
+def test_openrlhf_agrees_where_it_defines_the_same_loss(openrlhf):
+    results = _results(openrlhf.TARGET, "policy_clip_higher", "policy_dual_clip", "policy_gspo",
+                       "policy_kl_k*", "policy_entropy_token_mean", "objective_token_mean",
+                       "policy_agg_seq_mean_token_mean", "policy_global_normalizer")
+    failed = {n: r.failures for n, r in results.items() if r.status == "failed"}
+    passed = [n for n, r in results.items() if r.status == "passed"]
+    assert failed == {} and len(passed) >= 12, (failed, passed)
+
+
+def test_openrlhf_reports_its_token_mean_entropy_under_gspo(openrlhf):
+    """OpenRLHF aggregates the entropy per token whatever the policy's aggregation (GSPO:
+    per sequence): a reported loss difference, case by case."""
+    results = _results(openrlhf.TARGET, "policy_entropy_gspo")
+    assert [r.status for r in results.values()] == ["failed"]
+    assert next(iter(results.values())).failures[0].startswith("loss: error is")
+    assert {r.skipped for r in _results(openrlhf.TARGET, "objective_cispo").values()} == {
+        "OpenRLHF has no CISPO objective"}
