@@ -84,3 +84,35 @@ def test_openrlhf_reports_its_token_mean_entropy_under_gspo(openrlhf):
     assert next(iter(results.values())).failures[0].startswith("loss: error is")
     assert {r.skipped for r in _results(openrlhf.TARGET, "objective_cispo").values()} == {
         "OpenRLHF has no CISPO objective"}
+
+
+@pytest.fixture(scope="module")
+def trl():
+    if importlib.util.find_spec("trl") is None:
+        pytest.skip("TRL is not installed (see .ci/run block (d))")
+    from ratiokl.conformance.targets import trl
+
+    return trl
+
+
+def test_trl_agrees_where_it_defines_the_same_loss(trl):
+    """``GRPOTrainer._compute_loss`` itself, on bnpo, grpo, dapo (a normalizer), GSPO,
+    ``delta``, the bias-corrected KL and the vLLM importance weights."""
+    results = _results(trl.TARGET, "policy_clip_higher", "policy_gspo", "policy_kl_k3",
+                       "policy_kl_k3_ratio_weighted", "policy_ratio_cap",
+                       "policy_importance_weights", "policy_entropy_token_mean",
+                       "policy_agg_seq_mean_token_mean", "policy_global_normalizer",
+                       "objective_token_mean")
+    failed = {n: r.failures for n, r in results.items() if r.status == "failed"}
+    passed = [n for n, r in results.items() if r.status == "passed"]
+    assert failed == {} and len(passed) >= 12, (failed, passed)
+
+
+def test_trl_reports_its_cispo_and_refuses_by_name(trl):
+    """TRL's CISPO weight has no lower clip (``clamp(r, max=epsilon_high)``): a reported loss
+    difference; its KL is k3 only: a named refusal."""
+    cispo = _results(trl.TARGET, "policy_cispo_token_mean")
+    assert cispo and all(r.status == "failed" and r.failures[0].startswith("loss: error is")
+                         for r in cispo.values())
+    assert {r.skipped for r in _results(trl.TARGET, "policy_kl_k1").values()} == {
+        "TRL's KL is k3 only (kl_estimator='k1')"}
