@@ -130,3 +130,17 @@ def test_check_help_documents_the_protocol(capsys):
     for word in ("--target", "supports(call)", "TargetResult", "TargetCall",
                  "ratiokl.conformance.targets.verl:TARGET", "docs/check.md"):
         assert word in out, word
+
+
+def test_cli_runs_a_target_beside_a_backend(capsys):
+    """``--target`` alone runs only the target; with ``--backend`` both run."""
+    args = ["check", "--target", f"{THIS}:port.TorchRatioKL", "--case", "vocab_2",
+            "--contiguous-only", "--no-progress"]
+    assert main(args) == 0
+    alone = [line.split()[0] for line in capsys.readouterr().out.splitlines()
+             if line.startswith(("port-torch", "torch-native"))]
+    assert set(alone) == {"port-torch"}
+    assert main(args + ["--backend", "torch-native"]) == 0
+    both = [line.split()[0] for line in capsys.readouterr().out.splitlines()
+            if line.startswith(("port-torch ", "torch-native "))]
+    assert set(both) == {"port-torch", "torch-native"}

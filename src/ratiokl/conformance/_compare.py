@@ -69,7 +69,8 @@ def compare_close(check: Check, what: str, actual: np.ndarray, expected: np.ndar
         return
     finite = np.isfinite(e)
     if finite.any():
-        err = np.where(finite, np.abs(a - e) / (tol.atol + tol.rtol * np.abs(e)), 0.0)
+        with np.errstate(invalid="ignore", over="ignore"):  # the non-finite entries: unused
+            err = np.where(finite, np.abs(a - e) / (tol.atol + tol.rtol * np.abs(e)), 0.0)
         pos = np.unravel_index(int(np.argmax(err)), err.shape)
         at = f" at {[int(i) for i in pos]}" if err.ndim else ""
         check.fraction(what, float(err[pos]),

@@ -16,7 +16,7 @@ import numpy as np
 from ratiokl._requirements import MissingDependency, import_framework, unmet
 from ratiokl.conformance._cases import Case
 from ratiokl.conformance._ops import OPS
-from ratiokl.conformance._protocol import TargetCall, TargetResult
+from ratiokl.conformance._protocol import TargetCall
 
 __all__ = ["TARGETS", "Outcome", "Target", "call_target", "target_status"]
 

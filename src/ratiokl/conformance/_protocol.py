@@ -70,6 +70,8 @@ class TargetCall:
     row_mask: Optional[str]
     expect_error: Optional[str] = None
     description: str = ""
+    #: The case's operator-table entry when it is not ``OPS[op]`` (a test's variant).
+    _spec: Optional[Op] = field(default=None, repr=False, compare=False)
 
     @classmethod
     def of(cls, case: Case) -> "TargetCall":
@@ -81,12 +83,13 @@ class TargetCall:
                                if f"cotangent_{o}" in case.arrays},  # none: expect_error
                    outputs=op.outputs, grads=(op.differentiate, *case.also_differentiated),
                    row_mask=op.row_mask, expect_error=case.expect_error,
-                   description=case.description)
+                   description=case.description,
+                   _spec=None if op is OPS.get(case.op) else op)
 
     @property
     def spec(self) -> Op:
         """The operator table's entry for :attr:`op` (argument lists, outputs)."""
-        return OPS[self.op]
+        return OPS[self.op] if self._spec is None else self._spec
 
     def option(self, name: str, default: Any = None) -> Any:
         """A scalar option or array argument of the case, or ``default`` when absent."""
