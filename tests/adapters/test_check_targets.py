@@ -40,6 +40,22 @@ def test_verl_agrees_where_it_defines_the_same_loss(verl):
     assert failed == {} and len(passed) >= 15, (failed, passed)
 
 
+@pytest.mark.parametrize("trainer", ["verl", "openrlhf", "trl"])
+def test_the_actor_log_probs_agree_and_entropy_of_masked_vocab_is_nan(trainer, request):
+    """The trainers' own log-prob helpers agree with the spec, also with -inf logits; their
+    entropy helpers turn a -inf logit into NaN (``p * logits`` at ``p = 0``): reported on
+    the ``entropy_masked_vocab`` cases, the entropy output named."""
+    module = request.getfixturevalue(trainer)
+    groups = ["selected_logprobs_no_mask", "selected_logprobs_inactive_rows", "vocab_50257",
+              "entropy_flat", "entropy_inactive_rows"]
+    agree = _results(module.TARGET, *groups, *(["kl_k*", "vocab_2"] if trainer != "trl" else []))
+    failed = {n: r.failures for n, r in agree.items() if r.status == "failed"}
+    assert failed == {} and sum(r.status == "passed" for r in agree.values()) >= 10, failed
+    masked = _results(module.TARGET, "entropy_masked_vocab")
+    assert masked and all(r.status == "failed" and r.failures[0].startswith("entropy: ")
+                          for r in masked.values())
+
+
 def test_verl_reports_its_differences_case_by_case(verl):
     """verl's seq-mean-token-sum-norm divides by n_seq * T (ratiokl: T), and with the
     fixtures' NaN padding its masked sums turn NaN: failures naming the loss, not crashes."""
@@ -52,10 +68,11 @@ def test_verl_reports_its_differences_case_by_case(verl):
 
 def test_verl_refuses_what_it_cannot_express_by_name(verl):
     reasons = {r.skipped for r in _results(verl.TARGET, "policy_ratio_cap", "policy_agg_none",
-                                           "vocab_2").values()}
+                                           "linear_bias").values()}
     assert {"verl has no ratio_cap", "verl's policy loss always aggregates (loss_agg='none')"} \
         <= reasons
-    assert any(r.startswith("ratio_kl: verl's loss code") for r in reasons)
+    assert any(r.startswith("linear_selected_logprobs_entropy: verl has no code for it")
+               for r in reasons)
 
 
 @pytest.fixture(scope="module")

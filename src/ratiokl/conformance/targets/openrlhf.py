@@ -6,7 +6,8 @@
 aggregate_loss(compute_approx_kl(...))`` and ``- entropy_coef * aggregate_loss(entropy)``
 as ``PPOActor.training_step`` adds them (always token-level: OpenRLHF's documented
 difference, reported on the other modes). From logits: ``log_probs_from_logits`` and
-``compute_entropy`` on float32 logits.
+``compute_entropy`` on float32 logits (alone: the ``selected_logprobs`` cases; with
+``compute_approx_kl``: the ``ratio_kl`` ones).
 
 OpenRLHF's model package imports ``flash_attn`` (CUDA only); where it is absent, its four
 modules are stubbed during the import (functions raising ``NotImplementedError``, used only
@@ -37,6 +38,9 @@ OPTIONS = {
     "kl_coef / kl_estimator": "algo.kl.use_loss, init_coef, estimator (k1, k2, k3)",
     "entropy_coef": "actor.entropy_coef",
 }
+
+#: The fixture ops this target runs: the loss, the actor's per-token values, the KL.
+_OPS = _torch.POLICY_OPS + _torch.TOKEN_OPS
 
 _STUBS = {"flash_attn": (), "flash_attn.utils": (),
           "flash_attn.bert_padding": ("index_first_axis", "pad_input", "rearrange", "unpad_input"),
@@ -70,15 +74,15 @@ def _openrlhf():
 
 def _refusal(call: TargetCall) -> Optional[str]:
     """Why OpenRLHF cannot express ``call``'s options, or None."""
-    reason = _torch.refusal(call, "OpenRLHF")
-    if reason is not None:
+    reason = _torch.refusal(call, "OpenRLHF", _OPS)
+    if reason is not None or call.op in _torch.TOKEN_OPS:
         return reason
     mode = call.option("loss_agg", "token-mean")
     if mode not in ("token-mean", "seq-mean-token-mean"):
         return f"OpenRLHF has token-mean and seq-mean-token-mean only (loss_agg={mode!r})"
-    for name in ("ratio_cap", "importance_weights", "rollout_logps"):
+    for name in ("ratio_cap", "importance_weights"):
         if call.option(name) is not None:
-            return f"OpenRLHF's PolicyLoss has no {name} (its rollout correction: not mapped)"
+            return f"OpenRLHF's PolicyLoss has no {name}"
     if call.option("objective", "ppo") != "ppo":
         return "OpenRLHF has no CISPO objective"
     if call.option("kl_coef", 0.0) and call.option("kl_estimator", "k3") not in ("k1", "k2", "k3"):
@@ -114,8 +118,12 @@ class OpenRLHFTarget:
         entropy = getattr(utils.compute_entropy, "_torchdynamo_orig_callable",
                           utils.compute_entropy)  # eager: no compiler on a CPU machine
         batch = _torch.token_batch(call, utils.log_probs_from_logits, entropy,
-                                   need_entropy=entropy_coef != 0.0,
-                                   nan_padding=self.nan_padding)
+                                   need_entropy=entropy_coef != 0.0 or call.op.endswith(
+                                       "_entropy"), nan_padding=self.nan_padding)
+        if call.op in _torch.TOKEN_OPS:
+            return _torch.result(call, batch, _torch.per_token_outputs(
+                call, batch, lambda logp, ref, kind: utils.compute_approx_kl(
+                    logp, ref, kl_estimator=kind)))
         eps = float(call.option("clip_eps", 0.2))
         high = call.option("clip_eps_high")
         token_level = call.option("loss_agg", "token-mean") == "token-mean"
@@ -136,7 +144,7 @@ class OpenRLHFTarget:
             loss = loss + loss_module.aggregate_loss(kl, mask) * float(call.option("kl_coef"))
         if batch.entropy is not None:
             loss = loss - loss_module.aggregate_loss(batch.entropy, mask) * entropy_coef
-        return _torch.result(call, batch, loss)
+        return _torch.result(call, batch, {"loss": loss})
 
 
 #: OpenRLHF on finite padding (what its actor feeds it), and on the fixtures' NaN padding.

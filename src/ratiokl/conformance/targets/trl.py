@@ -7,7 +7,7 @@ called unbound on a small host object that holds the configuration fields it rea
 place of a built trainer. Its forward (``_get_per_token_logps_and_entropies``) is the one
 part replaced: it returns the case's log-probs and entropies, from logits through TRL's own
 ``selective_log_softmax`` and ``entropy_from_logits`` on float32 logits divided by the
-temperature. Everything after it (ratios, clipping, KL, aggregation, entropy bonus,
+temperature (alone, those are the ``selected_logprobs`` cases). Everything after it (ratios, clipping, KL, aggregation, entropy bonus,
 metrics) is TRL's code as it runs in training, with one process, no gradient accumulation
 and no vLLM.
 """
@@ -23,6 +23,10 @@ from ratiokl.conformance.targets import _torch
 from ratiokl.spec.policy_loss import DEFAULT_LOG_RATIO_BOUND
 
 __all__ = ["LOSS_TYPES", "NAN_PADDED", "OPTIONS", "TARGET", "TRLTarget"]
+
+#: The fixture ops this target runs: the loss and the per-token values (TRL's KL is inline
+#: in ``_compute_loss``, with no function of its own for ``ratio_kl``).
+_OPS = _torch.POLICY_OPS + ("selected_logprobs", "selected_logprobs_entropy")
 
 #: ratiokl's ``loss_agg`` -> TRL's ``loss_type`` (PPO objective; CISPO: ``"cispo"``).
 LOSS_TYPES = {"token-mean": "bnpo", "seq-mean-token-mean": "grpo",
@@ -45,16 +49,14 @@ OPTIONS = {
 
 def _refusal(call: TargetCall) -> Optional[str]:
     """Why TRL's loss cannot express ``call``'s options, or None."""
-    reason = _torch.refusal(call, "TRL")
-    if reason is not None:
+    reason = _torch.refusal(call, "TRL", _OPS)
+    if reason is not None or call.op in _torch.TOKEN_OPS:
         return reason
     mode = call.option("loss_agg", "token-mean")
     if mode not in LOSS_TYPES:
         return f"TRL has no loss_type for loss_agg={mode!r}"
     if call.option("dual_clip") is not None:
         return "TRL has no dual clip"
-    if call.option("rollout_logps") is not None:
-        return "TRL's rollout correction happens in generation, outside _compute_loss"
     if call.option("kl_coef", 0.0) and call.option("kl_estimator", "k3") not in ("k3", "k3-is"):
         return f"TRL's KL is k3 only (kl_estimator={call.option('kl_estimator')!r})"
     if call.option("log_ratio_bound", DEFAULT_LOG_RATIO_BOUND) not in (
@@ -129,7 +131,10 @@ class TRLTarget:
         from trl.trainer.utils import entropy_from_logits, selective_log_softmax
 
         batch = _torch.token_batch(call, selective_log_softmax, entropy_from_logits,
-                                   need_entropy=True, nan_padding=self.nan_padding)
+                                   need_entropy=call.op != "selected_logprobs",
+                                   nan_padding=self.nan_padding)
+        if call.op in _torch.TOKEN_OPS:
+            return _torch.result(call, batch, _torch.per_token_outputs(call, batch))
         if batch.entropy is None:  # from log-probs without entropies: TRL computes them
             batch.entropy = torch.zeros_like(batch.logps)
         host = _Host(call, batch)
@@ -146,7 +151,7 @@ class TRLTarget:
             "importance_sampling_ratio": batch.importance_weights,
         }
         loss = GRPOTrainer._compute_loss(host, host.model, inputs)
-        return _torch.result(call, batch, loss)
+        return _torch.result(call, batch, {"loss": loss})
 
 
 #: TRL on finite padding (what its trainer feeds it), and on the fixtures' NaN padding.

@@ -6,7 +6,8 @@ the configured policy loss (``get_policy_loss_fn``: ``vanilla``, ``gspo``, ``cis
 ``- entropy_coeff * agg_loss(entropy)`` and ``+ kl_loss_coef * agg_loss(kl_penalty(...))``,
 as ``verl.workers.utils.losses.ppo_loss`` composes them. From logits, the log-probs and
 entropies come from ``verl.utils.torch_functional`` on float32 logits divided by the
-temperature. The option mapping (:data:`OPTIONS`) is this module's only knowledge of verl.
+temperature; those alone are the ``selected_logprobs`` cases, and with ``kl_penalty`` the
+``ratio_kl`` ones. The option mapping (:data:`OPTIONS`) is this module's only knowledge of verl.
 """
 
 from __future__ import annotations
@@ -39,16 +40,15 @@ OPTIONS = {
 }
 
 _KL_TYPES = {"k1": "k1", "k2": "k2", "k3": "k3", "k1+": "k1+", "k3+": "k3+"}
+#: The fixture ops this target runs: the loss, the actor's per-token values, and kl_penalty.
+_OPS = _torch.POLICY_OPS + _torch.TOKEN_OPS
 
 
 def _refusal(call: TargetCall) -> Optional[str]:
     """Why verl cannot express ``call``'s options, or None."""
-    reason = _torch.refusal(call, "verl")
-    if reason is not None:
+    reason = _torch.refusal(call, "verl", _OPS)
+    if reason is not None or call.op in _torch.TOKEN_OPS:
         return reason
-    if call.option("rollout_logps") is not None:
-        return ("rollout correction: verl computes rollout_is_weights in rollout_corr_helper, "
-                "outside the policy loss (this target maps the loss only)")
     if call.option("ratio_cap") is not None:
         return "verl has no ratio_cap"
     if call.option("kl_estimator", "k3") not in _KL_TYPES and call.option("kl_coef", 0.0):
@@ -125,8 +125,11 @@ class VerlTarget:
 
         entropy_coef = float(call.option("entropy_coef", 0.0))
         batch = _torch.token_batch(call, verl_F.logprobs_from_logits, verl_F.entropy_from_logits,
-                                   need_entropy=entropy_coef != 0.0,
-                                   nan_padding=self.nan_padding)
+                                   need_entropy=entropy_coef != 0.0 or call.op.endswith(
+                                       "_entropy"), nan_padding=self.nan_padding)
+        if call.op in _torch.TOKEN_OPS:
+            return _torch.result(call, batch, _torch.per_token_outputs(
+                call, batch, lambda logp, ref, kind: core_algos.kl_penalty(logp, ref, kind)))
         n_seq = int(batch.mask.any(-1).sum())
         config, mode = _config(call, n_seq)
         old = batch.logps.detach() if batch.old_logps is None else batch.old_logps
@@ -141,7 +144,7 @@ class VerlTarget:
         if config.use_kl_loss:
             kl = core_algos.kl_penalty(batch.logps, batch.ref_logps, config.kl_loss_type)
             loss = loss + core_algos.agg_loss(loss_mat=kl, **agg) * config.kl_loss_coef
-        return _torch.result(call, batch, loss)
+        return _torch.result(call, batch, {"loss": loss})
 
 
 #: verl on finite padding (what its actor feeds it), and on the fixtures' NaN padding.
