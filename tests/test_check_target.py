@@ -124,6 +124,18 @@ def test_cli_bad_target_names_the_argument_and_the_fix(spec, words, capsys):
         assert word in err, (word, err)
 
 
+@pytest.mark.parametrize("name", ["TARGET", "make_target", "NoPerRowTemperature",
+                                  "port.JaxRatioKL"])
+def test_load_target_takes_an_instance_a_factory_or_a_class(name):
+    target = conformance.load_target(f"{THIS}:{name}")
+    assert isinstance(target, conformance.CheckTarget) and not isinstance(target, type)
+
+
+def test_load_target_refuses_a_function_that_needs_arguments():
+    with pytest.raises(ValueError, match="is a function, not a check target"):
+        conformance.load_target(f"{THIS}:needs_arguments")
+
+
 def test_check_help_documents_the_protocol(capsys):
     assert main(["check", "--help"]) == 0
     out = capsys.readouterr().out

@@ -15,7 +15,8 @@ from ratiokl.conformance import TargetCall, TargetResult
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: examples/
 from examples import check_target_port as port  # noqa: E402
 
-__all__ = ["NOT_A_TARGET", "NoPerRowTemperature", "SignFlippedK3", "port"]
+__all__ = ["NOT_A_TARGET", "NoPerRowTemperature", "SignFlippedK3", "TARGET", "make_target",
+           "needs_arguments", "port"]
 
 
 class SignFlippedK3(port.TorchRatioKL):
@@ -46,3 +47,16 @@ class NoPerRowTemperature(port.TorchRatioKL):
 
 
 NOT_A_TARGET = {"name": "a dict"}
+
+
+#: An instance, and a factory returning one: both are what ``--target`` may name.
+TARGET = port.TorchRatioKL()
+
+
+def make_target() -> port.TorchRatioKL:
+    return port.TorchRatioKL()
+
+
+def needs_arguments(scale: float) -> port.TorchRatioKL:
+    """Not a zero-argument factory: ``--target`` refuses it."""
+    return port.TorchRatioKL()
