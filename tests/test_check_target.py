@@ -102,6 +102,15 @@ def test_cli_reports_a_wrong_target_case_by_case(capsys):
     assert "FAIL" in out and f"{len(failed)} failures" in out
 
 
+def test_cli_verbose_lists_every_case(capsys):
+    assert main(["check", "--target", f"{THIS}:NoPerRowTemperature", "--case", "temperature_*",
+                 "--no-progress", "--verbose"]) == 0
+    rows = {line.split()[1]: line.split()[2] for line in capsys.readouterr().out.splitlines()
+            if line.startswith("scalar-temperature ")}
+    assert rows == {**{n: "skipped" for n in conformance.list_cases("temperature_per_row")},
+                    **{n: "passed" for n in conformance.list_cases("temperature_scalar")}}
+
+
 def test_cli_with_a_target_skipping_everything_exits_2(capsys):
     assert main(["check", "--target", f"{THIS}:NoPerRowTemperature", "--case",
                  "temperature_per_row", "--no-progress"]) == 2

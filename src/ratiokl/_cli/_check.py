@@ -49,10 +49,12 @@ when called with no arguments) follows ratiokl.conformance.CheckTarget:
 `call` is a TargetCall: op ("policy_loss", "ratio_kl", ...), dtype, arguments (NumPy
 inputs and scalar options by name), cotangents, the outputs and gradients the case
 compares. Shipped targets for the trainers' own loss code (each needs its trainer):
-  ratiokl.conformance.targets.verl:TARGET       verl 0.9.1 core_algos / ppo_loss
+  ratiokl.conformance.targets.verl:TARGET       verl 0.9.1 core_algos as ppo_loss runs them
   ratiokl.conformance.targets.openrlhf:TARGET   OpenRLHF 0.11.2 PolicyLoss, compute_approx_kl
-  ratiokl.conformance.targets.trl:TARGET        TRL 1.16 GRPOTrainer's loss arithmetic
-A disagreement is reported case by case: the output, where, the values, the tolerance.
+  ratiokl.conformance.targets.trl:TARGET        TRL 1.16 GRPOTrainer._compute_loss
+(and NAN_PADDED beside each TARGET: the fixtures' NaN padding passed as it is).
+A disagreement is reported case by case: the output, where, the values, the tolerance;
+--verbose lists every case.
 See docs/check.md.
 
 Exit status: 0 every case run passed, 1 some case failed, 2 nothing could run (or a bad
@@ -78,6 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--contiguous-only", action="store_true",
                         help="skip the second pass of PyTorch targets on strided logits")
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write every result here")
+    parser.add_argument("--verbose", "-v", action="store_true",
+                        help="one line per case instead of per case group: passed, failed "
+                             "(worst error / tolerance) or skipped (the target's reason)")
     parser.add_argument("--no-progress", action="store_true",
                         help="no progress bars (they go to stderr)")
 
@@ -131,6 +136,15 @@ def _run_target(target: Union[str, CheckTarget], cases: Sequence[Case],
     return results
 
 
+def _print_cases(results: List[CaseResult], out: TextIO) -> None:
+    """One line per case: its status, the worst error / tolerance, or the skip reason."""
+    for r in results:
+        detail = r.skipped if r.skipped is not None else f"{r.worst:.3g}"
+        variant = " [strided]" if r.variant == "strided" else ""
+        print(f"{r.target:<17} {r.case + variant:<44}{r.status:>9}  {detail}", file=out)
+    out.flush()
+
+
 def _print_rows(results: List[CaseResult], out: TextIO) -> None:
     """One line per (target, case group) with a case run: passed / run, the worst error /
     tolerance, and how many were skipped (groups skipped whole are listed in the summary)."""
@@ -144,8 +158,8 @@ def _print_rows(results: List[CaseResult], out: TextIO) -> None:
         passed = sum(r.passed for r in ran)
         flag = "" if passed == len(ran) else "  FAIL"
         skipped = f"  {len(rs) - len(ran)} skipped" if len(ran) < len(rs) else ""
-        print(f"{target:<18}{group:<44}{passed:>4}/{len(ran):<4}{_worst(ran):>11}{flag}{skipped}",
-              file=out)
+        print(f"{target:<17} {group:<44}{passed:>4}/{len(ran):<4}{_worst(ran):>11}{flag}"
+              f"{skipped}", file=out)
     out.flush()
 
 
@@ -161,7 +175,7 @@ def _print_summary(results: List[CaseResult], unavailable: Dict[str, str], n_cas
         passes = len(rs) // max(n_cases, 1)
         how = {2: ": contiguous + strided"}.get(passes, "")
         skipped = f", {len(rs) - len(ran)} skipped" if len(ran) < len(rs) else ""
-        print(f"  {target:<18}{passed:>5}/{len(ran):<5} passed   worst/tol {_worst(ran):<8} "
+        print(f"  {target:<17} {passed:>5}/{len(ran):<5} passed   worst/tol {_worst(ran):<8} "
               f"({n_cases} cases x {passes}{how}{skipped})", file=out)
     for target, reason in unavailable.items():
         print(f"  {target:<18}unavailable: {reason}", file=out)
@@ -225,12 +239,14 @@ def run(args: argparse.Namespace) -> int:
         print(STRIDED_NOTE, file=out)
     start = time.perf_counter()
     cases = [conformance.load_case(n, root) for n in names]
-    print(f"\n{'target':<18}{'case group':<44}{'passed':>9}{'worst/tol':>11}", file=out)
+    what = ("case", "status", "worst/tol or reason") if args.verbose else (
+        "case group", "passed", "worst/tol")
+    print(f"\n{'target':<18}{what[0]:<44}{what[1]:>9}{what[2]:>11}", file=out)
     results: List[CaseResult] = []
     for target in targets:
         mine = _run_target(target, cases, _variants(target, not args.contiguous_only),
                            progress=not args.no_progress)
-        _print_rows(mine, out)
+        (_print_cases if args.verbose else _print_rows)(mine, out)
         results += mine
     seconds = time.perf_counter() - start
     _print_summary(results, unavailable, len(names), seconds, out)
