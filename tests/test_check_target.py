@@ -1,10 +1,10 @@
 """``ratiokl check --target``: a user's own implementation through the check-target protocol.
 
-The targets are defined in ``tests/helpers/check_user_targets.py`` and in ``examples/check_target_port.py`` (a user's ratio and
-KL in PyTorch and its JAX port): the correct one passes every case it supports, a
-deliberately wrong one fails on the cases its mistake touches and passes the others, an
-option a target does not support is skipped with its reason, and bad ``--target`` strings
-are refused naming ``--target`` and the fix.
+The targets are defined in ``tests/helpers/check_user_targets.py`` and in
+``examples/check_target_port.py`` (a user's ratio and KL in PyTorch and its JAX port): the
+correct one passes every case it supports, a deliberately wrong one fails on the cases its
+mistake touches and passes the others, an option a target does not support is skipped with
+its reason, and bad ``--target`` strings are refused naming ``--target`` and the fix.
 """
 
 from __future__ import annotations

@@ -120,7 +120,8 @@ def _backend(op, backend: str) -> Dict[str, str]:
     return {"backend": backend} if op.takes_backend else {}
 
 
-def _split_args(call: TargetCall, convert: Callable[[str, Any], Any]) -> Tuple[list, Dict[str, Any]]:
+def _split_args(call: TargetCall,
+                convert: Callable[[str, Any], Any]) -> Tuple[list, Dict[str, Any]]:
     op = call.spec
     args = {k: convert(k, v) for k, v in call.arguments.items()}
     return [args.get(k) for k in op.positional], {k: args[k] for k in op.keywords if k in args}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import builtins
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
@@ -100,10 +100,9 @@ def outcome_of(call: TargetCall, result: TargetResult) -> Outcome:
     """A target's result as the :class:`Outcome` :func:`judge` reads (float arrays kept;
     dtypes only where the target gave them)."""
     main, *extra = call.grads
-    as_array = lambda x: np.asarray(x)  # noqa: E731
-    grads = {k: as_array(g) for k, g in result.grads.items()}
+    grads = {k: np.asarray(g) for k, g in result.grads.items()}
     return Outcome(
-        outputs={o: as_array(v) for o, v in result.outputs.items()},
+        outputs={o: np.asarray(v) for o, v in result.outputs.items()},
         output_dtypes=dict(result.output_dtypes),
         grad=grads.get(main),
         grad_dtype=result.grad_dtypes.get(main),
@@ -142,7 +141,7 @@ def run_case(case: Case, target: Union[str, CheckTarget], *, strided: bool = Fal
                       check.failures, unchecked=unchecked)
 
 
-def _run(case: Case, call: TargetCall, target: CheckTarget):
+def _run(case: Case, call: TargetCall, target: CheckTarget) -> Tuple[Check, List[str]]:
     """``(check, unchecked outputs)`` of one supported case."""
     check = Check()
     expected_error = getattr(builtins, case.expect_error) if case.expect_error else None

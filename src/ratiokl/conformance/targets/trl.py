@@ -7,9 +7,9 @@ called unbound on a small host object that holds the configuration fields it rea
 place of a built trainer. Its forward (``_get_per_token_logps_and_entropies``) is the one
 part replaced: it returns the case's log-probs and entropies, from logits through TRL's own
 ``selective_log_softmax`` and ``entropy_from_logits`` on float32 logits divided by the
-temperature (alone, those are the ``selected_logprobs`` cases). Everything after it (ratios, clipping, KL, aggregation, entropy bonus,
-metrics) is TRL's code as it runs in training, with one process, no gradient accumulation
-and no vLLM.
+temperature (alone, those are the ``selected_logprobs`` cases). Everything after it
+(ratios, clipping, KL, aggregation, entropy bonus, metrics) is TRL's code as it runs in
+training, with one process, no gradient accumulation and no vLLM.
 """
 
 from __future__ import annotations

@@ -7,15 +7,14 @@ the configured policy loss (``get_policy_loss_fn``: ``vanilla``, ``gspo``, ``cis
 as ``verl.workers.utils.losses.ppo_loss`` composes them. From logits, the log-probs and
 entropies come from ``verl.utils.torch_functional`` on float32 logits divided by the
 temperature; those alone are the ``selected_logprobs`` cases, and with ``kl_penalty`` the
-``ratio_kl`` ones. The option mapping (:data:`OPTIONS`) is this module's only knowledge of verl.
+``ratio_kl`` ones. The option mapping (:data:`OPTIONS`) is this module's only knowledge
+of verl.
 """
 
 from __future__ import annotations
 
 import math
 from typing import Any, Dict, Optional
-
-import numpy as np
 
 from ratiokl.conformance._protocol import TargetCall, TargetResult
 from ratiokl.conformance.targets import _torch
