@@ -31,6 +31,7 @@ root_doc = "README"
 # tests/test_docs.py checks that every page under docs/ is listed here.
 NAV = [
     ("Guides", ["docs/install", "docs/api", "docs/policy_loss", "docs/trainers",
+                "docs/check",
                 "docs/vocab_parallel", "docs/design", "docs/performance", "PERF"]),
     ("API reference", ["docs/reference/torch", "docs/reference/jax", "docs/reference/spec",
                        "docs/reference/conformance"]),

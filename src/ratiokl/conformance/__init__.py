@@ -15,6 +15,16 @@ Targets are ``"torch-native"``, ``"torch-interpret"``, ``"torch-triton"``,
 ``"jax-native"``, ``"jax-interpret"`` and ``"jax-triton"`` (``interpret``: the Triton
 kernels through Triton's CPU interpreter); :func:`target_status` says why one cannot
 run here (``None`` when it can).
+
+Any other implementation (a trainer's loss, a port to another framework) runs the same
+cases through the check-target protocol: an object with ``name``, ``supports(call)`` and
+``__call__(call)`` (:class:`CheckTarget`, :class:`TargetCall`, :class:`TargetResult`)::
+
+    result = conformance.run_case(conformance.load_case(name), my_target)
+    print(result.status, result.skipped or result.failures)
+
+``ratiokl check --target package.module:object`` does this for every case
+(``docs/check.md``); the trainers' own loss codes are in ``ratiokl.conformance.targets``.
 """
 
 from ratiokl.conformance._cases import LOGIT_DTYPES, Case, build_case, round_to_dtype
@@ -27,22 +37,29 @@ from ratiokl.conformance._fixtures import (
     write_fixtures,
 )
 from ratiokl.conformance._frameworks import TARGETS, Outcome, Target, call_target, target_status
+from ratiokl.conformance._protocol import CheckTarget, TargetCall, TargetResult, load_target
+from ratiokl.conformance._builtin import BuiltinTarget, builtin_target
 from ratiokl.conformance._ops import OPS, Op
 from ratiokl.conformance._compare import Check, compare_close
-from ratiokl.conformance._runner import CaseResult, judge, run_case
+from ratiokl.conformance._runner import CaseResult, judge, outcome_of, run_case
 
 __all__ = [
     "FORMAT_VERSION",
     "LOGIT_DTYPES",
     "OPS",
     "TARGETS",
+    "BuiltinTarget",
     "Case",
     "CaseResult",
     "Check",
+    "CheckTarget",
     "Op",
     "Outcome",
     "Target",
+    "TargetCall",
+    "TargetResult",
     "build_case",
+    "builtin_target",
     "call_target",
     "compare_close",
     "fixtures_root",
@@ -50,6 +67,8 @@ __all__ = [
     "list_cases",
     "load_case",
     "load_manifest",
+    "load_target",
+    "outcome_of",
     "round_to_dtype",
     "run_case",
     "target_status",

@@ -36,10 +36,12 @@ class Check:
         self.worst = float("inf")
         self.failures.append(message)
 
-    def fraction(self, what: str, value: float) -> None:
+    def fraction(self, what: str, value: float, detail: str = "") -> None:
+        """Record an error of ``value`` times its tolerance (a failure above 1); ``detail``
+        (where, the values, the tolerance) is appended to the failure's message."""
         self.worst = max(self.worst, value)
         if value > 1.0:
-            self.failures.append(f"{what}: error is {value:.3g}x its tolerance")
+            self.failures.append(f"{what}: error is {value:.3g}x its tolerance{detail}")
 
 
 def _first(index: np.ndarray) -> Tuple[int, ...]:
@@ -67,8 +69,13 @@ def compare_close(check: Check, what: str, actual: np.ndarray, expected: np.ndar
         return
     finite = np.isfinite(e)
     if finite.any():
-        err = np.abs(a[finite] - e[finite]) / (tol.atol + tol.rtol * np.abs(e[finite]))
-        check.fraction(what, float(err.max()))
+        with np.errstate(invalid="ignore", over="ignore"):  # the non-finite entries: unused
+            err = np.where(finite, np.abs(a - e) / (tol.atol + tol.rtol * np.abs(e)), 0.0)
+        pos = np.unravel_index(int(np.argmax(err)), err.shape)
+        at = f" at {[int(i) for i in pos]}" if err.ndim else ""
+        check.fraction(what, float(err[pos]),
+                       f"{at}: got {a[pos]:.9g}, expected {e[pos]:.9g} "
+                       f"(atol {tol.atol:.3g}, rtol {tol.rtol:.3g})")
 
 
 def compare_neutral(

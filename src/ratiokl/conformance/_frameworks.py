@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import numpy as np
 
 from ratiokl._requirements import MissingDependency, import_framework, unmet
 from ratiokl.conformance._cases import Case
 from ratiokl.conformance._ops import OPS
+from ratiokl.conformance._protocol import TargetCall
 
 __all__ = ["TARGETS", "Outcome", "Target", "call_target", "target_status"]
 
@@ -45,12 +46,14 @@ TARGETS: Dict[str, Target] = {t.name: t for t in (
 
 @dataclass
 class Outcome:
-    """What one call returned: outputs and gradient as NumPy, with their framework dtypes."""
+    """What one call returned: outputs and gradient as NumPy, with their framework dtypes
+    (a dtype of None, or an output absent from ``output_dtypes``, is not checked; a ``grad``
+    of None is a missing gradient)."""
 
     outputs: Dict[str, np.ndarray]
     output_dtypes: Dict[str, str]
-    grad: np.ndarray
-    grad_dtype: str
+    grad: Optional[np.ndarray]
+    grad_dtype: Optional[str]
     #: Gradient of the unused interleaved slots when the logits were strided (must be 0).
     stride_gap_grad: Optional[np.ndarray] = None
     #: The gradients of ``Op.also_differentiate``'s arguments, and their dtypes.
@@ -117,9 +120,10 @@ def _backend(op, backend: str) -> Dict[str, str]:
     return {"backend": backend} if op.takes_backend else {}
 
 
-def _split_args(case: Case, convert: Callable[[str, Any], Any]) -> Tuple[list, Dict[str, Any]]:
-    op = case.spec
-    args = {k: convert(k, v) for k, v in case.arguments().items()}
+def _split_args(call: TargetCall,
+                convert: Callable[[str, Any], Any]) -> Tuple[list, Dict[str, Any]]:
+    op = call.spec
+    args = {k: convert(k, v) for k, v in call.arguments.items()}
     return [args.get(k) for k in op.positional], {k: args[k] for k in op.keywords if k in args}
 
 
@@ -130,12 +134,12 @@ def _torch_to_numpy(t) -> np.ndarray:
     return t.detach().to(device="cpu", dtype=torch.float32).numpy()
 
 
-def _call_torch(case: Case, backend: str, strided: bool) -> Outcome:
+def _call_torch(call: TargetCall, backend: str, strided: bool) -> Outcome:
     import torch
 
     from ratiokl.torch import loss
 
-    op = case.spec
+    op = call.spec
     dtypes = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
     device = "cuda" if backend == "triton" else "cpu"
     leaf = None
@@ -146,8 +150,8 @@ def _call_torch(case: Case, backend: str, strided: bool) -> Outcome:
         if not isinstance(value, np.ndarray):
             return value
         if key in op.logit_args:
-            t = torch.tensor(value, device=device).to(dtypes[case.dtype])
-            if key in case.also_differentiated:
+            t = torch.tensor(value, device=device).to(dtypes[call.dtype])
+            if key in call.grads[1:]:
                 extra_leaves[key] = t.requires_grad_(True)
             if key == op.differentiate:
                 if strided:
@@ -165,10 +169,10 @@ def _call_torch(case: Case, backend: str, strided: bool) -> Outcome:
             value = value.astype(np.float32)
         return torch.tensor(value, device=device)
 
-    positional, keywords = _split_args(case, convert)
+    positional, keywords = _split_args(call, convert)
     outputs = op.unpack(getattr(loss, op.name)(*positional, **keywords, **op.fixed,
                                                **_backend(op, backend)))
-    cot = [torch.tensor(case.cotangents()[o], device=device) for o in op.cotangents]
+    cot = [torch.tensor(call.cotangents[o], device=device) for o in op.cotangents]
     leaves = [leaf, *extra_leaves.values()]
     grads = [g if g is not None else torch.zeros_like(t) for g, t in zip(torch.autograd.grad(
         [outputs[o] for o in op.cotangents], leaves, cot, allow_unused=True), leaves)]
@@ -220,35 +224,35 @@ def _jax_value_and_grad(op_key: str, backend: str, statics: Tuple[Tuple[str, Any
     return value_and_grad
 
 
-def _call_jax(case: Case, backend: str, strided: bool) -> Outcome:
+def _call_jax(call: TargetCall, backend: str, strided: bool) -> Outcome:
     import jax
     import jax.numpy as jnp
 
     from ratiokl.jax import loss
 
     del strided  # JAX arrays carry no user-visible strides.
-    op = case.spec
+    op = call.spec
 
     def convert(key: str, value: Any) -> Any:
         if not isinstance(value, np.ndarray):
             return value
         if key in op.logit_args:  # cast on the host: no XLA compilation per shape
-            return jnp.asarray(value.astype(jnp.dtype(case.dtype)))
+            return jnp.asarray(value.astype(jnp.dtype(call.dtype)))
         if value.dtype == np.bool_:
             return jnp.asarray(value)
         if value.dtype.kind in "iu":
             return jnp.asarray(value.astype(np.int32))
         return jnp.asarray(value.astype(np.float32))
 
-    positional, keywords = _split_args(case, convert)
+    positional, keywords = _split_args(call, convert)
     arrays = {k: v for k, v in keywords.items() if isinstance(v, jax.Array)}
     statics = tuple(sorted((k, v) for k, v in keywords.items() if k not in arrays))
-    if case.expect_error is not None:
+    if call.expect_error is not None:
         # Eager, so the host id check sees concrete values and raises.
         getattr(loss, op.name)(*positional, **keywords, **op.fixed, **_backend(op, backend))
-        raise AssertionError(f"{op.name} returned although {case.expect_error} was expected")
-    cot = tuple(jnp.asarray(c) for c in case.cotangents().values())
-    outputs, grads = _jax_value_and_grad(case.op, backend, statics, case.also_differentiated)(
+        raise AssertionError(f"{op.name} returned although {call.expect_error} was expected")
+    cot = tuple(jnp.asarray(c) for c in call.cotangents.values())
+    outputs, grads = _jax_value_and_grad(call.op, backend, statics, call.grads[1:])(
         positional, arrays, cot)
     to_np = lambda x: np.asarray(x).astype(np.float32)
     grad = grads.pop(op.differentiate)
@@ -265,11 +269,13 @@ def _call_jax(case: Case, backend: str, strided: bool) -> Outcome:
 _CALLS = {"torch": _call_torch, "jax": _call_jax}
 
 
-def call_target(case: Case, target: str, *, strided: bool = False) -> Outcome:
-    """Run ``case`` through ``ratiokl.<framework>.loss`` with the target's backend.
+def call_target(case: Union[Case, TargetCall], target: str, *, strided: bool = False) -> Outcome:
+    """Run ``case`` (a fixture case, or its :class:`TargetCall`) through
+    ``ratiokl.<framework>.loss`` with the target's backend.
 
     ``strided`` passes the policy logits as a non-contiguous view (torch only).
     Exceptions from the library propagate (an expected error is one of them).
     """
     t = TARGETS[target]
-    return _CALLS[t.framework](case, t.backend, strided)
+    call = case if isinstance(case, TargetCall) else TargetCall.of(case)
+    return _CALLS[t.framework](call, t.backend, strided)
