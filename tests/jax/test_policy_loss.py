@@ -16,6 +16,7 @@ jax = pytest.importorskip("jax")
 
 import jax.numpy as jnp  # noqa: E402
 
+from assertions import assert_close  # noqa: E402
 from ratiokl import spec  # noqa: E402
 from ratiokl.jax import loss  # noqa: E402
 from policy_test_cases import (  # noqa: E402
@@ -67,16 +68,14 @@ def _run(x, options, *, dtype=jnp.float32, keys=(), transform=lambda f: f):
 def _assert_matches(actual, expected, dtype="float32"):
     (value, metrics, grad), (exp_loss, exp_metrics, exp_grad) = actual, expected
     assert value.dtype == jnp.float32 and value.shape == np.shape(exp_loss)
-    np.testing.assert_allclose(np.asarray(value), exp_loss, rtol=LOSS_TOL.rtol, atol=LOSS_TOL.atol)
+    assert_close(value, exp_loss, LOSS_TOL, "loss")
     assert set(metrics) == set(exp_metrics)
     for name, m in metrics.items():
         assert m.dtype == jnp.float32 and m.ndim == 0
-        np.testing.assert_allclose(float(m), exp_metrics[name], rtol=LOSS_TOL.rtol,
-                                   atol=LOSS_TOL.atol, err_msg=name)
+        assert_close(m, exp_metrics[name], LOSS_TOL, name)
     assert np.all(np.isfinite(exp_grad))
     tol = spec.grad_tolerance(dtype, 8.0, float(np.abs(exp_grad).max()))
-    np.testing.assert_allclose(np.asarray(grad.astype(jnp.float32)), exp_grad,
-                               rtol=tol.rtol, atol=tol.atol)
+    assert_close(grad, exp_grad, tol, "grad")
 
 
 @pytest.mark.parametrize("name", sorted(OPTIONS))
@@ -162,8 +161,8 @@ def test_vmap_over_a_batch_axis_matches_separate_calls():
         stacked["policy_logits"], stacked)
     for i, x in enumerate(xs):
         j = _jax(x)
-        np.testing.assert_allclose(float(batched[i]), float(fn(j["policy_logits"], j)[0]),
-                                   rtol=1e-6, atol=1e-7)
+        assert_close(batched[i], fn(j["policy_logits"], j)[0], spec.paths_tolerance(B * T),
+                     "loss")
 
 
 def test_loss_normalizer_traced_equals_float():
@@ -172,7 +171,7 @@ def test_loss_normalizer_traced_equals_float():
     a = loss.policy_loss(j["policy_logits"], *rest, loss_normalizer=12.0)[0]
     b = jax.jit(lambda n, *args: loss.policy_loss(*args, loss_normalizer=n)[0])(
         jnp.float32(12.0), j["policy_logits"], *rest)
-    np.testing.assert_allclose(float(a), float(b), rtol=1e-6)
+    assert_close(a, b, spec.paths_tolerance(B * T), "loss")
 
 
 @pytest.mark.parametrize(
