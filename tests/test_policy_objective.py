@@ -25,8 +25,8 @@ from policy_test_cases import per_token_upstream
 from ratiokl import spec
 
 B, T, V, H = 3, 6, 17, 8
-#: Sums of B*T float32 terms, as the policy-loss tests (tests/helpers/policy_test_cases.py).
-LOSS_TOL = spec.Tolerance(rtol=2e-5, atol=2e-6)
+#: Two float32 paths of one loss (sums of B*T per-token terms).
+LOSS_TOL = spec.paths_tolerance(B * T)
 GRAD_TOL = spec.grad_tolerance("float32", 8.0, 1.0)
 
 #: name -> options; every aggregation, GSPO, CISPO, rollout modes, on-policy, entropy.
