@@ -67,8 +67,8 @@ def test_weights_match_objective_ops(shape, density, agg, normalizer):
         return
     got = got.reshape(shape)
     assert got.dtype == torch.float32 and got.shape == want.shape
-    # one division each, relative to the largest weight
-    assert_close(got, want, spec.paths_tolerance(1, float(want.abs().max())), "weights")
+    # a count's conversion and up to two divisions on each side
+    assert_close(got, want, spec.rounding_tolerance(2 * 3), "weights")
     assert torch.all(got[~mask] == 0)
 
 

@@ -20,7 +20,7 @@ from typing import Dict
 
 __all__ = ["GRAD_ROUNDOFF", "Tolerance", "forward_tolerance", "grad_tolerance",
            "linear_forward_tolerance", "linear_grad_tolerance", "paths_tolerance",
-           "reduction_tolerance"]
+           "reduction_tolerance", "rounding_tolerance"]
 
 
 @dataclass(frozen=True)
@@ -108,6 +108,14 @@ def linear_grad_tolerance(dtype: str, logit_scale: float, magnitude: float) -> T
 
 #: Unit roundoff of the dtype a whole computation runs in (float64: the spec's own paths).
 _UNIT_ROUNDOFF: Dict[str, float] = {"float64": 2.0**-53, "float32": _FP32_U}
+
+
+def rounding_tolerance(roundings: int, dtype: str = "float32") -> Tolerance:
+    """Tolerance of a value that ``roundings`` correctly rounded ``dtype`` operations (a
+    division, a product, a conversion; no sum that may cancel, no ``exp`` / ``log``) stand
+    between, on both sides taken together: each moves it by at most ``u`` relative, so
+    ``rtol = roundings * u`` and ``atol = 0`` (a token weight, a ratio of counts)."""
+    return Tolerance(rtol=max(int(roundings), 1) * _UNIT_ROUNDOFF[dtype], atol=0.0)
 
 
 def reduction_tolerance(terms: int, magnitude: float = 1.0, dtype: str = "float32") -> Tolerance:
