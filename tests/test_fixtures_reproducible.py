@@ -19,15 +19,17 @@ import numpy as np
 import pytest
 
 import ratiokl
+from assertions import assert_close
 from ratiokl import conformance
 from ratiokl.conformance._cases import read_npz, write_npz
+from ratiokl.spec import Tolerance
 
 REPO = Path(__file__).resolve().parents[1]
 GENERATE = REPO / "fixtures" / "generate.py"
 #: Float64 expectations may move across CPUs' libm paths: by up to 102 ulps seen on one
 #: machine (a k3 KL near 0, where exp(d) - d - 1 cancels), i.e. 2e-14 relative. Judged
 #: relative to the value, far below any fixture tolerance (>= 1e-6).
-MAX_REL = 1e-12
+REGENERATED_TOL = Tolerance(rtol=1e-12, atol=0.0)
 
 pytestmark = pytest.mark.skipif(not GENERATE.is_file(), reason="needs a source checkout")
 
@@ -59,8 +61,7 @@ def test_case_reproduces(regenerated: Path, name: str) -> None:
     for key in old:
         if key.startswith("expected_") and old[key].dtype == np.float64:
             assert new[key].shape == old[key].shape, key
-            np.testing.assert_allclose(new[key], old[key], rtol=MAX_REL, atol=0.0,
-                                       equal_nan=True, err_msg=f"{name}: {key}")
+            assert_close(new[key], old[key], REGENERATED_TOL, f"{name}: {key}")
         else:
             assert _identical(new[key], old[key]), f"{name}: input {key!r} changed"
     if all(_identical(new[k], old[k]) for k in old):

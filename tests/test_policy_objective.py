@@ -8,8 +8,9 @@ frameworks (``ratiokl.conformance``'s targets; the fixtures ``objective_*`` and
   on-policy and the entropy bonus;
 * NaN / inf on inactive tokens of every input changes no bit of the loss, the metrics or
   the gradients (exact zeros there); an active NaN stays visible;
-* the per-token loss weighted by each mode's weights gives that mode's loss, on every
-  backend (the fused kernel's per-row backward scale with a NaN upstream on inactive
+* the per-token loss and its gradient (token and sequence ratios) match the float64 spec,
+  and weighted by each mode's weights (the spec's closed forms) give that mode's loss, on
+  every backend (the fused kernel's per-row backward scale with a NaN upstream on inactive
   rows included), and ``linear_policy_loss``'s per-token loss equals ``policy_loss``'s;
 * errors name ``entropy``, ``ref_logps`` and ``loss_normalizer``;
 * JAX ``jit`` / ``grad`` / ``vmap`` and ``torch.compile(fullgraph=True)``.
@@ -25,8 +26,8 @@ from policy_test_cases import per_token_upstream
 from ratiokl import spec
 
 B, T, V, H = 3, 6, 17, 8
-#: Sums of B*T float32 terms, as the policy-loss tests (tests/helpers/policy_test_cases.py).
-LOSS_TOL = spec.Tolerance(rtol=2e-5, atol=2e-6)
+#: Two float32 paths of one loss (sums of B*T per-token terms).
+LOSS_TOL = spec.paths_tolerance(B * T)
 GRAD_TOL = spec.grad_tolerance("float32", 8.0, 1.0)
 
 #: name -> options; every aggregation, GSPO, CISPO, rollout modes, on-policy, entropy.
@@ -211,6 +212,56 @@ def test_per_token_loss_weighted_is_every_aggregation(target, agg):
         assert metrics[name] == mode[1][name], name  # metrics do not depend on loss_agg
     assert_close(grad, mode[2][0], GRAD_TOL, "grad")
     assert np.all(grad[~x["mask"]] == 0)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_per_token_loss_and_gradient_match_the_spec(target, level):
+    """``loss_agg="none"`` on every backend: the per-token loss ``[B, T]`` (+0.0 on inactive
+    rows) and the logit gradient under a per-token upstream that is NaN on inactive rows,
+    against the float64 spec."""
+    fw = _framework(target)
+    x = _inputs(seed=1)
+    options = {"kl_coef": 0.2, "entropy_coef": 0.1, "loss_agg": "none", "ratio_level": level}
+    value, _, (grad,) = _call_both(fw, x, options, target.split("-")[1])[0]
+    arrays, old, scalars = _split(options, x)
+    args = (x["policy_logits"].astype(np.float64), None, x["action_ids"], x["mask"], old,
+            x["advantages"])
+    with np.errstate(invalid="ignore"):
+        want, _ = spec.policy_loss(*args, **arrays, **scalars)
+        want_grad = spec.policy_loss_grad(*args, loss_cotangent=per_token_upstream(x["mask"]),
+                                          **arrays, **scalars)
+    assert value.shape == (B, T) and value.dtype == np.float32
+    assert np.all(value[~x["mask"]] == 0) and not np.signbit(value[~x["mask"]]).any()
+    scale = float(np.nanmax(np.abs(x["policy_logits"])))
+    assert_close(value, want, spec.forward_tolerance(scale), "loss")
+    grad_tol = spec.grad_tolerance("float32", scale, float(np.abs(want_grad).max()))
+    assert_close(grad, want_grad, grad_tol, "grad")
+    assert np.all(grad[~x["mask"]] == 0)
+
+
+@pytest.mark.parametrize("agg", AGGREGATIONS)
+def test_aggregation_weights_are_the_specs_closed_forms(native_target, agg):
+    """``loss_mode == sum_t w_t * loss_none_t`` with the weights of the spec's module
+    docstring, written out here per row (no segments): the core's ``aggregation_weights``
+    (which the test above sums with) are those."""
+    from ratiokl._core.objective import aggregation_weights
+
+    fw = _framework(native_target)
+    mask = _inputs(seed=2)["mask"]
+    lengths = mask.sum(-1, keepdims=True)
+    n_seq = int((lengths > 0).sum())
+    closed = {
+        "token-mean": mask / mask.sum(),
+        "token-sum": mask * 1.0,
+        "seq-mean-token-mean": mask / np.maximum(lengths, 1) / n_seq,
+        "seq-mean-token-sum": mask / n_seq,
+        "seq-mean-token-sum-norm": mask / T,
+    }
+    assert set(closed) == set(AGGREGATIONS)
+    opts = spec.policy_loss_options(**{**spec.POLICY_LOSS_DEFAULTS, "loss_agg": agg})
+    got = np.asarray(aggregation_weights(fw.xp, fw.tensor(mask), None, None, opts))
+    # float32: the count's conversion and up to two divisions; float64: as many
+    assert_close(got, closed[agg], spec.rounding_tolerance(3 + 3), f"{agg} weights")
 
 
 def _objective_call(fw, x, options, fill=None):

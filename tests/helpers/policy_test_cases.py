@@ -10,8 +10,8 @@ import numpy as np
 from ratiokl import spec
 
 B, T, V = 3, 7, 19
-#: The loss sums up to B*T float32 terms: a few float32 ulps of the largest.
-LOSS_TOL = spec.Tolerance(rtol=2e-5, atol=2e-6)
+#: The loss and metrics sum up to B*T float32 per-token terms.
+LOSS_TOL = spec.reduction_tolerance(B * T)
 
 #: name -> policy_loss options; each pins one behaviour down.
 OPTIONS = {

@@ -9,6 +9,16 @@ import numpy as np
 from ratiokl import spec
 
 B, T, V = 3, 8, 17
+#: The float32 loss and metrics (sums of B*T per-token terms) against the float64 spec.
+LOSS_TOL = spec.reduction_tolerance(B * T)
+#: ``max |logits|``: normal(0, 2) draws of B*T*V entries stay below it.
+LOGIT_SCALE = 10.0
+
+
+def grad_tolerance(expected: np.ndarray) -> spec.Tolerance:
+    """The float32 policy-logit gradient's tolerance against the spec's ``expected``."""
+    return spec.grad_tolerance("float32", LOGIT_SCALE, float(np.abs(expected).max()))
+
 #: name -> options; the rollout correction on top of the loss's other options.
 CASES = {
     "token_truncate": dict(rollout_correction="token-truncate", kl_coef=0.2),

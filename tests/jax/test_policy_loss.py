@@ -1,10 +1,9 @@
 """``ratiokl.jax.loss.policy_loss`` against the float64 spec (``ratiokl.spec.policy_loss``).
 
-Each option's loss, metrics and policy-logit gradient (``jax.grad``) on
-inputs whose inactive rows hold NaN logits, NaN old log-probs / advantages /
-weights and out-of-range ids; all-inactive and empty batches; dtypes;
-argument errors; ``jit``, ``vmap`` and ``checkify``. Mirrors
-``tests/torch/test_policy_loss.py``.
+All-inactive and empty batches, inactive garbage, ``ref_logps``, argument errors,
+``jit``, ``vmap`` and ``checkify`` (each option, packed rows, per-token advantages and
+16-bit logits against the spec, for both frameworks: ``tests/test_policy_loss_spec.py``).
+Mirrors ``tests/torch/test_policy_loss.py``.
 """
 
 from __future__ import annotations
@@ -16,95 +15,28 @@ jax = pytest.importorskip("jax")
 
 import jax.numpy as jnp  # noqa: E402
 
+from assertions import assert_close  # noqa: E402
 from ratiokl import spec  # noqa: E402
 from ratiokl.jax import loss  # noqa: E402
-from policy_test_cases import (  # noqa: E402
-    LOSS_TOL, OPTIONS, PACKED, B, T, V, make_inputs, per_token_upstream)
+from policy_runners import (  # noqa: E402
+    POSITIONAL, assert_matches_spec, jax_inputs, jax_loss_fn, run_jax)
+from policy_test_cases import B, T, V, make_inputs  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
 
-POSITIONAL = ("policy_logits", "ref_logits", "action_ids", "mask", "old_logps", "advantages")
-
-
-def _jax(x, dtype=jnp.float32):
-    out = {k: jnp.asarray(v) for k, v in x.items()}
-    out["policy_logits"] = out["policy_logits"].astype(dtype)
-    out["ref_logits"] = out["ref_logits"].astype(dtype)
-    return out
-
-
-def _loss_fn(keys, options, backend="native"):
-    """``(logits, other arrays) -> (loss, metrics)`` with the options closed over."""
-
-    def fn(logits, arrays):
-        rest = [arrays[k] for k in POSITIONAL[1:]]
-        extra = {k: arrays[k] for k in keys}
-        return loss.policy_loss(logits, *rest, backend=backend, **extra, **options)
-
-    return fn
-
 
 def _run(x, options, *, dtype=jnp.float32, keys=(), transform=lambda f: f):
-    """``(loss, metrics, grad)`` of the JAX call and ``(loss, metrics, grad)`` of the spec."""
-    j = _jax(x, dtype)
-    upstream = per_token_upstream(x["mask"]) if options.get("loss_agg") == "none" else None
-
-    def value_and_grad(logits, arrays):  # the per-token loss: a non-unit upstream per token
-        (value, metrics), vjp = jax.vjp(lambda z: _loss_fn(keys, options)(z, arrays), logits)
-        g = jnp.ones(()) if upstream is None else jnp.asarray(upstream)
-        return (value, metrics), vjp((g, jax.tree_util.tree_map(jnp.zeros_like, metrics)))[0]
-
-    (value, metrics), grad = transform(value_and_grad)(j["policy_logits"], j)
-    args = dict(x, policy_logits=np.asarray(j["policy_logits"].astype(jnp.float32)),
-                ref_logits=np.asarray(j["ref_logits"].astype(jnp.float32)))
-    positional = [args[k] for k in POSITIONAL]
-    kw = {**{k: x[k] for k in keys}, **options}
-    exp_loss, exp_metrics = spec.policy_loss(*positional, **kw)
-    exp_grad = spec.policy_loss_grad(*positional, loss_cotangent=upstream, **kw)
-    return (value, metrics, grad), (exp_loss, exp_metrics, exp_grad)
-
-
-def _assert_matches(actual, expected, dtype="float32"):
-    (value, metrics, grad), (exp_loss, exp_metrics, exp_grad) = actual, expected
-    assert value.dtype == jnp.float32 and value.shape == np.shape(exp_loss)
-    np.testing.assert_allclose(np.asarray(value), exp_loss, rtol=LOSS_TOL.rtol, atol=LOSS_TOL.atol)
-    assert set(metrics) == set(exp_metrics)
-    for name, m in metrics.items():
-        assert m.dtype == jnp.float32 and m.ndim == 0
-        np.testing.assert_allclose(float(m), exp_metrics[name], rtol=LOSS_TOL.rtol,
-                                   atol=LOSS_TOL.atol, err_msg=name)
-    assert np.all(np.isfinite(exp_grad))
-    tol = spec.grad_tolerance(dtype, 8.0, float(np.abs(exp_grad).max()))
-    np.testing.assert_allclose(np.asarray(grad.astype(jnp.float32)), exp_grad,
-                               rtol=tol.rtol, atol=tol.atol)
-
-
-@pytest.mark.parametrize("name", sorted(OPTIONS))
-def test_option_matches_spec(name):
-    x = make_inputs(seed=len(name))
-    keys = ("importance_weights",) if name == "ppo_default" else ()
-    _assert_matches(*_run(x, OPTIONS[name], keys=keys))
-
-
-@pytest.mark.parametrize("name", sorted(PACKED))
-def test_packed_rows_match_spec(name):
-    x = make_inputs(seed=5, active=0.9)
-    _assert_matches(*_run(x, PACKED[name], keys=("segment_ids",)))
+    return run_jax(x, options, dtype=jnp.dtype(dtype).name, keys=keys, transform=transform)
 
 
 def test_gspo_packed_rows_under_jit():
     x = make_inputs(seed=15, active=0.9)
     options = {"ratio_level": "sequence", "loss_agg": "seq-mean-token-mean", "kl_coef": 0.2}
-    _assert_matches(*_run(x, options, keys=("segment_ids",), transform=jax.jit))
-
-
-def test_per_token_advantages_with_nan_on_inactive_rows():
-    x = make_inputs(seed=3, per_token_adv=True)
-    _assert_matches(*_run(x, {"dual_clip": 2.0, "kl_coef": 0.1}, keys=("importance_weights",)))
+    assert_matches_spec(*_run(x, options, keys=("segment_ids",), transform=jax.jit))
 
 
 def test_ref_logps_instead_of_ref_logits():
-    j = _jax(make_inputs(seed=4))
+    j = jax_inputs(make_inputs(seed=4))
     ref_logps = loss.selected_logprobs(j["ref_logits"], j["action_ids"], j["mask"],
                                        check_ids=False)
     rest = [j[k] for k in POSITIONAL[2:]]
@@ -112,14 +44,6 @@ def test_ref_logps_instead_of_ref_logits():
     with_logps = loss.policy_loss(j["policy_logits"], None, *rest, ref_logps=ref_logps,
                                   kl_coef=0.2)[0]
     assert float(with_logits) == float(with_logps)
-
-
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_low_precision_logits(dtype):
-    x = make_inputs(seed=6)
-    actual, expected = _run(x, {"kl_coef": 0.1}, dtype=jnp.dtype(dtype))
-    assert actual[2].dtype == jnp.dtype(dtype)
-    _assert_matches(actual, expected, dtype)
 
 
 @pytest.mark.parametrize("agg", sorted(set(spec.LOSS_AGGS) - {"none"}))  # none: its own file
@@ -157,22 +81,23 @@ def test_inactive_rows_get_exactly_zero_grad_and_do_not_change_the_loss():
 def test_vmap_over_a_batch_axis_matches_separate_calls():
     xs = [make_inputs(seed=s) for s in (13, 14)]
     stacked = {k: jnp.stack([jnp.asarray(x[k]) for x in xs]) for k in xs[0]}
-    fn = _loss_fn(("segment_ids",), {"ratio_level": "sequence", "loss_agg": "seq-mean-token-mean"})
+    fn = jax_loss_fn(("segment_ids",),
+                     {"ratio_level": "sequence", "loss_agg": "seq-mean-token-mean"})
     batched = jax.vmap(lambda logits, arrays: fn(logits, arrays)[0])(
         stacked["policy_logits"], stacked)
     for i, x in enumerate(xs):
-        j = _jax(x)
-        np.testing.assert_allclose(float(batched[i]), float(fn(j["policy_logits"], j)[0]),
-                                   rtol=1e-6, atol=1e-7)
+        j = jax_inputs(x)
+        assert_close(batched[i], fn(j["policy_logits"], j)[0], spec.paths_tolerance(B * T),
+                     "loss")
 
 
 def test_loss_normalizer_traced_equals_float():
-    j = _jax(make_inputs(seed=10))
+    j = jax_inputs(make_inputs(seed=10))
     rest = [j[k] for k in POSITIONAL[1:]]
     a = loss.policy_loss(j["policy_logits"], *rest, loss_normalizer=12.0)[0]
     b = jax.jit(lambda n, *args: loss.policy_loss(*args, loss_normalizer=n)[0])(
         jnp.float32(12.0), j["policy_logits"], *rest)
-    np.testing.assert_allclose(float(a), float(b), rtol=1e-6)
+    assert_close(a, b, spec.paths_tolerance(B * T), "loss")
 
 
 @pytest.mark.parametrize(
@@ -192,7 +117,7 @@ def test_loss_normalizer_traced_equals_float():
     ],
 )
 def test_bad_arguments_name_the_argument(options, error, match):
-    j = _jax(make_inputs(seed=11))
+    j = jax_inputs(make_inputs(seed=11))
     options = dict(options)
     ref = None if options.pop("no_ref", False) else j["ref_logits"]
     adv = jnp.asarray(options.pop("advantages", j["advantages"]))

@@ -15,9 +15,10 @@ import pytest
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
+from assertions import assert_close  # noqa: E402
 from ratiokl import spec  # noqa: E402
 from ratiokl.jax import loss  # noqa: E402
-from rollout_test_cases import CASES, T, make_inputs  # noqa: E402
+from rollout_test_cases import CASES, LOSS_TOL, T, grad_tolerance, make_inputs  # noqa: E402
 
 POSITIONAL = ("policy_logits", "ref_logits", "action_ids", "mask", "old_logps", "advantages")
 
@@ -66,12 +67,12 @@ def test_matches_spec_under_jit(name) -> None:
     arrays, static = _split(name, x)
     value, metrics, grad = _run(x, arrays, static)
     want, want_metrics, want_grad = _spec(x, {**arrays, **static})
-    assert float(value) == pytest.approx(want, rel=2e-5, abs=2e-6)
+    assert_close(value, want, LOSS_TOL, "loss")
     assert sorted(metrics) == sorted(want_metrics)  # jit returns a dict's keys sorted
     for key, expected in want_metrics.items():
-        assert float(metrics[key]) == pytest.approx(expected, rel=2e-5, abs=2e-6), key
+        assert_close(metrics[key], expected, LOSS_TOL, key)
         assert metrics[key].dtype == jnp.float32 and metrics[key].ndim == 0
-    np.testing.assert_allclose(grad, want_grad, rtol=2e-5, atol=2e-7)
+    assert_close(grad, want_grad, grad_tolerance(want_grad), "grad")
     assert not grad[~x["mask"]].any()
 
 

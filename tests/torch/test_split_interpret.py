@@ -18,6 +18,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from assertions import assert_close  # noqa: E402
 from ratiokl import spec  # noqa: E402
 from ratiokl._kernels import LaunchConfig, interpreted, split_plan  # noqa: E402
 from ratiokl.torch import _launch  # noqa: E402
@@ -89,7 +90,7 @@ def test_entropy_split_forward_is_bitwise_the_row_kernel_and_the_spec(vocab, max
     f64 = policy.numpy().astype(np.float64)
     want = spec.entropy(f64, mask.numpy(), temperature=temp.numpy().astype(np.float64))
     tol = spec.forward_tolerance(float(np.nanmax(np.abs(f64[np.isfinite(f64)])) / temp.min()))
-    np.testing.assert_allclose(split[2].numpy(), want, rtol=tol.rtol, atol=tol.atol)
+    assert_close(split[2], want, tol, "entropy")
     assert split[2][2] == 0.0
 
 
@@ -103,7 +104,7 @@ def test_split_forward_and_backward_match_spec():
     scale = float(np.abs(f64(policy)).max() / temp.min())
     tol = spec.forward_tolerance(scale)
     for name, got, want in (("logp", logp, e_logp), ("ratio", ratio, e_ratio), ("kl", kl, e_kl)):
-        np.testing.assert_allclose(got.numpy(), want, rtol=tol.rtol, atol=tol.atol, err_msg=name)
+        assert_close(got, want, tol, name)
 
     coef = torch.linspace(-1.0, 1.0, len(ids), dtype=torch.float32)
     with np.errstate(all="ignore"):  # small row count: one program per tile of a row
@@ -112,7 +113,7 @@ def test_split_forward_and_backward_match_spec():
     e_grad = spec.selected_logprobs_grad(
         f64(policy), ids.numpy(), mask.numpy(), f64(coef), temperature=f64(temp))
     gtol = spec.grad_tolerance("float32", scale, float(np.abs(e_grad).max()))
-    np.testing.assert_allclose(grad.numpy(), e_grad, rtol=gtol.rtol, atol=gtol.atol)
+    assert_close(grad, e_grad, gtol, "grad")
     assert torch.all(grad[2] == 0.0)
 
 

@@ -364,10 +364,11 @@ def _check_policy_loss(world: int, group, options) -> None:
 
     results = sharded_and_whole(run, case, "float32", slice(start, stop), group)
     ((value, metrics), grad), ((value_1, metrics_1), grad_1) = results["sharded"], results["whole"]
-    tol = spec.Tolerance(rtol=1e-5, atol=1e-6)
+    tol = spec.paths_tolerance(mask.numel())  # sums over the tokens
     assert bool(torch.isfinite(value)), value
     assert_close(value, value_1, tol, "policy loss")
-    assert_close(grad, grad_1[..., start:stop], tol, "policy loss grad")
+    grad_tol = spec.paths_tolerance(vocab, float(grad_1.abs().max()))  # sums over the vocab
+    assert_close(grad, grad_1[..., start:stop], grad_tol, "policy loss grad")
     for key, expected in metrics_1.items():
         assert_close(metrics[key], expected, tol, key)
 

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from typing import Dict
 
 __all__ = ["GRAD_ROUNDOFF", "Tolerance", "forward_tolerance", "grad_tolerance",
-           "linear_forward_tolerance", "linear_grad_tolerance"]
+           "linear_forward_tolerance", "linear_grad_tolerance", "paths_tolerance",
+           "reduction_tolerance", "rounding_tolerance"]
 
 
 @dataclass(frozen=True)
@@ -103,3 +104,45 @@ def linear_grad_tolerance(dtype: str, logit_scale: float, magnitude: float) -> T
     shift = _LOGIT_ROUNDINGS * u * max(1.0, float(logit_scale))
     relative = 2.0 * u + 2.0 * shift + forward_tolerance(logit_scale).rtol
     return Tolerance(rtol=2.0 * u, atol=relative * float(magnitude) + 1e-30)
+
+
+#: Unit roundoff of the dtype a whole computation runs in (float64: the spec's own paths).
+_UNIT_ROUNDOFF: Dict[str, float] = {"float64": 2.0**-53, "float32": _FP32_U}
+
+
+def rounding_tolerance(roundings: int, dtype: str = "float32") -> Tolerance:
+    """Tolerance of a value that ``roundings`` correctly rounded ``dtype`` operations (a
+    division, a product, a conversion; no sum that may cancel, no ``exp`` / ``log``) stand
+    between, on both sides taken together: each moves it by at most ``u`` relative, so
+    ``rtol = roundings * u`` and ``atol = 0`` (a token weight, a ratio of counts)."""
+    return Tolerance(rtol=max(int(roundings), 1) * _UNIT_ROUNDOFF[dtype], atol=0.0)
+
+
+def reduction_tolerance(terms: int, magnitude: float = 1.0, dtype: str = "float32") -> Tolerance:
+    """Tolerance of one ``dtype`` evaluation against the exact (float64) value, where the
+    value sums ``terms`` per-token results (a loss, a metric, a rollout weight).
+
+    Each per-token result carries :func:`forward_tolerance`'s ``64 u`` relative error, and a
+    sum of ``terms`` summands in any order adds up to ``(terms - 1) u`` times the sum of their
+    magnitudes (recursive summation's worst case), which ``magnitude`` bounds (``1`` for means
+    and for values whose summands share their sign)::
+
+        rtol = (64 + terms) u        atol = (64 + terms) u * magnitude
+    """
+    ulps = (_FORWARD_ULPS + max(int(terms), 1)) * _UNIT_ROUNDOFF[dtype]
+    return Tolerance(rtol=ulps, atol=ulps * float(magnitude))
+
+
+def paths_tolerance(terms: int = 1, magnitude: float = 1.0, dtype: str = "float32") -> Tolerance:
+    """Tolerance between two ``dtype`` evaluations of one formula that differ only in the
+    order of their roundings: an interpreted kernel and the native path, eager and compiled,
+    ``jit`` and eager, one call and a ``vmap``, PyTorch and JAX.
+
+    Each side is within :func:`reduction_tolerance` of the exact value, so the two are within
+    twice it: ``rtol = atol / magnitude = 2 (64 + terms) u``. ``terms`` is the length of the
+    longest sum behind the value (the vocabulary for a gradient, the tokens for a loss);
+    ``magnitude`` bounds the summands' absolute sum (the largest ``|value|`` where they share
+    a sign).
+    """
+    one = reduction_tolerance(terms, magnitude, dtype)
+    return Tolerance(rtol=2.0 * one.rtol, atol=2.0 * one.atol)
