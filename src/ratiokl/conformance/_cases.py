@@ -21,12 +21,11 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 import numpy as np
 
 from ratiokl.conformance._ops import OPS, Op
+from ratiokl.spec.options import LOGIT_DTYPE_NAMES as LOGIT_DTYPES
 from ratiokl.spec.tolerances import Tolerance
 
 __all__ = ["Case", "build_case", "round_to_dtype", "read_npz", "write_npz", "LOGIT_DTYPES"]
 
-#: Logits dtypes a case may carry.
-LOGIT_DTYPES = ("float32", "float16", "bfloat16")
 
 
 def round_to_dtype(x: np.ndarray, dtype: str) -> np.ndarray:

@@ -18,7 +18,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import checkify
 
-from ratiokl.spec import check_action_ids, check_temperatures
+from ratiokl.spec import LOGIT_DTYPE_NAMES, check_action_ids, check_temperatures
 
 __all__ = [
     "LOGIT_DTYPES",
@@ -39,8 +39,8 @@ __all__ = [
     "poison_bad_temperature",
 ]
 
-#: Logit dtypes every backend accepts; math is float32 whatever the input.
-LOGIT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+#: ``spec.LOGIT_DTYPE_NAMES`` as JAX dtypes.
+LOGIT_DTYPES = tuple(jnp.dtype(name) for name in LOGIT_DTYPE_NAMES)
 
 Temperature = Union[float, jax.Array]
 Normalizer = Union[None, float, jax.Array]

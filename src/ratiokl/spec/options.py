@@ -27,6 +27,7 @@ __all__ = [
     "TermAgg",
     "DEFAULT_LOG_RATIO_BOUND",
     "KL_ESTIMATORS",
+    "LOGIT_DTYPE_NAMES",
     "LOSS_AGGS",
     "OBJECTIVES",
     "POLICY_KL_ESTIMATORS",
@@ -40,6 +41,10 @@ __all__ = [
     "option_code",
     "policy_loss_options",
 ]
+
+#: The logit (and hidden-state / lm_head) dtypes every backend of both frameworks accepts,
+#: by name; the math runs in float32 whatever the input.
+LOGIT_DTYPE_NAMES = ("float32", "float16", "bfloat16")
 
 #: The string options of the public functions, as types (the tables below give their codes).
 BackendName = Literal["auto", "native", "triton", "interpret"]

@@ -16,7 +16,7 @@ from typing import Dict, Optional, Tuple, Union
 
 import torch
 
-from ratiokl.spec import check_action_ids, check_temperatures
+from ratiokl.spec import LOGIT_DTYPE_NAMES, check_action_ids, check_temperatures
 
 __all__ = [
     "ActiveCheck",
@@ -37,8 +37,8 @@ __all__ = [
     "poison_bad_temperature",
 ]
 
-#: Logit dtypes every backend accepts; math is float32 whatever the input.
-LOGIT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: ``spec.LOGIT_DTYPE_NAMES`` as torch dtypes.
+LOGIT_DTYPES = tuple(getattr(torch, name) for name in LOGIT_DTYPE_NAMES)
 
 Temperature = Union[float, torch.Tensor]
 Normalizer = Union[None, float, torch.Tensor]
