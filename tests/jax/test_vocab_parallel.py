@@ -60,13 +60,16 @@ LINEAR = WORKER.with_name("vocab_parallel_linear_worker.py")
 def test_linear_ops_sharded_head_native() -> None:
     """Both linear ops with the lm_head's rows on ``tp`` (native): values and gradients vs
     the spec and the unsharded call, grad inside the body, a dp x tp mesh (and the
-    replicated head with rows on dp), the refusals, bad ids, the compiled collectives."""
+    replicated head with rows on dp), rows on dp alone (the loss's psum), the refusals, bad
+    ids, the compiled collectives."""
     _run("logprobs", "grad_inside_body", "data_and_tensor_parallel", "policy_loss",
-         "refusals", "bad_ids", "collectives", worker=LINEAR, backend=("native",))
+         "data_parallel", "refusals", "bad_ids", "collectives", worker=LINEAR,
+         backend=("native",))
 
 
 def test_linear_ops_sharded_head_interpret() -> None:
     """The linear ops' chunks on the Triton kernels (interpreted behind pure_callback)."""
     pytest.importorskip("torch")
     pytest.importorskip("triton")
-    _run("logprobs", "policy_loss", "bad_ids", worker=LINEAR, backend=("interpret",))
+    _run("logprobs", "policy_loss", "data_parallel", "bad_ids", worker=LINEAR,
+         backend=("interpret",))

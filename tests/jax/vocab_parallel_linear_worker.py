@@ -35,6 +35,7 @@ WORKER = _load_native_worker()
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from jax import lax  # noqa: E402
 from jax.experimental import checkify  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -205,6 +206,37 @@ def _check_policy_loss(extra) -> None:
     assert not np.any(np.asarray(grads["hidden"])[~case["mask"]])
 
 
+def check_data_parallel() -> None:
+    """Rows on ``dp`` (4 devices), the head replicated, no ``vocab_axis``: the ``psum`` of
+    each device's token-sum ``linear_policy_loss`` is the unsharded call's loss, and so are
+    its gradients (``d weight`` summed over ``dp`` by the transpose of the head's cast).
+    Each call's outputs are typed as varying over ``dp``: a loss typed invariant made the
+    ``psum`` a no-op whose transpose scaled ``d weight`` by the device count."""
+    from jax.sharding import AxisType
+
+    mesh = jax.make_mesh((4,), ("dp",), axis_types=(AxisType.Auto,))
+    case = make_case(13, (4, 5), WIDTH, VOCAB, 1, "float32")
+    head, x = _arrays(case, "float32")
+    options = dict(OPTIONS, loss_agg="token-sum", chunk_rows=3)
+
+    def objective(head, x):
+        return loss.linear_policy_loss(
+            head["hidden"], head["weight"], x["ids"], x["mask"], x["old"], x["adv"],
+            ref_logps=x["ref_logps"], bias=head["bias"], kl_coef=0.1, backend=BACKEND,
+            **options)[0]
+
+    head_specs = dict(hidden=P("dp"), weight=P(), bias=P())
+    sharded = jax.shard_map(lambda h, t: lax.psum(objective(h, t), "dp"), mesh=mesh,
+                            in_specs=(head_specs, {k: P("dp") for k in x}), out_specs=P())
+    value, grads = jax.jit(jax.value_and_grad(sharded))(head, x)
+    value_1, grads_1 = jax.value_and_grad(objective)(head, x)
+    assert_close(value, value_1, spec.paths_tolerance(case["mask"].size), "dp loss")
+    for name in ("hidden", "weight", "bias"):
+        terms = VOCAB if name == "hidden" else case["mask"].size
+        tol = spec.paths_tolerance(terms, float(jnp.max(jnp.abs(grads_1[name]))))
+        assert_close(grads[name], grads_1[name], tol, f"dp d {name}")
+
+
 def check_refusals() -> None:
     """``check_vma=False``, or a weight replicated along the axis: ``ValueError`` naming it
     (JAX could not type the gradients)."""
@@ -266,6 +298,7 @@ CHECKS: Dict[str, Callable[[], None]] = {
     "grad_inside_body": check_grad_inside_body,
     "policy_loss": check_policy_loss,
     "data_and_tensor_parallel": check_data_and_tensor_parallel,
+    "data_parallel": check_data_parallel,
     "refusals": check_refusals,
     "bad_ids": check_bad_ids,
     "collectives": check_collectives,

@@ -26,7 +26,7 @@ from ratiokl._kernels.loss_rows import METRIC_NAMES
 from ratiokl.jax import _launch
 from ratiokl.jax._checks import Temperature, kernel_rows
 from ratiokl.jax._launch import Static, TritonCall
-from ratiokl.jax._lm_head import head_grads, head_logits
+from ratiokl.jax._lm_head import head_grads, head_logits, vary_alike
 from ratiokl.jax._triton import fused_static, kernel_coefficients
 from ratiokl.spec import LogitTransform, PolicyLossOptions
 
@@ -39,9 +39,11 @@ def _chunks(call: TritonCall, static: Static, transform: LogitTransform, chunk: 
     """``(loss, means, (d hidden, d weight, d bias | None) | None)`` from the chunk loop."""
     n_rows, width = hidden.shape
     vocab = weight.shape[0]
-    rows = tuple(jnp.zeros((n_rows,), jnp.int32 if i == 5 else jnp.float32) for i in range(6))
-    grads = (jnp.zeros((n_rows, width), hidden.dtype), jnp.zeros((vocab, width), weight.dtype),
-             jnp.zeros((vocab,), jnp.float32)) if want_grad else None
+    # zeros_like: typed as the inputs are inside shard_map (the loop's carries must be).
+    rows = tuple(jnp.zeros_like(hidden, jnp.int32 if i == 5 else jnp.float32, shape=(n_rows,))
+                 for i in range(6))
+    grads = (jnp.zeros_like(hidden), jnp.zeros_like(weight),
+             jnp.zeros_like(weight, jnp.float32, shape=(vocab,))) if want_grad else None
     if n_rows == 0:
         return (jnp.zeros((), jnp.float32), jnp.zeros((len(METRIC_NAMES),), jnp.float32),
                 _bias_grad(grads, bias))
@@ -136,6 +138,7 @@ def policy_loss(call: TritonCall, hidden: jax.Array, weight: jax.Array,
     backends' fused ``policy_loss`` takes them, all ``[N]`` (``old`` None: on-policy).
     Differentiable w.r.t. ``hidden``, ``weight`` and ``bias``."""
     ids, mask_k, temp = kernel_rows(ids, mask, temperature)
+    hidden, weight, bias = vary_alike(hidden, weight, bias, ids, mask_k, temp, adv, weights)
     stop = lax.stop_gradient
     adv, weights = stop(adv), stop(weights)
     static = fused_static(opts, False, ref_logps is not None, iw is not None, old is not None)

@@ -16,8 +16,8 @@ The row statistics and gradient come from a :class:`RowOps`: the shared Triton k
 through a launch function (:func:`triton_rows`: ``"triton"``, ``"interpret"``), XLA's ops
 (:data:`NATIVE_ROWS`), or one vocabulary block's with ``vocab_axis``
 (``ratiokl.jax._vocab_linear``). Inside ``shard_map`` the hidden states, weight and bias
-are cast to vary over every mesh axis any input varies over (:func:`_alike`), so each
-gradient is summed over the axes its input was replicated on.
+are cast to vary over every mesh axis any input varies over (``_lm_head.vary_alike``), so
+each gradient is summed over the axes its input was replicated on.
 """
 
 from __future__ import annotations
@@ -33,8 +33,7 @@ from jax.custom_derivatives import SymbolicZero
 from ratiokl._codes import KL
 from ratiokl.jax import _native
 from ratiokl.jax._checks import Temperature, kernel_rows
-from ratiokl.jax._lm_head import head_grads, head_logits
-from ratiokl.jax._vocab_parallel import varying_axes
+from ratiokl.jax._lm_head import head_grads, head_logits, vary_alike
 from ratiokl.spec import LogitTransform
 
 if TYPE_CHECKING:
@@ -202,19 +201,5 @@ def selected_logprobs(ops: RowOps, hidden: jax.Array, weight: jax.Array,
     w.r.t. ``hidden``, ``weight`` and ``bias``."""
     ids, mask_k, temp = kernel_rows(ids, mask, temperature)
     static = _Static(ops, transform, min(chunk_rows, max(hidden.shape[0], 1)), entropy)
-    hidden, weight, bias = _alike(hidden, weight, bias, ids, mask_k, temp)
+    hidden, weight, bias = vary_alike(hidden, weight, bias, ids, mask_k, temp)
     return _linear(static, hidden, weight, bias, ids, mask_k, lax.stop_gradient(temp))
-
-
-def _alike(hidden, weight, bias, *others):
-    """``hidden``, ``weight`` and ``bias`` typed as varying over every mesh axis that any
-    argument varies over (inside ``shard_map``; nothing changes outside it). Their
-    gradients, sums over rows and vocabulary, vary over all of them; JAX transposes each
-    ``pcast`` into the ``psum`` over the axes the input did not vary over: the whole
-    ``d hidden`` of replicated hidden states over a vocabulary-sharded head, the whole
-    ``d weight`` of a weight replicated over data-parallel rows."""
-    arrays = (hidden, weight, bias)
-    axes = frozenset().union(*(varying_axes(x) for x in arrays + others if x is not None))
-    return tuple(x if x is None or axes <= varying_axes(x) else
-                 lax.pcast(x, tuple(sorted(axes - varying_axes(x))), to="varying")
-                 for x in arrays)

@@ -21,9 +21,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ratiokl.jax._vocab_parallel import varying_axes
 from ratiokl.spec import LogitTransform, transform_logits, transform_slope
 
-__all__ = ["head_grads", "head_logits", "matmul"]
+__all__ = ["head_grads", "head_logits", "matmul", "vary_alike"]
 
 
 def matmul(a: jax.Array, b: jax.Array, contract: Tuple[int, int]) -> jax.Array:
@@ -46,14 +47,34 @@ def _logits(kept: jax.Array, weight: jax.Array, bias: Optional[jax.Array],
     return x.astype(weight.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def vary_alike(hidden: jax.Array, weight: jax.Array, bias: Optional[jax.Array], *others):
+    """``hidden``, ``weight`` and ``bias`` typed as varying over every mesh axis that any
+    argument varies over (inside ``shard_map``; nothing changes outside it). Their
+    gradients, sums over rows and vocabulary, vary over all of them; JAX transposes each
+    ``pcast`` into the ``psum`` over the axes the input did not vary over: the whole
+    ``d hidden`` of replicated hidden states over a vocabulary-sharded head, the whole
+    ``d weight`` of a weight replicated over data-parallel rows."""
+    arrays = (hidden, weight, bias)
+    axes = frozenset().union(*(varying_axes(x) for x in arrays + others if x is not None))
+    return tuple(x if x is None or axes <= varying_axes(x) else
+                 lax.pcast(x, tuple(sorted(axes - varying_axes(x))), to="varying")
+                 for x in arrays)
+
+
 def head_logits(kept: jax.Array, weight: jax.Array, bias: Optional[jax.Array],
                 transform: LogitTransform) -> jax.Array:
     """``x = softcap((kept @ weight.T + bias) * scale)`` ``[C, V]`` in the weight's dtype
     (``kept`` has inactive rows zeroed already). Differentiable, through :func:`head_grads`
     (float32 accumulation): JAX's own transpose of a half-precision ``dot_general``
     accumulates ``d hidden`` in that precision (over the whole vocabulary: a float16
-    ``d hidden`` 20 % off at V = 262,144 on the native route)."""
+    ``d hidden`` 20 % off at V = 262,144 on the native route). Inside ``shard_map`` the
+    three are cast alike first (:func:`vary_alike`), so each gradient is typed as its
+    input."""
+    return _head_logits(*vary_alike(kept, weight, bias), transform)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _head_logits(kept, weight, bias, transform: LogitTransform) -> jax.Array:
     return _logits(kept, weight, bias, transform)
 
 
@@ -69,7 +90,7 @@ def _head_logits_bwd(transform, residuals, dx):
             None if bias is None else db.astype(bias.dtype))
 
 
-head_logits.defvjp(_head_logits_fwd, _head_logits_bwd)
+_head_logits.defvjp(_head_logits_fwd, _head_logits_bwd)
 
 
 def head_grads(dx: jax.Array, x: Optional[jax.Array], kept: jax.Array, weight: jax.Array,

@@ -46,7 +46,7 @@ from ratiokl._kernels.loss_rows import METRIC_NAMES
 from ratiokl.jax import _launch, _native
 from ratiokl.jax._checks import Temperature, kernel_rows
 from ratiokl.jax._launch import Static, TritonCall
-from ratiokl.jax._vocab_parallel import as_varying, varies_over
+from ratiokl.jax._vocab_parallel import as_varying, varies_over, varying_axes
 from ratiokl.spec import PolicyLossOptions
 
 __all__ = ["backend", "fused_static", "kernel_coefficients", "logprobs_entropy",
@@ -54,8 +54,31 @@ __all__ = ["backend", "fused_static", "kernel_coefficients", "logprobs_entropy",
            "token_weights"]
 
 
+@functools.lru_cache(maxsize=None)
+def _typed(call: TritonCall) -> TritonCall:
+    """``call`` with its results typed as varying over every ``shard_map`` axis one of its
+    arrays varies over. jax-triton's and the interpreter's launches type their results
+    invariant; inside ``shard_map`` over rows (data parallelism) a loss typed invariant
+    made ``pmean`` a no-op whose transpose multiplied the gradients by the axis size, and a
+    ``custom_vjp`` whose backward returned invariant gradients for varying inputs failed to
+    trace."""
+
+    @functools.wraps(call)
+    def typed(*args, **keywords):
+        axes = frozenset().union(*(varying_axes(a) for a in args if isinstance(a, jax.Array)))
+        out = call(*args, **keywords)
+        if not axes:
+            return out
+        return jax.tree.map(lambda x: x if axes <= varying_axes(x) else lax.pcast(
+            x, tuple(sorted(axes - varying_axes(x))), to="varying"), out)
+
+    return typed
+
+
 def backend(call: TritonCall) -> Backend:
-    """The backend whose kernels launch through ``call`` (every function below, bound)."""
+    """The backend whose kernels launch through ``call`` (every function below, bound;
+    results typed as :func:`_typed` says)."""
+    call = _typed(call)
     bind = functools.partial
     from ratiokl.jax import _linear, _linear_logprobs, _vocab_linear
 
