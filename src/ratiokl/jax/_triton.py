@@ -46,7 +46,7 @@ from ratiokl._kernels.loss_rows import METRIC_NAMES
 from ratiokl.jax import _launch, _native
 from ratiokl.jax._checks import Temperature, kernel_rows
 from ratiokl.jax._launch import Static, TritonCall
-from ratiokl.jax._vocab_parallel import as_varying, varies_over, varying_axes
+from ratiokl.jax._vocab_parallel import varies_over, varying_axes
 from ratiokl.spec import PolicyLossOptions
 
 __all__ = ["backend", "fused_static", "kernel_coefficients", "logprobs_entropy",
@@ -360,7 +360,7 @@ def _attach_bwd(call, axis, entropy, residuals, g):
     else:
         grad = _launch.backward_op(call, (True, False, False))(
             policy, local_ids, mask_k, temp, lse, coef, lse, lse, lse, lse)
-    return as_varying(grad.astype(policy.dtype), axis), None, None, None, None, None, None
+    return grad.astype(policy.dtype), None, None, None, None, None, None
 
 
 _attach.defvjp(_attach_fwd, _attach_bwd)
@@ -379,7 +379,7 @@ def shard_stats(call: TritonCall, blocks: Sequence[jax.Array], ids: jax.Array, m
     stats = _launch.stats_op(call, len(blocks) > 1, entropy)(
         blocks[0], blocks[-1], ids, mask, temp, jnp.full((1,), start, ids.dtype)
     )
-    lse_k, ref_lse_k, z_a, ref_z_a, mu = (as_varying(o, axis) for o in stats)
+    lse_k, ref_lse_k, z_a, ref_z_a, mu = stats
     m = jnp.stack([lse_k, ref_lse_k][: len(blocks)])
     shift = _native.finite_or_zero(lax.pmax(m, axis))
     # A block's log-sum-exp is its (m, s) = (lse_k, 1).

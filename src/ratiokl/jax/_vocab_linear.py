@@ -38,7 +38,7 @@ from jax import lax
 from ratiokl.jax import _linear_logprobs, _native
 from ratiokl.jax._checks import Temperature
 from ratiokl.jax._linear_logprobs import RowOps
-from ratiokl.jax._vocab_parallel import _ownership, as_varying, block_logps, varies_over
+from ratiokl.jax._vocab_parallel import _ownership, block_logps, varies_over
 from ratiokl.spec import LogitTransform
 
 __all__ = ["kernel_rows", "native_rows", "selected_logprobs"]
@@ -83,8 +83,7 @@ def kernel_rows(call: Callable, axis: str) -> RowOps:
         local = ids - lax.axis_index(axis) * x.shape[-1]
         owned = mask & (local >= 0) & (local < x.shape[-1])
         local_ids = jnp.where(owned, local, -1).astype(ids.dtype)
-        return as_varying(rows.backward(x, local_ids, mask, temp, lse, ent, g_logp, g_ent),
-                          axis)
+        return rows.backward(x, local_ids, mask, temp, lse, ent, g_logp, g_ent)
 
     return RowOps(forward, backward)
 

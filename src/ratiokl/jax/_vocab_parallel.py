@@ -55,7 +55,7 @@ from ratiokl.jax._arrays import XP
 from ratiokl.jax._checks import Temperature
 from ratiokl.spec import vocab_blocks
 
-__all__ = ["VocabParallel", "as_varying", "backend", "block_logps", "global_vocab",
+__all__ = ["VocabParallel", "backend", "block_logps", "global_vocab",
            "varies_over", "varying_axes"]
 
 
@@ -92,11 +92,6 @@ def varying_axes(x: jax.Array) -> frozenset:
 def varies_over(x: jax.Array, axis: str) -> bool:
     """Whether ``x`` is typed as varying over mesh ``axis`` (never with ``check_vma=False``)."""
     return axis in varying_axes(x)
-
-
-def as_varying(x: jax.Array, axis: str) -> jax.Array:
-    """``x`` typed as varying over ``axis`` (jax-triton outputs come back invariant)."""
-    return x if varies_over(x, axis) else lax.pcast(x, axis, to="varying")
 
 
 def backend(per_block: Backend, axis: str, explicit: bool) -> Backend:
