@@ -14,49 +14,24 @@ test_openrlhf_parity.py`` and ``test_openrlhf_adapter.py`` (``.ci/run`` block (d
 
 from __future__ import annotations
 
-import importlib.machinery
-import importlib.util
-import sys
-import types
 from types import SimpleNamespace as NS
 from unittest import mock
 
 import torch
 
+from ratiokl.conformance.targets.openrlhf import FLASH_ATTN_STUBS, stubbed_if_absent
+
 STUBS = {
-    "flash_attn": (), "flash_attn.utils": (),
-    "flash_attn.bert_padding": ("index_first_axis", "pad_input", "rearrange", "unpad_input"),
-    "flash_attn.utils.distributed": ("all_gather",),
+    **FLASH_ATTN_STUBS,
     "vllm": ("SamplingParams",), "vllm.inputs": ("TokensPrompt",), "vllm.utils": ("random_uuid",),
 }
-
-
-def _stubbed(name: str):
-    def call(*_, **__):
-        raise NotImplementedError(f"{name} is a test stub (a CUDA-only package)")
-    return call
 
 
 def import_openrlhf():
     """``openrlhf.trainer.ray.ppo_actor`` with the absent CUDA-only packages stubbed during
     the import (and removed after it: nothing else sees them)."""
-    absent = {name for name in STUBS if "." not in name and name not in sys.modules
-              and importlib.util.find_spec(name) is None}
-    added = []
-    for name, attrs in STUBS.items():
-        if name.split(".")[0] not in absent:
-            continue
-        module = types.ModuleType(name)
-        module.__spec__ = importlib.machinery.ModuleSpec(name, None)
-        for attr in attrs:
-            setattr(module, attr, _stubbed(f"{name}.{attr}"))
-        sys.modules[name] = module
-        added.append(name)
-    try:
+    with stubbed_if_absent(STUBS):
         from openrlhf.trainer.ray import ppo_actor
-    finally:
-        for name in added:
-            del sys.modules[name]
     return ppo_actor
 
 

@@ -16,17 +16,19 @@ by sample packing, never here) and removed after it.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.machinery
 import importlib.util
 import sys
 import types
-from typing import Optional
+from typing import Iterator, Mapping, Optional, Sequence
 
 from ratiokl.conformance._protocol import TargetCall, TargetResult
 from ratiokl.conformance.targets import _torch
 from ratiokl.spec.policy_loss import DEFAULT_LOG_RATIO_BOUND
 
-__all__ = ["NAN_PADDED", "OPTIONS", "OpenRLHFTarget", "TARGET"]
+__all__ = ["FLASH_ATTN_STUBS", "NAN_PADDED", "OPTIONS", "OpenRLHFTarget", "TARGET",
+           "stubbed_if_absent"]
 
 #: ratiokl option -> OpenRLHF's argument (the rest: :func:`_refusal`).
 OPTIONS = {
@@ -42,33 +44,48 @@ OPTIONS = {
 #: The fixture ops this target runs: the loss, the actor's per-token values, the KL.
 _OPS = _torch.POLICY_OPS + _torch.TOKEN_OPS
 
-_STUBS = {"flash_attn": (), "flash_attn.utils": (),
-          "flash_attn.bert_padding": ("index_first_axis", "pad_input", "rearrange", "unpad_input"),
-          "flash_attn.utils.distributed": ("all_gather",)}
+#: The modules of ``flash_attn`` OpenRLHF's model package imports, and their names it uses.
+FLASH_ATTN_STUBS = {
+    "flash_attn": (), "flash_attn.utils": (),
+    "flash_attn.bert_padding": ("index_first_axis", "pad_input", "rearrange", "unpad_input"),
+    "flash_attn.utils.distributed": ("all_gather",),
+}
 
 
 def _stub(name: str):
     def call(*_, **__):
-        raise NotImplementedError(f"{name} is stubbed (flash_attn is not installed)")
+        raise NotImplementedError(f"{name} is stubbed (a CUDA-only package, not installed)")
     return call
+
+
+@contextlib.contextmanager
+def stubbed_if_absent(stubs: Mapping[str, Sequence[str]]) -> Iterator[None]:
+    """Inside, each module of ``stubs`` (name -> the names it defines, functions raising
+    ``NotImplementedError``) whose top-level package is neither imported nor installed is
+    a stub in ``sys.modules``; after, the stubs are gone (nothing else sees them)."""
+    absent = {name for name in stubs if "." not in name and name not in sys.modules
+              and importlib.util.find_spec(name) is None}
+    added = []
+    for name, attrs in stubs.items():
+        if name.split(".")[0] not in absent:
+            continue
+        module = types.ModuleType(name)
+        module.__spec__ = importlib.machinery.ModuleSpec(name, None)
+        for attr in attrs:
+            setattr(module, attr, _stub(f"{name}.{attr}"))
+        sys.modules[name] = module
+        added.append(name)
+    try:
+        yield
+    finally:
+        for name in added:
+            del sys.modules[name]
 
 
 def _openrlhf():
     """``(loss, utils)`` modules of ``openrlhf.models``, ``flash_attn`` stubbed if absent."""
-    added = []
-    if "flash_attn" not in sys.modules and importlib.util.find_spec("flash_attn") is None:
-        for name, attrs in _STUBS.items():
-            module = types.ModuleType(name)
-            module.__spec__ = importlib.machinery.ModuleSpec(name, None)
-            for attr in attrs:
-                setattr(module, attr, _stub(f"{name}.{attr}"))
-            sys.modules[name] = module
-            added.append(name)
-    try:
+    with stubbed_if_absent(FLASH_ATTN_STUBS):
         from openrlhf.models import loss, utils
-    finally:
-        for name in added:
-            del sys.modules[name]
     return loss, utils
 
 
