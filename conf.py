@@ -34,11 +34,11 @@ NAV = [
                 "docs/check",
                 "docs/vocab_parallel", "docs/design", "docs/performance", "PERF"]),
     ("API reference", ["docs/reference/torch", "docs/reference/jax", "docs/reference/spec",
-                       "docs/reference/conformance"]),
-    ("Repository notes", ["benchmarks/README", "fixtures/README"]),
+                       "docs/reference/harness"]),
+    ("Repository notes", ["benchmarks/README", "conformance/README"]),
 ]
 include_patterns = ["README.md", "PERF.md", "docs/**.md", "benchmarks/README.md",
-                    "fixtures/README.md"]
+                    "conformance/README.md"]
 exclude_patterns = ["_build", ".venv"]
 
 source_suffix = {".md": "markdown"}

@@ -4,7 +4,7 @@ ratiokl's conformance fixtures (docs/check.md)::
     ratiokl check --target examples.check_target_port:TorchRatioKL \
                   --target examples.check_target_port:JaxRatioKL --case 'kl_*'
 
-Each class follows ``ratiokl.conformance.CheckTarget``: ``supports`` says which fixture
+Each class follows ``ratiokl.harness.CheckTarget``: ``supports`` says which fixture
 cases it can run (here: the ``ratio_kl`` ones, without the argument checks it does not
 make), ``__call__`` takes the case's NumPy inputs and returns the outputs and the
 gradient with respect to the policy logits, computed from the case's cotangents.
@@ -16,7 +16,7 @@ from typing import Optional
 
 import numpy as np
 
-from ratiokl.conformance import TargetCall, TargetResult
+from ratiokl.harness import TargetCall, TargetResult
 
 
 def supports_ratio_kl(call: TargetCall) -> Optional[str]:

@@ -65,7 +65,7 @@ import pytest  # noqa: E402
 from conformance_subset import SUBSET_PAIRS, SUBSET_TARGETS, representative_cases  # noqa: E402
 from parts import in_part, parse_part  # noqa: E402
 
-from ratiokl import conformance  # noqa: E402
+from ratiokl import harness  # noqa: E402
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -73,7 +73,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--backends",
         default="*",
         help="comma-separated globs of conformance targets to run "
-        f"(default: all of {', '.join(conformance.TARGETS)}; unavailable ones are skipped; "
+        f"(default: all of {', '.join(harness.TARGETS)}; unavailable ones are skipped; "
         f"{', '.join(SUBSET_TARGETS)} on one fixture per group unless named here)",
     )
     parser.addoption(
@@ -96,7 +96,7 @@ def _subsets(config: pytest.Config) -> bool:
 def pytest_report_header(config: pytest.Config) -> List[str]:
     if not _subsets(config):
         return []
-    names = conformance.list_cases()
+    names = harness.list_cases()
     return [f"conformance on {', '.join(SUBSET_TARGETS)} and the strided pass on "
             f"torch-interpret: {len(representative_cases(names))} of {len(names)} fixtures "
             "(one per group); a --backends naming them runs all"]
@@ -149,7 +149,7 @@ def _keep_subsets(config: pytest.Config, items: List[pytest.Item]) -> None:
     everywhere = config.getoption("--fixture-subset")
     if not (everywhere or _subsets(config)):
         return
-    keep = set(representative_cases(conformance.list_cases()))
+    keep = set(representative_cases(harness.list_cases()))
     selected, deselected = [], []
     for item in items:
         params = getattr(item, "callspec", None)
@@ -166,7 +166,7 @@ def _keep_subsets(config: pytest.Config, items: List[pytest.Item]) -> None:
 
 @functools.lru_cache(maxsize=None)
 def _status(target: str):
-    return conformance.target_status(target)
+    return harness.target_status(target)
 
 
 #: (fixture, target) pairs marked slow: the strided second pass through the
@@ -180,7 +180,7 @@ def _params(config: pytest.Config, fixture: str, names):
     for name in names:
         if not any(fnmatch.fnmatch(name, p) for p in patterns):
             continue
-        marks = [pytest.mark.gpu] if conformance.TARGETS[name].gpu else []
+        marks = [pytest.mark.gpu] if harness.TARGETS[name].gpu else []
         if (fixture, name) in _SLOW:
             marks.append(pytest.mark.slow)
         reason = _status(name)
@@ -202,5 +202,5 @@ _TARGET_FIXTURES = {
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     for fixture, keep in _TARGET_FIXTURES.items():
         if fixture in metafunc.fixturenames:
-            names = [n for n, t in conformance.TARGETS.items() if keep(t)]
+            names = [n for n, t in harness.TARGETS.items() if keep(t)]
             metafunc.parametrize(fixture, _params(metafunc.config, fixture, names))

@@ -13,9 +13,9 @@ import json
 
 import pytest
 
-from ratiokl import conformance
+from ratiokl import harness
 from ratiokl._cli import main
-from ratiokl.conformance import TargetResult
+from ratiokl.harness import TargetResult
 
 torch = pytest.importorskip("torch")
 from check_user_targets import NoPerRowTemperature, SignFlippedK3, port  # noqa: E402
@@ -23,8 +23,8 @@ from check_user_targets import NoPerRowTemperature, SignFlippedK3, port  # noqa:
 THIS = "check_user_targets"  # tests/helpers/check_user_targets.py, on the tests' path
 
 
-def _run(name: str, target) -> conformance.CaseResult:
-    return conformance.run_case(conformance.load_case(name), target)
+def _run(name: str, target) -> harness.CaseResult:
+    return harness.run_case(harness.load_case(name), target)
 
 
 @pytest.mark.parametrize("user_target", [port.TorchRatioKL(), port.JaxRatioKL()],
@@ -32,15 +32,15 @@ def _run(name: str, target) -> conformance.CaseResult:
 def test_a_correct_port_passes(user_target):
     if user_target.name == "port-jax":
         pytest.importorskip("jax")
-    for name in conformance.list_cases("kl_k*") + conformance.list_cases("inactive_rows_*"):
+    for name in harness.list_cases("kl_k*") + harness.list_cases("inactive_rows_*"):
         result = _run(name, user_target)
         assert result.status == "passed", (name, result.failures)
 
 
 def test_a_wrong_k3_fails_on_k3_cases_only():
     wrong = SignFlippedK3()
-    k3 = [_run(n, wrong) for n in conformance.list_cases("kl_k3")]
-    k1 = [_run(n, wrong) for n in conformance.list_cases("kl_k1")]
+    k3 = [_run(n, wrong) for n in harness.list_cases("kl_k3")]
+    k1 = [_run(n, wrong) for n in harness.list_cases("kl_k1")]
     assert k3 and all(r.status == "failed" for r in k3)
     assert k1 and all(r.status == "passed" for r in k1)
     message = k3[0].failures[0]
@@ -49,8 +49,8 @@ def test_a_wrong_k3_fails_on_k3_cases_only():
 
 def test_an_unsupported_option_is_skipped_with_its_reason():
     target = NoPerRowTemperature()
-    per_row = [_run(n, target) for n in conformance.list_cases("temperature_per_row")]
-    scalar = [_run(n, target) for n in conformance.list_cases("temperature_scalar")]
+    per_row = [_run(n, target) for n in harness.list_cases("temperature_per_row")]
+    scalar = [_run(n, target) for n in harness.list_cases("temperature_scalar")]
     assert per_row and all(r.status == "skipped" for r in per_row)
     assert per_row[0].skipped.startswith("per-row temperature")
     assert scalar and all(r.status == "passed" for r in scalar)
@@ -75,9 +75,9 @@ def test_a_missing_gradient_and_an_exception_are_failures():
 
 def test_the_builtin_targets_are_check_targets():
     """``torch-native`` through the protocol object gives the result its name gives."""
-    target = conformance.builtin_target("torch-native")
-    assert isinstance(target, conformance.CheckTarget)
-    for name in conformance.list_cases("policy_kl_k3"):
+    target = harness.builtin_target("torch-native")
+    assert isinstance(target, harness.CheckTarget)
+    for name in harness.list_cases("policy_kl_k3"):
         by_name, by_object = _run(name, "torch-native"), _run(name, target)
         assert by_object.passed and by_object.failures == by_name.failures
 
@@ -96,7 +96,7 @@ def test_cli_reports_a_wrong_target_case_by_case(capsys):
     assert main(["check", "--target", f"{THIS}:SignFlippedK3", "--case", "kl_k1",
                  "--case", "kl_k3", "--no-progress"]) == 1
     out = capsys.readouterr().out
-    failed = conformance.list_cases("kl_k3")
+    failed = harness.list_cases("kl_k3")
     for name in failed:
         assert f"sign-flipped-k3 {name} [contiguous]: kl: error is" in out
     assert "FAIL" in out and f"{len(failed)} failures" in out
@@ -107,8 +107,8 @@ def test_cli_verbose_lists_every_case(capsys):
                  "--no-progress", "--verbose"]) == 0
     rows = {line.split()[1]: line.split()[2] for line in capsys.readouterr().out.splitlines()
             if line.startswith("scalar-temperature ")}
-    assert rows == {**{n: "skipped" for n in conformance.list_cases("temperature_per_row")},
-                    **{n: "passed" for n in conformance.list_cases("temperature_scalar")}}
+    assert rows == {**{n: "skipped" for n in harness.list_cases("temperature_per_row")},
+                    **{n: "passed" for n in harness.list_cases("temperature_scalar")}}
 
 
 def test_cli_with_a_target_skipping_everything_exits_2(capsys):
@@ -136,20 +136,20 @@ def test_cli_bad_target_names_the_argument_and_the_fix(spec, words, capsys):
 @pytest.mark.parametrize("name", ["TARGET", "make_target", "NoPerRowTemperature",
                                   "port.JaxRatioKL"])
 def test_load_target_takes_an_instance_a_factory_or_a_class(name):
-    target = conformance.load_target(f"{THIS}:{name}")
-    assert isinstance(target, conformance.CheckTarget) and not isinstance(target, type)
+    target = harness.load_target(f"{THIS}:{name}")
+    assert isinstance(target, harness.CheckTarget) and not isinstance(target, type)
 
 
 def test_load_target_refuses_a_function_that_needs_arguments():
     with pytest.raises(ValueError, match="is a function, not a check target"):
-        conformance.load_target(f"{THIS}:needs_arguments")
+        harness.load_target(f"{THIS}:needs_arguments")
 
 
 def test_check_help_documents_the_protocol(capsys):
     assert main(["check", "--help"]) == 0
     out = capsys.readouterr().out
     for word in ("--target", "supports(call)", "TargetResult", "TargetCall",
-                 "ratiokl.conformance.targets.verl:TARGET", "docs/check.md"):
+                 "ratiokl.harness.targets.verl:TARGET", "docs/check.md"):
         assert word in out, word
 
 

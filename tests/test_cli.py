@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import ratiokl
-from ratiokl import conformance
+from ratiokl import harness
 from ratiokl._cli import _bench, main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,7 +77,7 @@ def test_unknown_backend_lists_the_targets(capsys):
     assert main(["check", "--backend", "torch-native", "--backend", "nope"]) == 2
     err = capsys.readouterr().err
     assert "'nope' matches no target" in err
-    for target in conformance.TARGETS:
+    for target in harness.TARGETS:
         assert target in err
 
 
@@ -87,8 +87,8 @@ def test_check_empty_case_selection(capsys):
 
 
 def test_check_progress_and_strided_summary(tmp_path, capsys):
-    if conformance.target_status("torch-native") is not None:
-        pytest.skip(conformance.target_status("torch-native"))
+    if harness.target_status("torch-native") is not None:
+        pytest.skip(harness.target_status("torch-native"))
     report = tmp_path / "report.json"
     assert main(["check", "--backend", "torch-native", "--case", "vocab_2_*",
                  "--json", str(report)]) == 0
@@ -101,8 +101,8 @@ def test_check_progress_and_strided_summary(tmp_path, capsys):
 
 
 def test_check_contiguous_only_runs_one_pass(capsys):
-    if conformance.target_status("torch-native") is not None:
-        pytest.skip(conformance.target_status("torch-native"))
+    if harness.target_status("torch-native") is not None:
+        pytest.skip(harness.target_status("torch-native"))
     assert main(["check", "--backend", "torch-native", "--case", "vocab_2_*",
                  "--contiguous-only", "--no-progress"]) == 0
     captured = capsys.readouterr()
@@ -113,10 +113,10 @@ def test_check_contiguous_only_runs_one_pass(capsys):
 def test_check_case_takes_the_group_names_the_table_prints(capsys):
     """``--case vocab_2`` (a group as the table prints it) selects that group's cases (the
     case names add the dtype: vocab_2_fp32, ...)."""
-    if conformance.target_status("torch-native") is not None:
-        pytest.skip(conformance.target_status("torch-native"))
-    group = [n for n, e in conformance.load_manifest()["cases"].items() if e["group"] == "vocab_2"]
-    assert group and conformance.list_cases("vocab_2") == sorted(group)
+    if harness.target_status("torch-native") is not None:
+        pytest.skip(harness.target_status("torch-native"))
+    group = [n for n, e in harness.load_manifest()["cases"].items() if e["group"] == "vocab_2"]
+    assert group and harness.list_cases("vocab_2") == sorted(group)
     assert main(["check", "--backend", "torch-native", "--case", "vocab_2",
                  "--contiguous-only", "--no-progress"]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines()]
@@ -125,9 +125,9 @@ def test_check_case_takes_the_group_names_the_table_prints(capsys):
 
 def test_check_case_repeated_runs_the_union(capsys):
     """``--case A --case B`` runs the cases of both globs (it once kept the last alone)."""
-    if conformance.target_status("torch-native") is not None:
-        pytest.skip(conformance.target_status("torch-native"))
-    both = sorted(set(conformance.list_cases("vocab_2")) | set(conformance.list_cases("vocab_1")))
+    if harness.target_status("torch-native") is not None:
+        pytest.skip(harness.target_status("torch-native"))
+    both = sorted(set(harness.list_cases("vocab_2")) | set(harness.list_cases("vocab_1")))
     assert main(["check", "--backend", "torch-native", "--case", "vocab_2", "--case", "vocab_1",
                  "--contiguous-only", "--no-progress"]) == 0
     assert f"({len(both)} cases x 1)" in capsys.readouterr().out
@@ -135,8 +135,8 @@ def test_check_case_repeated_runs_the_union(capsys):
 
 def test_check_prints_unavailable_reasons_in_full(monkeypatch, capsys):
     reason = "line one of a long reason.\nline two: https://example.invalid/install"
-    real = conformance.target_status
-    monkeypatch.setattr(conformance, "target_status",
+    real = harness.target_status
+    monkeypatch.setattr(harness, "target_status",
                         lambda t: reason if t == "jax-triton" else real(t))
     main(["check", "--backend", "jax-triton", "--backend", "torch-native", "--case",
           "vocab_2_fp32", "--no-progress"])
@@ -144,7 +144,7 @@ def test_check_prints_unavailable_reasons_in_full(monkeypatch, capsys):
 
 
 def test_check_with_nothing_runnable_exits_2(monkeypatch, capsys):
-    monkeypatch.setattr(conformance, "target_status", lambda t: "not here")
+    monkeypatch.setattr(harness, "target_status", lambda t: "not here")
     assert main(["check", "--case", "vocab_2_fp32", "--no-progress"]) == 2
     assert "none of the selected targets can run here" in capsys.readouterr().err
 

@@ -1,8 +1,8 @@
 """The one conformance test body, run for every (framework, backend) target.
 
-Each fixture case (``fixtures/cases``) goes through the public API of the
+Each fixture case (``conformance/cases``) goes through the public API of the
 target's framework and is compared with the float64 spec under the case's
-tolerances (see ``ratiokl.conformance``). Torch targets also run every case
+tolerances (see ``ratiokl.harness``). Torch targets also run every case
 with the policy logits as a non-contiguous view whose gaps hold NaN.
 """
 
@@ -21,19 +21,19 @@ import pytest
 
 import ratiokl
 from conformance_subset import representative_cases
-from ratiokl import conformance
+from ratiokl import harness
 from ratiokl.__main__ import main
 
-CASES = conformance.list_cases()
+CASES = harness.list_cases()
 
 
 @functools.lru_cache(maxsize=None)
-def _case(name: str) -> conformance.Case:
-    return conformance.load_case(name)
+def _case(name: str) -> harness.Case:
+    return harness.load_case(name)
 
 
 def _check(case_name: str, target: str, strided: bool) -> None:
-    result = conformance.run_case(_case(case_name), target, strided=strided)
+    result = harness.run_case(_case(case_name), target, strided=strided)
     assert result.passed, f"{target} {case_name} [{result.variant}]:\n" + "\n".join(result.failures)
 
 
@@ -49,7 +49,7 @@ def test_fixture_strided_logits(torch_target: str, case_name: str) -> None:
 
 def test_every_group_covers_the_promised_dtypes() -> None:
     """Each ratio_kl / selected_logprobs group exists in every dtype (one large case: fp32 only)."""
-    manifest = conformance.load_manifest()["cases"]
+    manifest = harness.load_manifest()["cases"]
     groups = {}
     for entry in manifest.values():
         if entry["op"] in ("ratio_kl", "selected_logprobs"):
@@ -58,28 +58,28 @@ def test_every_group_covers_the_promised_dtypes() -> None:
     for group, dtypes in groups.items():
         assert "float32" in dtypes, group
         if group != "vocab_20011":
-            assert dtypes == set(conformance.LOGIT_DTYPES), group
+            assert dtypes == set(harness.LOGIT_DTYPES), group
 
 
 def test_the_default_subset_has_one_case_of_every_group_in_every_dtype() -> None:
     """What ``jax-interpret`` runs without ``--backends`` (``conftest.py``)."""
-    manifest = conformance.load_manifest()["cases"]
+    manifest = harness.load_manifest()["cases"]
     chosen = representative_cases(CASES)
     groups = [manifest[name]["group"] for name in chosen]
     assert sorted(groups) == sorted({entry["group"] for entry in manifest.values()})
-    assert {manifest[name]["dtype"] for name in chosen} == set(conformance.LOGIT_DTYPES)
+    assert {manifest[name]["dtype"] for name in chosen} == set(harness.LOGIT_DTYPES)
     assert representative_cases(reversed(CASES)) == chosen  # the order given is irrelevant
 
 
 def test_importing_conformance_imports_no_framework() -> None:
-    code = "import sys, ratiokl.conformance; print(sorted({'torch', 'jax'} & set(sys.modules)))"
+    code = "import sys, ratiokl.harness; print(sorted({'torch', 'jax'} & set(sys.modules)))"
     env = dict(os.environ, PYTHONPATH=str(Path(ratiokl.__file__).resolve().parents[1]))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert out.stdout.strip() == "[]"
 
 
 def test_cli_check_writes_a_report(tmp_path: Path, capsys) -> None:
-    runnable = [t for t in conformance.TARGETS if conformance.target_status(t) is None]
+    runnable = [t for t in harness.TARGETS if harness.target_status(t) is None]
     if not runnable:
         pytest.skip("no target can run here")
     report = tmp_path / "report.json"
@@ -92,13 +92,13 @@ def test_cli_check_writes_a_report(tmp_path: Path, capsys) -> None:
 
 def test_fixtures_found_in_wheel_layout(tmp_path: Path) -> None:
     """A wheel carries the fixtures as ratiokl/_fixtures (see pyproject's force-include)."""
-    source = Path(conformance.fixtures_root())
+    source = Path(harness.fixtures_root())
     package = Path(ratiokl.__file__).resolve().parent
     shutil.copytree(package, tmp_path / "ratiokl", ignore=shutil.ignore_patterns("__pycache__"))
     data = tmp_path / "ratiokl" / "_fixtures"
     shutil.copytree(source / "cases", data / "cases")
     shutil.copy(source / "manifest.json", data / "manifest.json")
-    code = ("from ratiokl import conformance as c; "
+    code = ("from ratiokl import harness as c; "
             "print(c.fixtures_root()); print(len(c.list_cases()))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env=dict(os.environ, PYTHONPATH=str(tmp_path)), cwd=tmp_path)
@@ -106,14 +106,14 @@ def test_fixtures_found_in_wheel_layout(tmp_path: Path) -> None:
     assert Path(root) == data and int(count) == len(CASES)
 
 
-def _perfect_outcome(case: conformance.Case) -> conformance.Outcome:
+def _perfect_outcome(case: harness.Case) -> harness.Outcome:
     """What an exact backend would return: the expectations rounded to the API dtypes."""
     outputs = {o: case.arrays[f"expected_{o}"].astype(np.float32) for o in case.spec.outputs}
-    grad = conformance.round_to_dtype(case.arrays["expected_grad"], case.dtype)
-    return conformance.Outcome(outputs, {o: "float32" for o in outputs}, grad, case.dtype)
+    grad = harness.round_to_dtype(case.arrays["expected_grad"], case.dtype)
+    return harness.Outcome(outputs, {o: "float32" for o in outputs}, grad, case.dtype)
 
 
-def _mutate(outcome: conformance.Outcome, how: str, case: conformance.Case) -> None:
+def _mutate(outcome: harness.Outcome, how: str, case: harness.Case) -> None:
     inactive, active = ~case.row_mask, np.argwhere(case.row_mask)[0]
     if how == "inactive_ratio_off_by_one_ulp":
         outcome.outputs["ratio"][inactive] = np.nextafter(np.float32(1), np.float32(2))
@@ -134,7 +134,7 @@ def _mutate(outcome: conformance.Outcome, how: str, case: conformance.Case) -> N
                                  "active_grad_spurious_nan", "grad_dtype"])
 def test_judge_rejects(how: str) -> None:
     case = _case("inactive_rows_nan_logits_bf16")
-    assert conformance.judge(case, _perfect_outcome(case)).passed
+    assert harness.judge(case, _perfect_outcome(case)).passed
     outcome = _perfect_outcome(case)
     _mutate(outcome, how, case)
-    assert not conformance.judge(case, outcome).passed
+    assert not harness.judge(case, outcome).passed

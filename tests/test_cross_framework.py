@@ -11,19 +11,19 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ratiokl import conformance
-from ratiokl.conformance._compare import Check, compare_close
+from ratiokl import harness
+from ratiokl.harness._compare import Check, compare_close
 
 PAIR = ("torch-native", "jax-native")
 
 pytestmark = pytest.mark.skipif(
-    any(conformance.target_status(t) for t in PAIR),
+    any(harness.target_status(t) for t in PAIR),
     reason="needs both torch and jax: "
-    + "; ".join(filter(None, (conformance.target_status(t) for t in PAIR))),
+    + "; ".join(filter(None, (harness.target_status(t) for t in PAIR))),
 )
 
 
-def _case(op: str, dtype: str, lead, vocab: int, seed: int, temperature) -> conformance.Case:
+def _case(op: str, dtype: str, lead, vocab: int, seed: int, temperature) -> harness.Case:
     rng = np.random.default_rng(seed)
     logits = rng.normal(0.0, 3.0, (*lead, vocab))
     ids = rng.integers(0, vocab, lead)
@@ -54,8 +54,8 @@ def _case(op: str, dtype: str, lead, vocab: int, seed: int, temperature) -> conf
     if per_row:
         inputs["temperature"] = temperature
     size = () if op == "policy_loss" else lead  # the loss is 0-d
-    cot = {o: rng.normal(size=size) for o in conformance.OPS[op].cotangents}
-    return conformance.build_case(f"cross_{op}_{seed}", "cross", op, dtype, inputs,
+    cot = {o: rng.normal(size=size) for o in harness.OPS[op].cotangents}
+    return harness.build_case(f"cross_{op}_{seed}", "cross", op, dtype, inputs,
                                   options=options, cotangents=cot)
 
 
@@ -74,7 +74,7 @@ def _case(op: str, dtype: str, lead, vocab: int, seed: int, temperature) -> conf
 )
 def test_torch_and_jax_agree(op, dtype, lead, vocab, seed, temperature) -> None:
     case = _case(op, dtype, lead, vocab, seed, temperature)
-    torch_out, jax_out = (conformance.call_target(case, t) for t in PAIR)
+    torch_out, jax_out = (harness.call_target(case, t) for t in PAIR)
     check = Check()
     inactive = ~case.row_mask
     for out in case.spec.outputs:
@@ -88,10 +88,10 @@ def test_torch_and_jax_agree(op, dtype, lead, vocab, seed, temperature) -> None:
     assert check.passed, check.failures
     # Agreement with each other is only meaningful if both agree with the spec.
     for outcome in (torch_out, jax_out):
-        assert conformance.judge(case, outcome).passed
+        assert harness.judge(case, outcome).passed
 
 
-def _rollout_case(correction: str, dtype: str, seed: int) -> conformance.Case:
+def _rollout_case(correction: str, dtype: str, seed: int) -> harness.Case:
     """A ``policy_loss`` case with the rollout correction on packed rows; poisoned inactive
     rows (NaN logits, old and rollout log-probs, bad ids)."""
     rng = np.random.default_rng(seed)
@@ -108,7 +108,7 @@ def _rollout_case(correction: str, dtype: str, seed: int) -> conformance.Case:
               "segment_ids": np.sort(rng.integers(0, 3, lead), axis=-1)}
     options = {"rollout_correction": correction, "rollout_bounds": (0.6, 1.7), "kl_coef": 0.1,
                "loss_agg": "seq-mean-token-sum"}
-    return conformance.build_case(f"cross_rollout_{seed}", "cross", "policy_loss_rollout", dtype,
+    return harness.build_case(f"cross_rollout_{seed}", "cross", "policy_loss_rollout", dtype,
                                   inputs, options=options,
                                   cotangents={"loss": np.float32(0.5)})
 
@@ -119,7 +119,7 @@ def _rollout_case(correction: str, dtype: str, seed: int) -> conformance.Case:
 ])
 def test_torch_and_jax_agree_on_the_rollout_correction(correction, dtype, seed) -> None:
     case = _rollout_case(correction, dtype, seed)
-    torch_out, jax_out = (conformance.call_target(case, t) for t in PAIR)
+    torch_out, jax_out = (harness.call_target(case, t) for t in PAIR)
     check = Check()
     for out in case.spec.outputs:
         compare_close(check, out, jax_out.outputs[out],
@@ -130,4 +130,4 @@ def test_torch_and_jax_agree_on_the_rollout_correction(correction, dtype, seed) 
     assert np.all(torch_out.grad[inactive] == 0) and np.all(jax_out.grad[inactive] == 0)
     assert check.passed, check.failures
     for outcome in (torch_out, jax_out):
-        assert conformance.judge(case, outcome).passed
+        assert harness.judge(case, outcome).passed

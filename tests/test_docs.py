@@ -20,7 +20,7 @@ from ratiokl._requirements import REQUIREMENTS
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", ROOT / "PERF.md", *sorted((ROOT / "docs").rglob("*.md")),
-         ROOT / "benchmarks" / "README.md", ROOT / "fixtures" / "README.md"]
+         ROOT / "benchmarks" / "README.md", ROOT / "conformance" / "README.md"]
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 
 

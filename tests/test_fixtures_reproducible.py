@@ -1,4 +1,4 @@
-"""The committed fixtures are exactly what ``fixtures/generate.py`` writes.
+"""The committed fixtures are exactly what ``conformance/generate.py`` writes.
 
 Inputs and cotangents must be bit-identical. Expected values come from NumPy's
 float64 ``exp``/``log``, whose last bit may differ between CPUs (SIMD paths),
@@ -20,12 +20,12 @@ import pytest
 
 import ratiokl
 from assertions import assert_close
-from ratiokl import conformance
-from ratiokl.conformance._cases import read_npz, write_npz
+from ratiokl import harness
+from ratiokl.harness._cases import read_npz, write_npz
 from ratiokl.spec import Tolerance
 
 REPO = Path(__file__).resolve().parents[1]
-GENERATE = REPO / "fixtures" / "generate.py"
+GENERATE = REPO / "conformance" / "generate.py"
 #: Float64 expectations may move across CPUs' libm paths: by up to 102 ulps seen on one
 #: machine (a k3 KL near 0, where exp(d) - d - 1 cancels), i.e. 2e-14 relative. Judged
 #: relative to the value, far below any fixture tolerance (>= 1e-6).
@@ -48,14 +48,14 @@ def _identical(a: np.ndarray, b: np.ndarray) -> bool:
 
 
 def test_same_case_files(regenerated: Path) -> None:
-    committed = sorted(p.name for p in (REPO / "fixtures" / "cases").glob("*.npz"))
+    committed = sorted(p.name for p in (REPO / "conformance" / "cases").glob("*.npz"))
     assert sorted(p.name for p in (regenerated / "cases").glob("*.npz")) == committed
 
 
-@pytest.mark.parametrize("name", conformance.list_cases())
+@pytest.mark.parametrize("name", harness.list_cases())
 def test_case_reproduces(regenerated: Path, name: str) -> None:
     new_bytes = (regenerated / "cases" / f"{name}.npz").read_bytes()
-    old_bytes = (REPO / "fixtures" / "cases" / f"{name}.npz").read_bytes()
+    old_bytes = (REPO / "conformance" / "cases" / f"{name}.npz").read_bytes()
     new, old = read_npz(new_bytes), read_npz(old_bytes)
     assert sorted(new) == sorted(old)
     for key in old:
@@ -70,9 +70,9 @@ def test_case_reproduces(regenerated: Path, name: str) -> None:
 
 def test_manifest_reproduces(regenerated: Path) -> None:
     new_text = (regenerated / "manifest.json").read_text()
-    old_text = (REPO / "fixtures" / "manifest.json").read_text()
+    old_text = (REPO / "conformance" / "manifest.json").read_text()
     new, old = json.loads(new_text), json.loads(old_text)
-    assert new["format_version"] == old["format_version"] == conformance.FORMAT_VERSION
+    assert new["format_version"] == old["format_version"] == harness.FORMAT_VERSION
     assert sorted(new["cases"]) == sorted(old["cases"])
     for name, entry in old["cases"].items():
         fresh = dict(new["cases"][name])
@@ -82,7 +82,7 @@ def test_manifest_reproduces(regenerated: Path) -> None:
         fresh.pop("tolerances"), fresh.pop("sha256"), entry.pop("sha256")
         assert fresh == entry, name
     same_files = all(
-        (regenerated / e["file"]).read_bytes() == (REPO / "fixtures" / e["file"]).read_bytes()
+        (regenerated / e["file"]).read_bytes() == (REPO / "conformance" / e["file"]).read_bytes()
         for e in old["cases"].values()
     )
     if same_files:

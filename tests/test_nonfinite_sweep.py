@@ -6,7 +6,7 @@ active token reads, and each poison (NaN, +inf, -inf; in logits at a token other
 the action's and at the action's), placed on one active token:
 
 * the outputs are judged against ``ratiokl.spec`` run on the same poisoned inputs by the
-  conformance rule (``ratiokl.conformance.judge``): NaN exactly where the spec has NaN,
+  conformance rule (``ratiokl.harness.judge``): NaN exactly where the spec has NaN,
   equal infinities, finite values within the spec's tolerance, neutral inactive rows; the
   gradient row by row (:func:`_judge`: a row with NaN in the spec has NaN, one with only
   infinities a non-finite entry, a finite one is finite and within tolerance);
@@ -29,8 +29,8 @@ from typing import Any, Dict, List, Tuple
 import numpy as np
 import pytest
 
-from ratiokl import conformance, spec
-from ratiokl.conformance import OPS, Case, build_case
+from ratiokl import harness, spec
+from ratiokl.harness import OPS, Case, build_case
 
 B, T, V = 2, 4, 12
 #: The poisoned token (active), and the inactive tokens (garbage in every input).
@@ -41,7 +41,7 @@ POISONS = {"nan": np.nan, "+inf": np.inf, "-inf": -np.inf}
 
 @dataclasses.dataclass(frozen=True)
 class Scenario:
-    op: str  # a key of ratiokl.conformance.OPS
+    op: str  # a key of ratiokl.harness.OPS
     options: Dict[str, Any]
     inputs: Tuple[str, ...]  # the arrays passed; every one but ids and mask is poisoned
     per_sequence_advantages: bool = False
@@ -163,15 +163,15 @@ def _case(name: str, arrays: Dict[str, np.ndarray]) -> Case:
 
 
 @functools.lru_cache(maxsize=None)
-def _clean(name: str, target: str) -> Tuple[Case, conformance.Outcome]:
+def _clean(name: str, target: str) -> Tuple[Case, harness.Outcome]:
     case = _case(name, _arrays(name))
-    outcome = conformance.call_target(case, target)
-    check = conformance.judge(case, outcome)
+    outcome = harness.call_target(case, target)
+    check = harness.judge(case, outcome)
     assert check.passed, f"{target} {name} without poison: " + "; ".join(check.failures)
     return case, outcome
 
 
-def _judge(case: Case, outcome: conformance.Outcome) -> List[str]:
+def _judge(case: Case, outcome: harness.Outcome) -> List[str]:
     """The conformance rule on the outputs; on the gradient, row by row: a row finite in
     the spec is finite and within tolerance; a row with NaN in the spec has NaN, one with
     only infinities a non-finite entry (where ``+-inf`` meets ``0 * inf`` the kernels'
@@ -180,7 +180,7 @@ def _judge(case: Case, outcome: conformance.Outcome) -> List[str]:
     finite = np.isfinite(expected).all(axis=-1)
     without_grad = dataclasses.replace(
         outcome, grad=np.where(finite[..., None], outcome.grad, expected).astype(np.float32))
-    check = conformance.judge(case, without_grad)
+    check = harness.judge(case, without_grad)
     got = outcome.grad.astype(np.float64)
     for row in map(tuple, np.argwhere(~finite)):
         if np.isnan(expected[row]).any() and not np.isnan(got[row]).any():
@@ -216,7 +216,7 @@ def test_poisoned_active_token(target: str, scenario: str, key: str, poison: str
         column = action if where == "action" else (action + 5) % V
         arrays[key][ROW + (column,)] = POISONS[poison]
     case = _case(scenario, arrays)
-    outcome = conformance.call_target(case, target)
+    outcome = harness.call_target(case, target)
     failures = _judge(case, outcome)
     assert not failures, f"{target} {scenario}, {poison} in {key} ({where}): " + "; ".join(
         failures)

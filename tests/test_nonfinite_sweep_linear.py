@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from ratiokl import spec
-from ratiokl.conformance import Check, compare_close
+from ratiokl.harness import Check, compare_close
 
 B, T, H, V = 2, 4, 6, 12
 ROW = (0, 1)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from assertions import assert_close
-from ratiokl import conformance, spec
+from ratiokl import harness, spec
 
 ROWS, HIDDEN, VOCAB = 6, 4, 17
 ACTIVE = np.array([True, False, True, True, False, False])
@@ -41,7 +41,7 @@ def _torch_grad(target: str, op: str, pad_value: float, strided: bool):
 
     from ratiokl.torch import loss
 
-    backend = conformance.TARGETS[target].backend
+    backend = harness.TARGETS[target].backend
     w = torch.tensor(W, requires_grad=True)
     logits = torch.tensor(H) @ w + torch.tensor(_pad(pad_value))
     if strided:  # interleave with NaN columns and view every other one: last-dim stride 2
@@ -71,7 +71,7 @@ def _jax_grad(target: str, op: str, pad_value: float, strided: bool):
 
     from ratiokl.jax import loss
 
-    backend = conformance.TARGETS[target].backend
+    backend = harness.TARGETS[target].backend
     ids, mask, g = jnp.asarray(IDS, jnp.int32), jnp.asarray(ACTIVE), jnp.asarray(G_OUT)
 
     def total(w):
@@ -123,10 +123,10 @@ def _reference_grad(op: str) -> np.ndarray:
 @pytest.mark.parametrize("op", ["selected_logprobs", "selected_logprobs_entropy", "ratio_kl",
                                 "policy_loss_cispo"])
 def test_padding_never_reaches_the_weight_gradient(target, op, pad_value, strided) -> None:
-    framework = conformance.TARGETS[target].framework
+    framework = harness.TARGETS[target].framework
     if strided and framework == "jax":
         pytest.skip("JAX arrays have no user-visible strides")
-    if conformance.target_status("torch-native") is not None:
+    if harness.target_status("torch-native") is not None:
         pytest.skip("the reference gradient uses torch")
     grad_fn = _torch_grad if framework == "torch" else _jax_grad
     grad = grad_fn(target, op, pad_value, strided)

@@ -1,5 +1,5 @@
 """``policy_objective`` and ``loss_agg="none"``, one test body per behaviour for both
-frameworks (``ratiokl.conformance``'s targets; the fixtures ``objective_*`` and
+frameworks (``ratiokl.harness``'s targets; the fixtures ``objective_*`` and
 ``policy_none_*`` pin the float64 values down on every target).
 
 * ``policy_objective`` on the ``logp`` / entropy of ``selected_logprobs`` (native, with

@@ -13,7 +13,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ratiokl import conformance, spec
+from ratiokl import harness, spec
 
 #: What an inactive row may hold instead of logits.
 POISON = (np.nan, np.inf, -np.inf, 1e30, "random")
@@ -24,9 +24,9 @@ leads = st.lists(st.integers(0, 4), min_size=1, max_size=3).map(tuple)
 
 
 @st.composite
-def cases(draw) -> conformance.Case:
+def cases(draw) -> harness.Case:
     op = draw(st.sampled_from(["ratio_kl", "selected_logprobs"]))
-    dtype = draw(st.sampled_from(conformance.LOGIT_DTYPES))
+    dtype = draw(st.sampled_from(harness.LOGIT_DTYPES))
     lead = draw(leads)
     vocab = draw(st.integers(1, 70))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
@@ -54,7 +54,7 @@ def cases(draw) -> conformance.Case:
         # Behaviour / reference log-probs near the policy's keep ratio and KL (and so the
         # gradient) inside fp16's range.
         temp = inputs.get("temperature", options.get("temperature"))
-        logp = spec.selected_logprobs(conformance.round_to_dtype(logits, dtype), ids, mask,
+        logp = spec.selected_logprobs(harness.round_to_dtype(logits, dtype), ids, mask,
                                       temperature=temp)
         inputs["old_logps"] = np.where(mask, logp + rng.normal(0.0, 0.3, lead), np.nan)
         if draw(st.booleans()):
@@ -62,13 +62,13 @@ def cases(draw) -> conformance.Case:
         else:
             inputs["ref_logits"] = logits + rng.normal(0.0, 0.5, logits.shape)
         options["kl_estimator"] = draw(st.sampled_from(("k1", "k2", "k3")))
-    cot = {o: rng.normal(size=lead) for o in conformance.OPS[op].cotangents}
-    return conformance.build_case("property", "property", op, dtype, inputs, options=options,
+    cot = {o: rng.normal(size=lead) for o in harness.OPS[op].cotangents}
+    return harness.build_case("property", "property", op, dtype, inputs, options=options,
                                   cotangents=cot)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=cases())
-def test_native_backends_match_spec(native_target: str, case: conformance.Case) -> None:
-    result = conformance.run_case(case, native_target)
+def test_native_backends_match_spec(native_target: str, case: harness.Case) -> None:
+    result = harness.run_case(case, native_target)
     assert result.passed, "\n".join(result.failures)

@@ -1,4 +1,4 @@
-"""The trainer check targets (``ratiokl.conformance.targets``) on a few fixture groups, each
+"""The trainer check targets (``ratiokl.harness.targets``) on a few fixture groups, each
 in its trainer's venv (``.ci/run`` block (d)); skipped where the trainer is absent.
 
 The trainer's own loss code is the oracle of what it computes; these tests pin that its
@@ -12,21 +12,21 @@ import importlib.util
 
 import pytest
 
-from ratiokl import conformance
+from ratiokl import harness
 
 pytest.importorskip("torch")
 
 
 def _results(target, *groups):
-    names = sorted({n for g in groups for n in conformance.list_cases(g)})
-    return {n: conformance.run_case(conformance.load_case(n), target) for n in names}
+    names = sorted({n for g in groups for n in harness.list_cases(g)})
+    return {n: harness.run_case(harness.load_case(n), target) for n in names}
 
 
 @pytest.fixture(scope="module")
 def verl():
     if importlib.util.find_spec("verl") is None:
         pytest.skip("verl is not installed (see .ci/run block (d))")
-    from ratiokl.conformance.targets import verl
+    from ratiokl.harness.targets import verl
 
     return verl
 
@@ -79,7 +79,7 @@ def test_verl_refuses_what_it_cannot_express_by_name(verl):
 def openrlhf():
     if importlib.util.find_spec("openrlhf") is None:
         pytest.skip("OpenRLHF is not installed (see .ci/run block (d))")
-    from ratiokl.conformance.targets import openrlhf
+    from ratiokl.harness.targets import openrlhf
 
     return openrlhf
 
@@ -107,7 +107,7 @@ def test_openrlhf_reports_its_token_mean_entropy_under_gspo(openrlhf):
 def trl():
     if importlib.util.find_spec("trl") is None:
         pytest.skip("TRL is not installed (see .ci/run block (d))")
-    from ratiokl.conformance.targets import trl
+    from ratiokl.harness.targets import trl
 
     return trl
 

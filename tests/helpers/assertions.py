@@ -2,7 +2,7 @@
 
 ``assert_close(actual, expected, tol, what)``: NaN exactly where the float64
 ``expected`` has NaN, the same infinities, and ``|a - e| <= atol + rtol |e|``
-elsewhere (``ratiokl.conformance.compare_close``, the rule the fixtures are
+elsewhere (``ratiokl.harness.compare_close``, the rule the fixtures are
 judged by). ``actual`` may be a NumPy, PyTorch or JAX array of any float dtype.
 Returns the worst error as a fraction of its tolerance.
 """
@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ratiokl.conformance import Check, compare_close
+from ratiokl.harness import Check, compare_close
 from ratiokl.spec import Tolerance
 
 

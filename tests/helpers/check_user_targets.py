@@ -10,7 +10,7 @@ from typing import Optional
 
 import numpy as np
 
-from ratiokl.conformance import TargetCall, TargetResult
+from ratiokl.harness import TargetCall, TargetResult
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: examples/
 from examples import check_target_port as port  # noqa: E402

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Dict, Iterable, List
 
-from ratiokl import conformance
+from ratiokl import harness
 
 #: Targets that run :func:`representative_cases` of the fixtures unless ``--backends`` is
 #: given: each ``jax-interpret`` case pays a JAX compilation (about as long as the whole
@@ -23,12 +23,12 @@ def representative_cases(names: Iterable[str]) -> List[str]:
     """One case of each fixture group (a group: one scenario in each dtype), the dtypes
     taken in turn over the groups in sorted order; a group without the dtype whose turn
     it is gives its first case."""
-    manifest = conformance.load_manifest()["cases"]
+    manifest = harness.load_manifest()["cases"]
     groups: Dict[str, Dict[str, str]] = {}
     for name in sorted(names):
         entry = manifest[name]
         groups.setdefault(entry["group"], {}).setdefault(entry["dtype"], name)
-    dtypes = conformance.LOGIT_DTYPES
+    dtypes = harness.LOGIT_DTYPES
     chosen = []
     for turn, group in enumerate(sorted(groups)):
         by_dtype = groups[group]

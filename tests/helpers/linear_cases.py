@@ -10,7 +10,7 @@ from typing import Any, Dict
 import numpy as np
 
 from ratiokl import spec
-from ratiokl.conformance import round_to_dtype
+from ratiokl.harness import round_to_dtype
 
 B, T, H, V = 3, 5, 16, 96  # 15 rows: chunk_rows=4 leaves a remainder of 3
 

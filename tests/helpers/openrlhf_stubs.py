@@ -19,7 +19,7 @@ from unittest import mock
 
 import torch
 
-from ratiokl.conformance.targets.openrlhf import FLASH_ATTN_STUBS, stubbed_if_absent
+from ratiokl.harness.targets.openrlhf import FLASH_ATTN_STUBS, stubbed_if_absent
 
 STUBS = {
     **FLASH_ATTN_STUBS,

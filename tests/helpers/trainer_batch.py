@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 import torch
 from assertions import as_float64, assert_close
 
-from ratiokl.conformance import Check, compare_close
+from ratiokl.harness import Check, compare_close
 from ratiokl.spec import Tolerance
 from ratiokl.spec.tolerances import forward_tolerance, grad_tolerance
 

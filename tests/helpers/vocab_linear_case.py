@@ -12,7 +12,7 @@ from typing import Dict, List, Tuple
 import numpy as np
 
 from ratiokl import spec
-from ratiokl.conformance import round_to_dtype
+from ratiokl.harness import round_to_dtype
 
 #: The head's options every case passes (TRL's order: scale, softcap, temperature).
 OPTIONS = dict(logit_scale=0.8, logit_softcap=6.0, chunk_rows=4)

@@ -16,7 +16,7 @@ jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
 from assertions import assert_close  # noqa: E402
-from ratiokl import conformance, spec  # noqa: E402
+from ratiokl import harness, spec  # noqa: E402
 from ratiokl.jax import loss  # noqa: E402
 
 B, T, V = 2, 5, 23
@@ -35,7 +35,7 @@ def _inputs(seed: int):
 
 
 def test_traced_coefficients_match_numbers_in_one_trace(jax_target: str) -> None:
-    backend = conformance.TARGETS[jax_target].backend
+    backend = harness.TARGETS[jax_target].backend
     x = _inputs(0)
     traces = []
 

@@ -14,7 +14,7 @@ jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
 from assertions import assert_close  # noqa: E402
-from ratiokl import conformance, spec  # noqa: E402
+from ratiokl import harness, spec  # noqa: E402
 from ratiokl.jax import loss  # noqa: E402
 
 B, T, V = 2, 4, 37
@@ -42,7 +42,7 @@ def _problems():
 
 
 def test_vmapped_jit_entropy_and_gradient_are_each_problems_own(jax_target):
-    backend = conformance.TARGETS[jax_target].backend
+    backend = harness.TARGETS[jax_target].backend
 
     def value_and_grad(logits, ids, mask, temp):
         def f(z):
@@ -71,7 +71,7 @@ def test_the_backward_has_an_entropy_term_only_where_the_entropy_is_differentiat
     backward kernel gets the entropy term only with a coefficient (a symbolic-zero
     cotangent otherwise), and ``selected_logprobs`` differentiated through the entropy alone
     drops the log-prob term. Gradients match the spec either way."""
-    reason = conformance.target_status("jax-interpret")
+    reason = harness.target_status("jax-interpret")
     if reason:
         pytest.skip(reason)
     from ratiokl.jax import _interpret

@@ -20,11 +20,11 @@ jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
 from assertions import assert_close  # noqa: E402
-from ratiokl import _requirements, conformance, spec  # noqa: E402
+from ratiokl import _requirements, harness, spec  # noqa: E402
 from ratiokl.jax import _route, loss  # noqa: E402
 from rollout_test_cases import B, T, V, make_inputs  # noqa: E402
 
-REASON = conformance.target_status("jax-interpret")
+REASON = harness.target_status("jax-interpret")
 needs_interpreter = pytest.mark.skipif(REASON is not None, reason=str(REASON))
 
 
@@ -53,7 +53,7 @@ def test_without_torch_or_triton_it_says_what_to_install(missing, distribution):
     assert "pip install 'ratiokl[torch-triton]'" in str(info.value)
     assert "backend='native'" in str(info.value)
     assert _route.backend_name("auto") == "native"
-    assert conformance.target_status("jax-interpret") == _route._interpret_error()
+    assert harness.target_status("jax-interpret") == _route._interpret_error()
     np.testing.assert_array_equal(np.asarray(loss.selected_logprobs(x, ids, mask)),
                                   np.full((2,), -np.log(5.0), np.float32))
 

@@ -121,13 +121,13 @@ def test_torch_backend_with_too_old_triton_raises_with_versions(monkeypatch):
 
 
 def test_check_lists_the_same_reason_for_jax_triton(monkeypatch):
-    from ratiokl import conformance
+    from ratiokl import harness
     from ratiokl.jax import _route
 
     _fake_jax_triton(monkeypatch, {"triton": "3.6.0", "jax-triton": "0.2.0"})
     _route._jax_triton_error.cache_clear()
     try:
-        reason = conformance.target_status("jax-triton")
+        reason = harness.target_status("jax-triton")
         assert reason == version_problem("jax-triton", "0.2.0", extra="jax-triton")
     finally:
         _route._jax_triton_error.cache_clear()

@@ -25,7 +25,7 @@ from jax.experimental import checkify  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from ratiokl import conformance, spec  # noqa: E402
+from ratiokl import harness, spec  # noqa: E402
 from ratiokl.jax import loss  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "helpers"))
@@ -103,8 +103,8 @@ def _split_arguments(case, width: int):
 
 
 def run_fixture(name: str, *, check_vma: bool = True) -> None:
-    """One conformance case, sharded over 4 devices, judged by ``ratiokl.conformance``."""
-    case = conformance.load_case(name)
+    """One conformance case, sharded over 4 devices, judged by ``ratiokl.harness``."""
+    case = harness.load_case(name)
     op = case.spec
     vocab = case.logits.shape[-1]
     width = -(-vocab // TP) * TP
@@ -120,13 +120,13 @@ def run_fixture(name: str, *, check_vma: bool = True) -> None:
         return
     cot = {o: jnp.asarray(c) for o, c in case.cotangents().items()}
     outputs, grad = _with_grad(op, case.logits.ndim, static, check_vma)(logits, arrays, cot)
-    outcome = conformance.Outcome(
+    outcome = harness.Outcome(
         outputs={o: to_np(v) for o, v in outputs.items()},
         output_dtypes={o: str(v.dtype) for o, v in outputs.items()},
         grad=to_np(grad)[..., :vocab],
         grad_dtype=str(grad.dtype),
     )
-    check = conformance.judge(case, outcome)
+    check = harness.judge(case, outcome)
     assert check.passed, (name, check.failures)
     assert not np.any(to_np(grad)[..., vocab:]), (name, "padding columns got a gradient")
 
@@ -154,7 +154,7 @@ def check_fixtures() -> None:
 
 def check_fixtures_all() -> None:
     """Every fixture (slow: one compilation per case)."""
-    for name in conformance.list_cases():
+    for name in harness.list_cases():
         run_fixture(name)
 
 

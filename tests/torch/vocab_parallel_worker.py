@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ratiokl import conformance, spec
+from ratiokl import harness, spec
 from ratiokl.torch import loss
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))  # a subprocess
@@ -295,7 +295,7 @@ def _conformance_call(case, start: int, stop: int, group, backend: str):
         dist.all_reduce(whole, group=group)
         gathered[key] = whole
     dtype_name = lambda t: str(t.dtype).replace("torch.", "")  # noqa: E731
-    return conformance.Outcome(
+    return harness.Outcome(
         outputs={o: v.detach().numpy() for o, v in outputs.items()},
         output_dtypes={o: dtype_name(v) for o, v in outputs.items()},
         grad=gathered[op.differentiate].numpy(),
@@ -313,8 +313,8 @@ def check_conformance(world: int, group, names=None, backend: str = "auto") -> i
     Returns the count run.
     """
     ran = 0
-    for name in conformance.list_cases() if names is None else names:
-        case = conformance.load_case(name)
+    for name in harness.list_cases() if names is None else names:
+        case = harness.load_case(name)
         if case.spec.token_values:
             continue  # per-token log-probs: no vocabulary to shard
         if case.vocab < world:
@@ -327,7 +327,7 @@ def check_conformance(world: int, group, names=None, backend: str = "auto") -> i
                 (name, err)
         else:
             assert case.expect_error is None, f"{name}: expected {case.expect_error}"
-            check = conformance.judge(case, outcome)
+            check = harness.judge(case, outcome)
             assert check.passed, (name, check.failures)
         ran += 1
     return ran
@@ -379,11 +379,11 @@ ROLLOUT_FIXTURES = ("policy_rollout_token_truncate_bf16", "policy_rollout_icepop
 
 
 def check_rollout_fixtures(world: int, group) -> None:
-    """The rollout fixtures on vocabulary shards, judged by ``ratiokl.conformance``."""
+    """The rollout fixtures on vocabulary shards, judged by ``ratiokl.harness``."""
     for name in ROLLOUT_FIXTURES:
-        case = conformance.load_case(name)
+        case = harness.load_case(name)
         start, stop = shard_bounds(case.logits.shape[-1], world)[dist.get_rank(group)]
-        check = conformance.judge(case, _conformance_call(case, start, stop, group, "auto"))
+        check = harness.judge(case, _conformance_call(case, start, stop, group, "auto"))
         assert check.passed, (name, check.failures)
 
 

@@ -5,7 +5,7 @@ fraction of its tolerance, cases skipped) with a progress bar per target while i
 runs, lists the targets that cannot run here with the full reason, each failed case
 with its messages and each skip reason with its cases, and exits 1 if any case
 failed, 2 if nothing could run. ``--target package.module:object`` adds any
-implementation written to the check-target protocol (``ratiokl.conformance.CheckTarget``).
+implementation written to the check-target protocol (``ratiokl.harness.CheckTarget``).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from typing import Dict, List, Sequence, TextIO, Tuple, Union
 from tqdm import tqdm
 
 import ratiokl
-from ratiokl import conformance
-from ratiokl.conformance import Case, CaseResult, CheckTarget
+from ratiokl import harness
+from ratiokl.harness import Case, CaseResult, CheckTarget
 
 __all__ = ["DESCRIPTION", "SUMMARY", "add_arguments", "run"]
 
@@ -32,7 +32,7 @@ DESCRIPTION = f"""\
 Run every conformance fixture (inputs, float64 expectations, a tolerance per dtype) on
 each (framework, backend) target that can run on this machine and compare.
 
-Targets: {', '.join(conformance.TARGETS)}.
+Targets: {', '.join(harness.TARGETS)}.
 PyTorch targets run every case twice: once on contiguous logits and once on a strided
 view of them (every other column of a wider buffer whose gaps hold NaN, which the
 backend must never read nor write a gradient to), so their counts are twice the number
@@ -41,7 +41,7 @@ of cases. JAX arrays carry no strides: JAX targets run each case once.
 --target package.module:object runs the same fixtures on any other implementation (a
 port of a loss to another framework, a trainer's own loss code) instead of the built-in
 targets (add --backend to run both). The object (or the class / function returning it
-when called with no arguments) follows ratiokl.conformance.CheckTarget:
+when called with no arguments) follows ratiokl.harness.CheckTarget:
   name                 the label printed in the table
   supports(call)       None to run the case, else the reason it cannot (printed as skipped)
   __call__(call)       a TargetResult: outputs by name ("loss", "ratio", "logp", ...) and
@@ -49,9 +49,9 @@ when called with no arguments) follows ratiokl.conformance.CheckTarget:
 `call` is a TargetCall: op ("policy_loss", "ratio_kl", ...), dtype, arguments (NumPy
 inputs and scalar options by name), cotangents, the outputs and gradients the case
 compares. Shipped targets for the trainers' own loss code (each needs its trainer):
-  ratiokl.conformance.targets.verl:TARGET       verl 0.9.1 core_algos as ppo_loss runs them
-  ratiokl.conformance.targets.openrlhf:TARGET   OpenRLHF 0.11.2 PolicyLoss, compute_approx_kl
-  ratiokl.conformance.targets.trl:TARGET        TRL 1.16 GRPOTrainer._compute_loss
+  ratiokl.harness.targets.verl:TARGET       verl 0.9.1 core_algos as ppo_loss runs them
+  ratiokl.harness.targets.openrlhf:TARGET   OpenRLHF 0.11.2 PolicyLoss, compute_approx_kl
+  ratiokl.harness.targets.trl:TARGET        TRL 1.16 GRPOTrainer._compute_loss
 (and NAN_PADDED beside each TARGET: the fixtures' NaN padding passed as it is).
 A disagreement is reported case by case: the output, where, the values, the tolerance;
 --verbose lists every case.
@@ -68,14 +68,14 @@ STRIDED_NOTE = ("PyTorch targets run each case twice (contiguous logits, then a 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", action="append", metavar="GLOB",
                         help="target(s) to run, e.g. torch-native or 'jax-*' (repeatable; "
-                             f"default all: {', '.join(conformance.TARGETS)})")
+                             f"default all: {', '.join(harness.TARGETS)})")
     parser.add_argument("--case", action="append", metavar="GLOB",
                         help="cases to run: a glob on case names (vocab_2_fp32) or on the "
                              "case groups the table prints (vocab_2); repeatable (the union); "
                              "default all")
     parser.add_argument("--target", action="append", metavar="MODULE:OBJECT",
                         help="also run any implementation of the check-target protocol, "
-                             "e.g. ratiokl.conformance.targets.verl:TARGET (repeatable); "
+                             "e.g. ratiokl.harness.targets.verl:TARGET (repeatable); "
                              "without --backend only these run")
     parser.add_argument("--contiguous-only", action="store_true",
                         help="skip the second pass of PyTorch targets on strided logits")
@@ -89,15 +89,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def unknown_patterns(patterns: Sequence[str]) -> List[str]:
     """The ``--backend`` globs that match no target name."""
-    return [p for p in patterns if not any(fnmatch.fnmatch(t, p) for t in conformance.TARGETS)]
+    return [p for p in patterns if not any(fnmatch.fnmatch(t, p) for t in harness.TARGETS)]
 
 
 def _targets(patterns: Sequence[str]) -> Tuple[List[str], Dict[str, str]]:
     """Selected targets that can run here, and the selected ones that cannot (with reasons)."""
-    selected = [t for t in conformance.TARGETS if any(fnmatch.fnmatch(t, p) for p in patterns)]
+    selected = [t for t in harness.TARGETS if any(fnmatch.fnmatch(t, p) for p in patterns)]
     runnable, unavailable = [], {}
     for target in selected:
-        reason = conformance.target_status(target)
+        reason = harness.target_status(target)
         if reason is None:
             runnable.append(target)
         else:
@@ -106,7 +106,7 @@ def _targets(patterns: Sequence[str]) -> Tuple[List[str], Dict[str, str]]:
 
 
 def _variants(target: Union[str, CheckTarget], strided: bool) -> Tuple[bool, ...]:
-    torch_target = isinstance(target, str) and conformance.TARGETS[target].framework == "torch"
+    torch_target = isinstance(target, str) and harness.TARGETS[target].framework == "torch"
     return (False, True) if strided and torch_target else (False,)
 
 
@@ -131,7 +131,7 @@ def _run_target(target: Union[str, CheckTarget], cases: Sequence[Case],
         for strided in variants:
             bar.set_description(f"{label:<16}" + (" (strided pass)" if strided else ""))
             for case in cases:
-                results.append(conformance.run_case(case, target, strided=strided))
+                results.append(harness.run_case(case, target, strided=strided))
                 bar.update()
     return results
 
@@ -206,7 +206,7 @@ def _print_skips(results: List[CaseResult], out: TextIO) -> None:
 
 def _load_targets(specs: Sequence[str]) -> List[CheckTarget]:
     """``--target`` objects; ``ValueError`` naming ``--target`` and the fix."""
-    return [conformance.load_target(spec, argument="--target") for spec in specs]
+    return [harness.load_target(spec, argument="--target") for spec in specs]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -216,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
     unknown = unknown_patterns(patterns)
     if unknown:
         print(f"ratiokl check: --backend {', '.join(map(repr, unknown))} matches no target; "
-              f"choose from {', '.join(conformance.TARGETS)} (globs allowed, e.g. 'torch-*')",
+              f"choose from {', '.join(harness.TARGETS)} (globs allowed, e.g. 'torch-*')",
               file=sys.stderr)
         return 2
     try:
@@ -224,9 +224,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"ratiokl check: {error}", file=sys.stderr)
         return 2
-    root = conformance.fixtures_root()
+    root = harness.fixtures_root()
     globs = args.case or ["*"]
-    names = sorted({name for glob in globs for name in conformance.list_cases(glob, root)})
+    names = sorted({name for glob in globs for name in harness.list_cases(glob, root)})
     if not names:
         print(f"ratiokl check: no case matches --case {', '.join(map(repr, globs))} (neither "
               "a case name nor a case group)", file=sys.stderr)
@@ -234,11 +234,11 @@ def run(args: argparse.Namespace) -> int:
     builtins, unavailable = _targets(patterns)
     targets: List[Union[str, CheckTarget]] = [*builtins, *external]
     print(f"ratiokl {ratiokl.__version__}: {len(names)} cases from {root}", file=out)
-    if not args.contiguous_only and any(conformance.TARGETS[t].framework == "torch"
+    if not args.contiguous_only and any(harness.TARGETS[t].framework == "torch"
                                         for t in builtins):
         print(STRIDED_NOTE, file=out)
     start = time.perf_counter()
-    cases = [conformance.load_case(n, root) for n in names]
+    cases = [harness.load_case(n, root) for n in names]
     what = ("case", "status", "worst/tol or reason") if args.verbose else (
         "case group", "passed", "worst/tol")
     print(f"\n{'target':<18}{what[0]:<44}{what[1]:>9}{what[2]:>11}", file=out)

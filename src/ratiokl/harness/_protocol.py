@@ -7,8 +7,8 @@ gradients, without its expectations) and asks ``supports(call)``: ``None`` runs 
 a string skips it and is reported as the reason. A run returns a :class:`TargetResult`:
 the outputs it computed and the gradients :attr:`TargetCall.grads` names, NumPy arrays (any
 float dtype; compared in float64). ratiokl's own six targets are written in this protocol
-(``ratiokl.conformance.builtin_target``), and so are the trainers' own loss codes in
-``ratiokl.conformance.targets``.
+(``ratiokl.harness.builtin_target``), and so are the trainers' own loss codes in
+``ratiokl.harness.targets``.
 
 ``load_target("package.module:object")`` imports a target the way ``--target`` does.
 """
@@ -22,8 +22,8 @@ from typing import Any, Mapping, Optional, Protocol, Tuple, runtime_checkable
 
 import numpy as np
 
-from ratiokl.conformance._cases import Case
-from ratiokl.conformance._ops import OPS, Op
+from ratiokl.harness._cases import Case
+from ratiokl.harness._ops import OPS, Op
 
 __all__ = ["CheckTarget", "TargetCall", "TargetResult", "load_target"]
 
@@ -75,7 +75,7 @@ class TargetCall:
 
     @classmethod
     def of(cls, case: Case) -> "TargetCall":
-        """The call of a loaded :class:`~ratiokl.conformance.Case`."""
+        """The call of a loaded :class:`~ratiokl.harness.Case`."""
         op = case.spec
         return cls(case=case.name, group=case.group, op=case.op, dtype=case.dtype,
                    arguments=case.arguments(),
@@ -163,7 +163,7 @@ def load_target(spec: str, *, argument: str = "--target") -> CheckTarget:
     if not isinstance(obj, CheckTarget):
         raise ValueError(f"{argument} {spec!r} is a {type(obj).__name__}, not a check target: "
                          "it needs a `name`, `supports(call)` and `__call__(call)` (see "
-                         "ratiokl.conformance.CheckTarget and docs/check.md)")
+                         "ratiokl.harness.CheckTarget and docs/check.md)")
     return obj
 
 

@@ -1,6 +1,6 @@
 """verl's own policy loss as a check target (verl 0.9.1; ``pip install 'ratiokl[verl]'``).
 
-``ratiokl check --target ratiokl.conformance.targets.verl:TARGET`` runs the fixtures'
+``ratiokl check --target ratiokl.harness.targets.verl:TARGET`` runs the fixtures'
 ``policy_loss`` and ``policy_objective`` cases through ``verl.trainer.ppo.core_algos``:
 the configured policy loss (``get_policy_loss_fn``: ``vanilla``, ``gspo``, ``cispo``), then
 ``- entropy_coeff * agg_loss(entropy)`` and ``+ kl_loss_coef * agg_loss(kl_penalty(...))``,
@@ -16,8 +16,8 @@ from __future__ import annotations
 import math
 from typing import Any, Dict, Optional
 
-from ratiokl.conformance._protocol import TargetCall, TargetResult
-from ratiokl.conformance.targets import _torch
+from ratiokl.harness._protocol import TargetCall, TargetResult
+from ratiokl.harness.targets import _torch
 from ratiokl.spec.policy_loss import DEFAULT_LOG_RATIO_BOUND
 
 __all__ = ["NAN_PADDED", "OPTIONS", "TARGET", "VerlTarget"]

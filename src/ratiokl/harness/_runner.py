@@ -14,11 +14,11 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
-from ratiokl.conformance._builtin import builtin_target
-from ratiokl.conformance._cases import Case
-from ratiokl.conformance._compare import Check, compare_close, compare_neutral
-from ratiokl.conformance._frameworks import Outcome
-from ratiokl.conformance._protocol import CheckTarget, TargetCall, TargetResult
+from ratiokl.harness._builtin import builtin_target
+from ratiokl.harness._cases import Case
+from ratiokl.harness._compare import Check, compare_close, compare_neutral
+from ratiokl.harness._frameworks import Outcome
+from ratiokl.harness._protocol import CheckTarget, TargetCall, TargetResult
 
 __all__ = ["CaseResult", "judge", "outcome_of", "run_case"]
 

@@ -1,6 +1,6 @@
 """TRL's own GRPO loss as a check target (TRL 1.16; ``pip install 'ratiokl[trl]'``).
 
-``ratiokl check --target ratiokl.conformance.targets.trl:TARGET`` runs the fixtures'
+``ratiokl check --target ratiokl.harness.targets.trl:TARGET`` runs the fixtures'
 ``policy_loss`` and ``policy_objective`` cases through ``GRPOTrainer._compute_loss`` itself,
 called unbound on a small host object that holds the configuration fields it reads
 (:class:`_Host`: the loss type, clip bounds, ``beta``, ``delta``, the entropy bonus) in
@@ -18,8 +18,8 @@ from collections import defaultdict
 from types import SimpleNamespace
 from typing import Any, Optional
 
-from ratiokl.conformance._protocol import TargetCall, TargetResult
-from ratiokl.conformance.targets import _torch
+from ratiokl.harness._protocol import TargetCall, TargetResult
+from ratiokl.harness.targets import _torch
 from ratiokl.spec.policy_loss import DEFAULT_LOG_RATIO_BOUND
 
 __all__ = ["LOSS_TYPES", "NAN_PADDED", "OPTIONS", "TARGET", "TRLTarget"]

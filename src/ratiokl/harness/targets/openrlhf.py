@@ -1,6 +1,6 @@
 """OpenRLHF's own policy loss as a check target (OpenRLHF 0.11.2; ``ratiokl[openrlhf]``).
 
-``ratiokl check --target ratiokl.conformance.targets.openrlhf:TARGET`` runs the fixtures'
+``ratiokl check --target ratiokl.harness.targets.openrlhf:TARGET`` runs the fixtures'
 ``policy_loss`` and ``policy_objective`` cases through ``openrlhf.models``: ``PolicyLoss``
 (clip, dual clip, token- or sequence-level loss, GSPO), then ``+ kl_coef *
 aggregate_loss(compute_approx_kl(...))`` and ``- entropy_coef * aggregate_loss(entropy)``
@@ -23,8 +23,8 @@ import sys
 import types
 from typing import Iterator, Mapping, Optional, Sequence
 
-from ratiokl.conformance._protocol import TargetCall, TargetResult
-from ratiokl.conformance.targets import _torch
+from ratiokl.harness._protocol import TargetCall, TargetResult
+from ratiokl.harness.targets import _torch
 from ratiokl.spec.policy_loss import DEFAULT_LOG_RATIO_BOUND
 
 __all__ = ["FLASH_ATTN_STUBS", "NAN_PADDED", "OPTIONS", "OpenRLHFTarget", "TARGET",

@@ -1,7 +1,7 @@
 """Framework adapters: NumPy case -> framework call -> NumPy outputs and gradient.
 
 Each adapter imports its framework lazily, so importing
-``ratiokl.conformance`` imports neither torch nor jax. A target is one
+``ratiokl.harness`` imports neither torch nor jax. A target is one
 ``(framework, backend)`` pair, named ``"<framework>-<backend>"``.
 """
 
@@ -14,9 +14,9 @@ from typing import Any, Callable, Dict, Optional, Tuple, Union
 import numpy as np
 
 from ratiokl._requirements import MissingDependency, import_framework, unmet
-from ratiokl.conformance._cases import Case
-from ratiokl.conformance._ops import OPS
-from ratiokl.conformance._protocol import TargetCall
+from ratiokl.harness._cases import Case
+from ratiokl.harness._ops import OPS
+from ratiokl.harness._protocol import TargetCall
 
 __all__ = ["TARGETS", "Outcome", "Target", "call_target", "target_status"]
 

@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional
 
-from ratiokl.conformance._cases import Case, read_npz, sha256, write_npz
+from ratiokl.harness._cases import Case, read_npz, sha256, write_npz
 from ratiokl.spec.tolerances import Tolerance
 
 __all__ = ["FORMAT_VERSION", "fixtures_root", "list_cases", "load_case", "load_manifest", "write_fixtures"]
@@ -29,13 +29,13 @@ _PACKAGE_DIR = Path(__file__).resolve().parents[1]
 
 def fixtures_root() -> Path:
     """The directory holding ``manifest.json``: installed data first, then the checkout."""
-    for root in (_PACKAGE_DIR / "_fixtures", _PACKAGE_DIR.parents[1] / "fixtures"):
+    for root in (_PACKAGE_DIR / "_fixtures", _PACKAGE_DIR.parents[1] / "conformance"):
         if (root / "manifest.json").is_file():
             return root
     raise FileNotFoundError(
         "conformance fixtures not found: expected ratiokl/_fixtures/manifest.json (installed "
-        "wheel) or fixtures/manifest.json (source checkout); regenerate them with "
-        "`python fixtures/generate.py`"
+        "wheel) or conformance/manifest.json (source checkout); regenerate them with "
+        "`python conformance/generate.py`"
     )
 
 
@@ -46,7 +46,7 @@ def load_manifest(root: Optional[Path] = None) -> Dict[str, Any]:
     if manifest.get("format_version") != FORMAT_VERSION:
         raise ValueError(
             f"{root / 'manifest.json'} has format_version {manifest.get('format_version')!r}; "
-            f"this ratiokl reads {FORMAT_VERSION}; regenerate with `python fixtures/generate.py`"
+            f"this ratiokl reads {FORMAT_VERSION}; regenerate with `python conformance/generate.py`"
         )
     return manifest
 

@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict, Optional, Sequence
 
 import numpy as np
 
-from ratiokl.conformance._protocol import TargetCall, TargetResult
+from ratiokl.harness._protocol import TargetCall, TargetResult
 
 __all__ = ["POLICY_OPS", "TOKEN_OPS", "TokenBatch", "padded_arguments", "per_token_outputs",
            "refusal", "result", "token_batch"]

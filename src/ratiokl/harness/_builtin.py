@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from ratiokl.conformance._frameworks import TARGETS, Outcome, call_target
-from ratiokl.conformance._protocol import TargetCall, TargetResult
+from ratiokl.harness._frameworks import TARGETS, Outcome, call_target
+from ratiokl.harness._protocol import TargetCall, TargetResult
 
 __all__ = ["BuiltinTarget", "builtin_target", "result_of"]
 
@@ -14,7 +14,7 @@ __all__ = ["BuiltinTarget", "builtin_target", "result_of"]
 @dataclass(frozen=True)
 class BuiltinTarget:
     """``ratiokl.<framework>.loss`` on one backend (``"torch-native"`` ...) as a
-    :class:`~ratiokl.conformance.CheckTarget`: it supports every case, checks the output
+    :class:`~ratiokl.harness.CheckTarget`: it supports every case, checks the output
     and gradient dtypes, and with ``strided`` (PyTorch only) passes the main logits as a
     strided view whose unused slots must get no gradient."""
 

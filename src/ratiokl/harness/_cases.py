@@ -20,7 +20,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 import numpy as np
 
-from ratiokl.conformance._ops import OPS, Op
+from ratiokl.harness._ops import OPS, Op
 from ratiokl.spec.options import LOGIT_DTYPE_NAMES as LOGIT_DTYPES
 from ratiokl.spec.tolerances import Tolerance
 

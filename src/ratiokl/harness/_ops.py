@@ -5,7 +5,7 @@ One :class:`Op` per public function under test. The fixture generator uses
 the runner uses the argument lists to call ``loss.<name>`` of either
 framework and the output names to compare. Adding an operator (e.g.
 ``policy_loss``) means adding one entry to :data:`OPS` and its cases to
-``fixtures/generate.py``; nothing else changes shape.
+``conformance/generate.py``; nothing else changes shape.
 """
 
 from __future__ import annotations

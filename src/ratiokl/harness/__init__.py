@@ -6,9 +6,9 @@ when a case runs on it.
 
 Typical use::
 
-    from ratiokl import conformance
-    for name in conformance.list_cases("inactive_rows_*"):
-        result = conformance.run_case(conformance.load_case(name), "torch-native")
+    from ratiokl import harness
+    for name in harness.list_cases("inactive_rows_*"):
+        result = harness.run_case(harness.load_case(name), "torch-native")
         assert result.passed, result.failures
 
 Targets are ``"torch-native"``, ``"torch-interpret"``, ``"torch-triton"``,
@@ -20,15 +20,15 @@ Any other implementation (a trainer's loss, a port to another framework) runs th
 cases through the check-target protocol: an object with ``name``, ``supports(call)`` and
 ``__call__(call)`` (:class:`CheckTarget`, :class:`TargetCall`, :class:`TargetResult`)::
 
-    result = conformance.run_case(conformance.load_case(name), my_target)
+    result = harness.run_case(harness.load_case(name), my_target)
     print(result.status, result.skipped or result.failures)
 
 ``ratiokl check --target package.module:object`` does this for every case
-(``docs/check.md``); the trainers' own loss codes are in ``ratiokl.conformance.targets``.
+(``docs/check.md``); the trainers' own loss codes are in ``ratiokl.harness.targets``.
 """
 
-from ratiokl.conformance._cases import LOGIT_DTYPES, Case, build_case, round_to_dtype
-from ratiokl.conformance._fixtures import (
+from ratiokl.harness._cases import LOGIT_DTYPES, Case, build_case, round_to_dtype
+from ratiokl.harness._fixtures import (
     FORMAT_VERSION,
     fixtures_root,
     list_cases,
@@ -36,12 +36,12 @@ from ratiokl.conformance._fixtures import (
     load_manifest,
     write_fixtures,
 )
-from ratiokl.conformance._frameworks import TARGETS, Outcome, Target, call_target, target_status
-from ratiokl.conformance._protocol import CheckTarget, TargetCall, TargetResult, load_target
-from ratiokl.conformance._builtin import BuiltinTarget, builtin_target
-from ratiokl.conformance._ops import OPS, Op
-from ratiokl.conformance._compare import Check, compare_close
-from ratiokl.conformance._runner import CaseResult, judge, outcome_of, run_case
+from ratiokl.harness._frameworks import TARGETS, Outcome, Target, call_target, target_status
+from ratiokl.harness._protocol import CheckTarget, TargetCall, TargetResult, load_target
+from ratiokl.harness._builtin import BuiltinTarget, builtin_target
+from ratiokl.harness._ops import OPS, Op
+from ratiokl.harness._compare import Check, compare_close
+from ratiokl.harness._runner import CaseResult, judge, outcome_of, run_case
 
 __all__ = [
     "FORMAT_VERSION",

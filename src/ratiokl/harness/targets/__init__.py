@@ -1,5 +1,5 @@
 """Check targets for trainers' own loss code: ``ratiokl check --target
-ratiokl.conformance.targets.<trainer>:TARGET``.
+ratiokl.harness.targets.<trainer>:TARGET``.
 
 Each module imports its trainer only when a case runs (``ratiokl[verl]``,
 ``ratiokl[openrlhf]``, ``ratiokl[trl]``), maps the fixture's options onto the trainer's own
@@ -9,9 +9,9 @@ float32 with the trainer's own helpers, runs the trainer's loss, and differentia
 with ``torch.autograd``. What the trainer computes differently (NaN in padded positions
 reaching the loss, a clamp, another denominator) is a reported disagreement, case by case.
 
-* :mod:`~ratiokl.conformance.targets.verl`: verl 0.9.1 ``core_algos`` (``get_policy_loss_fn``,
+* :mod:`~ratiokl.harness.targets.verl`: verl 0.9.1 ``core_algos`` (``get_policy_loss_fn``,
   ``agg_loss``, ``kl_penalty``) composed as ``workers/utils/losses.ppo_loss`` composes them.
-* :mod:`~ratiokl.conformance.targets.openrlhf`: OpenRLHF 0.11.2 ``PolicyLoss`` and
+* :mod:`~ratiokl.harness.targets.openrlhf`: OpenRLHF 0.11.2 ``PolicyLoss`` and
   ``compute_approx_kl``.
-* :mod:`~ratiokl.conformance.targets.trl`: TRL 1.16 ``GRPOTrainer``'s per-token loss.
+* :mod:`~ratiokl.harness.targets.trl`: TRL 1.16 ``GRPOTrainer``'s per-token loss.
 """
