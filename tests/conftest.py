@@ -3,7 +3,9 @@
 A test that takes a ``target`` argument runs once per target
 (``torch-native``, ``torch-interpret``, ``torch-triton``, ``jax-native``,
 ``jax-interpret``, ``jax-triton``); ``native_target`` once per ``*-native`` target,
-``torch_target`` once per ``torch-*`` target and ``jax_target`` once per ``jax-*`` target.
+``torch_target`` once per ``torch-*`` target, ``jax_target`` once per ``jax-*`` target and
+``interpret_target`` once per ``*-interpret`` target and ``cpu_target`` once per target
+that runs without a GPU.
 ``--backends`` narrows the list (comma-separated globs, e.g.
 ``--backends=torch-*``). GPU targets carry ``pytest.mark.gpu``; a target that
 cannot run here is skipped with the reason; the Triton interpreter's strided
@@ -196,6 +198,8 @@ _TARGET_FIXTURES = {
     "native_target": lambda t: t.backend == "native",
     "torch_target": lambda t: t.framework == "torch",
     "jax_target": lambda t: t.framework == "jax",
+    "interpret_target": lambda t: t.backend == "interpret",
+    "cpu_target": lambda t: not t.gpu,
 }
 
 

@@ -6,6 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from assertions import assert_close, assert_identical
+
+from ratiokl import spec
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -51,8 +55,8 @@ def test_cached_launches_give_tritons_bits(dtype, offset, monkeypatch):
         _triton_path(m)
         reference = _step(*inputs)
     for a, b, c in zip(cold, warm, reference):
-        torch.testing.assert_close(a, c, rtol=0, atol=0, equal_nan=True)
-        torch.testing.assert_close(b, c, rtol=0, atol=0, equal_nan=True)
+        assert_identical(a, c, "cold launch")
+        assert_identical(b, c, "warm launch")
 
 
 def test_vocabularies_of_the_same_facts_are_two_kernels(monkeypatch):
@@ -65,7 +69,7 @@ def test_vocabularies_of_the_same_facts_are_two_kernels(monkeypatch):
         got, _ = policy_loss(policy, None, ids, mask, old, adv, check_ids=False)
         want, _ = policy_loss(policy, None, ids, mask, old, adv, check_ids=False,
                               backend="native")
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        assert_close(got, want, spec.paths_tolerance(v), "loss")
 
 
 def test_warm_launches_skip_the_binder(monkeypatch):

@@ -17,9 +17,9 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from assertions import assert_close  # noqa: E402
+from assertions import as_float64, assert_close, two_paths  # noqa: E402
 
-from ratiokl.spec import Tolerance  # noqa: E402
+from ratiokl import spec  # noqa: E402
 from ratiokl.torch import loss  # noqa: E402
 
 pytestmark = [
@@ -69,17 +69,26 @@ def _torch(x, options, backend, upstream=1.0, compiled=False):
     return value.detach(), metrics, leaf.grad
 
 
+def _tolerances(policy, grad, dtype: str):
+    """Two paths' tolerances: of the loss and metrics (the fp32 forward's, relative to the
+    logits' magnitude) and of the gradient stored in ``dtype``."""
+    scale = float(np.nanmax(np.abs(as_float64(policy))))
+    g = float(np.abs(as_float64(grad)).max())
+    return (two_paths(spec.forward_tolerance(scale)),
+            two_paths(spec.grad_tolerance(dtype, scale, g)))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("name", list(OPTIONS))
 def test_torch_fused_matches_native(name, dtype):
     x = _inputs(dtype, seed=len(name))
     f_val, f_met, f_grad = _torch(x, OPTIONS[name], "triton", upstream=-1.7)
     n_val, n_met, n_grad = _torch(x, OPTIONS[name], "native", upstream=-1.7)
-    assert_close(f_val, n_val, Tolerance(1e-4, 1e-6), "loss")
+    value_tol, grad_tol = _tolerances(x["policy"], n_grad, str(dtype).split(".")[-1])
+    assert_close(f_val, n_val, value_tol, "loss")
     for key in n_met:
-        assert_close(f_met[key], n_met[key], Tolerance(1e-4, 1e-6), key)
-    rtol = 2**-6 if dtype == torch.bfloat16 else 1e-4
-    assert_close(f_grad, n_grad, Tolerance(rtol, rtol * float(n_grad.float().abs().max())), "grad")
+        assert_close(f_met[key], n_met[key], value_tol, key)
+    assert_close(f_grad, n_grad, grad_tol, "grad")
     assert f_grad.dtype == dtype
     assert torch.all(f_grad[~x["mask"]] == 0)
 
@@ -89,8 +98,9 @@ def test_torch_fused_is_deterministic_and_compiles():
     runs = [_torch(x, OPTIONS["grpo_k3_ref_logits"], "triton") for _ in range(2)]
     assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][2], runs[1][2])
     c_val, _, c_grad = _torch(x, OPTIONS["grpo_k3_ref_logits"], "triton", compiled=True)
-    assert_close(c_val, runs[0][0], Tolerance(1e-6, 1e-7), "compiled loss")
-    assert_close(c_grad, runs[0][2], Tolerance(1e-2, 1e-6), "compiled grad")
+    value_tol, grad_tol = _tolerances(x["policy"], runs[0][2], "bfloat16")
+    assert_close(c_val, runs[0][0], value_tol, "compiled loss")
+    assert_close(c_grad, runs[0][2], grad_tol, "compiled grad")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -125,14 +135,13 @@ def test_jax_fused_matches_native(dtype):
 
     (f_val, f_met), f_grad = run("triton")
     (n_val, n_met), n_grad = run("native")
-    np.testing.assert_allclose(float(f_val), float(n_val), rtol=1e-4, atol=1e-6)
+    value_tol, grad_tol = _tolerances(x["policy"], n_grad, dtype)
+    assert_close(f_val, n_val, value_tol, "loss")
     for key in n_met:
-        np.testing.assert_allclose(float(f_met[key]), float(n_met[key]), rtol=1e-4, atol=1e-6,
-                                   err_msg=key)
+        assert_close(f_met[key], n_met[key], value_tol, key)
     assert f_grad.dtype == j["policy"].dtype
     f_grad, n_grad = np.asarray(f_grad, np.float32), np.asarray(n_grad, np.float32)
-    rtol = 2**-6 if dtype == "bfloat16" else 1e-4
-    np.testing.assert_allclose(f_grad, n_grad, rtol=rtol, atol=rtol * np.abs(n_grad).max())
+    assert_close(f_grad, n_grad, grad_tol, "grad")
     assert np.all(f_grad[~np.asarray(x["mask"].cpu())] == 0)
 
 

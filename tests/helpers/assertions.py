@@ -5,6 +5,10 @@
 elsewhere (``ratiokl.harness.compare_close``, the rule the fixtures are
 judged by). ``actual`` may be a NumPy, PyTorch or JAX array of any float dtype.
 Returns the worst error as a fraction of its tolerance.
+
+``two_paths(tol)``: the tolerance between two evaluations that are each within ``tol`` of
+the exact value (a kernel and the native path, compiled and eager). ``assert_identical``:
+the same bits, NaN where NaN.
 """
 
 from __future__ import annotations
@@ -29,3 +33,13 @@ def assert_close(actual: Any, expected: Any, tol: Tolerance, what: str = "value"
     compare_close(check, what, as_float64(actual), as_float64(expected), tol)
     assert check.passed, "; ".join(check.failures)
     return check.worst
+
+
+def two_paths(tol: Tolerance) -> Tolerance:
+    """Each side within ``tol`` of the exact value, so the two within twice ``tol``."""
+    return Tolerance(rtol=2.0 * tol.rtol, atol=2.0 * tol.atol)
+
+
+def assert_identical(actual: Any, expected: Any, what: str = "value") -> None:
+    """The same values (bit for bit in float64), NaN exactly where ``expected`` has NaN."""
+    np.testing.assert_array_equal(as_float64(actual), as_float64(expected), err_msg=what)

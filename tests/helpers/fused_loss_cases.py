@@ -1,6 +1,6 @@
-"""The fused-loss cases both frameworks' interpreter tests run (``tests/torch`` and
-``tests/jax`` ``test_fused_loss_interpret.py``): the inputs, the options, and the PyTorch
-call the JAX tests compare against."""
+"""The fused-loss cases the interpreter tests run (``tests/test_fused_loss_interpret.py`` on
+both frameworks; ``tests/torch`` and ``tests/jax`` ``test_fused_loss_interpret.py`` for what
+only one has): the inputs, the options, and one call per framework (``call``)."""
 
 from __future__ import annotations
 
@@ -126,3 +126,43 @@ def torch_call(x: dict, case: dict, backend: str, upstream: float):
     )
     (value * upstream).backward()
     return value.item(), {k: v.item() for k, v in metrics.items()}, logits.grad
+
+
+def jax_call(x: dict, case: dict, backend: str, upstream: float):
+    """:func:`torch_call` through ``ratiokl.jax`` (``jax.vjp``): ``(loss, metrics, grad)``."""
+    import jax
+    import jax.numpy as jnp
+
+    from ratiokl.jax import loss as jax_loss
+
+    dtype = jnp.bfloat16 if case.get("dtype") == "bfloat16" else jnp.float32
+    t = {k: jnp.asarray(v) for k, v in x.items()}
+    logits = t.pop("policy_logits").astype(dtype)
+    ref = t.pop("ref_logits").astype(dtype)
+    if case.get("ref") in ("none", "logps"):
+        ref = None
+    rows = [t.pop(k) for k in ("action_ids", "mask", "old_logps", "advantages")]
+    rows[0] = rows[0].astype(jnp.int32)
+
+    kwargs = options(case)
+    if "loss_normalizer" in kwargs:
+        kwargs["loss_normalizer"] = jnp.asarray(kwargs["loss_normalizer"], jnp.float32)
+
+    def fn(z):
+        return jax_loss.policy_loss(z, ref, *rows, backend=backend, **t, **kwargs)
+
+    (value, metrics), vjp = jax.vjp(fn, logits)
+    zeros = jax.tree_util.tree_map(jnp.zeros_like, metrics)
+    (grad,) = vjp((jnp.asarray(upstream, jnp.float32), zeros))
+    assert grad.dtype == dtype
+    return float(value), {k: float(v) for k, v in metrics.items()}, grad
+
+
+def call(framework: str, x: dict, case: dict, backend: str, upstream: float):
+    """``(loss, metrics, grad)`` of ``framework``'s call; the gradient as float32 NumPy."""
+    if framework == "jax":
+        value, metrics, grad = jax_call(x, case, backend, upstream)
+        return value, metrics, np.asarray(grad, np.float32)
+    value, metrics, grad = torch_call(x, case, backend, upstream)
+    assert grad.dtype == (torch.bfloat16 if case.get("dtype") == "bfloat16" else torch.float32)
+    return value, metrics, grad.float().numpy()

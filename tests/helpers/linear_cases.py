@@ -100,3 +100,64 @@ def _logit_scale(x: Dict[str, Any], kw: Dict[str, Any]) -> float:
 def options(x: Dict[str, Any]) -> Dict[str, Any]:
     """The scalar options of ``x`` (``logit_scale``, ``logit_softcap``)."""
     return {k: x[k] for k in ("logit_scale", "logit_softcap") if k in x}
+
+
+def run(framework: str, x: Dict[str, Any], backend: str, dtype: str = "float32",
+        chunk_rows: int = 4, entropy: bool = True):
+    """``(logp, entropy | None, d hidden, d weight, d bias | None)`` of one
+    ``linear_selected_logprobs`` call of ``framework`` (JAX under ``jit``) and its backward
+    with the case's cotangents, as NumPy (the gradients as float32 after checking they are
+    in ``dtype``)."""
+    if framework == "torch":
+        import torch
+
+        from ratiokl.torch import loss
+
+        dt = getattr(torch, dtype)
+        h = torch.tensor(x["hidden"]).to(dt).requires_grad_()
+        w = torch.tensor(x["weight"]).to(dt).requires_grad_()
+        b = torch.tensor(x["bias"]).to(dt).requires_grad_() if "bias" in x else None
+        temp = torch.tensor(x["temperature"]) if "temperature" in x else 1.0
+        out = loss.linear_selected_logprobs(
+            h, w, torch.tensor(x["action_ids"]), torch.tensor(x["mask"]), bias=b,
+            temperature=temp, return_entropy=entropy, chunk_rows=chunk_rows, backend=backend,
+            **options(x))
+        logp, ent = out if entropy else (out, None)
+        total = (logp * torch.tensor(x["g_logp"])).sum()
+        if entropy:
+            total = total + (ent * torch.tensor(x["g_entropy"])).sum()
+        total.backward()
+        outs = (logp, ent, h.grad, w.grad, None if b is None else b.grad)
+    else:
+        import jax
+        import jax.numpy as jnp
+
+        from ratiokl.jax import loss
+
+        arrays = {k: jnp.asarray(x[k]).astype(dtype if k != "temperature" else jnp.float32)
+                  for k in ("hidden", "weight", "bias", "temperature") if k in x}
+        ids, mask = jnp.asarray(x["action_ids"]), jnp.asarray(x["mask"])
+        g_logp, g_ent = jnp.asarray(x["g_logp"]), jnp.asarray(x["g_entropy"])
+
+        def objective(arrays):
+            out = loss.linear_selected_logprobs(
+                arrays["hidden"], arrays["weight"], ids, mask, bias=arrays.get("bias"),
+                temperature=arrays.get("temperature", 1.0), return_entropy=entropy,
+                chunk_rows=chunk_rows, backend=backend, check_ids=False, **options(x))
+            logp, ent = out if entropy else (out, None)
+            total = jnp.sum(logp * g_logp) + (jnp.sum(ent * g_ent) if entropy else 0.0)
+            return total, (logp, ent)
+
+        (_, (logp, ent)), grads = jax.jit(jax.value_and_grad(objective, has_aux=True))(arrays)
+        outs = (logp, ent, grads["hidden"], grads["weight"], grads.get("bias"))
+    for value in outs[:2]:
+        assert value is None or str(value.dtype).endswith("float32")
+    for grad in outs[2:]:
+        assert grad is None or str(grad.dtype).endswith(dtype)
+    return tuple(None if a is None else _numpy(a) for a in outs)
+
+
+def _numpy(a) -> np.ndarray:
+    if hasattr(a, "detach"):
+        return a.detach().float().numpy()
+    return np.asarray(a.astype("float32"))

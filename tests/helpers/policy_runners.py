@@ -78,7 +78,7 @@ def jax_loss_fn(keys, options, backend="native"):
     return fn
 
 
-def run_jax(x, options, *, dtype="float32", keys=(), transform=lambda f: f):
+def run_jax(x, options, *, backend="native", dtype="float32", keys=(), transform=lambda f: f):
     """``policy_loss`` of ``ratiokl.jax`` (``jax.vjp``, under ``transform``) and the spec's."""
     import jax
     import jax.numpy as jnp
@@ -87,7 +87,8 @@ def run_jax(x, options, *, dtype="float32", keys=(), transform=lambda f: f):
     upstream = per_token_upstream(x["mask"]) if options.get("loss_agg") == "none" else None
 
     def value_and_grad(logits, arrays):
-        (value, metrics), vjp = jax.vjp(lambda z: jax_loss_fn(keys, options)(z, arrays), logits)
+        (value, metrics), vjp = jax.vjp(
+            lambda z: jax_loss_fn(keys, options, backend)(z, arrays), logits)
         g = jnp.ones(()) if upstream is None else jnp.asarray(upstream)
         return (value, metrics), vjp((g, jax.tree_util.tree_map(jnp.zeros_like, metrics)))[0]
 

@@ -1,6 +1,6 @@
-"""The ``ratio_kl`` interpreter cases both frameworks' tests run (``tests/torch`` and
-``tests/jax`` ``test_triton_interpret.py``): random inputs in the logits' dtype, the
-PyTorch call, and their float64 spec."""
+"""The ``ratio_kl`` interpreter cases both frameworks run (``tests/test_triton_interpret.py``,
+one body per behaviour on ``torch-interpret`` and ``jax-interpret``): random inputs in the
+logits' dtype, the call of either framework's Triton binding, and their float64 spec."""
 
 from __future__ import annotations
 
@@ -43,14 +43,43 @@ class Case:
         finite = lambda a: np.abs(a[np.isfinite(a)]).max(initial=1.0)  # noqa: E731
         return max(finite(self.np(self.policy)), finite(self.np(self.ref))) / t_min
 
-    def run(self, use_ref_logits: bool, kl_code: int, check_ids: bool = True):
+    def run(self, use_ref_logits: bool, kl_code: int, check_ids: bool = True,
+            framework: str = "torch"):
+        """``(ratio, kl, policy-logit gradient)`` as NumPy arrays (the gradient in float32),
+        from ``framework``'s Triton binding through the interpreter; the gradient's dtype
+        is checked to be the logits'. PyTorch launches the kernels directly (no id check)."""
+        if framework == "jax":
+            return self._run_jax(use_ref_logits, kl_code, check_ids)
         policy = self.policy.clone().requires_grad_(True)
         ratio, kl = _triton.ratio_kl(
             policy, self.ref if use_ref_logits else None, self.ids, self.mask, self.old,
             None if use_ref_logits else self.ref_logps, kl_code, self.temperature,
         )
         (ratio * self.g_ratio + kl * self.g_kl).sum().backward()
-        return ratio.detach().numpy(), kl.detach().numpy(), policy.grad
+        assert policy.grad.dtype == DTYPES[self.dtype]
+        return ratio.detach().numpy(), kl.detach().numpy(), policy.grad.float().numpy()
+
+    def _run_jax(self, use_ref_logits: bool, kl_code: int, check_ids: bool):
+        import jax
+        import jax.numpy as jnp
+
+        from ratiokl.jax import loss
+
+        def as_jax(t, dtype=None):
+            return jnp.asarray(t.float().numpy() if t.is_floating_point() else t.numpy(), dtype)
+
+        temp = self.temperature
+        kwargs = dict(ref_logps=None if use_ref_logits else as_jax(self.ref_logps),
+                      kl_estimator=KL_NAMES[kl_code], check_ids=check_ids,
+                      temperature=as_jax(temp) if isinstance(temp, torch.Tensor) else temp,
+                      backend="interpret")
+        ref = as_jax(self.ref, self.dtype) if use_ref_logits else None
+        rows = [as_jax(t) for t in (self.ids.int(), self.mask, self.old)]
+        (ratio, kl), vjp = jax.vjp(lambda x: loss.ratio_kl(x, ref, *rows, **kwargs),
+                                   as_jax(self.policy, self.dtype))
+        (grad,) = vjp((as_jax(self.g_ratio), as_jax(self.g_kl)))
+        assert grad.dtype == jnp.dtype(self.dtype)
+        return np.asarray(ratio), np.asarray(kl), np.asarray(grad.astype(jnp.float32))
 
     def expected(self, use_ref_logits: bool, kl_code: int):
         temp = self.temperature
@@ -65,15 +94,15 @@ class Case:
         grad = spec.ratio_kl_grad(*args, self.np(self.g_ratio), self.np(self.g_kl), **kwargs)
         return ratio, kl, grad
 
-    def check(self, use_ref_logits: bool = True, kl_code: int = 3, check_ids: bool = True):
-        ratio, kl, grad = self.run(use_ref_logits, kl_code, check_ids)
+    def check(self, use_ref_logits: bool = True, kl_code: int = 3, check_ids: bool = True,
+              framework: str = "torch"):
+        ratio, kl, grad = self.run(use_ref_logits, kl_code, check_ids, framework)
         e_ratio, e_kl, e_grad = self.expected(use_ref_logits, kl_code)
         fwd = spec.forward_tolerance(self.scale())
         assert_close(ratio, e_ratio, fwd, "ratio")
         assert_close(kl, e_kl, fwd, "kl")
-        assert grad.dtype == DTYPES[self.dtype]
         finite = np.isfinite(e_grad)
         grad_scale = np.abs(e_grad[finite]).max(initial=0.0)
-        assert_close(grad.float().numpy(), e_grad,
+        assert_close(grad, e_grad,
                       spec.grad_tolerance(self.dtype, self.scale(), grad_scale), "grad")
         return ratio, kl, grad

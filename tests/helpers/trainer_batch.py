@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
-from assertions import as_float64, assert_close
+from assertions import as_float64, assert_close, two_paths
 
 from ratiokl.harness import Check, compare_close
 from ratiokl.spec import Tolerance
@@ -89,7 +89,7 @@ def tolerances(logits: torch.Tensor, want_grad: torch.Tensor, temperature: float
     value = forward_tolerance(scale)
     grad = grad_tolerance("float32", scale, float(want_grad.abs().max()))
     if both_float32:
-        value, grad = (Tolerance(2 * t.rtol, 2 * t.atol) for t in (value, grad))
+        value, grad = two_paths(value), two_paths(grad)
     return value, grad
 
 

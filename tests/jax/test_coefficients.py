@@ -59,11 +59,3 @@ def test_traced_coefficients_match_numbers_in_one_trace(jax_target: str) -> None
         grad_tol = spec.paths_tolerance(V, float(jnp.max(jnp.abs(want_grad))))
         assert_close(grad, want_grad, grad_tol, "grad")
     assert len(traces) == 1 + 3  # one trace of the jitted step, one per eager reference
-
-
-def test_a_coefficient_must_be_0d() -> None:
-    x = _inputs(1)
-    with pytest.raises(TypeError, match="`kl_coef` must be a Python number or a 0-d"):
-        loss.policy_loss(*x, kl_coef=jnp.ones(2), backend="native")
-    with pytest.raises(TypeError, match="`entropy_coef` must be a Python number or a 0-d"):
-        loss.policy_loss(*x, entropy_coef=jnp.ones(2), backend="native")

@@ -1,15 +1,13 @@
-"""Coefficients as 0-d tensors and per-row inputs with any strides.
+"""Coefficients as 0-d tensors and per-row inputs with any strides, what only PyTorch has.
 
-* ``kl_coef``, ``clip_eps``, ``clip_eps_high`` and ``entropy_coef`` given as 0-d
-  tensors give the bits of the same Python numbers on every backend (the fused
-  kernel reads them as run-time data), a tensor ``kl_coef = 0`` keeps an infinite
-  KL out (``0 * inf``), a tensor ``entropy_coef = 0`` gives the fused kernel's bits
-  of the number 0, and ``torch.compile`` traces them: new values, no recompile;
+* ``torch.compile`` traces 0-d ``kl_coef`` and ``entropy_coef``: new values, no recompile;
 * per-row inputs that flatten to a stride-0 view (per-sequence advantages of
   one sequence, expanded masks / ids / old log-probs) reach the kernels as
   contiguous rows.
 
-(``check_ids=True`` under ``torch.compile``: tests/torch/test_compile.py.)
+(0-d coefficients' bits, ``0 * inf`` and errors on both frameworks:
+tests/test_coefficients.py; ``check_ids=True`` under ``torch.compile``:
+tests/torch/test_compile.py.)
 """
 
 from __future__ import annotations
@@ -57,71 +55,6 @@ def _loss_and_grad(x, backend: str, **options):
                                       backend=backend, **options)
     value.backward()
     return value.detach(), {k: v.item() for k, v in metrics.items()}, logits.grad
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_tensor_coefficients_give_the_bits_of_numbers(backend: str) -> None:
-    x = _inputs(0)
-    numbers = dict(kl_coef=0.05, clip_eps=0.1, clip_eps_high=0.15, dual_clip=3.0,
-                   entropy_coef=0.02)
-    tensors = dict(numbers, kl_coef=torch.tensor(0.05), clip_eps=torch.tensor(0.1),
-                   clip_eps_high=torch.tensor(0.15), entropy_coef=torch.tensor(0.02))
-    want, want_metrics, want_grad = _loss_and_grad(x, backend, **numbers)
-    got, got_metrics, got_grad = _loss_and_grad(x, backend, **tensors)
-    assert torch.equal(got, want) and torch.equal(got_grad, want_grad)
-    assert got_metrics == want_metrics
-    assert want_metrics["clip_fraction"] > 0  # the clip bounds took part
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_a_zero_tensor_kl_coef_keeps_an_infinite_kl_out(backend: str) -> None:
-    x = _inputs(1)
-    x["ref"][x["mask"]] = x["ref"][x["mask"]].index_fill(-1, torch.tensor([0]), -float("inf"))
-    x["ids"][x["mask"]] = 0  # the reference gives the action probability 0: the KL is inf
-    unbounded = dict(log_ratio_bound=None)  # else |d| is bounded before k3's exp
-    value, metrics, grad = _loss_and_grad(x, backend, kl_coef=torch.tensor(0.0), **unbounded)
-    want, _, want_grad = _loss_and_grad(x, backend, kl_coef=0.0, **unbounded)
-    assert metrics["kl_mean"] == float("inf")
-    assert torch.isfinite(value) and torch.equal(value, want)
-    assert torch.isfinite(grad).all() and torch.equal(grad, want_grad)
-
-
-def test_a_zero_tensor_entropy_coef_gives_the_fused_bits_of_the_number_zero() -> None:
-    """The kernel compiled for a tensor coefficient (it may be non-zero) adds exactly
-    nothing at 0: the loss, the metrics and the gradient of ``entropy_coef=0.0``."""
-    pytest.importorskip("triton")
-    x = _inputs(6)
-    x["logits"][0, 0, ::2] = -float("inf")  # masked vocabulary: p = 0 columns
-    x["mask"][0, 0] = True
-    x["ids"][0, 0] = 1
-    want, want_metrics, want_grad = _loss_and_grad(x, "interpret", entropy_coef=0.0)
-    got, got_metrics, got_grad = _loss_and_grad(x, "interpret",
-                                                entropy_coef=torch.tensor(0.0))
-    assert torch.equal(got, want) and torch.equal(got_grad, want_grad)
-    assert got_metrics == want_metrics and want_metrics["entropy_mean"] > 0
-    bonus, _, bonus_grad = _loss_and_grad(x, "interpret", entropy_coef=torch.tensor(0.5))
-    assert not torch.equal(bonus_grad, want_grad) and torch.isfinite(bonus_grad).all()
-    # token-mean: agg(H) = entropy_mean
-    assert_close(bonus, want.item() - 0.5 * want_metrics["entropy_mean"], LOSS_TOL, "loss")
-
-
-def test_a_coefficient_must_be_a_number_or_a_0d_float_tensor() -> None:
-    x = _inputs(2)
-    with pytest.raises(TypeError, match="`kl_coef` must be a Python number or a 0-d"):
-        loss.policy_loss(x["logits"], x["ref"], x["ids"], x["mask"], x["old"], x["adv"],
-                         kl_coef=torch.tensor([0.1, 0.2]), backend="native")
-    with pytest.raises(TypeError, match="`kl_coef` must be .* 0-d floating tensor/array; got list"):
-        loss.policy_loss(x["logits"], x["ref"], x["ids"], x["mask"], x["old"], x["adv"],
-                         kl_coef=[0.1], backend="native")
-    with pytest.raises(TypeError, match="`clip_eps` must be a Python number or a 0-d"):
-        loss.policy_loss(x["logits"], x["ref"], x["ids"], x["mask"], x["old"], x["adv"],
-                         clip_eps=torch.tensor(1), backend="native")
-    with pytest.raises(TypeError, match="`entropy_coef` must be a Python number or a 0-d"):
-        loss.policy_loss(x["logits"], x["ref"], x["ids"], x["mask"], x["old"], x["adv"],
-                         entropy_coef=torch.tensor(1), backend="native")
-    with pytest.raises(ValueError, match="`ratio_cap` needs Python-number clip bounds"):
-        loss.policy_loss(x["logits"], x["ref"], x["ids"], x["mask"], x["old"], x["adv"],
-                         clip_eps_high=torch.tensor(0.2), ratio_cap=3.0, backend="native")
 
 
 def test_compiled_step_traces_kl_coef_without_recompiling() -> None:

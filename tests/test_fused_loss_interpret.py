@@ -1,0 +1,162 @@
+"""The fused ``policy_loss`` kernel through Triton's CPU interpreter, one body per behaviour
+run on both bindings (``torch-interpret``, ``jax-interpret``).
+
+``backend="interpret"`` runs ``ratiokl._kernels.fused_loss`` (one pass per row: log-sum-exp,
+objective, gradient) exactly as the GPU does. Each case is checked against the float64 spec
+(``ratiokl.spec.policy_loss``) and against the framework's two-pass native path (loss, every
+metric, the policy-logit gradient) across clip modes, KL variants, aggregations, packed rows,
+bf16, garbage (NaN, bad ids) in inactive rows, upstream gradients of 1 (the device-side skip)
+and not 1, the entropy bonus, rows in one tile or in spans of tiles; then all-inactive and
+empty input, NaN inputs and unchecked bad ids on an active row, GSPO's two-pass fallback and
+batch invariance (the cases: ``tests/helpers/fused_loss_cases.py``). What only one binding
+has stays in ``tests/torch`` and ``tests/jax`` ``test_fused_loss_interpret.py``. Sizes are
+small: the interpreter is slow.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+import pytest
+
+pytest.importorskip("triton")
+
+from assertions import assert_close  # noqa: E402
+from fused_loss_cases import (  # noqa: E402
+    CASES, LOSS_TOL, SPEC_TOL, B, T, V, call, grad_tolerance, inputs, options,
+)
+
+from ratiokl import spec  # noqa: E402
+
+
+def _framework(target: str) -> str:
+    return target.split("-")[0]
+
+
+def _spec(x: dict, case: dict):
+    ref = None if case.get("ref") in ("none", "logps") else x["ref_logits"]
+    rest = {k: v for k, v in x.items() if k not in ("policy_logits", "ref_logits", "action_ids",
+                                                    "mask", "old_logps", "advantages")}
+    args = (x["policy_logits"], ref, x["action_ids"], x["mask"], x["old_logps"],
+            x["advantages"])
+    value, metrics = spec.policy_loss(*args, **rest, **options(case))
+    return value, metrics, spec.policy_loss_grad(*args, **rest, **options(case))
+
+
+def _small_tiles(vocab, itemsize, n_rows, write_grad):
+    """8-column tiles, two spans a row (V = 37: tiles 0-2, then 3 and the tail), one program."""
+    from ratiokl._kernels import LaunchConfig, split_plan
+    from ratiokl._kernels.fused_loss import FusedPlan
+
+    spans = split_plan(vocab, 8, 2)
+    return FusedPlan(LaunchConfig(8, 1), spans, spans.splits)
+
+
+def _small_tiles_meeting(vocab, itemsize, n_rows, write_grad):
+    """As :func:`_small_tiles`, a program per span: the two meet at the row's counter."""
+    return _small_tiles(vocab, itemsize, n_rows, write_grad)._replace(spans_per_program=1)
+
+
+@pytest.mark.parametrize("tiles", ["one_tile", "spans_of_8_wide_tiles",
+                                   "spans_of_8_wide_tiles_meeting"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_fused_matches_spec_and_native(interpret_target, name, tiles, monkeypatch):
+    """A row in one tile (the default here), or in spans of several tiles and a tail,
+    taken by one program or by a program per span meeting at the row's counter."""
+    fw = _framework(interpret_target)
+    if tiles != "one_tile":
+        small = _small_tiles_meeting if tiles.endswith("meeting") else _small_tiles
+        monkeypatch.setattr(importlib.import_module(f"ratiokl.{fw}._launch"), "launch_plan",
+                            small)
+        assert small(V, 4, B * T, True).spans == (2, 3)
+    case = CASES[name]
+    x = inputs(sum(map(ord, name)), case)
+    upstream = 1.0 if name.startswith("ppo") else -2.5  # 1: the backward's device-side skip
+    f_loss, f_metrics, fused = call(fw, x, case, "interpret", upstream)
+    n_loss, n_metrics, native = call(fw, x, case, "native", upstream)
+    e_loss, e_metrics, e_grad = _spec(x, case)
+    assert_close(f_loss, n_loss, LOSS_TOL, "loss: fused vs native")
+    assert_close(f_loss, e_loss, SPEC_TOL, "loss")
+    for key, value in e_metrics.items():
+        assert_close(f_metrics[key], n_metrics[key], LOSS_TOL, f"{key}: fused vs native")
+        assert_close(f_metrics[key], value, SPEC_TOL, key)
+    # Each within the spec's bound (bf16: stored once, and once more when scaled by upstream).
+    grad_tol = grad_tolerance(case, upstream * e_grad)
+    assert_close(fused, upstream * e_grad, grad_tol, "fused grad")
+    assert_close(native, upstream * e_grad, grad_tol, "native grad")
+    inactive = ~x["mask"]
+    assert np.all(fused[inactive] == 0.0), "inactive rows must get exactly 0"
+    assert np.all(np.isfinite(fused)), "masked (-inf) logits keep the gradient finite"
+    assert np.isfinite(f_loss) and f_metrics["entropy_mean"] > 0
+
+
+def test_all_inactive_gives_zero_loss_metrics_and_grad(interpret_target):
+    case = dict(kl_coef=0.1)
+    x = inputs(5, case)
+    x["mask"][:] = False
+    x["action_ids"][:] = -1
+    value, metrics, grad = call(_framework(interpret_target), x, case, "interpret", 3.0)
+    assert value == 0.0 and all(v == 0.0 for v in metrics.values())
+    np.testing.assert_array_equal(grad, 0.0)
+
+
+def test_empty_input(interpret_target):
+    x = {"policy_logits": np.zeros((0, T, V), np.float32),
+         "ref_logits": np.zeros((0, T, V), np.float32),
+         "action_ids": np.zeros((0, T), np.int64), "mask": np.zeros((0, T), bool),
+         "old_logps": np.zeros((0, T), np.float32), "advantages": np.zeros((0, T), np.float32)}
+    value, _, grad = call(_framework(interpret_target), x, dict(ref="none"), "interpret", 1.0)
+    assert value == 0.0 and grad.shape == (0, T, V)
+
+
+@pytest.mark.parametrize("kl", [False, True], ids=["no_kl", "k3"])
+def test_a_nan_input_on_an_active_row_is_nan_as_in_the_two_pass_path(interpret_target, kl):
+    """NaN ``old_logps`` (or reference log-probs) on an active row makes the loss NaN,
+    through ``log_ratio_bound`` too, on both paths; the other rows' gradients stay finite.
+
+    (The bound was ``min(max(x, -b), b)``: on a GPU ``max.f32`` returns the non-NaN
+    operand, so the poison vanished there, as it does in Triton >= 3.7's interpreter.)
+    """
+    case = dict(ref="logps", kl_coef=0.1 if kl else 0.0)
+    x = inputs(31, case)
+    x["ref_logps"] = x["old_logps"] + np.float32(0.1)
+    x["ref_logps" if kl else "old_logps"][0, 0] = np.nan
+    x["mask"][0, 0] = True
+    others = np.ones((B, T), bool)
+    others[0, 0] = False
+    for backend in ("native", "interpret"):
+        value, _, grad = call(_framework(interpret_target), x, case, backend, 1.0)
+        assert np.isnan(value), backend
+        assert np.all(np.isfinite(grad[others])), backend
+
+
+def test_unchecked_bad_active_id_poisons_only_its_row(interpret_target):
+    case = dict(ref="none", check_ids=False)
+    x = inputs(9, case)
+    x["action_ids"][0, 0] = V + 3
+    value, _, grad = call(_framework(interpret_target), x, case, "interpret", 1.0)
+    assert np.isnan(value)
+    assert np.all(np.isnan(grad[0, 0]))
+    others = np.ones((B, T), bool)
+    others[0, 0] = False
+    assert np.all(np.isfinite(grad[others]))
+
+
+def test_gspo_falls_back_to_two_pass_and_matches_spec(interpret_target):
+    case = dict(ratio_level="sequence", loss_agg="seq-mean-token-mean", kl_coef=0.1)
+    x = inputs(11, case)
+    f_loss, _, f_grad = call(_framework(interpret_target), x, case, "interpret", 1.0)
+    e_loss, _, e_grad = _spec(x, case)
+    assert_close(f_loss, e_loss, SPEC_TOL, "loss")
+    assert_close(f_grad, e_grad, grad_tolerance(case, e_grad), "grad")
+
+
+def test_a_rows_results_do_not_depend_on_the_batch(interpret_target):
+    # w = 1: each row's gradient is its own (the entropy term's too).
+    case = dict(kl_coef=0.1, loss_agg="token-sum", entropy_coef=0.1)
+    x = inputs(17, case)
+    fw = _framework(interpret_target)
+    full = call(fw, x, case, "interpret", -1.5)
+    part = call(fw, {k: v[:2] for k, v in x.items()}, case, "interpret", -1.5)
+    np.testing.assert_array_equal(full[2][:2], part[2])
