@@ -16,7 +16,7 @@ import pytest
 
 from assertions import assert_close, assert_identical
 
-from ratiokl import conformance, spec
+from ratiokl import harness, spec
 
 B, T, V = 2, 5, 23
 #: Two paths of one float32 loss (or metric): sums of up to B*T per-token terms.
@@ -76,7 +76,7 @@ def _call(framework: str, x: dict, backend: str, **options):
 
 
 def _split(target: str):
-    t = conformance.TARGETS[target]
+    t = harness.TARGETS[target]
     return t.framework, t.backend
 
 

@@ -17,11 +17,11 @@ import pytest
 from assertions import assert_close
 from linear_cases import CASES, B, T, build, expected, poisoned, run
 
-from ratiokl import conformance
+from ratiokl import harness
 
 
 def _run(target, x, *args, **kw):
-    t = conformance.TARGETS[target]
+    t = harness.TARGETS[target]
     return run(t.framework, x, t.backend, *args, **kw)
 
 

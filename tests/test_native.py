@@ -20,13 +20,13 @@ from native_runners import (
     DTYPES, case, check_ratio_kl, logit_scale, ratio_kl, selected_logprobs,
 )
 
-from ratiokl import conformance, spec
+from ratiokl import harness, spec
 
 V = 11
 
 
 def _framework(target: str) -> str:
-    return conformance.TARGETS[target].framework
+    return harness.TARGETS[target].framework
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

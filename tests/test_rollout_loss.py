@@ -17,7 +17,7 @@ import pytest
 from assertions import as_float64, assert_close
 from rollout_test_cases import CASES, LOSS_TOL, T, grad_tolerance, make_inputs
 
-from ratiokl import conformance, spec
+from ratiokl import harness, spec
 
 POSITIONAL = ("policy_logits", "ref_logits", "action_ids", "mask", "old_logps", "advantages")
 #: Inactive rows hold data the kernels never use; the interpreter's numpy warns on it.
@@ -42,7 +42,7 @@ def _f32(v):
 def _run(target, x, arrays, static):
     """``(loss, metrics, policy-logit gradient)`` as NumPy; each metric a float32 0-d value
     that carries no gradient."""
-    t = conformance.TARGETS[target]
+    t = harness.TARGETS[target]
     if t.framework == "torch":
         import torch
 
