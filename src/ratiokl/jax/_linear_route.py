@@ -18,7 +18,7 @@ from ratiokl._core import objective as _objective
 from ratiokl.jax import _checks, _rollout
 from ratiokl.jax._arrays import XP
 from ratiokl.jax._lm_head import head_logits
-from ratiokl.jax._route import _aggregation_weights, _flat, _rows, policy_loss
+from ratiokl.jax._route import _aggregation_weights, _flat, _rows, loss_step
 from ratiokl.spec import (
     LogitTransform,
     check_chunk_rows,
@@ -121,19 +121,9 @@ def linear_policy_loss(hidden, weight, action_ids, mask, old_logps, advantages, 
                                           inputs, ref_logps, opts, rollout, rollout_logps))
     if run.linear_policy_loss is None:  # "native": every row's logits at once
         kept = jnp.where(rows.mask[:, None], rows.logits, jnp.zeros((), hidden.dtype))
-        logits = head_logits(kept, weight, bias, transform).reshape(*lead, weight.shape[0])
-        return rows.checked(policy_loss(  # the ids were checked above
-            logits, None, ids, mask, old_logps, advantages, ref_logps=ref_logps,
-            clip_eps=clip_eps, clip_eps_high=clip_eps_high, dual_clip=dual_clip,
-            ratio_cap=ratio_cap, kl_coef=kl_coef, kl_estimator=kl_estimator, loss_agg=loss_agg,
-            loss_normalizer=loss_normalizer, ratio_level="token", objective=objective,
-            entropy_coef=entropy_coef, kl_agg=kl_agg, entropy_agg=entropy_agg,
-            kl_entropy_normalizer=kl_entropy_normalizer, kl_clamp=kl_clamp,
-            segment_ids=segment_ids,
-            importance_weights=importance_weights, log_ratio_bound=log_ratio_bound,
-            temperature=temperature, backend=backend, check_ids=False, vocab_axis=None,
-            inplace_grad=False, rollout_logps=rollout_logps,
-            rollout_correction=rollout_correction, rollout_bounds=rollout_bounds))
+        logits = head_logits(kept, weight, bias, transform)
+        return loss_step(rows._replace(logits=logits), None, ref_logps, inputs, opts, rollout,
+                         rollout_logps, False)
     rollout_metrics = {}
     if rollout is not None:
         inputs, rollout_metrics = _rollout.correct(rows.mask, lead, inputs, rollout_logps,

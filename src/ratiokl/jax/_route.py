@@ -282,12 +282,25 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
                                   kl_entropy_normalizer)
     rows = _rows(policy_logits, lead, ids, mask, temperature, backend, check_ids, vocab_axis)
     ref = None if ref_logits is None else ref_logits.reshape(rows.logits.shape)
-    run = rows.run
-    as_rows = _checks.as_rows
     # The rollout options are checked on every call; only a call with rollout_logps
     # visits the correction (its weights, folded into importance_weights, and metrics).
     rollout = rollout_options(rollout_correction, rollout_bounds, rollout_logps is not None,
                               old_given=old_logps is not None)
+    return loss_step(rows, ref, ref_logps, inputs, opts, rollout, rollout_logps, inplace_grad)
+
+
+def loss_step(rows: _Rows, ref: Optional[jax.Array], ref_logps: Optional[jax.Array],
+              inputs: _checks.TokenInputs, opts, rollout, rollout_logps,
+              inplace_grad: bool) -> Tuple[jax.Array, Dict[str, jax.Array]]:
+    """``policy_loss`` on already-validated rows and options: the rollout correction (with
+    ``rollout``), then the one-kernel loss or the two passes, and the host check.
+
+    ``ref``: the reference logits ``[N, V]`` or None; ``ref_logps`` the caller's ``[...]``
+    (validated) or None. Also the native route of ``linear_policy_loss``, on the lm_head's
+    logits.
+    """
+    lead, run = rows.lead, rows.run
+    as_rows = _checks.as_rows
     rollout_metrics = {}
     if rollout is not None:
         inputs, rollout_metrics = _rollout.correct(rows.mask, lead, inputs, rollout_logps,

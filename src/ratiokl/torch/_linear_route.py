@@ -29,7 +29,7 @@ from ratiokl.torch._route import (
     _flat,
     _reference,
     _rows,
-    policy_loss,
+    loss_step,
 )
 
 __all__ = ["linear_policy_loss", "linear_selected_logprobs"]
@@ -83,17 +83,19 @@ def linear_selected_logprobs(hidden, weight, action_ids, mask, *, bias, temperat
     return rows.checked(out.reshape(lead))
 
 
-def _native_loss(hidden, weight, bias, transform: LogitTransform, lead, mask, kwargs):
+def _native_loss(rows, weight, bias, transform: LogitTransform, inputs, ref_logps, opts,
+                 rollout, rollout_logps):
     """``"native"``: every row's logits at once (inactive rows' hidden states zeroed, the
-    GEMMs in float32 for float32 inputs), then :func:`policy_loss` on them."""
+    GEMMs in float32 for float32 inputs), then the policy-loss step of ``_route`` on them,
+    with the rows and options validated here."""
     from ratiokl.torch._lm_head import head_logits
 
-    flat_mask = mask.reshape(-1)
-    kept = torch.where(flat_mask[:, None], hidden.reshape(-1, hidden.shape[-1]),
+    hidden = rows.logits
+    kept = torch.where(rows.mask[:, None], hidden,
                        torch.zeros((), dtype=hidden.dtype, device=hidden.device))
-    logits = head_logits(kept, weight, bias, transform).reshape(*lead, weight.shape[0])
-    return policy_loss(logits, None, ratio_level="token", vocab_group=None,
-                       inplace_grad=False, op="linear_policy_loss", **kwargs)
+    logits = head_logits(kept, weight, bias, transform)
+    return loss_step(rows._replace(logits=logits), None, ref_logps, inputs, opts, rollout,
+                     rollout_logps, False, "linear_policy_loss")
 
 
 def _sharded_loss(rows, weight, bias, transform: LogitTransform, chunk_rows: int, lead, inputs,
@@ -160,18 +162,8 @@ def linear_policy_loss(hidden, weight, action_ids, mask, old_logps, advantages, 
         return rows.checked(_sharded_loss(rows, weight, bias, transform, chunk_rows, lead,
                                           inputs, ref_logps, opts, rollout, rollout_logps))
     if run.linear_policy_loss is None:
-        return rows.checked(_native_loss(hidden, weight, bias, transform, lead, rows.mask, dict(
-            action_ids=action_ids, mask=mask, old_logps=old_logps, advantages=advantages,
-            ref_logps=ref_logps, clip_eps=clip_eps, clip_eps_high=clip_eps_high,
-            dual_clip=dual_clip, ratio_cap=ratio_cap, kl_coef=kl_coef,
-            kl_estimator=kl_estimator, loss_agg=loss_agg, loss_normalizer=loss_normalizer,
-            objective=objective, entropy_coef=entropy_coef, kl_agg=kl_agg, entropy_agg=entropy_agg,
-            kl_entropy_normalizer=kl_entropy_normalizer, kl_clamp=kl_clamp,
-            segment_ids=segment_ids,
-            importance_weights=importance_weights, log_ratio_bound=log_ratio_bound,
-            temperature=temperature, backend=backend, check_ids=False,  # checked above
-            rollout_logps=rollout_logps, rollout_correction=rollout_correction,
-            rollout_bounds=rollout_bounds)))
+        return _native_loss(rows, weight, bias, transform, inputs, ref_logps, opts, rollout,
+                            rollout_logps)
     _eager_only("linear_policy_loss", "policy_loss", None)
     rollout_metrics = {}
     if rollout is not None:

@@ -315,12 +315,26 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
         segment_ids=segment_ids, importance_weights=importance_weights,
     )
     ref = None if ref_logits is None else ref_logits.detach().reshape(rows.logits.shape)
-    run = rows.run
     # The rollout options are checked on every call; only a call with rollout_logps
     # visits the correction (its weights, folded into importance_weights, and metrics).
     rollout = rollout_options(rollout_correction, rollout_bounds, rollout_logps is not None,
                               old_given=old_logps is not None,
                               cached=not torch.compiler.is_compiling())
+    return loss_step(rows, ref, ref_logps, inputs, opts, rollout, rollout_logps, inplace_grad,
+                     op)
+
+
+def loss_step(rows: _Rows, ref: Optional[torch.Tensor], ref_logps: Optional[torch.Tensor],
+              inputs: _checks.TokenInputs, opts, rollout, rollout_logps, inplace_grad: bool,
+              op: str) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """``policy_loss`` on already-validated rows and options: the rollout correction (with
+    ``rollout``), then the one-kernel loss or the two passes, and the host check.
+
+    ``ref``: the reference logits ``[N, V]`` (detached) or None; ``ref_logps`` the caller's
+    ``[...]`` (validated) or None; ``op``: the public call the second-backward error names.
+    Also the native route of ``linear_policy_loss``, on the lm_head's logits.
+    """
+    lead, run = rows.lead, rows.run
     rollout_metrics = {}
     if rollout is not None:
         inputs, rollout_metrics = _rollout.correct(rows.mask, lead, inputs, rollout_logps,
