@@ -14,11 +14,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ratiokl._core import objective as _objective
+from ratiokl._core import route as _tail
 from ratiokl.jax import _checks, _rollout
 from ratiokl.jax._arrays import XP
 from ratiokl.jax._lm_head import head_logits
-from ratiokl.jax._route import _aggregation_weights, _flat, _rows, loss_step
+from ratiokl.jax._route import _rows
 from ratiokl.spec import (
     LogitTransform,
     check_chunk_rows,
@@ -75,13 +75,8 @@ def _sharded_loss(rows, weight, bias, transform: LogitTransform, chunk_rows: int
     logp, entropy = rows.run.linear_selected_logprobs(
         rows.logits, weight, bias, rows.ids, rows.mask, rows.temperature, transform,
         chunk_rows, True)
-    as_rows = _checks.as_rows
-    loss, metrics = _objective.policy_objective(
-        XP, as_rows(logp, lead),
-        None if ref_logps is None else as_rows(lax.stop_gradient(_flat(ref_logps)), lead),
-        as_rows(rows.mask, lead), inputs, opts, as_rows(entropy, lead))
-    if opts.loss_agg == "none":
-        loss = loss.reshape(lead)
+    ref = None if ref_logps is None else lax.stop_gradient(XP.flat(ref_logps))
+    loss, metrics = _tail.objective_tail(XP, logp, ref, rows.mask, lead, inputs, opts, entropy)
     return loss, {**metrics, **rollout_metrics}
 
 
@@ -122,8 +117,8 @@ def linear_policy_loss(hidden, weight, action_ids, mask, old_logps, advantages, 
     if run.linear_policy_loss is None:  # "native": every row's logits at once
         kept = jnp.where(rows.mask[:, None], rows.logits, jnp.zeros((), hidden.dtype))
         logits = head_logits(kept, weight, bias, transform)
-        return loss_step(rows._replace(logits=logits), None, ref_logps, inputs, opts, rollout,
-                         rollout_logps, False)
+        return _tail.loss_step(XP, rows._replace(logits=logits), None, ref_logps, inputs, opts,
+                               rollout, rollout_logps, False, "linear_policy_loss")
     rollout_metrics = {}
     if rollout is not None:
         inputs, rollout_metrics = _rollout.correct(rows.mask, lead, inputs, rollout_logps,
@@ -132,10 +127,10 @@ def linear_policy_loss(hidden, weight, action_ids, mask, old_logps, advantages, 
         loss, metrics = _per_token(run, rows, weight, bias, transform, chunk_rows, lead,
                                    inputs, ref_logps, opts)
         return rows.checked((loss, {**metrics, **rollout_metrics}))
-    weights = _aggregation_weights(run, rows.mask, lead, inputs, opts)
+    weights = _tail.kernel_weights(XP, run.token_weights, rows.mask, lead, inputs, opts)
     loss, metrics = run.linear_policy_loss(
-        rows.logits, weight, bias, transform, rows.ids, rows.mask, _flat(inputs.old_logps),
-        _flat(ref_logps), _flat(inputs.advantages), _flat(inputs.importance_weights), weights,
+        rows.logits, weight, bias, transform, rows.ids, rows.mask, XP.flat(inputs.old_logps),
+        XP.flat(ref_logps), XP.flat(inputs.advantages), XP.flat(inputs.importance_weights), weights,
         rows.temperature, opts, chunk_rows,
     )
     return rows.checked((loss, {**metrics, **rollout_metrics}))
@@ -150,8 +145,5 @@ def _per_token(run, rows, weight, bias, transform, chunk_rows, lead, inputs, ref
     the objective of ``ratiokl._core.objective`` on them."""
     logp, ent = run.linear_selected_logprobs(rows.logits, weight, bias, rows.ids, rows.mask,
                                              rows.temperature, transform, chunk_rows, True)
-    as_rows = _checks.as_rows
-    ref = None if ref_logps is None else as_rows(lax.stop_gradient(_flat(ref_logps)), lead)
-    loss, metrics = _objective.policy_objective(
-        XP, as_rows(logp, lead), ref, as_rows(rows.mask, lead), inputs, opts, as_rows(ent, lead))
-    return (loss.reshape(lead) if opts.loss_agg == "none" else loss), metrics
+    ref = None if ref_logps is None else lax.stop_gradient(XP.flat(ref_logps))
+    return _tail.objective_tail(XP, logp, ref, rows.mask, lead, inputs, opts, ent)

@@ -12,7 +12,7 @@ from typing import Dict, Tuple
 
 import torch
 
-from ratiokl._core import objective as _objective
+from ratiokl._core import route as _tail
 from ratiokl.spec import (
     LogitTransform,
     check_chunk_rows,
@@ -24,13 +24,7 @@ from ratiokl.spec import (
 )
 from ratiokl.torch import _checks, _once, _rollout
 from ratiokl.torch._arrays import XP
-from ratiokl.torch._route import (
-    _aggregation_weights,
-    _flat,
-    _reference,
-    _rows,
-    loss_step,
-)
+from ratiokl.torch._route import _rows
 
 __all__ = ["linear_policy_loss", "linear_selected_logprobs"]
 
@@ -87,15 +81,15 @@ def _native_loss(rows, weight, bias, transform: LogitTransform, inputs, ref_logp
                  rollout, rollout_logps):
     """``"native"``: every row's logits at once (inactive rows' hidden states zeroed, the
     GEMMs in float32 for float32 inputs), then the policy-loss step of ``_route`` on them,
-    with the rows and options validated here."""
+    with the rows and options validated here (``ratiokl._core.route.loss_step``)."""
     from ratiokl.torch._lm_head import head_logits
 
     hidden = rows.logits
     kept = torch.where(rows.mask[:, None], hidden,
                        torch.zeros((), dtype=hidden.dtype, device=hidden.device))
     logits = head_logits(kept, weight, bias, transform)
-    return loss_step(rows._replace(logits=logits), None, ref_logps, inputs, opts, rollout,
-                     rollout_logps, False, "linear_policy_loss")
+    return _tail.loss_step(XP, rows._replace(logits=logits), None, ref_logps, inputs, opts,
+                           rollout, rollout_logps, False, "linear_policy_loss")
 
 
 def _sharded_loss(rows, weight, bias, transform: LogitTransform, chunk_rows: int, lead, inputs,
@@ -112,12 +106,8 @@ def _sharded_loss(rows, weight, bias, transform: LogitTransform, chunk_rows: int
     logp, entropy = rows.run.linear_selected_logprobs(
         rows.logits, weight, bias, rows.ids, rows.mask, rows.temperature, transform,
         chunk_rows, True)
-    as_rows = _checks.as_rows
-    loss, metrics = _objective.policy_objective(
-        XP, as_rows(logp, lead), None if ref_logps is None else as_rows(_flat(ref_logps), lead),
-        as_rows(rows.mask, lead), inputs, opts, as_rows(entropy, lead))
-    if opts.loss_agg == "none":
-        loss = loss.reshape(lead)
+    loss, metrics = _tail.objective_tail(XP, logp, XP.flat(ref_logps), rows.mask, lead, inputs,
+                                         opts, entropy)
     loss = _once.backward_once(loss, "linear_policy_loss")
     return loss, {**metrics, **rollout_metrics}
 
@@ -142,7 +132,7 @@ def linear_policy_loss(hidden, weight, action_ids, mask, old_logps, advantages, 
     )
     lead = _head(hidden, weight, bias, action_ids)
     if ref_logps is not None or opts.uses_kl:
-        _reference(hidden, lead, None, ref_logps)
+        _checks.check_ref(hidden, lead, None, ref_logps)
     check_loss_normalizer(loss_agg, loss_normalizer)
     check_term_normalizer(opts, kl_entropy_normalizer)
     inputs = _checks.token_inputs(lead, old_logps, advantages, segment_ids,
@@ -174,10 +164,10 @@ def linear_policy_loss(hidden, weight, action_ids, mask, old_logps, advantages, 
         loss, metrics = _per_token(run, rows, weight, bias, transform, chunk_rows, lead,
                                    inputs, ref_logps, opts)
         return rows.checked((loss, {**metrics, **rollout_metrics}))
-    weights = _aggregation_weights(run, rows.mask, lead, inputs, opts)
+    weights = _tail.kernel_weights(XP, run.token_weights, rows.mask, lead, inputs, opts)
     loss, metrics = run.linear_policy_loss(
-        rows.logits, weight, bias, transform, rows.ids, rows.mask, _flat(inputs.old_logps),
-        _flat(ref_logps), _flat(inputs.advantages), _flat(inputs.importance_weights), weights,
+        rows.logits, weight, bias, transform, rows.ids, rows.mask, XP.flat(inputs.old_logps),
+        XP.flat(ref_logps), XP.flat(inputs.advantages), XP.flat(inputs.importance_weights), weights,
         rows.temperature, opts, chunk_rows,
     )
     return rows.checked((loss, {**metrics, **rollout_metrics}))
@@ -194,8 +184,5 @@ def _per_token(run, rows, weight, bias, transform, chunk_rows, lead, inputs, ref
     them."""
     logp, ent = run.linear_selected_logprobs(rows.logits, weight, bias, rows.ids, rows.mask,
                                              rows.temperature, transform, chunk_rows, True)
-    as_rows = _checks.as_rows
-    ref = None if ref_logps is None else as_rows(_flat(ref_logps), lead)
-    loss, metrics = _objective.policy_objective(
-        XP, as_rows(logp, lead), ref, as_rows(rows.mask, lead), inputs, opts, as_rows(ent, lead))
-    return (loss.reshape(lead) if opts.loss_agg == "none" else loss), metrics
+    return _tail.objective_tail(XP, logp, XP.flat(ref_logps), rows.mask, lead, inputs, opts,
+                                ent)
