@@ -24,7 +24,8 @@ from ratiokl._backend import inplace_grad_error
 from ratiokl._core.objective import aggregation_weights, policy_objective
 from ratiokl.spec import PolicyLossOptions
 
-__all__ = ["as_rows", "kernel_weights", "loss_step", "objective_tail", "per_token"]
+__all__ = ["as_rows", "kernel_weights", "linear_loss_step", "loss_step", "objective_tail",
+           "per_token"]
 
 
 def as_rows(x, lead: Tuple[int, ...]):
@@ -106,3 +107,45 @@ def loss_step(xp, rows, ref, ref_logps, inputs, opts: PolicyLossOptions, rollout
     logp_ref = None if logp_ref is None else xp.stop_gradient(logp_ref)
     loss, metrics = objective_tail(xp, logp, logp_ref, rows.mask, lead, inputs, opts, entropy)
     return rows.checked((xp.once(loss, op), {**metrics, **rollout_metrics}))
+
+
+def linear_loss_step(xp, rows, weight, bias, transform, chunk_rows: int, ref_logps, inputs,
+                     opts: PolicyLossOptions, rollout, rollout_logps,
+                     sharded: bool) -> Tuple[Any, Dict[str, Any]]:
+    """``linear_policy_loss`` on validated ``rows`` of hidden states (``rows.logits`` is
+    ``hidden [N, H]``), the lm_head ``weight [V, H]`` / ``bias [V]`` and ``transform``.
+
+    Three routes: the backend without a fused linear loss (``"native"``) materialises every
+    row's logits (``xp.head_logits``, inactive rows' hidden states zeroed) and takes
+    :func:`loss_step`; ``sharded`` (vocab-parallel), ``loss_agg="none"`` and the options
+    the fused chunks lack (``kl_agg``, ``entropy_agg``, ``kl_clamp``) take two passes:
+    the backend's chunked log-probs and entropies, then :func:`objective_tail` (with
+    ``"none"`` the per-token loss's upstream gradient is ``[...]`` and ``d weight`` sums
+    every row's share, so it cannot be scaled after the fact as the fused chunks' scalar
+    one is); else the backend's fused chunks.
+    """
+    lead, run = rows.lead, rows.run
+    if not sharded and run.linear_policy_loss is None:
+        logits = xp.head_logits(rows.logits, rows.mask, weight, bias, transform)
+        return loss_step(xp, rows._replace(logits=logits), None, ref_logps, inputs, opts,
+                         rollout, rollout_logps, False, "linear_policy_loss")
+    rollout_metrics = {}
+    if rollout is not None:
+        inputs, rollout_metrics = xp.rollout(rows.mask, lead, inputs, rollout_logps, rollout,
+                                             opts.log_ratio_bound, run.rollout_weights)
+    if sharded or opts.loss_agg == "none" or not opts.fuses:
+        logp, ent = run.linear_selected_logprobs(rows.logits, weight, bias, rows.ids,
+                                                 rows.mask, rows.temperature, transform,
+                                                 chunk_rows, True)
+        ref = None if ref_logps is None else xp.stop_gradient(xp.flat(ref_logps))
+        loss, metrics = objective_tail(xp, logp, ref, rows.mask, lead, inputs, opts, ent)
+        if sharded:  # the vocab-parallel loss refuses a second backward, as policy_loss
+            loss = xp.once(loss, "linear_policy_loss")
+        return rows.checked((loss, {**metrics, **rollout_metrics}))
+    weights = kernel_weights(xp, run.token_weights, rows.mask, lead, inputs, opts)
+    loss, metrics = run.linear_policy_loss(
+        rows.logits, weight, bias, transform, rows.ids, rows.mask, xp.flat(inputs.old_logps),
+        xp.flat(ref_logps), xp.flat(inputs.advantages), xp.flat(inputs.importance_weights),
+        weights, rows.temperature, opts, chunk_rows,
+    )
+    return rows.checked((loss, {**metrics, **rollout_metrics}))

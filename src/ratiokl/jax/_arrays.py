@@ -103,6 +103,15 @@ class _Jax:
         return _rollout.correct(mask, lead, inputs, rollout_logps, opts, log_ratio_bound)
 
     @staticmethod
+    def head_logits(hidden, mask, weight, bias, transform):
+        """Every row's logits ``[N, V]`` from ``hidden [N, H]`` (``ratiokl.jax._lm_head``),
+        inactive rows' hidden states zeroed."""
+        from ratiokl.jax._lm_head import head_logits
+
+        kept = jnp.where(mask[:, None], hidden, jnp.zeros((), hidden.dtype))
+        return head_logits(kept, weight, bias, transform)
+
+    @staticmethod
     def once(loss, op: str):
         """``loss`` itself: a JAX gradient is a new computation each time."""
         return loss

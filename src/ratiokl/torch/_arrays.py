@@ -127,6 +127,16 @@ class _Torch:
                                 launch)
 
     @staticmethod
+    def head_logits(hidden, mask, weight, bias, transform):
+        """Every row's logits ``[N, V]`` from ``hidden [N, H]`` (``ratiokl.torch._lm_head``),
+        inactive rows' hidden states zeroed (the GEMMs in float32 for float32 inputs)."""
+        from ratiokl.torch._lm_head import head_logits
+
+        kept = torch.where(mask[:, None], hidden,
+                           torch.zeros((), dtype=hidden.dtype, device=hidden.device))
+        return head_logits(kept, weight, bias, transform)
+
+    @staticmethod
     def once(loss: torch.Tensor, op: str) -> torch.Tensor:
         """``loss``, whose graph refuses a second backward (``ratiokl.torch._once``), as the
         one-kernel loss does."""

@@ -14,7 +14,6 @@ import torch
 
 from ratiokl._core import route as _tail
 from ratiokl.spec import (
-    LogitTransform,
     check_chunk_rows,
     check_head_shapes,
     check_loss_normalizer, check_term_normalizer,
@@ -22,7 +21,7 @@ from ratiokl.spec import (
     policy_loss_options,
     rollout_options,
 )
-from ratiokl.torch import _checks, _once, _rollout
+from ratiokl.torch import _checks
 from ratiokl.torch._arrays import XP
 from ratiokl.torch._route import _rows
 
@@ -77,41 +76,6 @@ def linear_selected_logprobs(hidden, weight, action_ids, mask, *, bias, temperat
     return rows.checked(out.reshape(lead))
 
 
-def _native_loss(rows, weight, bias, transform: LogitTransform, inputs, ref_logps, opts,
-                 rollout, rollout_logps):
-    """``"native"``: every row's logits at once (inactive rows' hidden states zeroed, the
-    GEMMs in float32 for float32 inputs), then the policy-loss step of ``_route`` on them,
-    with the rows and options validated here (``ratiokl._core.route.loss_step``)."""
-    from ratiokl.torch._lm_head import head_logits
-
-    hidden = rows.logits
-    kept = torch.where(rows.mask[:, None], hidden,
-                       torch.zeros((), dtype=hidden.dtype, device=hidden.device))
-    logits = head_logits(kept, weight, bias, transform)
-    return _tail.loss_step(XP, rows._replace(logits=logits), None, ref_logps, inputs, opts,
-                           rollout, rollout_logps, False, "linear_policy_loss")
-
-
-def _sharded_loss(rows, weight, bias, transform: LogitTransform, chunk_rows: int, lead, inputs,
-                  ref_logps, opts, rollout, rollout_logps):
-    """``vocab_group``: the two-pass route of ``policy_loss`` on sharded logits, with the
-    log-probs and entropy from the sharded lm_head (``_vocab_linear``): ``(logp, entropy)``
-    in row chunks (the entropy's gradient only with ``entropy_coef``), then the framework's
-    objective on ``[N]`` arrays, the same on every rank."""
-    rollout_metrics = {}
-    if rollout is not None:
-        inputs, rollout_metrics = _rollout.correct(rows.mask, lead, inputs, rollout_logps,
-                                                   rollout, opts.log_ratio_bound,
-                                                   rows.run.rollout_weights)
-    logp, entropy = rows.run.linear_selected_logprobs(
-        rows.logits, weight, bias, rows.ids, rows.mask, rows.temperature, transform,
-        chunk_rows, True)
-    loss, metrics = _tail.objective_tail(XP, logp, XP.flat(ref_logps), rows.mask, lead, inputs,
-                                         opts, entropy)
-    loss = _once.backward_once(loss, "linear_policy_loss")
-    return loss, {**metrics, **rollout_metrics}
-
-
 def linear_policy_loss(hidden, weight, action_ids, mask, old_logps, advantages, *,
                        ref_logps, bias, logit_scale, logit_softcap, chunk_rows, clip_eps,
                        clip_eps_high, dual_clip, ratio_cap, kl_coef, kl_estimator, loss_agg,
@@ -144,45 +108,9 @@ def linear_policy_loss(hidden, weight, action_ids, mask, old_logps, advantages, 
         ref_logps=ref_logps, advantages=advantages, segment_ids=segment_ids,
         importance_weights=importance_weights,
     )
-    run = rows.run
     rollout = rollout_options(rollout_correction, rollout_bounds, rollout_logps is not None,
                               old_given=old_logps is not None, cached=True)
-    if vocab_group is not None:
+    if vocab_group is not None or rows.run.linear_policy_loss is not None:
         _eager_only("linear_policy_loss", "policy_loss", vocab_group)
-        return rows.checked(_sharded_loss(rows, weight, bias, transform, chunk_rows, lead,
-                                          inputs, ref_logps, opts, rollout, rollout_logps))
-    if run.linear_policy_loss is None:
-        return _native_loss(rows, weight, bias, transform, inputs, ref_logps, opts, rollout,
-                            rollout_logps)
-    _eager_only("linear_policy_loss", "policy_loss", None)
-    rollout_metrics = {}
-    if rollout is not None:
-        inputs, rollout_metrics = _rollout.correct(rows.mask, lead, inputs, rollout_logps,
-                                                   rollout, opts.log_ratio_bound,
-                                                   run.rollout_weights)
-    if opts.loss_agg == "none" or not opts.fuses:  # two passes (see _per_token)
-        loss, metrics = _per_token(run, rows, weight, bias, transform, chunk_rows, lead,
-                                   inputs, ref_logps, opts)
-        return rows.checked((loss, {**metrics, **rollout_metrics}))
-    weights = _tail.kernel_weights(XP, run.token_weights, rows.mask, lead, inputs, opts)
-    loss, metrics = run.linear_policy_loss(
-        rows.logits, weight, bias, transform, rows.ids, rows.mask, XP.flat(inputs.old_logps),
-        XP.flat(ref_logps), XP.flat(inputs.advantages), XP.flat(inputs.importance_weights), weights,
-        rows.temperature, opts, chunk_rows,
-    )
-    return rows.checked((loss, {**metrics, **rollout_metrics}))
-
-
-
-def _per_token(run, rows, weight, bias, transform, chunk_rows, lead, inputs, ref_logps, opts):
-    """``loss_agg="none"`` (and the options the fused chunks lack: ``kl_agg``, ``entropy_agg``,
-    ``kl_clamp``) on the chunks. ``"none"``: the per-token loss's upstream gradient is
-    ``[...]``, and ``d weight`` sums every row's share, so it cannot be scaled after the
-    fact as the fused chunks' scalar one is. Two passes instead:
-    :func:`linear_selected_logprobs`'s chunks (log-probs and entropies, gradients to hidden,
-    weight and bias in the backward), then the objective of ``ratiokl._core.objective`` on
-    them."""
-    logp, ent = run.linear_selected_logprobs(rows.logits, weight, bias, rows.ids, rows.mask,
-                                             rows.temperature, transform, chunk_rows, True)
-    return _tail.objective_tail(XP, logp, XP.flat(ref_logps), rows.mask, lead, inputs, opts,
-                                ent)
+    return _tail.linear_loss_step(XP, rows, weight, bias, transform, chunk_rows, ref_logps,
+                                  inputs, opts, rollout, rollout_logps, vocab_group is not None)
