@@ -30,5 +30,6 @@ The names follow the array API, so swapping a namespace in later is mechanical.
 Modules: :mod:`ratiokl._core.sequences` (the sequences of ``loss_agg`` and their
 segmented sums), :mod:`ratiokl._core.objective` (the per-token objective, the
 aggregations and the metrics), :mod:`ratiokl._core.rollout` (the rollout correction's
-weights and metrics).
+weights and metrics), :mod:`ratiokl._core.route` (the policy-loss routes' tail after
+validation, with the route's hooks each adapter also offers).
 """

@@ -1,10 +1,13 @@
 """JAX's array adapter for the framework-neutral core (:mod:`ratiokl._core`).
 
 :data:`XP` offers the operations the core's docstring lists, as ``jnp`` / ``lax`` ops
-(traceable under ``jit``, ``grad``, ``vmap`` and ``shard_map``).
+(traceable under ``jit``, ``grad``, ``vmap`` and ``shard_map``), and the route's hooks
+(:mod:`ratiokl._core.route`).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import jax.numpy as jnp
 from jax import lax
@@ -65,6 +68,53 @@ class _Jax:
     @staticmethod
     def take(x, index):
         return jnp.take_along_axis(x, index, axis=-1)
+
+    @staticmethod
+    def flat(values):
+        """A float32 ``[N]`` copy of a per-token array (None passes through)."""
+        return None if values is None else values.reshape(-1).astype(jnp.float32)
+
+    # --- the route's hooks (ratiokl._core.route.loss_step) ---------------------------------
+
+    no_grad = staticmethod(contextlib.nullcontext)  # JAX differentiates what it is asked to
+    #: ``inplace_grad``: the host check is read after the call, as for every other launch.
+    check_before_inplace = False
+
+    @staticmethod
+    def compiling() -> bool:
+        return False
+
+    @staticmethod
+    def compiled_backward(logits) -> bool:
+        """Never: under ``jax.jit`` the fused kernel's gradient is its own output."""
+        return False
+
+    @staticmethod
+    def fused_advantages(advantages):
+        """``(adv [N], {})``: the fused kernel reads one advantage per row."""
+        return advantages.reshape(-1).astype(jnp.float32), {}
+
+    @staticmethod
+    def rollout(mask, lead, inputs, rollout_logps, opts, log_ratio_bound, launch):
+        """``ratiokl.jax._rollout.correct`` (the argument checked, the weights folded in);
+        ``launch`` unused (no one-launch rollout weights in JAX)."""
+        from ratiokl.jax import _rollout
+
+        return _rollout.correct(mask, lead, inputs, rollout_logps, opts, log_ratio_bound)
+
+    @staticmethod
+    def head_logits(hidden, mask, weight, bias, transform):
+        """Every row's logits ``[N, V]`` from ``hidden [N, H]`` (``ratiokl.jax._lm_head``),
+        inactive rows' hidden states zeroed."""
+        from ratiokl.jax._lm_head import head_logits
+
+        kept = jnp.where(mask[:, None], hidden, jnp.zeros((), hidden.dtype))
+        return head_logits(kept, weight, bias, transform)
+
+    @staticmethod
+    def once(loss, op: str):
+        """``loss`` itself: a JAX gradient is a new computation each time."""
+        return loss
 
 
 XP = _Jax()

@@ -18,6 +18,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import checkify
 
+from ratiokl._core.route import as_rows
 from ratiokl.spec import LOGIT_DTYPE_NAMES, check_action_ids, check_temperatures
 
 __all__ = [
@@ -25,7 +26,6 @@ __all__ = [
     "Normalizer",
     "Temperature",
     "TokenInputs",
-    "as_rows",
     "token_inputs",
     "ActiveCheck",
     "check_bool_option",
@@ -259,13 +259,6 @@ def _traced_check(bad: jax.Array, values: jax.Array, message: str) -> None:
 
 
 _ARRAYS = (jax.Array, np.ndarray, jax.core.Tracer)
-
-
-def as_rows(x: jax.Array, lead: Tuple[int, ...]) -> jax.Array:
-    """A per-token array of leading shape ``[..., T]`` viewed as ``[R, T]``."""
-    if not lead:
-        return x.reshape(1, 1)
-    return x.reshape(math.prod(lead[:-1]), lead[-1])  # explicit R: T may be 0
 
 
 @dataclass(frozen=True)

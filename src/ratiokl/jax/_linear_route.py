@@ -11,16 +11,12 @@ from __future__ import annotations
 from typing import Dict, Tuple
 
 import jax
-import jax.numpy as jnp
-from jax import lax
 
-from ratiokl._core import objective as _objective
-from ratiokl.jax import _checks, _rollout
+from ratiokl._core import route as _tail
+from ratiokl.jax import _checks
 from ratiokl.jax._arrays import XP
-from ratiokl.jax._lm_head import head_logits
-from ratiokl.jax._route import _aggregation_weights, _flat, _rows, policy_loss
+from ratiokl.jax._route import _rows
 from ratiokl.spec import (
-    LogitTransform,
     check_chunk_rows,
     check_head_shapes,
     check_loss_normalizer, check_term_normalizer,
@@ -61,30 +57,6 @@ def linear_selected_logprobs(hidden, weight, action_ids, mask, *, bias, temperat
     return rows.checked(out.reshape(lead))
 
 
-def _sharded_loss(rows, weight, bias, transform: LogitTransform, chunk_rows: int, lead, inputs,
-                  ref_logps, opts, rollout, rollout_logps):
-    """``vocab_axis``: the two-pass route of ``policy_loss`` on sharded logits, with the
-    log-probs and entropy from the sharded lm_head (``_vocab_linear``): ``(logp, entropy)``
-    in row chunks (the entropy's gradient only with ``entropy_coef``: a symbolic zero
-    otherwise), then the framework's objective on ``[N]`` arrays, replicated along the
-    axis."""
-    rollout_metrics = {}
-    if rollout is not None:
-        inputs, rollout_metrics = _rollout.correct(rows.mask, lead, inputs, rollout_logps,
-                                                   rollout, opts.log_ratio_bound)
-    logp, entropy = rows.run.linear_selected_logprobs(
-        rows.logits, weight, bias, rows.ids, rows.mask, rows.temperature, transform,
-        chunk_rows, True)
-    as_rows = _checks.as_rows
-    loss, metrics = _objective.policy_objective(
-        XP, as_rows(logp, lead),
-        None if ref_logps is None else as_rows(lax.stop_gradient(_flat(ref_logps)), lead),
-        as_rows(rows.mask, lead), inputs, opts, as_rows(entropy, lead))
-    if opts.loss_agg == "none":
-        loss = loss.reshape(lead)
-    return loss, {**metrics, **rollout_metrics}
-
-
 def linear_policy_loss(hidden, weight, action_ids, mask, old_logps, advantages, *,
                        ref_logps, bias, logit_scale, logit_softcap, chunk_rows, clip_eps,
                        clip_eps_high, dual_clip, ratio_cap, kl_coef, kl_estimator, loss_agg,
@@ -113,55 +85,7 @@ def linear_policy_loss(hidden, weight, action_ids, mask, old_logps, advantages, 
                                   kl_entropy_normalizer)
     rows = _rows(hidden, lead, ids, mask, temperature, backend, check_ids, vocab_axis,
                  vocab=weight.shape[0])
-    run = rows.run
     rollout = rollout_options(rollout_correction, rollout_bounds, rollout_logps is not None,
                               old_given=old_logps is not None)
-    if vocab_axis is not None:
-        return rows.checked(_sharded_loss(rows, weight, bias, transform, chunk_rows, lead,
-                                          inputs, ref_logps, opts, rollout, rollout_logps))
-    if run.linear_policy_loss is None:  # "native": every row's logits at once
-        kept = jnp.where(rows.mask[:, None], rows.logits, jnp.zeros((), hidden.dtype))
-        logits = head_logits(kept, weight, bias, transform).reshape(*lead, weight.shape[0])
-        return rows.checked(policy_loss(  # the ids were checked above
-            logits, None, ids, mask, old_logps, advantages, ref_logps=ref_logps,
-            clip_eps=clip_eps, clip_eps_high=clip_eps_high, dual_clip=dual_clip,
-            ratio_cap=ratio_cap, kl_coef=kl_coef, kl_estimator=kl_estimator, loss_agg=loss_agg,
-            loss_normalizer=loss_normalizer, ratio_level="token", objective=objective,
-            entropy_coef=entropy_coef, kl_agg=kl_agg, entropy_agg=entropy_agg,
-            kl_entropy_normalizer=kl_entropy_normalizer, kl_clamp=kl_clamp,
-            segment_ids=segment_ids,
-            importance_weights=importance_weights, log_ratio_bound=log_ratio_bound,
-            temperature=temperature, backend=backend, check_ids=False, vocab_axis=None,
-            inplace_grad=False, rollout_logps=rollout_logps,
-            rollout_correction=rollout_correction, rollout_bounds=rollout_bounds))
-    rollout_metrics = {}
-    if rollout is not None:
-        inputs, rollout_metrics = _rollout.correct(rows.mask, lead, inputs, rollout_logps,
-                                                   rollout, opts.log_ratio_bound)
-    if opts.loss_agg == "none" or not opts.fuses:  # two passes (see _per_token)
-        loss, metrics = _per_token(run, rows, weight, bias, transform, chunk_rows, lead,
-                                   inputs, ref_logps, opts)
-        return rows.checked((loss, {**metrics, **rollout_metrics}))
-    weights = _aggregation_weights(run, rows.mask, lead, inputs, opts)
-    loss, metrics = run.linear_policy_loss(
-        rows.logits, weight, bias, transform, rows.ids, rows.mask, _flat(inputs.old_logps),
-        _flat(ref_logps), _flat(inputs.advantages), _flat(inputs.importance_weights), weights,
-        rows.temperature, opts, chunk_rows,
-    )
-    return rows.checked((loss, {**metrics, **rollout_metrics}))
-
-
-def _per_token(run, rows, weight, bias, transform, chunk_rows, lead, inputs, ref_logps, opts):
-    """``loss_agg="none"`` (and the options the fused chunks lack: ``kl_agg``, ``entropy_agg``,
-    ``kl_clamp``) on the chunks. ``"none"``: the per-token loss's cotangent is ``[...]``,
-    and ``d weight`` sums every row's share, so it cannot be scaled after the fact as the
-    fused chunks' scalar one is. Two passes instead: :func:`linear_selected_logprobs`'s
-    chunks (log-probs and entropies, differentiable w.r.t. hidden, weight and bias), then
-    the objective of ``ratiokl._core.objective`` on them."""
-    logp, ent = run.linear_selected_logprobs(rows.logits, weight, bias, rows.ids, rows.mask,
-                                             rows.temperature, transform, chunk_rows, True)
-    as_rows = _checks.as_rows
-    ref = None if ref_logps is None else as_rows(lax.stop_gradient(_flat(ref_logps)), lead)
-    loss, metrics = _objective.policy_objective(
-        XP, as_rows(logp, lead), ref, as_rows(rows.mask, lead), inputs, opts, as_rows(ent, lead))
-    return (loss.reshape(lead) if opts.loss_agg == "none" else loss), metrics
+    return _tail.linear_loss_step(XP, rows, weight, bias, transform, chunk_rows, ref_logps,
+                                  inputs, opts, rollout, rollout_logps, vocab_axis is not None)

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ratiokl._core import objective as _core
+from ratiokl._core.route import as_rows
 from ratiokl.jax import _checks, _rollout
 from ratiokl.jax._arrays import XP
 from ratiokl.spec import (check_loss_normalizer, check_term_normalizer, policy_loss_options,
@@ -29,7 +30,7 @@ __all__ = ["policy_objective"]
 def _values(name: str, values: Any, lead: Tuple[int, ...]) -> jax.Array:
     """A floating per-token array of ``lead`` as float32 ``[R, T]`` (differentiable)."""
     values = _checks.check_row_values(name, values, lead)
-    return _checks.as_rows(values.astype(jnp.float32), lead)
+    return as_rows(values.astype(jnp.float32), lead)
 
 
 def _missing(name: str, coef: str) -> ValueError:
@@ -73,7 +74,7 @@ def policy_objective(logps, old_logps, advantages, mask, *, ref_logps, entropy, 
     if rollout is not None:
         inputs, rollout_metrics = _rollout.correct(mask.reshape(-1), lead, inputs,
                                                    rollout_logps, rollout, opts.log_ratio_bound)
-    loss, metrics = _core.policy_objective(XP, logp, ref, _checks.as_rows(mask, lead), inputs,
+    loss, metrics = _core.policy_objective(XP, logp, ref, as_rows(mask, lead), inputs,
                                            opts, ent)
     if opts.loss_agg == "none":
         loss = loss.reshape(lead)

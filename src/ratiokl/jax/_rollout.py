@@ -13,8 +13,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from ratiokl._core import rollout as _core
+from ratiokl._core.route import as_rows
 from ratiokl.jax._arrays import XP
-from ratiokl.jax._checks import TokenInputs, as_rows, check_row_values
+from ratiokl.jax._checks import TokenInputs, check_row_values
 from ratiokl.spec import RolloutOptions
 
 __all__ = ["correct"]

@@ -35,12 +35,11 @@ from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
-from ratiokl._backend import Backend, inplace_grad_error
-from ratiokl._core import objective as _objective
+from ratiokl._backend import Backend
+from ratiokl._core import route as _tail
 from ratiokl._requirements import unmet
-from ratiokl.jax import _checks, _jax_triton, _rollout
+from ratiokl.jax import _checks, _jax_triton
 from ratiokl.jax._arrays import XP
 from ratiokl.jax._checks import Temperature
 from ratiokl.spec import (BACKENDS, check_loss_normalizer, check_term_normalizer, kl_estimator_code,
@@ -176,24 +175,6 @@ class _Rows(NamedTuple):
         return result
 
 
-def _flat(values: Optional[jax.Array]) -> Optional[jax.Array]:
-    """A float32 ``[N]`` copy of a per-token array (None passes through)."""
-    return None if values is None else values.reshape(-1).astype(jnp.float32)
-
-
-
-def _aggregation_weights(run: Backend, mask, lead: Tuple[int, ...], inputs: _checks.TokenInputs,
-                         opts) -> jax.Array:
-    """The fused kernel's per-row aggregation weights ``w`` (float32 ``[N]``): the backend's
-    one launch where every active token weighs the same, else the core's ops
-    (``ratiokl._core.objective.aggregation_weights``)."""
-    mask_rows = _checks.as_rows(mask, lead)
-    weights = run.token_weights(mask, opts, inputs.loss_normalizer, mask_rows.shape[-1])
-    if weights is None:
-        weights = _objective.aggregation_weights(
-            XP, mask_rows, inputs.segment_ids, inputs.loss_normalizer, opts).reshape(-1)
-    return weights
-
 def _lead(logits: jax.Array,
           action_ids: jax.Array) -> Tuple[jax.Array, jax.Array, Tuple[int, ...]]:
     """Check the logits, then the ids (first: a flattened ``[N, V]`` names the ids)."""
@@ -224,7 +205,7 @@ def _rows(logits: jax.Array, lead: Tuple[int, ...], ids: jax.Array, mask, temper
         run = _vocab_parallel.backend(resolve(name), vocab_axis, explicit=backend != "auto")
     check = _checks.ActiveCheck(ids, mask, vocab, check_ids, temperature)
     if not isinstance(temperature, float):
-        temperature = _checks.poison_bad_temperature(_flat(temperature))
+        temperature = _checks.poison_bad_temperature(XP.flat(temperature))
     return _Rows(lead, logits.reshape(-1, logits.shape[-1]), ids.reshape(-1), mask.reshape(-1),
                  temperature, run, check)
 
@@ -252,8 +233,8 @@ def ratio_kl(policy_logits, ref_logits, action_ids, mask, old_logps, *, ref_logp
     kl_code = kl_estimator_code(kl_estimator)
     rows = _rows(policy_logits, lead, ids, mask, temperature, backend, check_ids, vocab_axis)
     ref = None if ref_logits is None else ref_logits.reshape(rows.logits.shape)
-    ratio, kl = rows.run.ratio_kl(rows.logits, ref, rows.ids, rows.mask, _flat(old_logps),
-                                  _flat(ref_logps), kl_code, rows.temperature)
+    ratio, kl = rows.run.ratio_kl(rows.logits, ref, rows.ids, rows.mask, XP.flat(old_logps),
+                                  XP.flat(ref_logps), kl_code, rows.temperature)
     return rows.checked((ratio.reshape(lead), kl.reshape(lead)))
 
 
@@ -282,43 +263,9 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
                                   kl_entropy_normalizer)
     rows = _rows(policy_logits, lead, ids, mask, temperature, backend, check_ids, vocab_axis)
     ref = None if ref_logits is None else ref_logits.reshape(rows.logits.shape)
-    run = rows.run
-    as_rows = _checks.as_rows
     # The rollout options are checked on every call; only a call with rollout_logps
     # visits the correction (its weights, folded into importance_weights, and metrics).
     rollout = rollout_options(rollout_correction, rollout_bounds, rollout_logps is not None,
                               old_given=old_logps is not None)
-    rollout_metrics = {}
-    if rollout is not None:
-        inputs, rollout_metrics = _rollout.correct(rows.mask, lead, inputs, rollout_logps,
-                                                   rollout, opts.log_ratio_bound)
-    if run.policy_loss is not None and opts.fuses and not opts.sequence_ratio:
-        # one kernel: the loss, the metrics' row values and the gradient together
-        weights = _aggregation_weights(run, rows.mask, lead, inputs, opts)
-        loss, metrics = run.policy_loss(
-            rows.logits, ref, rows.ids, rows.mask, _flat(inputs.old_logps), _flat(ref_logps),
-            _flat(inputs.advantages), _flat(inputs.importance_weights), weights,
-            rows.temperature, opts, inplace_grad,
-        )
-        return rows.checked((_per_token(loss, lead, opts), {**metrics, **rollout_metrics}))
-    if inplace_grad:
-        raise inplace_grad_error(opts.sequence_ratio, fuses=opts.fuses)
-    # The entropy from the same read of the logits (entropy_mean always; in the loss with
-    # entropy_coef).
-    logp, entropy = run.logprobs_entropy(rows.logits, rows.ids, rows.mask, rows.temperature)
-    logp_ref = _flat(ref_logps)
-    if ref is not None:
-        logp_ref = run.selected_logprobs(lax.stop_gradient(ref), rows.ids, rows.mask,
-                                         rows.temperature)
-    logp_ref = None if logp_ref is None else lax.stop_gradient(logp_ref)
-    loss, metrics = _objective.policy_objective(
-        XP, as_rows(logp, lead), None if logp_ref is None else as_rows(logp_ref, lead),
-        as_rows(rows.mask, lead), inputs, opts, as_rows(entropy, lead),
-    )
-    return rows.checked((_per_token(loss, lead, opts), {**metrics, **rollout_metrics}))
-
-
-def _per_token(loss: jax.Array, lead: Tuple[int, ...], opts) -> jax.Array:
-    """``loss`` as returned: the per-token loss (``[N]`` / ``[R, T]``, ``loss_agg="none"``)
-    in the leading shape ``[...]``, else the 0-d loss itself."""
-    return loss.reshape(lead) if opts.loss_agg == "none" else loss
+    return _tail.loss_step(XP, rows, ref, ref_logps, inputs, opts, rollout, rollout_logps,
+                           inplace_grad, "policy_loss")

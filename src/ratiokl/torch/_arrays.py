@@ -1,10 +1,13 @@
 """PyTorch's array adapter for the framework-neutral core (:mod:`ratiokl._core`).
 
 :data:`XP` offers the operations the core's docstring lists, as PyTorch ops on tensors of
-any device (traced by ``torch.compile``; nothing synchronises with the host).
+any device (traced by ``torch.compile``; nothing synchronises with the host), and the
+route's hooks (:mod:`ratiokl._core.route`).
 """
 
 from __future__ import annotations
+
+from typing import Dict, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -73,6 +76,73 @@ class _Torch:
     @staticmethod
     def take(x, index):
         return torch.gather(x, -1, index)
+
+    @staticmethod
+    def flat(values):
+        """A detached, contiguous float32 ``[N]`` view (or copy) of a per-token tensor; None
+        passes through. Contiguous: the kernels read row ``i`` at ``i`` (an expanded input,
+        such as per-sequence advantages broadcast over one sequence, flattens to stride 0)."""
+        return None if values is None else values.detach().reshape(-1).float().contiguous()
+
+    # --- the route's hooks (ratiokl._core.route.loss_step) ---------------------------------
+
+    no_grad = staticmethod(torch.no_grad)
+    compiling = staticmethod(torch.compiler.is_compiling)
+    #: ``inplace_grad``: the launch consumes the logits, so the host check is read first.
+    check_before_inplace = True
+
+    @staticmethod
+    def compiled_backward(logits: torch.Tensor) -> bool:
+        """Whether ``torch.compile`` traces a gradient of ``logits``: then the two passes.
+
+        The fused kernel stores the gradient in the forward and the backward scales it in
+        place; AOTAutograd's backward graph gets the stored gradient as an input, which
+        functionalization copies before the in-place scale (on the H200 the compiled
+        fused step took 1.72x the eager one: an extra read and write of the ``[N, V]``
+        gradient). The two-pass backward writes a new gradient, nothing to copy.
+        """
+        return (torch.compiler.is_compiling() and torch.is_grad_enabled()
+                and logits.requires_grad)
+
+    @staticmethod
+    def fused_advantages(advantages: torch.Tensor) -> Tuple[torch.Tensor, Dict[str, int]]:
+        """``(adv, {"adv_rows": n})`` as the fused kernel reads them from
+        ``TokenInputs.advantages`` ``[R, T]``: one value per sequence ``[R]`` with ``n = T``
+        where they were given per sequence (a stride-0 view over the tokens), else ``[N]``
+        with ``n = 1``.
+
+        Per-sequence advantages are thus never expanded into an ``[N]`` copy (on the H200
+        that copy was the costliest host step of a ``policy_loss`` call).
+        """
+        if advantages.shape[-1] > 1 and advantages.stride(-1) == 0:
+            return advantages[:, 0].contiguous(), {"adv_rows": advantages.shape[-1]}
+        return advantages.reshape(-1).contiguous(), {"adv_rows": 1}
+
+    @staticmethod
+    def rollout(mask, lead, inputs, rollout_logps, opts, log_ratio_bound, launch):
+        """``ratiokl.torch._rollout.correct`` (the argument checked, the weights folded in)."""
+        from ratiokl.torch import _rollout
+
+        return _rollout.correct(mask, lead, inputs, rollout_logps, opts, log_ratio_bound,
+                                launch)
+
+    @staticmethod
+    def head_logits(hidden, mask, weight, bias, transform):
+        """Every row's logits ``[N, V]`` from ``hidden [N, H]`` (``ratiokl.torch._lm_head``),
+        inactive rows' hidden states zeroed (the GEMMs in float32 for float32 inputs)."""
+        from ratiokl.torch._lm_head import head_logits
+
+        kept = torch.where(mask[:, None], hidden,
+                           torch.zeros((), dtype=hidden.dtype, device=hidden.device))
+        return head_logits(kept, weight, bias, transform)
+
+    @staticmethod
+    def once(loss: torch.Tensor, op: str) -> torch.Tensor:
+        """``loss``, whose graph refuses a second backward (``ratiokl.torch._once``), as the
+        one-kernel loss does."""
+        from ratiokl.torch import _once
+
+        return _once.backward_once(loss, op)
 
 
 XP = _Torch()

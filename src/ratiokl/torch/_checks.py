@@ -16,6 +16,7 @@ from typing import Dict, Optional, Tuple, Union
 
 import torch
 
+from ratiokl._core.route import as_rows
 from ratiokl.spec import LOGIT_DTYPE_NAMES, check_action_ids, check_temperatures
 
 __all__ = [
@@ -23,14 +24,13 @@ __all__ = [
     "LOGIT_DTYPES",
     "Normalizer",
     "TokenInputs",
-    "as_rows",
-    "kernel_advantages",
     "token_inputs",
     "check_active_ids",
     "check_logits",
     "check_ids",
     "check_mask",
     "check_no_transforms",
+    "check_ref",
     "check_row_values",
     "check_same_device",
     "check_temperature",
@@ -125,6 +125,25 @@ def check_row_values(name: str, values: object, lead: Tuple[int, ...]) -> torch.
         )
     _check_lead_shape(name, values, lead)
     return values
+
+
+def check_ref(policy_logits: torch.Tensor, lead: Tuple[int, ...],
+              ref_logits: object, ref_logps: object) -> None:
+    """Exactly one of ``ref_logits`` (the policy's shape) and ``ref_logps`` (``lead``)."""
+    if (ref_logits is None) == (ref_logps is None):
+        raise ValueError(
+            "pass exactly one of `ref_logits` (reference-model logits [..., V]) and "
+            "`ref_logps` (reference log-probs [...]); set the other to None"
+        )
+    if ref_logps is not None:
+        check_row_values("ref_logps", ref_logps, lead)
+        return
+    check_logits("ref_logits", ref_logits)
+    if ref_logits.shape != policy_logits.shape:
+        raise ValueError(
+            f"`ref_logits` must have the shape of `policy_logits` {list(policy_logits.shape)}; "
+            f"got {list(ref_logits.shape)}"
+        )
 
 
 def check_temperature(temperature: object, lead: Tuple[int, ...]) -> Temperature:
@@ -340,13 +359,6 @@ def check_active_ids(ids: torch.Tensor, mask: torch.Tensor, vocab_size: Optional
 # --- policy_loss's per-token inputs -------------------------------------------------------
 
 
-def as_rows(x: torch.Tensor, lead: Tuple[int, ...]) -> torch.Tensor:
-    """A per-token tensor of leading shape ``[..., T]`` viewed as ``[R, T]``."""
-    if not lead:
-        return x.reshape(1, 1)
-    return x.reshape(math.prod(lead[:-1]), lead[-1])  # explicit R: T may be 0
-
-
 @dataclass(frozen=True)
 class TokenInputs:
     """``policy_loss``'s per-token inputs, validated, detached, laid out ``[R, T]``."""
@@ -376,19 +388,6 @@ def _check_advantages(advantages: object, lead: Tuple[int, ...]) -> torch.Tensor
     if shape != lead:
         adv = adv.reshape(lead[:-1] + (1,)).expand(lead)
     return as_rows(adv, lead)
-
-
-def kernel_advantages(advantages: torch.Tensor) -> Tuple[torch.Tensor, int]:
-    """``(adv, adv_rows)`` as the fused kernel reads them from ``TokenInputs.advantages``
-    ``[R, T]``: one value per sequence ``[R]`` with ``adv_rows = T`` where they were given
-    per sequence (a stride-0 view over the tokens), else ``[N]`` with ``adv_rows = 1``.
-
-    Per-sequence advantages are thus never expanded into an ``[N]`` copy (on the H200 that
-    copy was the costliest host step of a ``policy_loss`` call).
-    """
-    if advantages.shape[-1] > 1 and advantages.stride(-1) == 0:
-        return advantages[:, 0].contiguous(), advantages.shape[-1]
-    return advantages.reshape(-1).contiguous(), 1
 
 
 def _check_normalizer(value: object, name: str = "loss_normalizer") -> Normalizer:

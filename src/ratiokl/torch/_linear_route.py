@@ -12,9 +12,8 @@ from typing import Dict, Tuple
 
 import torch
 
-from ratiokl._core import objective as _objective
+from ratiokl._core import route as _tail
 from ratiokl.spec import (
-    LogitTransform,
     check_chunk_rows,
     check_head_shapes,
     check_loss_normalizer, check_term_normalizer,
@@ -22,15 +21,9 @@ from ratiokl.spec import (
     policy_loss_options,
     rollout_options,
 )
-from ratiokl.torch import _checks, _once, _rollout
+from ratiokl.torch import _checks
 from ratiokl.torch._arrays import XP
-from ratiokl.torch._route import (
-    _aggregation_weights,
-    _flat,
-    _reference,
-    _rows,
-    policy_loss,
-)
+from ratiokl.torch._route import _rows
 
 __all__ = ["linear_policy_loss", "linear_selected_logprobs"]
 
@@ -83,43 +76,6 @@ def linear_selected_logprobs(hidden, weight, action_ids, mask, *, bias, temperat
     return rows.checked(out.reshape(lead))
 
 
-def _native_loss(hidden, weight, bias, transform: LogitTransform, lead, mask, kwargs):
-    """``"native"``: every row's logits at once (inactive rows' hidden states zeroed, the
-    GEMMs in float32 for float32 inputs), then :func:`policy_loss` on them."""
-    from ratiokl.torch._lm_head import head_logits
-
-    flat_mask = mask.reshape(-1)
-    kept = torch.where(flat_mask[:, None], hidden.reshape(-1, hidden.shape[-1]),
-                       torch.zeros((), dtype=hidden.dtype, device=hidden.device))
-    logits = head_logits(kept, weight, bias, transform).reshape(*lead, weight.shape[0])
-    return policy_loss(logits, None, ratio_level="token", vocab_group=None,
-                       inplace_grad=False, op="linear_policy_loss", **kwargs)
-
-
-def _sharded_loss(rows, weight, bias, transform: LogitTransform, chunk_rows: int, lead, inputs,
-                  ref_logps, opts, rollout, rollout_logps):
-    """``vocab_group``: the two-pass route of ``policy_loss`` on sharded logits, with the
-    log-probs and entropy from the sharded lm_head (``_vocab_linear``): ``(logp, entropy)``
-    in row chunks (the entropy's gradient only with ``entropy_coef``), then the framework's
-    objective on ``[N]`` arrays, the same on every rank."""
-    rollout_metrics = {}
-    if rollout is not None:
-        inputs, rollout_metrics = _rollout.correct(rows.mask, lead, inputs, rollout_logps,
-                                                   rollout, opts.log_ratio_bound,
-                                                   rows.run.rollout_weights)
-    logp, entropy = rows.run.linear_selected_logprobs(
-        rows.logits, weight, bias, rows.ids, rows.mask, rows.temperature, transform,
-        chunk_rows, True)
-    as_rows = _checks.as_rows
-    loss, metrics = _objective.policy_objective(
-        XP, as_rows(logp, lead), None if ref_logps is None else as_rows(_flat(ref_logps), lead),
-        as_rows(rows.mask, lead), inputs, opts, as_rows(entropy, lead))
-    if opts.loss_agg == "none":
-        loss = loss.reshape(lead)
-    loss = _once.backward_once(loss, "linear_policy_loss")
-    return loss, {**metrics, **rollout_metrics}
-
-
 def linear_policy_loss(hidden, weight, action_ids, mask, old_logps, advantages, *,
                        ref_logps, bias, logit_scale, logit_softcap, chunk_rows, clip_eps,
                        clip_eps_high, dual_clip, ratio_cap, kl_coef, kl_estimator, loss_agg,
@@ -140,7 +96,7 @@ def linear_policy_loss(hidden, weight, action_ids, mask, old_logps, advantages, 
     )
     lead = _head(hidden, weight, bias, action_ids)
     if ref_logps is not None or opts.uses_kl:
-        _reference(hidden, lead, None, ref_logps)
+        _checks.check_ref(hidden, lead, None, ref_logps)
     check_loss_normalizer(loss_agg, loss_normalizer)
     check_term_normalizer(opts, kl_entropy_normalizer)
     inputs = _checks.token_inputs(lead, old_logps, advantages, segment_ids,
@@ -152,58 +108,9 @@ def linear_policy_loss(hidden, weight, action_ids, mask, old_logps, advantages, 
         ref_logps=ref_logps, advantages=advantages, segment_ids=segment_ids,
         importance_weights=importance_weights,
     )
-    run = rows.run
     rollout = rollout_options(rollout_correction, rollout_bounds, rollout_logps is not None,
                               old_given=old_logps is not None, cached=True)
-    if vocab_group is not None:
+    if vocab_group is not None or rows.run.linear_policy_loss is not None:
         _eager_only("linear_policy_loss", "policy_loss", vocab_group)
-        return rows.checked(_sharded_loss(rows, weight, bias, transform, chunk_rows, lead,
-                                          inputs, ref_logps, opts, rollout, rollout_logps))
-    if run.linear_policy_loss is None:
-        return rows.checked(_native_loss(hidden, weight, bias, transform, lead, rows.mask, dict(
-            action_ids=action_ids, mask=mask, old_logps=old_logps, advantages=advantages,
-            ref_logps=ref_logps, clip_eps=clip_eps, clip_eps_high=clip_eps_high,
-            dual_clip=dual_clip, ratio_cap=ratio_cap, kl_coef=kl_coef,
-            kl_estimator=kl_estimator, loss_agg=loss_agg, loss_normalizer=loss_normalizer,
-            objective=objective, entropy_coef=entropy_coef, kl_agg=kl_agg, entropy_agg=entropy_agg,
-            kl_entropy_normalizer=kl_entropy_normalizer, kl_clamp=kl_clamp,
-            segment_ids=segment_ids,
-            importance_weights=importance_weights, log_ratio_bound=log_ratio_bound,
-            temperature=temperature, backend=backend, check_ids=False,  # checked above
-            rollout_logps=rollout_logps, rollout_correction=rollout_correction,
-            rollout_bounds=rollout_bounds)))
-    _eager_only("linear_policy_loss", "policy_loss", None)
-    rollout_metrics = {}
-    if rollout is not None:
-        inputs, rollout_metrics = _rollout.correct(rows.mask, lead, inputs, rollout_logps,
-                                                   rollout, opts.log_ratio_bound,
-                                                   run.rollout_weights)
-    if opts.loss_agg == "none" or not opts.fuses:  # two passes (see _per_token)
-        loss, metrics = _per_token(run, rows, weight, bias, transform, chunk_rows, lead,
-                                   inputs, ref_logps, opts)
-        return rows.checked((loss, {**metrics, **rollout_metrics}))
-    weights = _aggregation_weights(run, rows.mask, lead, inputs, opts)
-    loss, metrics = run.linear_policy_loss(
-        rows.logits, weight, bias, transform, rows.ids, rows.mask, _flat(inputs.old_logps),
-        _flat(ref_logps), _flat(inputs.advantages), _flat(inputs.importance_weights), weights,
-        rows.temperature, opts, chunk_rows,
-    )
-    return rows.checked((loss, {**metrics, **rollout_metrics}))
-
-
-
-def _per_token(run, rows, weight, bias, transform, chunk_rows, lead, inputs, ref_logps, opts):
-    """``loss_agg="none"`` (and the options the fused chunks lack: ``kl_agg``, ``entropy_agg``,
-    ``kl_clamp``) on the chunks. ``"none"``: the per-token loss's upstream gradient is
-    ``[...]``, and ``d weight`` sums every row's share, so it cannot be scaled after the
-    fact as the fused chunks' scalar one is. Two passes instead:
-    :func:`linear_selected_logprobs`'s chunks (log-probs and entropies, gradients to hidden,
-    weight and bias in the backward), then the objective of ``ratiokl._core.objective`` on
-    them."""
-    logp, ent = run.linear_selected_logprobs(rows.logits, weight, bias, rows.ids, rows.mask,
-                                             rows.temperature, transform, chunk_rows, True)
-    as_rows = _checks.as_rows
-    ref = None if ref_logps is None else as_rows(_flat(ref_logps), lead)
-    loss, metrics = _objective.policy_objective(
-        XP, as_rows(logp, lead), ref, as_rows(rows.mask, lead), inputs, opts, as_rows(ent, lead))
-    return (loss.reshape(lead) if opts.loss_agg == "none" else loss), metrics
+    return _tail.linear_loss_step(XP, rows, weight, bias, transform, chunk_rows, ref_logps,
+                                  inputs, opts, rollout, rollout_logps, vocab_group is not None)

@@ -15,6 +15,7 @@ from typing import Dict, Tuple
 import torch
 
 from ratiokl._core import objective as _core
+from ratiokl._core.route import as_rows
 from ratiokl.spec import (check_loss_normalizer, check_term_normalizer, policy_loss_options,
                           rollout_options)
 from ratiokl.torch import _checks, _rollout
@@ -26,7 +27,7 @@ __all__ = ["policy_objective"]
 def _values(name: str, values: object, lead: Tuple[int, ...]) -> torch.Tensor:
     """A floating per-token tensor of ``lead`` as float32 ``[R, T]`` (differentiable)."""
     values = _checks.check_row_values(name, values, lead)
-    return _checks.as_rows(values.float(), lead)
+    return as_rows(values.float(), lead)
 
 
 def _missing(name: str, coef: str) -> ValueError:
@@ -75,7 +76,7 @@ def policy_objective(logps, old_logps, advantages, mask, *, ref_logps, entropy, 
     if rollout is not None:
         inputs, rollout_metrics = _rollout.correct(mask.reshape(-1), lead, inputs,
                                                    rollout_logps, rollout, opts.log_ratio_bound)
-    loss, metrics = _core.policy_objective(XP, logp, ref, _checks.as_rows(mask, lead), inputs,
+    loss, metrics = _core.policy_objective(XP, logp, ref, as_rows(mask, lead), inputs,
                                            opts, ent)
     if opts.loss_agg == "none":
         loss = loss.reshape(lead)

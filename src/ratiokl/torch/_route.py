@@ -33,12 +33,12 @@ from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
 import torch
 
-from ratiokl._backend import Backend, inplace_grad_error
-from ratiokl._core import objective as _objective
+from ratiokl._backend import Backend
+from ratiokl._core import route as _tail
 from ratiokl._requirements import unmet
 from ratiokl.spec import (BACKENDS, check_loss_normalizer, check_term_normalizer,
                           kl_estimator_code, policy_loss_options, rollout_options)
-from ratiokl.torch import _checks, _once, _rollout
+from ratiokl.torch import _checks
 from ratiokl.torch._arrays import XP
 from ratiokl.torch._checks import Temperature
 
@@ -145,13 +145,6 @@ class _Rows(NamedTuple):
         return result
 
 
-def _flat(values: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """A detached, contiguous float32 ``[N]`` view (or copy) of a per-token tensor; None
-    passes through. Contiguous: the kernels read row ``i`` at ``i`` (an expanded input,
-    such as per-sequence advantages broadcast over one sequence, flattens to stride 0)."""
-    return None if values is None else values.detach().reshape(-1).float().contiguous()
-
-
 def _rows(logits: torch.Tensor, lead: Tuple[int, ...], ids: torch.Tensor, mask, temperature,
           backend: str, check_ids: bool, vocab_group, vocab: Optional[int] = None,
           **per_token) -> _Rows:
@@ -190,42 +183,10 @@ def _rows(logits: torch.Tensor, lead: Tuple[int, ...], ids: torch.Tensor, mask, 
 
         run = _vocab_parallel.backend(vocab_group, lead, name != "native", check_ids)
     if isinstance(temperature, torch.Tensor):
-        temperature = _checks.poison_bad_temperature(_flat(temperature))
+        temperature = _checks.poison_bad_temperature(XP.flat(temperature))
     return _Rows(lead, logits.reshape(-1, logits.shape[-1]), ids.reshape(-1).contiguous(),
                  mask.reshape(-1).contiguous(), temperature, run, check)
 
-
-def _reference(policy_logits: torch.Tensor, lead: Tuple[int, ...],
-               ref_logits: Optional[torch.Tensor], ref_logps: Optional[torch.Tensor]) -> None:
-    """Exactly one of ``ref_logits`` (the policy's shape) and ``ref_logps`` (``lead``)."""
-    if (ref_logits is None) == (ref_logps is None):
-        raise ValueError(
-            "pass exactly one of `ref_logits` (reference-model logits [..., V]) and "
-            "`ref_logps` (reference log-probs [...]); set the other to None"
-        )
-    if ref_logps is not None:
-        _checks.check_row_values("ref_logps", ref_logps, lead)
-        return
-    _checks.check_logits("ref_logits", ref_logits)
-    if ref_logits.shape != policy_logits.shape:
-        raise ValueError(
-            f"`ref_logits` must have the shape of `policy_logits` {list(policy_logits.shape)}; "
-            f"got {list(ref_logits.shape)}"
-        )
-
-
-
-def _aggregation_weights(run: Backend, mask, lead: Tuple[int, ...], inputs: _checks.TokenInputs,
-                         opts) -> torch.Tensor:
-    """The fused kernel's per-row aggregation weights ``w`` (float32 ``[N]``): the backend's
-    one launch where every active token weighs the same, else the core's ops
-    (``ratiokl._core.objective.aggregation_weights``)."""
-    mask_rows = _checks.as_rows(mask, lead)
-    weights = run.token_weights(mask, opts, inputs.loss_normalizer, mask_rows.shape[-1])
-    if weights is None:
-        weights = _objective.aggregation_weights(
-            XP, mask_rows, inputs.segment_ids, inputs.loss_normalizer, opts).reshape(-1)
-    return weights
 
 def _lead(logits: torch.Tensor, action_ids: torch.Tensor) -> Tuple[int, ...]:
     """Check the call context and the logits, then the ids (first: a flattened ``[N, V]``
@@ -255,28 +216,15 @@ def ratio_kl(policy_logits, ref_logits, action_ids, mask, old_logps, *, ref_logp
              vocab_group) -> Tuple[torch.Tensor, torch.Tensor]:
     """``ratiokl.torch.loss.ratio_kl`` (documented there)."""
     lead = _lead(policy_logits, action_ids)
-    _reference(policy_logits, lead, ref_logits, ref_logps)
+    _checks.check_ref(policy_logits, lead, ref_logits, ref_logps)
     _checks.check_row_values("old_logps", old_logps, lead)
     kl_code = kl_estimator_code(kl_estimator)
     rows = _rows(policy_logits, lead, action_ids, mask, temperature, backend, check_ids,
                  vocab_group, ref_logits=ref_logits, old_logps=old_logps, ref_logps=ref_logps)
     ref = None if ref_logits is None else ref_logits.detach().reshape(rows.logits.shape)
-    ratio, kl = rows.run.ratio_kl(rows.logits, ref, rows.ids, rows.mask, _flat(old_logps),
-                                  _flat(ref_logps), kl_code, rows.temperature)
+    ratio, kl = rows.run.ratio_kl(rows.logits, ref, rows.ids, rows.mask, XP.flat(old_logps),
+                                  XP.flat(ref_logps), kl_code, rows.temperature)
     return rows.checked((ratio.reshape(lead), kl.reshape(lead)))
-
-
-def _compiled_backward(logits: torch.Tensor) -> bool:
-    """Whether ``torch.compile`` traces a gradient of ``logits``: then the two-pass path.
-
-    The fused kernel stores the gradient in the forward and the backward scales it in
-    place; AOTAutograd's backward graph gets the stored gradient as an input, which
-    functionalization copies before the in-place scale (on the H200 the compiled
-    fused step took 1.72x the eager one: an extra read and write of the ``[N, V]``
-    gradient). The two-pass backward writes a new gradient, nothing to copy.
-    """
-    return (torch.compiler.is_compiling() and torch.is_grad_enabled()
-            and logits.requires_grad)
 
 
 def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantages, *,
@@ -303,7 +251,7 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
             "into their buffer); pass `policy_logits.contiguous()` or `inplace_grad=False`"
         )
     if ref_logits is not None or ref_logps is not None or opts.uses_kl:
-        _reference(policy_logits, lead, ref_logits, ref_logps)
+        _checks.check_ref(policy_logits, lead, ref_logits, ref_logps)
     check_loss_normalizer(loss_agg, loss_normalizer)
     check_term_normalizer(opts, kl_entropy_normalizer)
     inputs = _checks.token_inputs(lead, old_logps, advantages, segment_ids,
@@ -315,52 +263,10 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
         segment_ids=segment_ids, importance_weights=importance_weights,
     )
     ref = None if ref_logits is None else ref_logits.detach().reshape(rows.logits.shape)
-    run = rows.run
     # The rollout options are checked on every call; only a call with rollout_logps
     # visits the correction (its weights, folded into importance_weights, and metrics).
     rollout = rollout_options(rollout_correction, rollout_bounds, rollout_logps is not None,
                               old_given=old_logps is not None,
                               cached=not torch.compiler.is_compiling())
-    rollout_metrics = {}
-    if rollout is not None:
-        inputs, rollout_metrics = _rollout.correct(rows.mask, lead, inputs, rollout_logps,
-                                                   rollout, opts.log_ratio_bound,
-                                                   run.rollout_weights)
-    # One kernel: the loss, the metrics' row values and the gradient.
-    if run.policy_loss is not None and opts.fuses and not opts.sequence_ratio \
-            and not _compiled_backward(rows.logits):
-        weights = _aggregation_weights(run, rows.mask, lead, inputs, opts)
-        if inplace_grad:  # the launch consumes the logits: check before it
-            rows.checked(None)
-        adv, adv_rows = _checks.kernel_advantages(inputs.advantages)
-        loss, metrics = run.policy_loss(
-            rows.logits, ref, rows.ids, rows.mask, _flat(inputs.old_logps), _flat(ref_logps),
-            adv, _flat(inputs.importance_weights), weights, rows.temperature, opts,
-            inplace_grad, adv_rows=adv_rows,
-        )
-        return rows.checked((_per_token(loss, lead, opts), {**metrics, **rollout_metrics}))
-    if inplace_grad:  # the two-pass route writes a new gradient: the opt-in cannot apply
-        raise inplace_grad_error(opts.sequence_ratio, torch.compiler.is_compiling(),
-                                 fuses=opts.fuses)
-    # The entropy from the same read of the logits (entropy_mean always; in the loss with
-    # entropy_coef): without a coefficient nothing differentiates it, and its backward
-    # term is skipped.
-    logp, entropy = run.logprobs_entropy(rows.logits, rows.ids, rows.mask, rows.temperature)
-    logp_ref = _flat(ref_logps)
-    if ref is not None:
-        with torch.no_grad():
-            logp_ref = run.selected_logprobs(ref, rows.ids, rows.mask, rows.temperature)
-    as_rows = _checks.as_rows
-    loss, metrics = _objective.policy_objective(
-        XP, as_rows(logp, lead), None if logp_ref is None else as_rows(logp_ref, lead),
-        as_rows(rows.mask, lead), inputs, opts, as_rows(entropy, lead),
-    )
-    # Once, as the one-kernel loss backpropagates (ratiokl.torch._once).
-    loss = _once.backward_once(_per_token(loss, lead, opts), op)
-    return rows.checked((loss, {**metrics, **rollout_metrics}))
-
-
-def _per_token(loss: torch.Tensor, lead: Tuple[int, ...], opts) -> torch.Tensor:
-    """``loss`` as returned: the per-token loss (``[N]`` / ``[R, T]``, ``loss_agg="none"``)
-    in the leading shape ``[...]``, else the 0-d loss itself."""
-    return loss.reshape(lead) if opts.loss_agg == "none" else loss
+    return _tail.loss_step(XP, rows, ref, ref_logps, inputs, opts, rollout, rollout_logps,
+                           inplace_grad, op)

@@ -1,0 +1,151 @@
+"""The policy-loss routes' framework-neutral tail, written once for PyTorch and JAX.
+
+A route validates its arguments, builds the option objects and flattens the leading shape
+``[...]`` to ``N`` rows (``ratiokl.<framework>._route``), then hands them here
+(:func:`loss_step`): the rollout correction, the backend's one-kernel loss or its
+log-probs, and the objective of :mod:`ratiokl._core.objective` on their ``[R, T]``
+layout (:func:`as_rows`), the loss back in the caller's shape (:func:`per_token`).
+
+``xp`` is the framework's array adapter (see :mod:`ratiokl._core`); for the route it also
+offers ``flat(x)`` (a float32 ``[N]`` copy outside the gradient, None passing through),
+``no_grad()`` (a context), ``rollout(...)`` (the framework's checked rollout correction),
+``fused_advantages(adv)`` (the advantages and keyword arguments the fused kernel takes),
+``compiling()``, ``compiled_backward(logits)`` (whether to leave the fused kernel to the
+two passes), ``check_before_inplace`` and ``once(loss, op)`` (the framework's guard
+against a second backward).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Dict, Optional, Tuple
+
+from ratiokl._backend import inplace_grad_error
+from ratiokl._core.objective import aggregation_weights, policy_objective
+from ratiokl.spec import PolicyLossOptions
+
+__all__ = ["as_rows", "kernel_weights", "linear_loss_step", "loss_step", "objective_tail",
+           "per_token"]
+
+
+def as_rows(x, lead: Tuple[int, ...]):
+    """A per-token array of leading shape ``[..., T]`` (or ``[N]``) viewed as ``[R, T]``."""
+    if not lead:
+        return x.reshape(1, 1)
+    return x.reshape(math.prod(lead[:-1]), lead[-1])  # explicit R: T may be 0
+
+
+def per_token(loss, lead: Tuple[int, ...], opts: PolicyLossOptions):
+    """``loss`` as returned: the per-token loss (``[N]`` / ``[R, T]``, ``loss_agg="none"``)
+    in the leading shape ``[...]``, else the 0-d loss itself."""
+    return loss.reshape(lead) if opts.loss_agg == "none" else loss
+
+
+def kernel_weights(xp, token_weights: Callable, mask, lead: Tuple[int, ...], inputs,
+                   opts: PolicyLossOptions):
+    """The fused kernels' per-row aggregation weights ``w`` (float32 ``[N]``) for the
+    flattened bool ``mask [N]``: the backend's one launch (``token_weights``) where every
+    active token weighs the same, else :func:`ratiokl._core.objective.aggregation_weights`."""
+    mask_rows = as_rows(mask, lead)
+    weights = token_weights(mask, opts, inputs.loss_normalizer, mask_rows.shape[-1])
+    if weights is None:
+        weights = aggregation_weights(
+            xp, mask_rows, inputs.segment_ids, inputs.loss_normalizer, opts).reshape(-1)
+    return weights
+
+
+def objective_tail(xp, logp, logp_ref: Optional[Any], mask, lead: Tuple[int, ...], inputs,
+                   opts: PolicyLossOptions, entropy) -> Tuple[Any, Dict[str, Any]]:
+    """The two-pass loss from a backend's ``[N]`` log-probs (``logp``, ``logp_ref`` or None,
+    ``entropy``) and bool ``mask``: :func:`ratiokl._core.objective.policy_objective` on
+    their ``[R, T]`` layout, the loss in the caller's shape (:func:`per_token`)."""
+    loss, metrics = policy_objective(
+        xp, as_rows(logp, lead), None if logp_ref is None else as_rows(logp_ref, lead),
+        as_rows(mask, lead), inputs, opts, as_rows(entropy, lead))
+    return per_token(loss, lead, opts), metrics
+
+
+def loss_step(xp, rows, ref, ref_logps, inputs, opts: PolicyLossOptions, rollout,
+              rollout_logps, inplace_grad: bool, op: str) -> Tuple[Any, Dict[str, Any]]:
+    """``policy_loss`` on validated ``rows`` (the route's flattened rows: ``lead``,
+    ``logits [N, V]``, ``ids``, ``mask``, ``temperature``, the backend ``run`` and
+    ``checked(result)``, which reads the host check) and options: the rollout correction
+    (with ``rollout``), then the one-kernel loss or the two passes.
+
+    ``ref``: the reference logits ``[N, V]`` or None; ``ref_logps`` the caller's ``[...]``
+    (validated) or None; ``op``: the public call a second backward's error names. Also the
+    native route of ``linear_policy_loss``, on the lm_head's logits.
+    """
+    lead, run = rows.lead, rows.run
+    rollout_metrics = {}
+    if rollout is not None:
+        inputs, rollout_metrics = xp.rollout(rows.mask, lead, inputs, rollout_logps, rollout,
+                                             opts.log_ratio_bound, run.rollout_weights)
+    if run.policy_loss is not None and opts.fuses and not opts.sequence_ratio \
+            and not xp.compiled_backward(rows.logits):
+        # One kernel: the loss, the metrics' row values and the gradient.
+        weights = kernel_weights(xp, run.token_weights, rows.mask, lead, inputs, opts)
+        if inplace_grad and xp.check_before_inplace:  # the launch consumes the logits
+            rows.checked(None)
+        adv, adv_kwargs = xp.fused_advantages(inputs.advantages)
+        loss, metrics = run.policy_loss(
+            rows.logits, ref, rows.ids, rows.mask, xp.flat(inputs.old_logps),
+            xp.flat(ref_logps), adv, xp.flat(inputs.importance_weights), weights,
+            rows.temperature, opts, inplace_grad, **adv_kwargs,
+        )
+        return rows.checked((per_token(loss, lead, opts), {**metrics, **rollout_metrics}))
+    if inplace_grad:  # the two-pass route writes a new gradient: the opt-in cannot apply
+        raise inplace_grad_error(opts.sequence_ratio, xp.compiling(), fuses=opts.fuses)
+    # The entropy from the same read of the logits (entropy_mean always; in the loss with
+    # entropy_coef): without a coefficient nothing differentiates it.
+    logp, entropy = run.logprobs_entropy(rows.logits, rows.ids, rows.mask, rows.temperature)
+    logp_ref = xp.flat(ref_logps)
+    if ref is not None:
+        with xp.no_grad():
+            logp_ref = run.selected_logprobs(xp.stop_gradient(ref), rows.ids, rows.mask,
+                                             rows.temperature)
+    logp_ref = None if logp_ref is None else xp.stop_gradient(logp_ref)
+    loss, metrics = objective_tail(xp, logp, logp_ref, rows.mask, lead, inputs, opts, entropy)
+    return rows.checked((xp.once(loss, op), {**metrics, **rollout_metrics}))
+
+
+def linear_loss_step(xp, rows, weight, bias, transform, chunk_rows: int, ref_logps, inputs,
+                     opts: PolicyLossOptions, rollout, rollout_logps,
+                     sharded: bool) -> Tuple[Any, Dict[str, Any]]:
+    """``linear_policy_loss`` on validated ``rows`` of hidden states (``rows.logits`` is
+    ``hidden [N, H]``), the lm_head ``weight [V, H]`` / ``bias [V]`` and ``transform``.
+
+    Three routes: the backend without a fused linear loss (``"native"``) materialises every
+    row's logits (``xp.head_logits``, inactive rows' hidden states zeroed) and takes
+    :func:`loss_step`; ``sharded`` (vocab-parallel), ``loss_agg="none"`` and the options
+    the fused chunks lack (``kl_agg``, ``entropy_agg``, ``kl_clamp``) take two passes:
+    the backend's chunked log-probs and entropies, then :func:`objective_tail` (with
+    ``"none"`` the per-token loss's upstream gradient is ``[...]`` and ``d weight`` sums
+    every row's share, so it cannot be scaled after the fact as the fused chunks' scalar
+    one is); else the backend's fused chunks.
+    """
+    lead, run = rows.lead, rows.run
+    if not sharded and run.linear_policy_loss is None:
+        logits = xp.head_logits(rows.logits, rows.mask, weight, bias, transform)
+        return loss_step(xp, rows._replace(logits=logits), None, ref_logps, inputs, opts,
+                         rollout, rollout_logps, False, "linear_policy_loss")
+    rollout_metrics = {}
+    if rollout is not None:
+        inputs, rollout_metrics = xp.rollout(rows.mask, lead, inputs, rollout_logps, rollout,
+                                             opts.log_ratio_bound, run.rollout_weights)
+    if sharded or opts.loss_agg == "none" or not opts.fuses:
+        logp, ent = run.linear_selected_logprobs(rows.logits, weight, bias, rows.ids,
+                                                 rows.mask, rows.temperature, transform,
+                                                 chunk_rows, True)
+        ref = None if ref_logps is None else xp.stop_gradient(xp.flat(ref_logps))
+        loss, metrics = objective_tail(xp, logp, ref, rows.mask, lead, inputs, opts, ent)
+        if sharded:  # the vocab-parallel loss refuses a second backward, as policy_loss
+            loss = xp.once(loss, "linear_policy_loss")
+        return rows.checked((loss, {**metrics, **rollout_metrics}))
+    weights = kernel_weights(xp, run.token_weights, rows.mask, lead, inputs, opts)
+    loss, metrics = run.linear_policy_loss(
+        rows.logits, weight, bias, transform, rows.ids, rows.mask, xp.flat(inputs.old_logps),
+        xp.flat(ref_logps), xp.flat(inputs.advantages), xp.flat(inputs.importance_weights),
+        weights, rows.temperature, opts, chunk_rows,
+    )
+    return rows.checked((loss, {**metrics, **rollout_metrics}))
