@@ -68,7 +68,7 @@ def test_fused_matches_spec_and_native(name, tiles, monkeypatch):
     taken by one program or by a program per span meeting at the row's counter."""
     if tiles != "one_tile":
         small = _small_tiles_meeting if tiles.endswith("meeting") else _small_tiles
-        monkeypatch.setattr(_launch, "launch_plan", small)
+        monkeypatch.setattr(_launch.loss, "launch_plan", small)
         assert small(V, 4, B * T, True).spans == (2, 3)
     case = CASES[name]
     x = _inputs(sum(map(ord, name)), case)
@@ -234,7 +234,7 @@ def test_one_program_a_row_and_programs_meeting_give_the_same_bits(case, monkeyp
     ref = None if case.get("ref") == "logps" else ref_logits
     got = {}
     for plan in (_small_tiles, _small_tiles_meeting):
-        monkeypatch.setattr(_launch, "launch_plan", plan)
+        monkeypatch.setattr(_launch.loss, "launch_plan", plan)
         with torch.no_grad():  # no gradient wanted: the forward-only launch
             forward = loss.policy_loss(
                 t["policy_logits"], ref, t["action_ids"], t["mask"], t["old_logps"],
