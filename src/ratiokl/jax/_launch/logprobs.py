@@ -10,15 +10,12 @@ import jax
 import jax.numpy as jnp
 
 from ratiokl._kernels import (
-    backward_config,
-    backward_splits,
-    forward_config,
+    backward_plan,
+    forward_plan,
     logp_backward_kernel,
     logp_combine_kernel,
     logp_forward_kernel,
     lse_partials_kernel,
-    split_plan,
-    use_split_forward,
 )
 from ratiokl.jax._launch.vmap import TritonCall, row_op
 
@@ -32,43 +29,43 @@ def _forward_call(call: TritonCall, kl_code: int, has_ref: bool, entropy: bool, 
     ``entropy``: the kernels' ``ENTROPY`` mode (no reference, ``kl_code`` ``KL.NONE``): ``kl`` and
     ``dkl`` hold the entropy.
 
-    Few rows (``use_split_forward``) run a program per (row, vocabulary
+    Few rows (``forward_plan``'s ``split``) run a program per (row, vocabulary
     split) and a per-row combine; the bits are those of the one-launch path.
     """
     n_rows, vocab = policy.shape
     row = jax.ShapeDtypeStruct((n_rows,), jnp.float32)
     if n_rows == 0:
         return tuple(jnp.zeros((0,), jnp.float32) for _ in range(5))
-    config = forward_config(vocab, policy.dtype.itemsize)
-    plan = split_plan(vocab, config.block_v)
+    plan = forward_plan(n_rows, vocab, policy.dtype.itemsize)
+    config, spans = plan.config, plan.spans
     sizes = dict(
         V=vocab, stride_pn=vocab, stride_pv=1, stride_rn=vocab, stride_rv=1,
         stride_t=0 if temp.shape[0] == 1 else 1, HAS_REF=has_ref, ENTROPY=entropy,
     )
-    if not use_split_forward(n_rows, plan):
+    if not plan.split:
         return tuple(call(
             policy, ref, ids, mask, old, ref_logps, temp,
             kernel=logp_forward_kernel, out_shape=[row] * 5, grid=(n_rows,),
             num_warps=config.num_warps, KL_CODE=kl_code,
-            TILES_PER_SPLIT=plan.tiles_per_split, BLOCK_V=config.block_v, **sizes,
+            TILES_PER_SPLIT=spans.tiles_per_split, BLOCK_V=config.block_v, **sizes,
         ))
     parts = call(
         policy, ref, mask, temp,
         kernel=lse_partials_kernel,
-        out_shape=jax.ShapeDtypeStruct((n_rows, plan.splits, 4), jnp.float32),
-        grid=(n_rows, plan.splits), num_warps=config.num_warps, SPLITS=plan.splits,
-        TILES_PER_SPLIT=plan.tiles_per_split, BLOCK_V=config.block_v, **sizes,
+        out_shape=jax.ShapeDtypeStruct((n_rows, spans.splits, 4), jnp.float32),
+        grid=(n_rows, spans.splits), num_warps=config.num_warps, SPLITS=spans.splits,
+        TILES_PER_SPLIT=spans.tiles_per_split, BLOCK_V=config.block_v, **sizes,
     )
     return tuple(call(
         policy, ref, ids, mask, old, ref_logps, temp, parts,
         kernel=logp_combine_kernel, out_shape=[row] * 5, grid=(n_rows,), num_warps=1,
-        KL_CODE=kl_code, SPLITS=plan.splits, **sizes,
+        KL_CODE=kl_code, SPLITS=spans.splits, **sizes,
     ))
 
 
 def _backward_call(call: TritonCall, terms: Tuple[bool, bool, bool], entropy: bool, policy,
                    ids, mask, temp, lse, g_logp, g_ratio, ratio, g_kl, dkl):
-    """Gradient ``[N, V]`` in the logits' dtype; grid ``(N, S)``, ``S = backward_splits``.
+    """Gradient ``[N, V]`` in the logits' dtype; grid ``(N, S)`` (``backward_plan``).
 
     The kernel forms ``c = g_logp + g_ratio * ratio + g_kl * dkl`` per row;
     ``terms`` says which of the three are present (an absent one's arrays are
@@ -78,17 +75,15 @@ def _backward_call(call: TritonCall, terms: Tuple[bool, bool, bool], entropy: bo
     n_rows, vocab = policy.shape
     if n_rows == 0:
         return jnp.zeros(policy.shape, policy.dtype)
-    config = backward_config(vocab, policy.dtype.itemsize)
-    tiles = -(-vocab // config.block_v)
-    per_prog = -(-tiles // backward_splits(n_rows, vocab, policy.dtype.itemsize))
+    plan = backward_plan(n_rows, vocab, policy.dtype.itemsize)
     return call(
         policy, ids, mask, temp, lse, g_logp, g_ratio, ratio, g_kl, dkl,
         kernel=logp_backward_kernel, out_shape=jax.ShapeDtypeStruct(policy.shape, policy.dtype),
-        grid=(n_rows, -(-tiles // per_prog)), num_warps=config.num_warps,
+        grid=plan.grid(n_rows), num_warps=plan.config.num_warps,
         V=vocab, stride_ln=vocab, stride_lv=1, stride_t=0 if temp.shape[0] == 1 else 1,
-        stride_gl=1, stride_gr=1, stride_gk=1, tiles_per_prog=per_prog,
+        stride_gl=1, stride_gr=1, stride_gk=1, tiles_per_prog=plan.tiles_per_program,
         HAS_G_LOGP=terms[0], HAS_G_RATIO=terms[1], HAS_G_KL=terms[2], ENTROPY=entropy,
-        BLOCK_V=config.block_v,
+        BLOCK_V=plan.config.block_v,
     )
 
 

@@ -16,15 +16,12 @@ from ratiokl._codes import KL
 from ratiokl._kernels import (
     LaunchConfig,
     SplitPlan,
-    backward_config,
-    backward_splits,
-    forward_config,
+    backward_plan,
+    forward_plan,
     logp_backward_kernel,
     logp_combine_kernel,
     logp_forward_kernel,
     lse_partials_kernel,
-    split_plan,
-    use_split_forward,
 )
 from ratiokl.torch._launch.op import KernelOp, row_outputs, row_stride
 
@@ -44,16 +41,16 @@ def row_forward(
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(logp, ratio, kl, dkl, lse)`` float32 ``[N]`` each of ``policy [N, V]``.
 
-    Few rows run a program per (row, vocabulary split) and a combine
-    (``use_split_forward``), else one program per row; both give the same bits.
-    ``config``, ``plan`` and ``split`` override the heuristics (tuning sweeps).
+    Few rows run a program per (row, vocabulary split) and a combine, else one program
+    per row (``ratiokl._kernels.forward_plan``); both give the same bits. ``config``,
+    ``plan`` (the spans) and ``split`` override the plan's choices (tuning sweeps).
     """
     return _forward_launch(kernels, policy, ref, ids, mask, old, ref_logps, temp, kl_code,
                            False, config, plan, split)
 
 
 def _forward_launch(kernels, policy, ref, ids, mask, old, ref_logps, temp, kl_code: int,
-                    entropy: bool, config, plan, split) -> Tuple[Tensor, ...]:
+                    entropy: bool, config, spans, split) -> Tuple[Tensor, ...]:
     """The forward's launches (see :func:`row_forward`); ``entropy``: the kernels' ``ENTROPY``
     mode (no reference, ``kl_code`` 0), the entropy in the ``kl`` and ``dkl`` outputs."""
     n_rows, vocab = policy.shape
@@ -61,31 +58,30 @@ def _forward_launch(kernels, policy, ref, ids, mask, old, ref_logps, temp, kl_co
     if n_rows == 0:
         return outs
     ref_t = policy if ref is None else ref  # never read when absent (HAS_REF is False)
-    config = config or forward_config(vocab, policy.element_size())
-    plan = plan or split_plan(vocab, config.block_v)
-    split = use_split_forward(n_rows, plan) if split is None else split
+    plan = forward_plan(n_rows, vocab, policy.element_size(), config, spans, split)
+    config, spans = plan.config, plan.spans
     sizes = (vocab, policy.stride(0), policy.stride(1), ref_t.stride(0), ref_t.stride(1),
              row_stride(temp))
     rows = (ids, mask, temp if old is None else old, temp if ref_logps is None else ref_logps,
             temp)
-    if not split:
+    if not plan.split:
         kernels(logp_forward_kernel)[(n_rows,)](
             policy, ref_t, *rows, *outs, *sizes,
             HAS_REF=ref is not None, KL_CODE=kl_code, ENTROPY=entropy,
-            TILES_PER_SPLIT=plan.tiles_per_split, BLOCK_V=config.block_v,
+            TILES_PER_SPLIT=spans.tiles_per_split, BLOCK_V=config.block_v,
             num_warps=config.num_warps,
         )
         return outs
-    parts = torch.empty((n_rows, plan.splits, 4), dtype=torch.float32, device=policy.device)
-    kernels(lse_partials_kernel)[(n_rows, plan.splits)](
+    parts = torch.empty((n_rows, spans.splits, 4), dtype=torch.float32, device=policy.device)
+    kernels(lse_partials_kernel)[(n_rows, spans.splits)](
         policy, ref_t, mask, temp, parts, *sizes,
-        HAS_REF=ref is not None, ENTROPY=entropy, SPLITS=plan.splits,
-        TILES_PER_SPLIT=plan.tiles_per_split, BLOCK_V=config.block_v,
+        HAS_REF=ref is not None, ENTROPY=entropy, SPLITS=spans.splits,
+        TILES_PER_SPLIT=spans.tiles_per_split, BLOCK_V=config.block_v,
         num_warps=config.num_warps,
     )
     kernels(logp_combine_kernel)[(n_rows,)](
         policy, ref_t, *rows, parts, *outs, *sizes,
-        HAS_REF=ref is not None, KL_CODE=kl_code, ENTROPY=entropy, SPLITS=plan.splits,
+        HAS_REF=ref is not None, KL_CODE=kl_code, ENTROPY=entropy, SPLITS=spans.splits,
         num_warps=1,
     )
     return outs
@@ -103,8 +99,8 @@ def row_backward(
     ``None`` upstream gradient is a zero term, never zero-filled), exactly 0 on
     inactive rows. ``entropy``: ``g_kl`` is the entropy's upstream gradient and ``dkl``
     the entropy ``H``; the term is ``-g_kl * p * (log p + H) / T`` instead. Grid
-    ``(N, S)`` with ``S = backward_splits(...)`` spans per
-    row (no bit depends on ``S``); ``config`` overrides the tile (tuning sweeps).
+    ``(N, S)``, ``S`` spans per row (``ratiokl._kernels.backward_plan``; no bit depends
+    on ``S``); ``config`` overrides the tile (tuning sweeps).
     ``out``: a row-major ``[N, V]`` buffer of the logits' dtype for the gradient, which may
     be the (row-major) logits themselves: each program reads a tile before it writes it.
     """
@@ -113,21 +109,19 @@ def row_backward(
         if out is None else out
     if n_rows == 0:
         return grad
-    config = config or backward_config(vocab, logits.element_size())
-    tiles = -(-vocab // config.block_v)
-    per_prog = -(-tiles // backward_splits(n_rows, vocab, logits.element_size()))
+    plan = backward_plan(n_rows, vocab, logits.element_size(), config)
     upstream = (g_logp, g_ratio, g_kl)
     # An absent term's arrays are placeholders (never read: its HAS_G_* is off), stride 0.
     pointers = (lse if g_logp is None else g_logp, lse if g_ratio is None else g_ratio,
                 lse if g_ratio is None else ratio, lse if g_kl is None else g_kl,
                 lse if g_kl is None else dkl)
-    kernels(logp_backward_kernel)[(n_rows, -(-tiles // per_prog))](
+    kernels(logp_backward_kernel)[plan.grid(n_rows)](
         logits, ids, mask, temp, lse, *pointers, grad,
         vocab, logits.stride(0), logits.stride(1), row_stride(temp),
-        *(0 if g is None else g.stride(0) for g in upstream), per_prog,
+        *(0 if g is None else g.stride(0) for g in upstream), plan.tiles_per_program,
         HAS_G_LOGP=g_logp is not None, HAS_G_RATIO=g_ratio is not None,
-        HAS_G_KL=g_kl is not None, ENTROPY=entropy, BLOCK_V=config.block_v,
-        num_warps=config.num_warps,
+        HAS_G_KL=g_kl is not None, ENTROPY=entropy, BLOCK_V=plan.config.block_v,
+        num_warps=plan.config.num_warps,
     )
     return grad
 
