@@ -3,7 +3,7 @@
 ``FORWARD`` (``row_forward``: one program a row, or few rows split over the vocabulary plus
 a combine), ``ENTROPY_FORWARD`` (the same launches in their ``ENTROPY`` mode) and
 ``BACKWARD`` (``row_backward``: ``c * (onehot - softmax) / T``), bound as
-:class:`~ratiokl.torch._launch.op.KernelOp`\ s with their autograd contexts.
+:class:`~ratiokl.torch._launch.op.KernelOp` ops with their autograd contexts.
 """
 
 from __future__ import annotations
