@@ -126,7 +126,7 @@ def backward_splits(n_rows: int, vocab: int, itemsize: int) -> int:
 class ForwardPlan(NamedTuple):
     """The row forward's launches for ``n_rows`` rows: the tile, the row's spans, and
     whether a program runs per (row, span) plus a per-row combine (``split``; else one
-    program per row). Both bindings and ``ratiokl._kernels.plans`` read it."""
+    program per row). Both bindings and the tests' plan enumerator read it."""
 
     config: LaunchConfig
     spans: SplitPlan

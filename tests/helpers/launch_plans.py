@@ -1,4 +1,5 @@
-"""The launch plans the heuristics can choose, by name, and the shapes at their boundaries.
+"""The launch plans the heuristics can choose, by name, and the shapes at their boundaries
+(test support: not installed; ``ratiokl check`` and the conformance package never use it).
 
 A launch plan is a branch: a kernel's code takes a different path (a row
 in one program or shared at a meeting, a split forward with a combine, a
