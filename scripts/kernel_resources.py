@@ -33,6 +33,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from ratiokl._codes import KL
 from ratiokl.torch import _launch
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -139,10 +140,10 @@ def headline_launches(n_rows: int, vocab: int, dtype: torch.dtype) -> Dict[str, 
     row = torch.empty(n_rows, dtype=torch.float32, **meta)
     temp = torch.empty(1, dtype=torch.float32, **meta)
     coefs = torch.empty(5, dtype=torch.float32, **meta)
-    k3 = _launch.KL.K3.value
+    k3 = KL.K3.value
     ops: Dict[str, Callable[[Callable], Any]] = {
         "selected_logprobs": lambda k: _launch.row_forward(
-            k, policy, None, ids, mask, None, None, temp, _launch.KL.NONE.value),
+            k, policy, None, ids, mask, None, None, temp, KL.NONE.value),
         "selected_logprobs(return_entropy)": lambda k: _launch.entropy_forward(
             k, policy, ids, mask, temp),
         "ratio_kl (ref logits)": lambda k: _launch.row_forward(

@@ -67,7 +67,7 @@ def test_fused_matches_spec_and_native(interpret_target, name, tiles, monkeypatc
     fw = _framework(interpret_target)
     if tiles != "one_tile":
         small = _small_tiles_meeting if tiles.endswith("meeting") else _small_tiles
-        monkeypatch.setattr(importlib.import_module(f"ratiokl.{fw}._launch"), "launch_plan",
+        monkeypatch.setattr(importlib.import_module(f"ratiokl.{fw}._launch.loss"), "launch_plan",
                             small)
         assert small(V, 4, B * T, True).spans == (2, 3)
     case = CASES[name]

@@ -1,6 +1,6 @@
 """Every launch plan the GPU can pick runs under Triton's interpreter in CI.
 
-``ratiokl._kernels.plans`` names the plans of each kernel and scans the
+``launch_plans`` (tests/helpers) names the plans of each kernel and scans the
 heuristics for the shapes at their boundaries (the GPU sweep's shapes). Here
 the cheapest sweep shape of every plan the sweep reaches is run through the
 ``"interpret"`` backend -- which takes the GPU's plan, the span meeting
@@ -29,7 +29,7 @@ from assertions import assert_close  # noqa: E402
 from ratiokl import spec  # noqa: E402
 from ratiokl._kernels import fused_loss, heuristics  # noqa: E402
 from ratiokl._kernels.fused_loss import launch_plan  # noqa: E402
-from ratiokl._kernels.plans import plans, sweep_rows, sweep_vocabularies  # noqa: E402
+from launch_plans import plans, sweep_rows, sweep_vocabularies  # noqa: E402
 
 DTYPE = {4: torch.float32, 2: torch.bfloat16}
 #: A shape of more rows than this runs ``1 / _ROW_SCALE`` of them, with the heuristics' row

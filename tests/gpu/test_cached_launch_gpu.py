@@ -42,7 +42,7 @@ def _step(policy, ids, mask, old, adv):
 def _triton_path(monkeypatch):
     from ratiokl.torch import _launch
 
-    monkeypatch.setattr(_launch, "_raw", lambda kernel: kernel)
+    monkeypatch.setattr(_launch.op, "_raw", lambda kernel: kernel)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

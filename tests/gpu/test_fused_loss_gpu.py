@@ -213,13 +213,13 @@ def test_torch_fused_spans_meeting_gives_the_bits_of_one_program_per_row(monkeyp
         return value.detach(), metrics, grad
 
     spans = run()
-    plan = _launch.launch_plan
+    plan = _launch.loss.launch_plan
 
     def whole_rows(vocab, itemsize, n_rows, write_grad):  # one program takes a row's spans
         chosen = plan(vocab, itemsize, n_rows, write_grad)
         return chosen._replace(spans_per_program=chosen.spans.splits)
 
-    monkeypatch.setattr(_launch, "launch_plan", whole_rows)
+    monkeypatch.setattr(_launch.loss, "launch_plan", whole_rows)
     whole = run()
     n = x["policy"].shape[0] * x["policy"].shape[1]
     assert plan(V, 2, n, write_grad).spans_per_program == 1  # few rows: a program per span

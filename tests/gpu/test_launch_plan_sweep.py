@@ -3,7 +3,7 @@
 Each public op on the Triton backend against the native path of the same
 framework on the same inputs: values and gradients finite exactly where the
 native ones are, and within the fixture tolerances elsewhere. The shapes come
-from the heuristics themselves (``ratiokl._kernels.plans``): every vocabulary
+from the heuristics themselves (``tests/helpers/launch_plans.py``): every vocabulary
 size on both sides of a tile width, warp count or split change, and every row
 count on both sides of a row threshold, in fp32, fp16 and bf16, so a changed
 heuristic moves the sweep with it. Odd row counts carry adversarial inactive
@@ -36,7 +36,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from ratiokl import spec  # noqa: E402
-from ratiokl._kernels.plans import plans, sweep_rows, sweep_vocabularies  # noqa: E402
+from launch_plans import plans, sweep_rows, sweep_vocabularies  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,

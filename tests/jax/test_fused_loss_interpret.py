@@ -1,6 +1,6 @@
 """The fused ``policy_loss`` kernel's JAX launch through Triton's CPU interpreter.
 
-``backend="interpret"`` in JAX runs ``ratiokl.jax._triton.policy_loss``'s launches through
+``backend="interpret"`` in JAX runs ``ratiokl.jax._triton_loss.policy_loss``'s launches through
 the interpreter behind ``jax.pure_callback``: against the PyTorch launch of the same
 kernel (``tests/torch/test_fused_loss_interpret.py``, the cases of
 ``tests/helpers/fused_loss_cases.py``) under ``jit``, ``grad`` and ``vmap``, a primal

@@ -25,7 +25,7 @@ from ratiokl import spec  # noqa: E402
 from ratiokl._kernels.loss_rows import METRIC_NAMES, ROWS_BLOCK  # noqa: E402
 from ratiokl._kernels.objective import CLIP_CAPPED, CLIP_HIGH, CLIP_LOW  # noqa: E402
 from ratiokl._core import objective as _objective  # noqa: E402
-from ratiokl.jax import _checks, _interpret, _launch, _triton  # noqa: E402
+from ratiokl.jax import _checks, _interpret, _launch, _triton_loss  # noqa: E402
 from ratiokl.jax._arrays import XP  # noqa: E402
 from ratiokl.spec import LOSS_AGGS, policy_loss_options  # noqa: E402
 from ratiokl.spec.policy_loss import POLICY_LOSS_DEFAULTS  # noqa: E402
@@ -81,7 +81,7 @@ def test_weights_match_objective_ops(launches, shape, density, agg, normalizer):
     opts = policy_loss_options(**{**POLICY_LOSS_DEFAULTS, "loss_agg": agg})
     want = _objective.aggregation_weights(XP, mask, inputs.segment_ids,
                                           inputs.loss_normalizer, opts)
-    got = _triton.token_weights(CALL, mask.reshape(-1), opts, inputs.loss_normalizer,
+    got = _triton_loss.token_weights(CALL, mask.reshape(-1), opts, inputs.loss_normalizer,
                                 shape[-1])
     # "none": weight 1 on every active token (the routes refuse a normaliser with it).
     by_kernel = agg == "none" or normalizer == 7.5 and agg != "seq-mean-token-mean" or (
@@ -158,7 +158,7 @@ def test_vmap_takes_each_problem_on_its_own_and_jit_runs_one_launch_a_call(launc
     inputs = _checks.token_inputs((4, 10), zeros, zeros, None, None, None)
     opts = policy_loss_options(**{**POLICY_LOSS_DEFAULTS, "loss_agg": "token-mean"})
     w = jax.block_until_ready(jax.vmap(
-        lambda m: _triton.token_weights(CALL, m.reshape(-1), opts, None, 10))(masks))
+        lambda m: _triton_loss.token_weights(CALL, m.reshape(-1), opts, None, 10))(masks))
     for i in range(2):
         want_w = _objective.aggregation_weights(XP, masks[i], inputs.segment_ids,
                                                 inputs.loss_normalizer, opts)

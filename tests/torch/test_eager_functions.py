@@ -28,7 +28,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
 @pytest.fixture(autouse=True)
 def _interpreted_launches(monkeypatch):
-    monkeypatch.setattr(_launch, "_raw", interpreted)
+    monkeypatch.setattr(_launch.op, "_raw", interpreted)
 
 
 def _rows(seed: int = 0):

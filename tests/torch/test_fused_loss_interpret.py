@@ -110,7 +110,7 @@ def test_one_program_a_row_and_programs_meeting_give_the_same_bits(case, monkeyp
     ref = None if case.get("ref") == "logps" else ref_logits
     got = {}
     for plan in (_small_tiles, _small_tiles_meeting):
-        monkeypatch.setattr(_launch, "launch_plan", plan)
+        monkeypatch.setattr(_launch.loss, "launch_plan", plan)
         with torch.no_grad():  # no gradient wanted: the forward-only launch
             forward = loss.policy_loss(
                 t["policy_logits"], ref, t["action_ids"], t["mask"], t["old_logps"],

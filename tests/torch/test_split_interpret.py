@@ -70,7 +70,7 @@ def test_split_forward_is_bitwise_the_row_kernel(vocab, max_splits, splits):
 
 def _entropy_forward(policy, ids, mask, temp, max_splits: int, split: bool):
     with np.errstate(all="ignore"):
-        return _launch._forward_launch(
+        return _launch.logprobs._forward_launch(
             interpreted, policy, None, ids, mask, None, None, temp, 0, True, CONFIG,
             split_plan(policy.shape[1], CONFIG.block_v, max_splits), split)
 

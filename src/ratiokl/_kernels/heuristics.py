@@ -16,14 +16,18 @@ the same bytes 1.16 ms).
 """
 
 import functools
-from typing import NamedTuple
+from typing import NamedTuple, Optional, Tuple
 
 __all__ = [
+    "BackwardPlan",
+    "ForwardPlan",
     "LaunchConfig",
     "SplitPlan",
     "backward_config",
+    "backward_plan",
     "backward_splits",
     "forward_config",
+    "forward_plan",
     "split_plan",
     "use_split_forward",
 ]
@@ -117,3 +121,50 @@ def backward_splits(n_rows: int, vocab: int, itemsize: int) -> int:
     tiles = -(-vocab // backward_config(vocab, itemsize).block_v)
     want = -(-_BACKWARD_PROGRAMS // max(1, n_rows))
     return max(1, min(tiles, want))
+
+
+class ForwardPlan(NamedTuple):
+    """The row forward's launches for ``n_rows`` rows: the tile, the row's spans, and
+    whether a program runs per (row, span) plus a per-row combine (``split``; else one
+    program per row). Both bindings and the tests' plan enumerator read it."""
+
+    config: LaunchConfig
+    spans: SplitPlan
+    split: bool
+
+
+@functools.lru_cache(maxsize=1024)  # pure; called once per launch (host time)
+def forward_plan(n_rows: int, vocab: int, itemsize: int, config: Optional[LaunchConfig] = None,
+                 spans: Optional[SplitPlan] = None,
+                 split: Optional[bool] = None) -> ForwardPlan:
+    """The row forward's plan (:func:`forward_config`, :func:`split_plan` of its tile,
+    :func:`use_split_forward`); ``config``, ``spans`` and ``split`` override a choice (tuning
+    sweeps and tests; the spans then follow the overriding tile)."""
+    config = config or forward_config(vocab, itemsize)
+    spans = spans or split_plan(vocab, config.block_v)
+    return ForwardPlan(config, spans, use_split_forward(n_rows, spans) if split is None
+                       else split)
+
+
+class BackwardPlan(NamedTuple):
+    """The backward's launch: the tile, and whole tiles per program; the grid is ``(N,
+    programs_per_row)``."""
+
+    config: LaunchConfig
+    tiles_per_program: int
+    programs_per_row: int
+
+    def grid(self, n_rows: int) -> Tuple[int, int]:
+        """The launch grid for ``n_rows`` rows."""
+        return n_rows, self.programs_per_row
+
+
+@functools.lru_cache(maxsize=1024)  # pure; called once per launch (host time)
+def backward_plan(n_rows: int, vocab: int, itemsize: int,
+                  config: Optional[LaunchConfig] = None) -> BackwardPlan:
+    """The backward's plan: :func:`backward_splits` programs' worth of whole tiles each;
+    ``config`` overrides the tile (tuning sweeps), the split count stays the default's."""
+    config = config or backward_config(vocab, itemsize)
+    tiles = -(-vocab // config.block_v)
+    per_program = -(-tiles // backward_splits(n_rows, vocab, itemsize))
+    return BackwardPlan(config, per_program, -(-tiles // per_program))

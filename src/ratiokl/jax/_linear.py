@@ -27,7 +27,7 @@ from ratiokl.jax import _launch
 from ratiokl.jax._checks import Temperature, kernel_rows
 from ratiokl.jax._launch import Static, TritonCall
 from ratiokl.jax._lm_head import head_grads, head_logits, vary_alike
-from ratiokl.jax._triton import fused_static, kernel_coefficients
+from ratiokl.jax._triton_loss import fused_static, kernel_coefficients
 from ratiokl.spec import LogitTransform, PolicyLossOptions
 
 __all__ = ["policy_loss"]

@@ -7,7 +7,7 @@ temperature are replicated along the axis. The chunk loop is
 ``ratiokl.jax._linear_logprobs``'s, run with the row operations of one vocabulary block
 (:func:`native_rows`, :func:`kernel_rows`): per chunk the block's logits ``x_k [C,
 V_local]``, their statistics from the sharded logits path (``_vocab_parallel.block_logps``,
-or ``shard_stats_kernel`` through ``_triton.shard_stats``) with its one ``pmax`` and one
+or ``shard_stats_kernel`` through ``_triton_shard.shard_stats``) with its one ``pmax`` and one
 ``psum`` of ``[C]``-sized rows, giving the global ``lse``, ``logp`` and entropy on every
 device; the backward's block gradient ``dx = (g (onehot(a) - p) - g_H p (log p + H)) / T``
 from the global ``lse`` and ``H`` (the one-hot on the owning device only), no collective.
@@ -68,14 +68,14 @@ def native_rows(axis: str) -> RowOps:
 @functools.lru_cache(maxsize=None)
 def kernel_rows(call: Callable, axis: str) -> RowOps:
     """One block's row operations on the kernels launched through ``call``: the statistics
-    from ``shard_stats_kernel`` (``_triton.shard_stats``), the gradient from the unsharded
+    from ``shard_stats_kernel`` (``_triton_shard.shard_stats``), the gradient from the unsharded
     rows' ``logp_backward_kernel`` given the block-local id (-1: no one-hot here)."""
-    from ratiokl.jax import _triton
+    from ratiokl.jax import _triton_shard
 
     rows = _linear_logprobs.triton_rows(call)
 
     def forward(x, ids, mask, temp, entropy):
-        z_sel, lse, ent, _ = _triton.shard_stats(call, [x], ids, mask, temp, axis, entropy)
+        z_sel, lse, ent, _ = _triton_shard.shard_stats(call, [x], ids, mask, temp, axis, entropy)
         logp = jnp.where(mask, z_sel[0] - lse[0], 0.0)
         return logp, jnp.where(mask, ent, 0.0) if entropy else None, lse[0]
 

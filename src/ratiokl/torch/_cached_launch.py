@@ -18,7 +18,9 @@ the kernel's parameter order, as ``JITFunction.run`` itself does (the same call
 in Triton 3.6 to 3.9).
 
 Whenever a launch hook is registered (a profiler such as Proton) every launch
-takes Triton's own path, so hooks see each one.
+takes Triton's own path, so hooks see each one; so does every launch on a Triton
+outside the versions ``ratiokl._kernels.triton_compat`` was tested on (which holds
+every use of Triton's internals made here).
 """
 
 from __future__ import annotations
@@ -27,8 +29,15 @@ from typing import Any, Callable, Dict, FrozenSet, Optional, Tuple
 
 import torch
 import triton
-from triton import knobs
-from triton.runtime.driver import driver
+
+from ratiokl._kernels.triton_compat import (
+    IN_RANGE,
+    current_device,
+    current_stream,
+    kernel_params,
+    launch_hooked,
+    run_compiled,
+)
 
 __all__ = ["CachedLaunch", "cached", "specialization_key"]
 
@@ -65,13 +74,6 @@ def _arg_facts(args: Tuple[Any, ...]) -> list:
     return facts
 
 
-def _hooked() -> bool:
-    """Whether a launch hook is registered (an empty ``HookChain`` is none)."""
-    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-    return bool((enter is not None and getattr(enter, "calls", True))
-                or (leave is not None and getattr(leave, "calls", True)))
-
-
 def specialization_key(device: int, args: Tuple[Any, ...], kwargs: Dict[str, Any],
                        constexprs: FrozenSet[int] = frozenset()) -> Tuple[Any, ...]:
     """The cache key of a launch with ``args`` and ``kwargs`` on CUDA device ``device``;
@@ -88,8 +90,7 @@ class CachedLaunch:
 
     def __init__(self, kernel: triton.runtime.JITFunction) -> None:
         self.kernel = kernel
-        self._params = tuple(kernel.arg_names)
-        self._constexprs = frozenset(i for i, p in enumerate(kernel.params) if p.is_constexpr)
+        self._params, self._constexprs = kernel_params(kernel)
         self._handles: Dict[Tuple[Any, ...], Tuple[Any, Tuple[str, ...]]] = {}
 
     def __getitem__(self, grid: Tuple[int, ...]) -> Callable[..., None]:
@@ -110,10 +111,10 @@ class CachedLaunch:
 
     def _launch(self, grid: Tuple[int, ...], args: Tuple[Any, ...],
                 kwargs: Dict[str, Any]) -> None:
-        if _hooked():
+        if not IN_RANGE or launch_hooked():
             self.kernel[grid](*args, **kwargs)
             return
-        device = driver.active.get_current_device()
+        device = current_device()
         try:
             key = specialization_key(device, args, kwargs, self._constexprs)
             entry = self._handles.get(key)
@@ -127,13 +128,8 @@ class CachedLaunch:
                 self._handles[key] = (compiled, order[len(args):])
             return
         compiled, keywords = entry
-        stream = driver.active.get_current_stream(device)
-        grid_1 = grid[1] if len(grid) > 1 else 1
-        grid_2 = grid[2] if len(grid) > 2 else 1
-        # No hook is registered (checked above): None for both, as Triton would pass.
-        compiled.run(grid[0], grid_1, grid_2, stream, compiled.function,
-                     compiled.packed_metadata, None, None, None, *args,
-                     *[kwargs[name] for name in keywords])
+        run_compiled(compiled, grid, current_stream(device),
+                     (*args, *[kwargs[name] for name in keywords]))
 
 
 #: ``id(kernel)`` -> its launch (a ``JITFunction`` hashes in Python: its source's key).

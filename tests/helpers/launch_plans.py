@@ -1,4 +1,5 @@
-"""The launch plans the heuristics can choose, by name, and the shapes at their boundaries.
+"""The launch plans the heuristics can choose, by name, and the shapes at their boundaries
+(test support: not installed; ``ratiokl check`` and the conformance package never use it).
 
 A launch plan is a branch: a kernel's code takes a different path (a row
 in one program or shared at a meeting, a split forward with a combine, a
@@ -7,7 +8,9 @@ plan that no test runs is untested code, so the tests enumerate them from
 here:
 
 * :func:`plans` names the plans every kernel launch takes for ``n_rows``
-  rows of ``vocab`` logits of ``itemsize`` bytes -- the GPU's plan, which
+  rows of ``vocab`` logits of ``itemsize`` bytes, read from the very plan objects
+  the bindings launch (``heuristics.forward_plan``, ``heuristics.backward_plan``,
+  ``fused_loss.launch_plan``) -- the GPU's plan, which
   Triton's interpreter now runs too (``fused_loss._stand_in_meeting``);
 * :func:`sweep_vocabularies` and :func:`sweep_rows` scan the heuristics for
   every size where a tile width, warp count, split count or plan changes and
@@ -57,13 +60,12 @@ def plans(n_rows: int, vocab: int, itemsize: int) -> FrozenSet[Plan]:
     ``backward``: its gradient (one program a row, or a row's tiles split);
     ``fused``: the one-kernel policy loss with and without its gradient.
     """
-    fwd = heuristics.forward_config(vocab, itemsize)
-    spans = heuristics.split_plan(vocab, fwd.block_v)
-    split = heuristics.use_split_forward(n_rows, spans)
-    found = {("forward", "split" if split else "row", _tiles(vocab, fwd.block_v), _spans(spans))}
-    bwd = heuristics.backward_config(vocab, itemsize)
-    programs = heuristics.backward_splits(n_rows, vocab, itemsize)
-    found.add(("backward", "split" if programs > 1 else "row", _tiles(vocab, bwd.block_v)))
+    fwd = heuristics.forward_plan(n_rows, vocab, itemsize)
+    found = {("forward", "split" if fwd.split else "row", _tiles(vocab, fwd.config.block_v),
+              _spans(fwd.spans))}
+    bwd = heuristics.backward_plan(n_rows, vocab, itemsize)
+    found.add(("backward", "split" if bwd.programs_per_row > 1 else "row",
+               _tiles(vocab, bwd.config.block_v)))
     for write_grad in (True, False):
         plan = launch_plan(vocab, itemsize, n_rows, write_grad)
         found.add(("fused", "grad" if write_grad else "no-grad",
@@ -74,12 +76,11 @@ def plans(n_rows: int, vocab: int, itemsize: int) -> FrozenSet[Plan]:
 
 def _geometry(vocab: int, itemsize: int) -> Tuple:
     """Everything the launch heuristics decide from ``vocab`` alone."""
-    fwd = heuristics.forward_config(vocab, itemsize)
-    spans = heuristics.split_plan(vocab, fwd.block_v)
+    fwd = heuristics.forward_plan(1, vocab, itemsize)
     fused = launch_plan(vocab, itemsize, 1, True).spans
-    bwd = heuristics.backward_config(vocab, itemsize)
-    return (fwd, spans.splits, spans.tiles_per_split > 1, fused.splits,
-            fused.tiles_per_split > 1, bwd)
+    bwd = heuristics.backward_plan(1, vocab, itemsize)
+    return (fwd.config, fwd.spans.splits, fwd.spans.tiles_per_split > 1, fused.splits,
+            fused.tiles_per_split > 1, bwd.config)
 
 
 @functools.lru_cache(maxsize=None)
