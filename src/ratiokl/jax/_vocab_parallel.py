@@ -35,7 +35,7 @@ inside the body is exact with ``check_vma=True`` and, as for any psum,
 That is the native math (``backend="native"``, and ``"auto"`` without a
 GPU). ``backend="triton"`` (and ``"auto"`` where jax-triton runs) and
 ``"interpret"`` compute the same statistics with the Triton kernels and the same one
-pmax and one psum (their backend's ``shard_logps``: ``ratiokl.jax._triton.shard_logps``);
+pmax and one psum (their backend's ``shard_logps``: ``ratiokl.jax._triton_shard.shard_logps``);
 they need ``check_vma=True``.
 """
 
@@ -178,7 +178,7 @@ class VocabParallel:
 
     Rows whose active id is outside the global ``[0, V)`` are always poisoned
     with NaN. ``shard_logps``: a Triton backend's per-block statistics
-    (``ratiokl.jax._triton.shard_logps`` bound to its launch), or None for the native
+    (``ratiokl.jax._triton_shard.shard_logps`` bound to its launch), or None for the native
     math; ``explicit``: it was asked for by name. A resolved ``"auto"`` runs the
     Triton path only where it is exact (``check_vma=True``), else the native one.
     """
