@@ -34,3 +34,25 @@ def test_the_kernels_constexprs_are_the_enums_values():
     for name, member in pairs.items():
         value = getattr(codes, name).value
         assert type(value) is int and value == member, name
+
+
+def test_the_aggregation_table_names_every_loss_agg_once():
+    assert tuple(spec.AGGREGATIONS) == tuple(spec.LOSS_AGGS) == get_args(options.LossAgg)
+    assert {row.denominator for row in spec.AGGREGATIONS.values()} == set(_codes.Denominator)
+
+
+@pytest.mark.parametrize("agg", list(spec.LOSS_AGGS))
+def test_the_weights_kernel_and_the_sequence_paths_follow_the_aggregation_table(agg):
+    opts = spec.policy_loss_options(**{**spec.POLICY_LOSS_DEFAULTS, "loss_agg": agg})
+    row = spec.AGGREGATIONS[agg]
+    assert opts.seq_aggregation == opts.needs_segments == row.needs_sequences
+    uniform = opts.uniform_weight(None, 7)
+    if agg == "none":
+        assert uniform == (1.0, False)
+    elif row.needs_sequences:
+        assert uniform is None
+    else:  # the kernel counts the active tokens; any other D is a number the host knows
+        if row.denominator == _codes.Denominator.TOKENS:
+            assert uniform == (1.0, True)
+        else:
+            assert uniform == (spec.aggregation_denominator(agg, None, None, 7), False)

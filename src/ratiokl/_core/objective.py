@@ -34,7 +34,7 @@ from typing import Any, Dict, Optional, Tuple
 
 from ratiokl._codes import KL
 from ratiokl._core.sequences import segment_totals, segments
-from ratiokl.spec import PolicyLossOptions
+from ratiokl.spec import PolicyLossOptions, aggregation_denominator
 
 __all__ = ["METRIC_NAMES", "aggregation_weights", "kl_value", "masked_means",
            "policy_objective", "token_metrics", "token_ratio_kl"]
@@ -124,15 +124,11 @@ def _with(xp, total, coef, term, uses: bool):
 
 
 def _denominator(xp, agg: str, n_tok, n_seq, width: int, normalizer):
-    """``D`` of ``sum(a * loss) / D`` for the aggregation ``agg``; a count of 0 becomes 1
-    (its numerator is 0); ``"none"``: 1 (it takes no normaliser)."""
+    """``D`` of ``sum(a * loss) / D`` for the aggregation ``agg``
+    (``ratiokl.spec.AGGREGATIONS``); ``"none"``: 1 (it takes no normaliser)."""
     if normalizer is not None and agg != "none":
         return normalizer
-    if agg == "token-mean":
-        return xp.maximum(n_tok, 1)
-    if agg in ("seq-mean-token-mean", "seq-mean-token-sum"):
-        return xp.maximum(n_seq, 1)
-    return float(width) if agg == "seq-mean-token-sum-norm" else 1.0
+    return aggregation_denominator(agg, n_tok, n_seq, width, xp.maximum)
 
 
 def _aggregate(xp, x, mask, agg: str, counts, n_tok, n_seq, normalizer):

@@ -12,7 +12,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping, Optional, Tuple, Union, get_args
 
-from ratiokl._codes import KL, Objective as ObjectiveCode
+from ratiokl._codes import KL, Denominator, Objective as ObjectiveCode
+from ratiokl.spec.aggregation import AGGREGATIONS, aggregation_denominator
 
 __all__ = [
     "BACKENDS",
@@ -202,14 +203,14 @@ class PolicyLossOptions:
     @property
     def seq_aggregation(self) -> bool:
         """Whether ``loss_agg`` averages over sequences (``seq-mean-token-{mean,sum}``)."""
-        return self.loss_agg in ("seq-mean-token-mean", "seq-mean-token-sum")
+        return AGGREGATIONS[self.loss_agg].needs_sequences
 
     @property
     def needs_segments(self) -> bool:
         """Whether any term's aggregation (or GSPO's ratio) needs the sequences."""
         aggs = (self.loss_agg, self.kl_agg, self.entropy_agg)
-        return self.sequence_ratio or any(a in ("seq-mean-token-mean", "seq-mean-token-sum")
-                                          for a in aggs)
+        return self.sequence_ratio or any(AGGREGATIONS[a].needs_sequences
+                                          for a in aggs if a is not None)
 
     def uniform_weight(self, normalizer: object, width: int) -> Optional[Tuple[float, bool]]:
         """``(denom, count)`` of the aggregation weights ``w = where(mask, 1 / D, 0)`` where
@@ -223,18 +224,18 @@ class PolicyLossOptions:
         ``normalizer``: ``loss_normalizer`` (None, a Python number or an array);
         ``width``: tokens per sequence ``T``.
         """
-        agg = self.loss_agg
-        if agg == "none":  # each active token its own loss: weight 1
+        if self.loss_agg == "none":  # each active token its own loss: weight 1
             return 1.0, False
-        if agg == "seq-mean-token-mean":
+        agg = AGGREGATIONS[self.loss_agg]
+        if agg.per_sequence_length:
             return None
         if isinstance(normalizer, (int, float)) and not isinstance(normalizer, bool):
             return float(normalizer), False
-        if normalizer is not None or agg == "seq-mean-token-sum":
+        if normalizer is not None or agg.denominator == Denominator.SEQUENCES:
             return None
-        if agg == "token-mean":
+        if agg.denominator == Denominator.TOKENS:
             return 1.0, True
-        return (1.0 if agg == "token-sum" else float(width)), False
+        return aggregation_denominator(self.loss_agg, None, None, width), False
 
 
 def check_loss_normalizer(loss_agg: str, loss_normalizer: object) -> None:

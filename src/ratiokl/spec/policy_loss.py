@@ -110,6 +110,7 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 
 from ratiokl._codes import KL
+from ratiokl.spec.aggregation import AGGREGATIONS, aggregation_denominator
 from ratiokl.spec.options import (
     DEFAULT_LOG_RATIO_BOUND,
     PolicyLossOptions,
@@ -235,16 +236,14 @@ def _cispo_weight(r, opts: PolicyLossOptions):
 def _aggregation(mask, seq, n_seq, agg: str, loss_normalizer):
     """Per-token weights ``a`` and the denominator ``D`` of ``sum(a * loss) / D`` of the
     aggregation ``agg`` (a ``loss_agg`` name)."""
-    n_tok = int(mask.sum())
     weights = np.where(mask, 1.0, 0.0)
-    if agg == "seq-mean-token-mean":
+    if AGGREGATIONS[agg].per_sequence_length:
         counts = np.bincount(seq[mask], minlength=n_seq).astype(np.float64)
         weights[mask] = 1.0 / counts[seq[mask]]
+    if loss_normalizer is not None:
+        return weights, float(loss_normalizer)
     width = mask.shape[-1] if mask.shape else 1
-    denom = {"token-mean": max(n_tok, 1), "token-sum": 1, "seq-mean-token-mean": max(n_seq, 1),
-             "seq-mean-token-sum": max(n_seq, 1), "seq-mean-token-sum-norm": width,
-             "none": 1}[agg]
-    return weights, float(denom if loss_normalizer is None else loss_normalizer)
+    return weights, float(aggregation_denominator(agg, int(mask.sum()), n_seq, width))
 
 
 def policy_loss_from_logps(
