@@ -56,3 +56,24 @@ def test_the_weights_kernel_and_the_sequence_paths_follow_the_aggregation_table(
             assert uniform == (1.0, True)
         else:
             assert uniform == (spec.aggregation_denominator(agg, None, None, 7), False)
+
+
+def test_the_kl_table_covers_every_policy_estimator_and_builds_on_the_three():
+    assert set(spec.KL_VARIANTS) == set(spec.POLICY_KL_ESTIMATORS.values())
+    for code in spec.KL_ESTIMATORS.values():  # ratio_kl's three are their own variant
+        assert spec.KL_VARIANTS[code] == (code, code, False)
+    basic = set(spec.KL_ESTIMATORS.values())
+    assert all({v.value, v.gradient} <= basic for v in spec.KL_VARIANTS.values())
+
+
+def test_each_estimators_derivative_is_that_of_its_value():
+    import numpy as np
+
+    d, h = np.linspace(-3.0, 3.0, 25), 1e-6
+    for name, code in spec.KL_ESTIMATORS.items():
+        # d logp = -d d: the central difference in d, negated.
+        slope = -(spec.estimator_value(np, d + h, code)
+                  - spec.estimator_value(np, d - h, code)) / (2 * h)
+        np.testing.assert_allclose(spec.estimator_dlogp(np, d, code), slope, rtol=1e-6,
+                                   atol=1e-6, err_msg=name)
+        np.testing.assert_array_equal(spec.kl_value(d, name), spec.estimator_value(np, d, code))

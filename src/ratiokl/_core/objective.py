@@ -34,7 +34,7 @@ from typing import Any, Dict, Optional, Tuple
 
 from ratiokl._codes import KL
 from ratiokl._core.sequences import segment_totals, segments
-from ratiokl.spec import PolicyLossOptions, aggregation_denominator
+from ratiokl.spec import KL_VARIANTS, PolicyLossOptions, aggregation_denominator, estimator_value
 
 __all__ = ["METRIC_NAMES", "aggregation_weights", "kl_value", "masked_means",
            "policy_objective", "token_metrics", "token_ratio_kl"]
@@ -57,26 +57,27 @@ def _straight_through(xp, grad_like, value):
 
 
 def kl_value(xp, d, code: int, ratio, bound: Optional[float], clamp: Optional[float] = None):
-    """KL variant ``code`` (``ratiokl.spec.POLICY_KL_ESTIMATORS``) on ``d = logp_ref - logp``.
+    """KL variant ``code`` (``ratiokl.spec.KL_VARIANTS``) on ``d = logp_ref - logp``.
 
-    Only the terms the variant uses are computed (``ratio`` is read by ``k3-is`` only).
+    Only the terms the variant uses are computed (``ratio`` is read by ``k3-is`` only);
+    autodiff takes the gradient (straight-through: the gradient estimator's).
     ``clamp`` (``kl_clamp``): the value clipped to ``[-clamp, clamp]``, with gradient 1
     inside (bounds included, as ``torch.clamp``) and 0 beyond; the straight-through ``k1+`` /
     ``k3+`` clamp their detached value only (their gradient stays k2's).
     """
-    if code == KL.K1:
-        return _bounded(xp, -d, clamp)
-    k2 = 0.5 * d * d
-    if code in (KL.K2, KL.K1_PLUS):
-        return _bounded(xp, k2, clamp) if code == KL.K2 else _straight_through(
-            xp, k2, _bounded(xp, -d, clamp))
-    d_b = _bounded(xp, d, bound)
-    k3 = xp.expm1(d_b) - d_b
-    if code == KL.K3:
-        return _bounded(xp, k3, clamp)
-    if code == KL.K3_PLUS:
-        return _straight_through(xp, k2, _bounded(xp, k3, clamp))
-    return _bounded(xp, ratio * k3, clamp)
+    variant = KL_VARIANTS[code]
+    value = _estimator(xp, d, variant.value, bound)
+    if variant.ratio_weighted:
+        value = ratio * value
+    if not variant.straight_through:
+        return _bounded(xp, value, clamp)
+    return _straight_through(xp, _estimator(xp, d, variant.gradient, bound),
+                             _bounded(xp, value, clamp))
+
+
+def _estimator(xp, d, code: int, bound: Optional[float]):
+    """``ratiokl.spec.estimator_value``; k3 reads ``d`` clipped to ``bound``."""
+    return estimator_value(xp, _bounded(xp, d, bound) if code == KL.K3 else d, code)
 
 
 def token_ratio_kl(xp, logp, logp_ref, old_logps, mask, kl_code: int) -> Tuple[Any, Any]:

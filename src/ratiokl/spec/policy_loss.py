@@ -111,6 +111,7 @@ import numpy as np
 
 from ratiokl._codes import KL
 from ratiokl.spec.aggregation import AGGREGATIONS, aggregation_denominator
+from ratiokl.spec.kl import KL_VARIANTS, estimator_dlogp, estimator_value
 from ratiokl.spec.options import (
     DEFAULT_LOG_RATIO_BOUND,
     PolicyLossOptions,
@@ -197,23 +198,25 @@ def _kl_terms(d, kind: int, r, dr, bound, clamp=None):
     value, grad = _kl_unclamped(d, kind, r, dr, bound)
     if clamp is None:
         return value, grad
-    straight = kind in (KL.K1_PLUS, KL.K3_PLUS)
+    straight = KL_VARIANTS[kind].straight_through
     beyond = np.abs(value) > clamp  # a NaN value is not beyond: its gradient stays NaN
     return np.clip(value, -clamp, clamp), np.where(beyond & ~straight, 0.0, grad)
 
 
 def _kl_unclamped(d, kind: int, r, dr, bound):
-    """The estimator's value and gradient before ``kl_clamp``."""
+    """The variant's value and gradient (``ratiokl.spec.KL_VARIANTS``) before ``kl_clamp``;
+    k3 reads ``d`` clipped to the bound and has no gradient beyond it."""
+    variant = KL_VARIANTS[kind]
     # A NaN d is not beyond the bound: its gradient stays NaN (never a silent 0).
     inside = np.ones_like(d, dtype=bool) if bound is None else ~(np.abs(d) > bound)
     d_b = d if bound is None else np.clip(d, -bound, bound)
-    k3 = np.expm1(d_b) - d_b
-    k3_grad = np.where(inside, -np.expm1(d), 0.0)
-    values = {KL.K1: -d, KL.K2: 0.5 * d * d, KL.K3: k3, KL.K1_PLUS: -d, KL.K3_PLUS: k3,
-              KL.K3_IS: r * k3}
-    grads = {KL.K1: np.ones_like(d), KL.K2: -d, KL.K3: k3_grad, KL.K1_PLUS: -d,
-             KL.K3_PLUS: -d, KL.K3_IS: dr * k3 + r * k3_grad}
-    return values[kind], grads[kind]
+    value = estimator_value(np, d_b if variant.value == KL.K3 else d, variant.value)
+    grad = estimator_dlogp(np, d, variant.gradient)
+    if variant.gradient == KL.K3:
+        grad = np.where(inside, grad, 0.0)
+    if variant.ratio_weighted:
+        value, grad = r * value, dr * value + r * grad
+    return value, grad
 
 
 def _clipped(r, adv, opts: PolicyLossOptions):

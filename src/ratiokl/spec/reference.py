@@ -69,7 +69,7 @@ from typing import Optional, Tuple, Union
 
 import numpy as np
 
-from ratiokl._codes import KL
+from ratiokl.spec.kl import estimator_dlogp, estimator_value
 from ratiokl.spec.options import kl_estimator_code
 
 ArrayLike = Union[np.ndarray, float]
@@ -227,25 +227,17 @@ def entropy_grad(
 
 
 def kl_value(d: np.ndarray, kl_estimator: str) -> np.ndarray:
-    """KL estimator of ``d = logp_ref - logp``: k1 ``-d``, k2 ``d^2/2``, k3 ``exp(d) - d - 1``."""
-    code = kl_estimator_code(kl_estimator)
+    """KL estimator of ``d = logp_ref - logp``: k1 ``-d``, k2 ``d^2/2``, k3 ``exp(d) - d - 1``
+    (``ratiokl.spec.estimator_value``)."""
     with np.errstate(invalid="ignore", over="ignore"):
-        if code == KL.K1:
-            return -d
-        if code == KL.K2:
-            return 0.5 * d * d
-        return np.expm1(d) - d
+        return estimator_value(np, d, kl_estimator_code(kl_estimator))
 
 
 def kl_dlogp(d: np.ndarray, kl_estimator: str) -> np.ndarray:
-    """Derivative of the KL estimator with respect to ``logp`` (``dd/dlogp = -1``)."""
-    code = kl_estimator_code(kl_estimator)
+    """Derivative of the KL estimator with respect to ``logp`` (``dd/dlogp = -1``;
+    ``ratiokl.spec.estimator_dlogp``)."""
     with np.errstate(invalid="ignore", over="ignore"):
-        if code == KL.K1:
-            return np.ones_like(d)
-        if code == KL.K2:
-            return -d
-        return -np.expm1(d)
+        return estimator_dlogp(np, d, kl_estimator_code(kl_estimator))
 
 
 def _ref_logps(ref_logits, ref_logps, action_ids, mask, temperature):
