@@ -23,9 +23,11 @@ from __future__ import annotations
 
 from typing import Callable, Mapping, NamedTuple
 
+import numpy as np
+
 from ratiokl._codes import Denominator
 
-__all__ = ["AGGREGATIONS", "Aggregation", "aggregation_denominator"]
+__all__ = ["AGGREGATIONS", "Aggregation", "aggregation_denominator", "aggregation_terms"]
 
 
 class Aggregation(NamedTuple):
@@ -66,3 +68,18 @@ def aggregation_denominator(agg: str, n_tok, n_seq, width: int,
     if kind == Denominator.SEQUENCES:
         return maximum(n_seq, 1)
     return float(width) if kind == Denominator.WIDTH else 1.0
+
+
+def aggregation_terms(mask, seq, n_seq: int, agg: str, loss_normalizer):
+    """Float64 per-token weights ``a`` ``[...]`` and the denominator ``D`` (a float) of
+    ``sum(a * loss) / D`` of the aggregation ``agg`` (a ``loss_agg`` name); ``seq`` /
+    ``n_seq``: :func:`ratiokl.spec.sequence_index` of ``mask``; ``loss_normalizer``
+    (None, or a number) replaces ``D``."""
+    weights = np.where(mask, 1.0, 0.0)
+    if AGGREGATIONS[agg].per_sequence_length:
+        counts = np.bincount(seq[mask], minlength=n_seq).astype(np.float64)
+        weights[mask] = 1.0 / counts[seq[mask]]
+    if loss_normalizer is not None:
+        return weights, float(loss_normalizer)
+    width = mask.shape[-1] if mask.shape else 1
+    return weights, float(aggregation_denominator(agg, int(mask.sum()), n_seq, width))

@@ -26,9 +26,13 @@ from __future__ import annotations
 
 from typing import Mapping, NamedTuple
 
-from ratiokl._codes import KL
+import numpy as np
 
-__all__ = ["KLVariant", "KL_VARIANTS", "estimator_dlogp", "estimator_value"]
+from ratiokl._codes import KL
+from ratiokl.spec.options import kl_estimator_code
+
+__all__ = ["KLVariant", "KL_VARIANTS", "estimator_dlogp", "estimator_value", "kl_dlogp",
+           "kl_value", "policy_kl_terms"]
 
 
 def estimator_value(xp, d, code: int):
@@ -75,3 +79,50 @@ KL_VARIANTS: Mapping[int, KLVariant] = {
     KL.K3_PLUS: KLVariant(KL.K3, KL.K2),
     KL.K3_IS: KLVariant(KL.K3, KL.K3, ratio_weighted=True),
 }
+
+
+def kl_value(d: np.ndarray, kl_estimator: str) -> np.ndarray:
+    """KL estimator of ``d = logp_ref - logp``: k1 ``-d``, k2 ``d^2/2``, k3 ``exp(d) - d - 1``
+    (``ratiokl.spec.estimator_value``)."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        return estimator_value(np, d, kl_estimator_code(kl_estimator))
+
+
+def kl_dlogp(d: np.ndarray, kl_estimator: str) -> np.ndarray:
+    """Derivative of the KL estimator with respect to ``logp`` (``dd/dlogp = -1``;
+    ``ratiokl.spec.estimator_dlogp``)."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        return estimator_dlogp(np, d, kl_estimator_code(kl_estimator))
+
+
+def policy_kl_terms(d, kind: int, r, dr, bound, clamp=None):
+    """Float64 value and derivative w.r.t. ``logp`` of the variant ``kind``
+    (:data:`KL_VARIANTS`) on ``d`` ``[...]``; ``r`` / ``dr`` the ratio and its derivative
+    (read by ``k3-is``), ``bound`` ``log_ratio_bound`` (None: none).
+
+    ``clamp`` (``kl_clamp``): the value clipped to ``[-c, c]``; the gradient is 0 where the
+    value lies beyond (at ``|value| = c`` it is kept, as ``torch.clamp``'s), except for the
+    straight-through ``k1+`` / ``k3+``, whose k2 gradient the detached value never touches.
+    """
+    value, grad = _kl_unclamped(d, kind, r, dr, bound)
+    if clamp is None:
+        return value, grad
+    straight = KL_VARIANTS[kind].straight_through
+    beyond = np.abs(value) > clamp  # a NaN value is not beyond: its gradient stays NaN
+    return np.clip(value, -clamp, clamp), np.where(beyond & ~straight, 0.0, grad)
+
+
+def _kl_unclamped(d, kind: int, r, dr, bound):
+    """The variant's value and gradient before ``kl_clamp``;
+    k3 reads ``d`` clipped to the bound and has no gradient beyond it."""
+    variant = KL_VARIANTS[kind]
+    # A NaN d is not beyond the bound: its gradient stays NaN (never a silent 0).
+    inside = np.ones_like(d, dtype=bool) if bound is None else ~(np.abs(d) > bound)
+    d_b = d if bound is None else np.clip(d, -bound, bound)
+    value = estimator_value(np, d_b if variant.value == KL.K3 else d, variant.value)
+    grad = estimator_dlogp(np, d, variant.gradient)
+    if variant.gradient == KL.K3:
+        grad = np.where(inside, grad, 0.0)
+    if variant.ratio_weighted:
+        value, grad = r * value, dr * value + r * grad
+    return value, grad
