@@ -34,3 +34,46 @@ def test_the_kernels_constexprs_are_the_enums_values():
     for name, member in pairs.items():
         value = getattr(codes, name).value
         assert type(value) is int and value == member, name
+
+
+def test_the_aggregation_table_names_every_loss_agg_once():
+    assert tuple(spec.AGGREGATIONS) == tuple(spec.LOSS_AGGS) == get_args(options.LossAgg)
+    assert {row.denominator for row in spec.AGGREGATIONS.values()} == set(_codes.Denominator)
+
+
+@pytest.mark.parametrize("agg", list(spec.LOSS_AGGS))
+def test_the_weights_kernel_and_the_sequence_paths_follow_the_aggregation_table(agg):
+    opts = spec.policy_loss_options(**{**spec.POLICY_LOSS_DEFAULTS, "loss_agg": agg})
+    row = spec.AGGREGATIONS[agg]
+    assert opts.seq_aggregation == opts.needs_segments == row.needs_sequences
+    uniform = opts.uniform_weight(None, 7)
+    if agg == "none":
+        assert uniform == (1.0, False)
+    elif row.needs_sequences:
+        assert uniform is None
+    else:  # the kernel counts the active tokens; any other D is a number the host knows
+        if row.denominator == _codes.Denominator.TOKENS:
+            assert uniform == (1.0, True)
+        else:
+            assert uniform == (spec.aggregation_denominator(agg, None, None, 7), False)
+
+
+def test_the_kl_table_covers_every_policy_estimator_and_builds_on_the_three():
+    assert set(spec.KL_VARIANTS) == set(spec.POLICY_KL_ESTIMATORS.values())
+    for code in spec.KL_ESTIMATORS.values():  # ratio_kl's three are their own variant
+        assert spec.KL_VARIANTS[code] == (code, code, False)
+    basic = set(spec.KL_ESTIMATORS.values())
+    assert all({v.value, v.gradient} <= basic for v in spec.KL_VARIANTS.values())
+
+
+def test_each_estimators_derivative_is_that_of_its_value():
+    import numpy as np
+
+    d, h = np.linspace(-3.0, 3.0, 25), 1e-6
+    for name, code in spec.KL_ESTIMATORS.items():
+        # d logp = -d d: the central difference in d, negated.
+        slope = -(spec.estimator_value(np, d + h, code)
+                  - spec.estimator_value(np, d - h, code)) / (2 * h)
+        np.testing.assert_allclose(spec.estimator_dlogp(np, d, code), slope, rtol=1e-6,
+                                   atol=1e-6, err_msg=name)
+        np.testing.assert_array_equal(spec.kl_value(d, name), spec.estimator_value(np, d, code))

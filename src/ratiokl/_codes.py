@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from enum import IntEnum
 
-__all__ = ["KL", "Objective"]
+__all__ = ["Denominator", "KL", "Objective"]
 
 
 class KL(IntEnum):
@@ -32,3 +32,13 @@ class Objective(IntEnum):
 
     PPO = 0  # the clipped surrogate -A * clip(r) * iw
     CISPO = 1  # -sg(clip(r)) * A * iw * logp (MiniMax-M1)
+
+
+class Denominator(IntEnum):
+    """What ``loss_agg`` divides the weighted sum of per-token losses by (the ``D`` of
+    ``ratiokl.spec.AGGREGATIONS``); a count of 0 counts as 1."""
+
+    ONE = 0  # 1: a sum (token-sum, and "none", which aggregates nothing)
+    TOKENS = 1  # the active tokens (token-mean; the kernels' ``token_weights_kernel``)
+    SEQUENCES = 2  # the sequences with an active token (seq-mean-*)
+    WIDTH = 3  # the padded length T of a sequence (seq-mean-token-sum-norm)

@@ -27,8 +27,7 @@ from ratiokl._kernels.objective import CLIP_CAPPED, CLIP_HIGH, CLIP_LOW  # noqa:
 from ratiokl._core import objective as _objective  # noqa: E402
 from ratiokl.jax import _checks, _interpret, _launch, _triton_loss  # noqa: E402
 from ratiokl.jax._arrays import XP  # noqa: E402
-from ratiokl.spec import LOSS_AGGS, policy_loss_options  # noqa: E402
-from ratiokl.spec.policy_loss import POLICY_LOSS_DEFAULTS  # noqa: E402
+from ratiokl.spec import LOSS_AGGS, POLICY_LOSS_DEFAULTS, policy_loss_options  # noqa: E402
 
 #: [R, T] layouts: a few rows; more tokens than one block of the kernels' loops.
 SHAPES = [(3, 5), (2, ROWS_BLOCK // 2 + 7)]

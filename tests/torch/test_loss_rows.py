@@ -26,8 +26,7 @@ from ratiokl._kernels.loss_rows import (  # noqa: E402
     policy_metrics_kernel,
 )
 from ratiokl._kernels.objective import CLIP_CAPPED, CLIP_HIGH, CLIP_LOW  # noqa: E402
-from ratiokl.spec import LOSS_AGGS, policy_loss_options  # noqa: E402
-from ratiokl.spec.policy_loss import POLICY_LOSS_DEFAULTS  # noqa: E402
+from ratiokl.spec import LOSS_AGGS, POLICY_LOSS_DEFAULTS, policy_loss_options  # noqa: E402
 from ratiokl._core import objective as _objective  # noqa: E402
 from ratiokl.torch import _checks, _triton  # noqa: E402
 from ratiokl.torch._arrays import XP  # noqa: E402

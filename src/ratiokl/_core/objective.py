@@ -34,7 +34,7 @@ from typing import Any, Dict, Optional, Tuple
 
 from ratiokl._codes import KL
 from ratiokl._core.sequences import segment_totals, segments
-from ratiokl.spec import PolicyLossOptions
+from ratiokl.spec import KL_VARIANTS, PolicyLossOptions, aggregation_denominator, estimator_value
 
 __all__ = ["METRIC_NAMES", "aggregation_weights", "kl_value", "masked_means",
            "policy_objective", "token_metrics", "token_ratio_kl"]
@@ -57,26 +57,27 @@ def _straight_through(xp, grad_like, value):
 
 
 def kl_value(xp, d, code: int, ratio, bound: Optional[float], clamp: Optional[float] = None):
-    """KL variant ``code`` (``ratiokl.spec.POLICY_KL_ESTIMATORS``) on ``d = logp_ref - logp``.
+    """KL variant ``code`` (``ratiokl.spec.KL_VARIANTS``) on ``d = logp_ref - logp``.
 
-    Only the terms the variant uses are computed (``ratio`` is read by ``k3-is`` only).
+    Only the terms the variant uses are computed (``ratio`` is read by ``k3-is`` only);
+    autodiff takes the gradient (straight-through: the gradient estimator's).
     ``clamp`` (``kl_clamp``): the value clipped to ``[-clamp, clamp]``, with gradient 1
     inside (bounds included, as ``torch.clamp``) and 0 beyond; the straight-through ``k1+`` /
     ``k3+`` clamp their detached value only (their gradient stays k2's).
     """
-    if code == KL.K1:
-        return _bounded(xp, -d, clamp)
-    k2 = 0.5 * d * d
-    if code in (KL.K2, KL.K1_PLUS):
-        return _bounded(xp, k2, clamp) if code == KL.K2 else _straight_through(
-            xp, k2, _bounded(xp, -d, clamp))
-    d_b = _bounded(xp, d, bound)
-    k3 = xp.expm1(d_b) - d_b
-    if code == KL.K3:
-        return _bounded(xp, k3, clamp)
-    if code == KL.K3_PLUS:
-        return _straight_through(xp, k2, _bounded(xp, k3, clamp))
-    return _bounded(xp, ratio * k3, clamp)
+    variant = KL_VARIANTS[code]
+    value = _estimator(xp, d, variant.value, bound)
+    if variant.ratio_weighted:
+        value = ratio * value
+    if not variant.straight_through:
+        return _bounded(xp, value, clamp)
+    return _straight_through(xp, _estimator(xp, d, variant.gradient, bound),
+                             _bounded(xp, value, clamp))
+
+
+def _estimator(xp, d, code: int, bound: Optional[float]):
+    """``ratiokl.spec.estimator_value``; k3 reads ``d`` clipped to ``bound``."""
+    return estimator_value(xp, _bounded(xp, d, bound) if code == KL.K3 else d, code)
 
 
 def token_ratio_kl(xp, logp, logp_ref, old_logps, mask, kl_code: int) -> Tuple[Any, Any]:
@@ -124,15 +125,11 @@ def _with(xp, total, coef, term, uses: bool):
 
 
 def _denominator(xp, agg: str, n_tok, n_seq, width: int, normalizer):
-    """``D`` of ``sum(a * loss) / D`` for the aggregation ``agg``; a count of 0 becomes 1
-    (its numerator is 0); ``"none"``: 1 (it takes no normaliser)."""
+    """``D`` of ``sum(a * loss) / D`` for the aggregation ``agg``
+    (``ratiokl.spec.AGGREGATIONS``); ``"none"``: 1 (it takes no normaliser)."""
     if normalizer is not None and agg != "none":
         return normalizer
-    if agg == "token-mean":
-        return xp.maximum(n_tok, 1)
-    if agg in ("seq-mean-token-mean", "seq-mean-token-sum"):
-        return xp.maximum(n_seq, 1)
-    return float(width) if agg == "seq-mean-token-sum-norm" else 1.0
+    return aggregation_denominator(agg, n_tok, n_seq, width, xp.maximum)
 
 
 def _aggregate(xp, x, mask, agg: str, counts, n_tok, n_seq, normalizer):

@@ -14,7 +14,8 @@ from typing import Dict, Optional, Tuple
 
 import numpy as np
 
-from ratiokl.spec.policy_loss import _policy_terms, _scaled
+from ratiokl.spec.policy_loss import _scaled
+from ratiokl.spec.policy_terms import policy_loss_terms
 from ratiokl.spec.reference import ArrayLike
 
 __all__ = ["policy_objective", "policy_objective_grad"]
@@ -25,8 +26,8 @@ _ARRAYS = ("loss_normalizer", "segment_ids", "importance_weights", "kl_entropy_n
 
 def _terms(logps, old_logps, advantages, mask, ref_logps, entropy, options):
     arrays = {k: options.pop(k, None) for k in _ARRAYS}
-    return _policy_terms(np.asarray(logps, np.float64), ref_logps, old_logps, advantages, mask,
-                         entropy, **arrays, **options)
+    return policy_loss_terms(np.asarray(logps, np.float64), ref_logps, old_logps, advantages,
+                             mask, entropy, **arrays, **options)
 
 
 def policy_objective(

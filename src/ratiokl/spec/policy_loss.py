@@ -109,14 +109,7 @@ from typing import Dict, Optional, Tuple
 
 import numpy as np
 
-from ratiokl._codes import KL
-from ratiokl.spec.options import (
-    DEFAULT_LOG_RATIO_BOUND,
-    PolicyLossOptions,
-    check_loss_normalizer,
-    check_term_normalizer,
-    policy_loss_options,
-)
+from ratiokl.spec.policy_terms import policy_loss_terms
 from ratiokl.spec.reference import (
     ArrayLike,
     entropy,
@@ -124,259 +117,8 @@ from ratiokl.spec.reference import (
     selected_logprobs,
     selected_logprobs_grad,
 )
-from ratiokl.spec.rollout import DEFAULT_ROLLOUT_BOUNDS, rollout_options, rollout_weights
 
-__all__ = [
-    "POLICY_LOSS_DEFAULTS",
-    "policy_loss",
-    "policy_loss_from_logps",
-    "policy_loss_grad",
-    "sequence_index",
-]
-
-#: ``policy_loss``'s scalar options and their defaults (as in both frameworks' signatures).
-POLICY_LOSS_DEFAULTS = dict(
-    clip_eps=0.2, clip_eps_high=None, dual_clip=None, ratio_cap=None, kl_coef=0.0,
-    kl_estimator="k3", loss_agg="token-mean", ratio_level="token",
-    log_ratio_bound=DEFAULT_LOG_RATIO_BOUND, objective="ppo", entropy_coef=0.0,
-    kl_agg=None, entropy_agg=None, kl_clamp=None,
-)
-
-
-def sequence_index(
-    mask: np.ndarray, segment_ids: Optional[np.ndarray] = None
-) -> Tuple[np.ndarray, int]:
-    """Sequence number of every active token (``-1`` on inactive ones) and the count.
-
-    Rows are the leading shape without its last axis. Without ``segment_ids`` a
-    row's active tokens form one sequence; with them, a new sequence starts at
-    each active token whose id differs from the previous *active* token's in the
-    row (inactive tokens' ids are never read).
-    """
-    mask = np.asarray(mask, dtype=bool)
-    lead = mask.shape
-    width = lead[-1] if lead else 1
-    rows = mask.reshape(-1, width)
-    segs = np.zeros(rows.shape, np.int64) if segment_ids is None else np.asarray(segment_ids)
-    segs = segs.reshape(rows.shape)
-    out = np.full(rows.shape, -1, dtype=np.int64)
-    count = 0
-    for r in range(rows.shape[0]):
-        previous = None
-        for t in range(width):
-            if not rows[r, t]:
-                continue
-            if previous is None or segs[r, t] != previous:
-                count += 1
-            previous = segs[r, t]
-            out[r, t] = count - 1
-    return out.reshape(lead), count
-
-
-def _advantages(advantages: ArrayLike, lead: Tuple[int, ...]) -> np.ndarray:
-    """Per-token advantages: ``[...]``, ``[..., 1]`` or one per row ``lead[:-1]``."""
-    adv = np.asarray(advantages, dtype=np.float64)
-    if adv.shape == lead:
-        return adv
-    if lead and adv.shape in (lead[:-1], lead[:-1] + (1,)):
-        return np.broadcast_to(adv.reshape(lead[:-1] + (1,)), lead)
-    raise ValueError(
-        f"`advantages` must have shape {list(lead)} (per token) or {list(lead[:-1])} "
-        f"(per sequence); got {list(adv.shape)}"
-    )
-
-
-def _kl_terms(d, kind: int, r, dr, bound, clamp=None):
-    """KL value and its derivative w.r.t. ``logp`` (``dd/dlogp = -1``) per variant.
-
-    ``clamp`` (``kl_clamp``): the value clipped to ``[-c, c]``; the gradient is 0 where the
-    value lies beyond (at ``|value| = c`` it is kept, as ``torch.clamp``'s), except for the
-    straight-through ``k1+`` / ``k3+``, whose k2 gradient the detached value never touches.
-    """
-    value, grad = _kl_unclamped(d, kind, r, dr, bound)
-    if clamp is None:
-        return value, grad
-    straight = kind in (KL.K1_PLUS, KL.K3_PLUS)
-    beyond = np.abs(value) > clamp  # a NaN value is not beyond: its gradient stays NaN
-    return np.clip(value, -clamp, clamp), np.where(beyond & ~straight, 0.0, grad)
-
-
-def _kl_unclamped(d, kind: int, r, dr, bound):
-    """The estimator's value and gradient before ``kl_clamp``."""
-    # A NaN d is not beyond the bound: its gradient stays NaN (never a silent 0).
-    inside = np.ones_like(d, dtype=bool) if bound is None else ~(np.abs(d) > bound)
-    d_b = d if bound is None else np.clip(d, -bound, bound)
-    k3 = np.expm1(d_b) - d_b
-    k3_grad = np.where(inside, -np.expm1(d), 0.0)
-    values = {KL.K1: -d, KL.K2: 0.5 * d * d, KL.K3: k3, KL.K1_PLUS: -d, KL.K3_PLUS: k3,
-              KL.K3_IS: r * k3}
-    grads = {KL.K1: np.ones_like(d), KL.K2: -d, KL.K3: k3_grad, KL.K1_PLUS: -d,
-             KL.K3_PLUS: -d, KL.K3_IS: dr * k3 + r * k3_grad}
-    return values[kind], grads[kind]
-
-
-def _clipped(r, adv, opts: PolicyLossOptions):
-    """``q`` (the ratio the surrogate uses), ``dq/dr`` and the clip indicators."""
-    high = (adv > 0) & (r > opts.ratio_high)
-    low = (adv < 0) & (r < opts.ratio_low)
-    cap = np.inf if opts.neg_cap is None else opts.neg_cap
-    capped = (adv < 0) & (r > cap)
-    q = np.where(high, opts.ratio_high, np.where(low, opts.ratio_low, np.where(capped, cap, r)))
-    return q, np.where(high | low | capped, 0.0, 1.0), high, low, capped
-
-
-def _cispo_weight(r, opts: PolicyLossOptions):
-    """CISPO's detached weight ``clip(r, ratio_low, ratio_high)`` and its clip indicators."""
-    high, low = r > opts.ratio_high, r < opts.ratio_low
-    weight = np.where(high, opts.ratio_high, np.where(low, opts.ratio_low, r))
-    return weight, high, low, np.zeros_like(high)
-
-
-def _aggregation(mask, seq, n_seq, agg: str, loss_normalizer):
-    """Per-token weights ``a`` and the denominator ``D`` of ``sum(a * loss) / D`` of the
-    aggregation ``agg`` (a ``loss_agg`` name)."""
-    n_tok = int(mask.sum())
-    weights = np.where(mask, 1.0, 0.0)
-    if agg == "seq-mean-token-mean":
-        counts = np.bincount(seq[mask], minlength=n_seq).astype(np.float64)
-        weights[mask] = 1.0 / counts[seq[mask]]
-    width = mask.shape[-1] if mask.shape else 1
-    denom = {"token-mean": max(n_tok, 1), "token-sum": 1, "seq-mean-token-mean": max(n_seq, 1),
-             "seq-mean-token-sum": max(n_seq, 1), "seq-mean-token-sum-norm": width,
-             "none": 1}[agg]
-    return weights, float(denom if loss_normalizer is None else loss_normalizer)
-
-
-def policy_loss_from_logps(
-    logp: np.ndarray,
-    logp_ref: Optional[np.ndarray],
-    old_logps: Optional[np.ndarray],
-    advantages: ArrayLike,
-    mask: np.ndarray,
-    *,
-    loss_normalizer: Optional[float] = None,
-    segment_ids: Optional[np.ndarray] = None,
-    importance_weights: Optional[np.ndarray] = None,
-    rollout_logps: Optional[np.ndarray] = None,
-    rollout_correction: Optional[str] = None,
-    rollout_bounds: Tuple[float, float] = DEFAULT_ROLLOUT_BOUNDS,
-    entropy: Optional[np.ndarray] = None,
-    kl_entropy_normalizer: Optional[float] = None,
-    **options,
-) -> Tuple[float, np.ndarray, Dict[str, float]]:
-    """Policy loss from per-token log-probs ``[...]``: ``(loss, dloss/dlogp, metrics)``.
-
-    ``options`` are ``policy_loss``'s scalar options (``clip_eps`` ...
-    ``entropy_coef``); see the module docstring for the formulas. ``logp_ref``
-    may be None when ``kl_coef == 0`` (the KL is then 0); ``entropy`` (the per-token
-    entropies ``[...]``) may be None when ``entropy_coef == 0`` (then no
-    ``entropy_mean``). Metrics are means over active tokens (0 when there is none):
-    ``clip_fraction`` (= ``_low`` + ``_high``), ``dual_clip_fraction``, ``ratio_mean``,
-    ``kl_mean``, ``approx_kl``, given ``entropy`` ``entropy_mean``, and with
-    ``rollout_logps`` ``ratiokl.spec.rollout.ROLLOUT_METRIC_NAMES``.
-    """
-    loss, dlogp, _, metrics = _policy_terms(
-        logp, logp_ref, old_logps, advantages, mask, entropy, loss_normalizer=loss_normalizer,
-        segment_ids=segment_ids, importance_weights=importance_weights,
-        rollout_logps=rollout_logps, rollout_correction=rollout_correction,
-        rollout_bounds=rollout_bounds, kl_entropy_normalizer=kl_entropy_normalizer, **options)
-    return loss, dlogp, metrics
-
-
-def _policy_terms(logp, logp_ref, old_logps, advantages, mask, entropy, *, loss_normalizer,
-                  segment_ids, importance_weights, rollout_logps=None, rollout_correction=None,
-                  rollout_bounds=DEFAULT_ROLLOUT_BOUNDS, kl_entropy_normalizer=None, **options):
-    """``(loss, dloss/dlogp, dloss/dentropy, metrics)`` (:func:`policy_loss_from_logps`)."""
-    opts = policy_loss_options(**{**POLICY_LOSS_DEFAULTS, **options})
-    check_loss_normalizer(opts.loss_agg, loss_normalizer)
-    check_term_normalizer(opts, kl_entropy_normalizer)
-    mask = np.asarray(mask, dtype=bool)
-    lead = mask.shape
-    if logp_ref is None and opts.kl_coef != 0.0:
-        raise ValueError("`kl_coef` != 0 needs `ref_logits` or `ref_logps`")
-    if entropy is None and opts.entropy_coef != 0.0:
-        raise ValueError("`entropy_coef` != 0 needs the per-token `entropy`")
-    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        logp = np.where(mask, np.asarray(logp, np.float64), 0.0)
-        # On-policy (no old_logps): old = sg(logp), so r = 1 with dr/dlogp = r.
-        old = logp if old_logps is None else np.where(
-            mask, np.asarray(old_logps, np.float64), 0.0)
-        adv = np.where(mask, _advantages(advantages, lead), 0.0)
-        w = 1.0 if importance_weights is None else np.asarray(importance_weights, np.float64)
-        w = np.where(mask, w, 0.0)
-        seq, n_seq = sequence_index(mask, segment_ids)
-        rollout = rollout_options(rollout_correction, rollout_bounds, rollout_logps is not None,
-                                  old_given=old_logps is not None)
-        rollout_metrics = {}
-        if rollout is not None:
-            w_rollout, rollout_metrics = rollout_weights(
-                old, rollout_logps, mask, (seq, n_seq), rollout, opts.log_ratio_bound)
-            w = w * w_rollout
-        lr = logp - old
-        if opts.sequence_ratio:
-            counts = np.bincount(seq[mask], minlength=n_seq)
-            sums = np.bincount(seq[mask], weights=lr[mask], minlength=n_seq)
-            # One extra slot holding 0 for seq == -1 (inactive tokens).
-            per_seq = np.append(sums / np.maximum(counts, 1), 0.0)
-            lr = np.where(mask, per_seq[seq], 0.0)
-        bound = opts.log_ratio_bound
-        r = np.exp(lr if bound is None else np.clip(lr, -bound, bound))
-        # Zero beyond the bound; a NaN log-ratio is not beyond it (its gradient stays NaN).
-        dr = r if bound is None else np.where(np.abs(lr) > bound, 0.0, r)
-        if opts.cispo:
-            wc, high, low, capped = _cispo_weight(r, opts)
-            pg, dpg = -adv * wc * w * logp, -adv * wc * w
-        else:
-            q, dq, high, low, capped = _clipped(r, adv, opts)
-            # A clipped branch carries no gradient, selected: whatever A, w or dr hold
-            # (an infinite one included), never 0 * inf.
-            pg, dpg = -adv * q * w, np.where(dq == 0.0, 0.0, -adv * dr * w)
-        if logp_ref is None:
-            kl, dkl = np.zeros(lead), np.zeros(lead)
-        else:
-            ref = np.where(mask, np.asarray(logp_ref, np.float64), 0.0)
-            kl, dkl = _kl_terms(ref - logp, opts.kl_code, r, dr, bound, opts.kl_clamp)
-        ent = None if entropy is None else np.where(mask, np.asarray(entropy, np.float64), 0.0)
-        # Each term weighed by its aggregation: loss_agg's (with loss_normalizer), or for the
-        # KL / entropy term kl_agg's / entropy_agg's own (with kl_entropy_normalizer).
-        main = _aggregation(mask, seq, n_seq, opts.loss_agg, loss_normalizer)
-
-        def weights_of(agg):
-            if agg is None:
-                return main
-            return _aggregation(mask, seq, n_seq, agg, kl_entropy_normalizer)
-
-        (a, denom), (a_kl, d_kl), (a_h, d_h) = main, weights_of(opts.kl_agg), \
-            weights_of(opts.entropy_agg)
-        total = np.where(mask, a * pg / denom, 0.0)
-        grad = a * dpg / denom
-        if opts.kl_coef != 0.0:  # kl_coef = 0: the KL is only logged (0 * inf would be NaN)
-            total = total + np.where(mask, opts.kl_coef * a_kl * kl / d_kl, 0.0)
-            grad = grad + opts.kl_coef * a_kl * dkl / d_kl
-        if opts.entropy_coef != 0.0:  # entropy_coef = 0: the entropy is only logged
-            total = total - np.where(mask, opts.entropy_coef * a_h * ent / d_h, 0.0)
-        grad = np.where(mask, grad, 0.0)
-        dent = np.where(mask, -opts.entropy_coef * a_h / d_h, 0.0)
-        n_tok = max(int(mask.sum()), 1)
-
-        def mean(x):
-            return float(np.where(mask, x, 0.0).sum() / n_tok)
-
-        metrics = {
-            "clip_fraction": mean(high | low),
-            "clip_fraction_low": mean(low),
-            "clip_fraction_high": mean(high),
-            "dual_clip_fraction": mean(capped),
-            "ratio_mean": mean(r),
-            "kl_mean": mean(kl),
-            "approx_kl": mean(old - logp),
-        }
-        if ent is not None:
-            metrics["entropy_mean"] = mean(ent)
-        metrics.update(rollout_metrics)  # the bindings' order: the rollout's last
-        if opts.loss_agg == "none":  # a = 1 and D = 1 on active tokens: the per-token loss
-            return total, grad, dent, metrics
-        return float(total.sum()), grad, dent, metrics
+__all__ = ["policy_loss", "policy_loss_grad"]
 
 
 def _reference_logps(ref_logits, ref_logps, action_ids, mask, temperature):
@@ -389,7 +131,7 @@ def _reference_logps(ref_logits, ref_logps, action_ids, mask, temperature):
 
 def _from_logits(policy_logits, ref_logits, action_ids, mask, old_logps, advantages,
                  ref_logps, temperature, options):
-    """``_policy_terms`` of logits: the log-probs and entropies of ``policy_logits``."""
+    """``policy_loss_terms`` of logits: the log-probs and entropies of ``policy_logits``."""
     mask = np.asarray(mask, dtype=bool)
     logp = selected_logprobs(policy_logits, action_ids, mask, temperature=temperature)
     logp_ref = _reference_logps(ref_logits, ref_logps, action_ids, mask, temperature)
@@ -397,7 +139,8 @@ def _from_logits(policy_logits, ref_logits, action_ids, mask, old_logps, advanta
     arrays = {k: options.pop(k, None)
               for k in ("loss_normalizer", "segment_ids", "importance_weights",
                         "kl_entropy_normalizer")}
-    return _policy_terms(logp, logp_ref, old_logps, advantages, mask, ent, **arrays, **options)
+    return policy_loss_terms(logp, logp_ref, old_logps, advantages, mask, ent, **arrays,
+                             **options)
 
 
 def policy_loss(

@@ -31,7 +31,8 @@ Gradient with respect to the policy logits, for an upstream cotangent
           \end{cases}
 
 so ``grad_logits[v] = c * (onehot(a)[v] - softmax(z)[v]) / T`` with the
-per-row coefficient ``c = g_ratio * ratio + g_kl * dkl/dlogp``.
+per-row coefficient ``c = g_ratio * ratio + g_kl * dkl/dlogp``
+(:mod:`ratiokl.spec.ratio`; the estimators: :mod:`ratiokl.spec.kl`).
 
 The entropy of the row's (temperature-scaled) distribution :math:`p = \mathrm{softmax}(z)`:
 
@@ -69,8 +70,6 @@ from typing import Optional, Tuple, Union
 
 import numpy as np
 
-from ratiokl._codes import KL
-from ratiokl.spec.options import kl_estimator_code
 
 ArrayLike = Union[np.ndarray, float]
 
@@ -79,10 +78,6 @@ __all__ = [
     "check_temperatures",
     "entropy",
     "entropy_grad",
-    "kl_dlogp",
-    "kl_value",
-    "ratio_kl",
-    "ratio_kl_grad",
     "selected_logprobs",
     "selected_logprobs_grad",
 ]
@@ -226,56 +221,6 @@ def entropy_grad(
     return np.where(mask[..., None], grad, 0.0)
 
 
-def kl_value(d: np.ndarray, kl_estimator: str) -> np.ndarray:
-    """KL estimator of ``d = logp_ref - logp``: k1 ``-d``, k2 ``d^2/2``, k3 ``exp(d) - d - 1``."""
-    code = kl_estimator_code(kl_estimator)
-    with np.errstate(invalid="ignore", over="ignore"):
-        if code == KL.K1:
-            return -d
-        if code == KL.K2:
-            return 0.5 * d * d
-        return np.expm1(d) - d
-
-
-def kl_dlogp(d: np.ndarray, kl_estimator: str) -> np.ndarray:
-    """Derivative of the KL estimator with respect to ``logp`` (``dd/dlogp = -1``)."""
-    code = kl_estimator_code(kl_estimator)
-    with np.errstate(invalid="ignore", over="ignore"):
-        if code == KL.K1:
-            return np.ones_like(d)
-        if code == KL.K2:
-            return -d
-        return -np.expm1(d)
-
-
-def _ref_logps(ref_logits, ref_logps, action_ids, mask, temperature):
-    if ref_logps is not None:
-        return np.where(mask, np.asarray(ref_logps, dtype=np.float64), 0.0)
-    if ref_logits is None:
-        raise ValueError("pass either `ref_logits` or `ref_logps`")
-    return selected_logprobs(ref_logits, action_ids, mask, temperature=temperature)
-
-
-def ratio_kl(
-    policy_logits: np.ndarray, ref_logits: Optional[np.ndarray], action_ids: np.ndarray,
-    mask: np.ndarray, old_logps: np.ndarray, *, ref_logps: Optional[np.ndarray] = None,
-    kl_estimator: str = "k3", temperature: ArrayLike = 1.0,
-) -> Tuple[np.ndarray, np.ndarray]:
-    """Per-token importance ratio and KL penalty, float64 ``[...]`` each.
-
-    ``ratio = exp(logp - old_logp)``; ``kl`` by ``kl_estimator`` on
-    ``d = logp_ref - logp``. Inactive rows: ``ratio = 1``, ``kl = 0``.
-    """
-    mask = np.asarray(mask, dtype=bool)
-    logp = selected_logprobs(policy_logits, action_ids, mask, temperature=temperature)
-    logp_ref = _ref_logps(ref_logits, ref_logps, action_ids, mask, temperature)
-    old = np.where(mask, np.asarray(old_logps, dtype=np.float64), 0.0)
-    with np.errstate(invalid="ignore", over="ignore"):
-        ratio = np.exp(logp - old)
-        kl = kl_value(logp_ref - logp, kl_estimator)
-    return np.where(mask, ratio, 1.0), np.where(mask, kl, 0.0)
-
-
 def selected_logprobs_grad(
     logits: np.ndarray,
     action_ids: np.ndarray,
@@ -296,30 +241,3 @@ def selected_logprobs_grad(
         np.put_along_axis(onehot, ids[..., None], 1.0, axis=-1)
         grad = (g / temp)[..., None] * (onehot - softmax)
     return np.where(mask[..., None], grad, 0.0)
-
-
-def ratio_kl_grad(
-    policy_logits: np.ndarray, ref_logits: Optional[np.ndarray], action_ids: np.ndarray,
-    mask: np.ndarray, old_logps: np.ndarray, grad_ratio: np.ndarray, grad_kl: np.ndarray, *,
-    ref_logps: Optional[np.ndarray] = None, kl_estimator: str = "k3", temperature: ArrayLike = 1.0,
-) -> np.ndarray:
-    """Gradient of ``sum(grad_ratio * ratio + grad_kl * kl)`` w.r.t. ``policy_logits``.
-
-    The per-row coefficient is ``c = grad_ratio * ratio + grad_kl * dkl/dlogp``
-    and the result is :func:`selected_logprobs_grad` with ``grad_logp = c``.
-    Nothing flows to ``ref_logits``, ``ref_logps`` or ``old_logps``.
-    """
-    mask = np.asarray(mask, dtype=bool)
-    ratio, _ = ratio_kl(
-        policy_logits, ref_logits, action_ids, mask, old_logps,
-        ref_logps=ref_logps, kl_estimator=kl_estimator, temperature=temperature,
-    )
-    logp = selected_logprobs(policy_logits, action_ids, mask, temperature=temperature)
-    logp_ref = _ref_logps(ref_logits, ref_logps, action_ids, mask, temperature)
-    g_ratio = np.where(mask, np.asarray(grad_ratio, dtype=np.float64), 0.0)
-    g_kl = np.where(mask, np.asarray(grad_kl, dtype=np.float64), 0.0)
-    with np.errstate(invalid="ignore", over="ignore"):
-        coef = g_ratio * ratio + g_kl * kl_dlogp(logp_ref - logp, kl_estimator)
-    return selected_logprobs_grad(
-        policy_logits, action_ids, mask, np.where(mask, coef, 0.0), temperature=temperature
-    )

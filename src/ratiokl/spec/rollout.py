@@ -63,6 +63,8 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ratiokl._codes import KL
+from ratiokl.spec.kl import estimator_value
 from ratiokl.spec.options import ROLLOUT_CORRECTIONS, option_code
 
 __all__ = [
@@ -253,7 +255,7 @@ def rollout_weights(
             if opts.floors:
                 w = np.where(e < opts.low, opts.low, w)
         d = bounded(lw_tok)
-        k3 = np.expm1(d) - d
+        k3 = estimator_value(np, d, KL.K3)
     n_tok = max(int(mask.sum()), 1)
 
     def mean(x) -> float:

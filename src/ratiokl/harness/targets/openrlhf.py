@@ -25,7 +25,7 @@ from typing import Iterator, Mapping, Optional, Sequence
 
 from ratiokl.harness._protocol import TargetCall, TargetResult
 from ratiokl.harness.targets import _torch
-from ratiokl.spec.policy_loss import DEFAULT_LOG_RATIO_BOUND
+from ratiokl.spec import DEFAULT_LOG_RATIO_BOUND
 
 __all__ = ["FLASH_ATTN_STUBS", "NAN_PADDED", "OPTIONS", "OpenRLHFTarget", "TARGET",
            "stubbed_if_absent"]

@@ -18,7 +18,7 @@ from typing import Any, Dict, Optional
 
 from ratiokl.harness._protocol import TargetCall, TargetResult
 from ratiokl.harness.targets import _torch
-from ratiokl.spec.policy_loss import DEFAULT_LOG_RATIO_BOUND
+from ratiokl.spec import DEFAULT_LOG_RATIO_BOUND
 
 __all__ = ["NAN_PADDED", "OPTIONS", "TARGET", "VerlTarget"]
 
