@@ -1,4 +1,4 @@
-"""Coefficients given as 0-d tensors / arrays, one body per behaviour on every target.
+"""Coefficients given as 0-d tensors / arrays, one body per behaviour on every CPU target.
 
 ``kl_coef``, ``clip_eps``, ``clip_eps_high`` and ``entropy_coef`` given as 0-d float
 tensors (PyTorch) or arrays (JAX) give the bits of the same Python numbers on every
@@ -80,8 +80,8 @@ def _split(target: str):
     return t.framework, t.backend
 
 
-def test_zero_d_coefficients_give_the_bits_of_numbers(target: str) -> None:
-    framework, backend = _split(target)
+def test_zero_d_coefficients_give_the_bits_of_numbers(cpu_target: str) -> None:
+    framework, backend = _split(cpu_target)
     x = _inputs(0)
     numbers = dict(kl_coef=0.05, clip_eps=0.1, clip_eps_high=0.15, dual_clip=3.0,
                    entropy_coef=0.02)
@@ -94,8 +94,8 @@ def test_zero_d_coefficients_give_the_bits_of_numbers(target: str) -> None:
     assert want_metrics["clip_fraction"] > 0  # the clip bounds took part
 
 
-def test_a_zero_d_zero_kl_coef_keeps_an_infinite_kl_out(target: str) -> None:
-    framework, backend = _split(target)
+def test_a_zero_d_zero_kl_coef_keeps_an_infinite_kl_out(cpu_target: str) -> None:
+    framework, backend = _split(cpu_target)
     x = _inputs(1)
     active = x["mask"]
     x["ref"][active, 0] = -np.inf

@@ -1,6 +1,6 @@
 """``policy_loss`` with the rollout correction against the float64 spec, one body per
-behaviour on every target (``torch-native``, ``torch-interpret``, ``jax-native``,
-``jax-interpret``; the Triton ones on a GPU).
+behaviour on every CPU target (``torch-native``, ``torch-interpret``, ``jax-native``,
+``jax-interpret``).
 
 Every mode at token and sequence level, on rows and packed segments, with and without
 importance weights and a KL term (JAX under ``jit``); exact zero gradients where the weight
@@ -81,10 +81,10 @@ def _spec(x, options):
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_matches_spec(target, name) -> None:
+def test_matches_spec(cpu_target, name) -> None:
     x = make_inputs(seed=sorted(CASES).index(name))
     arrays, static = _split(name, x)
-    value, metrics, grad = _run(target, x, arrays, static)
+    value, metrics, grad = _run(cpu_target, x, arrays, static)
     want, want_metrics, want_grad = _spec(x, {**arrays, **static})
     assert_close(value, want, LOSS_TOL, "loss")
     assert sorted(metrics) == sorted(want_metrics)  # jit returns a dict's keys sorted
@@ -95,12 +95,12 @@ def test_matches_spec(target, name) -> None:
 
 
 @pytest.mark.parametrize("correction", ["token-mask", "sequence-mask"])
-def test_a_weight_of_zero_gives_exactly_zero_gradient(target, correction) -> None:
+def test_a_weight_of_zero_gives_exactly_zero_gradient(cpu_target, correction) -> None:
     """Without a KL term, a masked token's (and an inactive one's) gradient is exactly 0,
     and it still counts in token-mean's denominator."""
     x = make_inputs(seed=21)
     static = dict(rollout_correction=correction, rollout_bounds=(0.8, 1.25))
-    value, metrics, grad = _run(target, x, {"rollout_logps": x["rollout_logps"]}, static)
+    value, metrics, grad = _run(cpu_target, x, {"rollout_logps": x["rollout_logps"]}, static)
     opts = spec.rollout_options(correction, (0.8, 1.25), True)
     w, _ = spec.rollout_weights(x["old_logps"], x["rollout_logps"], x["mask"],
                                 spec.sequence_index(x["mask"]), opts, 20.0)
@@ -110,18 +110,18 @@ def test_a_weight_of_zero_gives_exactly_zero_gradient(target, correction) -> Non
     masked = (x["mask"] & (w == 0)).sum() / x["mask"].sum()
     assert_close(metrics["rollout_masked_fraction"], masked, spec.rounding_tolerance(1),
                  "rollout_masked_fraction")
-    unweighted, _, _ = _run(target, x, {"importance_weights": np.where(x["mask"], w, 0.0)}, {})
+    unweighted, _, _ = _run(cpu_target, x, {"importance_weights": np.where(x["mask"], w, 0.0)}, {})
     assert_close(value, as_float64(unweighted), spec.paths_tolerance(int(x["mask"].sum())),
                  "loss")
 
 
-def test_inactive_rollout_logps_reach_nothing(target) -> None:
+def test_inactive_rollout_logps_reach_nothing(cpu_target) -> None:
     """NaN, inf or huge values on inactive rows: the same bits out, zero gradient there."""
     x = make_inputs(seed=5)
     outs = []
     for fill in (np.nan, np.inf, -1e30):
         x["rollout_logps"] = np.where(x["mask"], x["rollout_logps"], fill)
-        outs.append(_run(target, x, {"rollout_logps": x["rollout_logps"],
+        outs.append(_run(cpu_target, x, {"rollout_logps": x["rollout_logps"],
                                      "segment_ids": x["segment_ids"]},
                          dict(rollout_correction="sequence-truncate")))
     for value, metrics, grad in outs[1:]:
@@ -130,9 +130,9 @@ def test_inactive_rollout_logps_reach_nothing(target) -> None:
         np.testing.assert_array_equal(grad, outs[0][2])
 
 
-def test_all_inactive_and_empty_batches(target) -> None:
+def test_all_inactive_and_empty_batches(cpu_target) -> None:
     for x in (make_inputs(seed=6, active=0.0), make_inputs(seed=7, lead=(0, T))):
-        value, metrics, grad = _run(target, x, {"rollout_logps": x["rollout_logps"]},
+        value, metrics, grad = _run(cpu_target, x, {"rollout_logps": x["rollout_logps"]},
                                     dict(rollout_correction="sequence-mask"))
         assert value == 0.0 and not grad.any()
         assert all(metrics[k] == 0.0 for k in spec.ROLLOUT_METRIC_NAMES)
