@@ -17,7 +17,7 @@ jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
 from assertions import assert_close  # noqa: E402
-from linear_cases import B, T, V, build, expected, options  # noqa: E402
+from linear_cases import B, T, V, build, expected, options, run  # noqa: E402
 from ratiokl import spec  # noqa: E402
 from ratiokl.jax import loss  # noqa: E402
 
@@ -26,24 +26,9 @@ ARRAYS = ("hidden", "weight", "bias", "temperature")
 
 
 def _grads(x, backend, dtype="float32", chunk_rows=4, entropy=True):
-    """``(logp, entropy | None, d hidden, d weight, d bias | None)``, jitted."""
-    dt = jnp.dtype(dtype)
-    arrays = {k: jnp.asarray(x[k]).astype(dt if k != "temperature" else jnp.float32)
-              for k in ARRAYS if k in x}
-    ids, mask = jnp.asarray(x["action_ids"]), jnp.asarray(x["mask"])
-    g_logp, g_ent = jnp.asarray(x["g_logp"]), jnp.asarray(x["g_entropy"])
-
-    def objective(arrays):
-        out = loss.linear_selected_logprobs(
-            arrays["hidden"], arrays["weight"], ids, mask, bias=arrays.get("bias"),
-            temperature=arrays.get("temperature", 1.0), return_entropy=entropy,
-            chunk_rows=chunk_rows, backend=backend, check_ids=False, **options(x))
-        logp, ent = out if entropy else (out, None)
-        total = jnp.sum(logp * g_logp) + (jnp.sum(ent * g_ent) if entropy else 0.0)
-        return total, (logp, ent)
-
-    (_, (logp, ent)), grads = jax.jit(jax.value_and_grad(objective, has_aux=True))(arrays)
-    return logp, ent, grads["hidden"], grads["weight"], grads.get("bias")
+    """``(logp, entropy | None, d hidden, d weight, d bias | None)``, jitted, as NumPy
+    (``linear_cases.run``)."""
+    return run("jax", x, backend, dtype, chunk_rows, entropy)
 
 
 def test_rows_do_not_depend_on_the_batch_on_interpret():

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from linear_cases import B, T, H, V, build, options
+from linear_cases import B, T, H, V, build, options, run
 from ratiokl.torch import loss
 
 BACKENDS = ["native", pytest.param("interpret", marks=pytest.mark.skipif(
@@ -22,23 +22,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def _run(x, backend, dtype="float32", chunk_rows=4, entropy=True):
-    """``(logp, entropy | None, d hidden, d weight, d bias | None)`` of one call and its
-    backward with the case's cotangents."""
-    dt = DTYPES[dtype]
-    h = torch.tensor(x["hidden"]).to(dt).requires_grad_()
-    w = torch.tensor(x["weight"]).to(dt).requires_grad_()
-    b = torch.tensor(x["bias"]).to(dt).requires_grad_() if "bias" in x else None
-    temp = torch.tensor(x["temperature"]) if "temperature" in x else 1.0
-    out = loss.linear_selected_logprobs(
-        h, w, torch.tensor(x["action_ids"]), torch.tensor(x["mask"]), bias=b,
-        temperature=temp, return_entropy=entropy, chunk_rows=chunk_rows, backend=backend,
-        **options(x))
-    logp, ent = out if entropy else (out, None)
-    total = (logp * torch.tensor(x["g_logp"])).sum()
-    if entropy:
-        total = total + (ent * torch.tensor(x["g_entropy"])).sum()
-    total.backward()
-    return logp, ent, h.grad, w.grad, None if b is None else b.grad
+    """``(logp, entropy | None, d hidden, d weight, d bias | None)`` as NumPy
+    (``linear_cases.run``)."""
+    return run("torch", x, backend, dtype, chunk_rows, entropy)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -47,13 +33,13 @@ def test_deterministic_and_chunking_leaves_rows_alone(backend):
     bitwise the same in any chunking and in a sub-batch: the row kernels read no other row."""
     x = build("bias-scale", "bfloat16", seed=3)
     first, again = _run(x, backend, "bfloat16"), _run(x, backend, "bfloat16")
-    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    assert all(np.array_equal(a, b) for a, b in zip(first, again))
     whole = _run(x, backend, "bfloat16", chunk_rows=B * T)
-    assert torch.equal(whole[0], first[0]) and torch.equal(whole[1], first[1])
+    assert np.array_equal(whole[0], first[0]) and np.array_equal(whole[1], first[1])
     part = {k: (v[1:] if isinstance(v, np.ndarray) and v.shape[:2] == (B, T) else v)
             for k, v in x.items()}
     sub = _run(part, backend, "bfloat16", chunk_rows=7)
-    assert torch.equal(sub[0], first[0][1:]) and torch.equal(sub[1], first[1][1:])
+    assert np.array_equal(sub[0], first[0][1:]) and np.array_equal(sub[1], first[1][1:])
 
 
 def test_one_chunk_is_selected_logprobs_on_the_logits_bit_for_bit():
@@ -80,11 +66,13 @@ def test_gradient_of_some_inputs_and_no_gradient(backend):
     kw = dict(bias=torch.tensor(x["bias"]), logit_scale=0.5, chunk_rows=4, backend=backend)
     logp = loss.linear_selected_logprobs(h, *args, **kw)
     (logp * torch.tensor(x["g_logp"])).sum().backward()
-    assert torch.equal(logp, full[0]) and torch.equal(h.grad, full[2])
+    assert np.array_equal(logp.detach().numpy(), full[0])
+    assert np.array_equal(h.grad.numpy(), full[2])
     with torch.no_grad():
         logp = loss.linear_selected_logprobs(h, *args, **kw)
         _, ent = loss.linear_selected_logprobs(h, *args, return_entropy=True, **kw)
-    assert torch.equal(logp, full[0]) and not logp.requires_grad and not ent.requires_grad
+    assert np.array_equal(logp.numpy(), full[0])
+    assert not logp.requires_grad and not ent.requires_grad
 
 
 @pytest.mark.parametrize("bad, match", [
