@@ -46,29 +46,14 @@ def _counting(monkeypatch, framework: str) -> dict:
 
 
 @pytest.mark.parametrize("op", ["linear_policy_loss", "policy_loss"])
-def test_torch_native_validates_once(monkeypatch, op):
-    torch = pytest.importorskip("torch")
-    from ratiokl.torch import loss
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_native_validates_once(monkeypatch, framework, op):
+    arrays = pytest.importorskip("torch" if framework == "torch" else "jax.numpy")
+    loss = importlib.import_module(f"ratiokl.{framework}.loss")
+    to_array = arrays.as_tensor if framework == "torch" else arrays.asarray
 
-    x = {k: torch.as_tensor(v) for k, v in _data().items()}
-    counts = _counting(monkeypatch, "torch")
-    rest = (x["ids"], x["mask"], x["old"], x["adv"])
-    if op == "linear_policy_loss":
-        loss.linear_policy_loss(x["hidden"], x["weight"], *rest, ref_logps=x["ref"],
-                                backend="native", **OPTIONS)
-    else:
-        loss.policy_loss(x["hidden"] @ x["weight"].T, None, *rest, ref_logps=x["ref"],
-                         backend="native", **OPTIONS)
-    assert counts == dict.fromkeys(VALIDATORS, 1)
-
-
-@pytest.mark.parametrize("op", ["linear_policy_loss", "policy_loss"])
-def test_jax_native_validates_once(monkeypatch, op):
-    jnp = pytest.importorskip("jax.numpy")
-    from ratiokl.jax import loss
-
-    x = {k: jnp.asarray(v) for k, v in _data().items()}
-    counts = _counting(monkeypatch, "jax")
+    x = {k: to_array(v) for k, v in _data().items()}
+    counts = _counting(monkeypatch, framework)
     rest = (x["ids"], x["mask"], x["old"], x["adv"])
     if op == "linear_policy_loss":
         loss.linear_policy_loss(x["hidden"], x["weight"], *rest, ref_logps=x["ref"],
