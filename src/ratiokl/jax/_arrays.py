@@ -2,15 +2,19 @@
 
 :data:`XP` offers the operations the core's docstring lists, as ``jnp`` / ``lax`` ops
 (traceable under ``jit``, ``grad``, ``vmap`` and ``shard_map``), and the route's hooks
-(:mod:`ratiokl._core.route`).
+(:mod:`ratiokl._core.route`) and validation's questions (:mod:`ratiokl._core.checks`).
 """
 
 from __future__ import annotations
 
 import contextlib
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+
+from ratiokl.spec import LOGIT_DTYPE_NAMES
 
 __all__ = ["XP"]
 
@@ -115,6 +119,33 @@ class _Jax:
     def once(loss, op: str):
         """``loss`` itself: a JAX gradient is a new computation each time."""
         return loss
+
+    # --- validation's questions (ratiokl._core.checks) -----------------------------------
+
+    array_type, any_array, noun = "jax.Array", "a jax.Array (or a NumPy array)", "array"
+    logit_dtypes = tuple(jnp.dtype(name) for name in LOGIT_DTYPE_NAMES)
+    id_dtype_names = ("int32", "int64")
+    id_dtypes = (jnp.int32, jnp.int64)
+    casts = {"float": "{}.astype(jnp.float32)", "ids": "{}.astype(jnp.int32)",
+             "bool": "{}.astype(bool)"}
+    as_array = staticmethod(jnp.asarray)
+
+    @staticmethod
+    def is_array(value) -> bool:
+        """A ``jax.Array``, a tracer or a NumPy array."""
+        return isinstance(value, (jax.Array, np.ndarray, jax.core.Tracer))
+
+    @staticmethod
+    def is_floating(dtype) -> bool:
+        return jnp.issubdtype(dtype, jnp.floating)
+
+    @staticmethod
+    def is_integer(dtype) -> bool:
+        return jnp.issubdtype(dtype, jnp.integer)
+
+    @staticmethod
+    def is_bool(dtype) -> bool:
+        return dtype == jnp.bool_
 
 
 XP = _Jax()

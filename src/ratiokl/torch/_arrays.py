@@ -2,7 +2,8 @@
 
 :data:`XP` offers the operations the core's docstring lists, as PyTorch ops on tensors of
 any device (traced by ``torch.compile``; nothing synchronises with the host), and the
-route's hooks (:mod:`ratiokl._core.route`).
+route's hooks (:mod:`ratiokl._core.route`) and validation's questions
+(:mod:`ratiokl._core.checks`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from typing import Dict, Tuple
 
 import torch
 import torch.nn.functional as F
+
+from ratiokl.spec import LOGIT_DTYPE_NAMES
 
 __all__ = ["XP"]
 
@@ -143,6 +146,34 @@ class _Torch:
         from ratiokl.torch import _once
 
         return _once.backward_once(loss, op)
+
+    # --- validation's questions (ratiokl._core.checks) -----------------------------------
+
+    array_type, any_array, noun = "torch.Tensor", "a torch.Tensor", "tensor"
+    logit_dtypes = tuple(getattr(torch, name) for name in LOGIT_DTYPE_NAMES)
+    id_dtype_names = ("int64", "int32")
+    id_dtypes = (torch.int64, torch.int32)
+    casts = {"float": "{}.float()", "ids": "{}.long()", "bool": "{}.bool()"}
+
+    @staticmethod
+    def is_array(value) -> bool:
+        return isinstance(value, torch.Tensor)
+
+    @staticmethod
+    def as_array(x):
+        return x
+
+    @staticmethod
+    def is_floating(dtype) -> bool:
+        return dtype.is_floating_point
+
+    @staticmethod
+    def is_integer(dtype) -> bool:
+        return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+
+    @staticmethod
+    def is_bool(dtype) -> bool:
+        return dtype == torch.bool
 
 
 XP = _Torch()
