@@ -6,7 +6,8 @@ and gradient, the other rows untouched) without it and under ``jit`` (where a
 ``checkify``-wrapped call raises). ``kl_coef < 0`` is rejected. Flattened
 ``[B*T, V]`` logits with ``[B, T]`` ids name ``action_ids``. ``backend="triton"`` without a
 GPU, ids of a dtype other than int64 / int32 (``uint8`` included) and integer advantages
-raise the same error type in both frameworks, naming the argument and what it got.
+raise the same error type in both frameworks, naming the argument and what it got; of two
+bad per-token arguments, both frameworks name the same one first.
 """
 
 from __future__ import annotations
@@ -210,6 +211,32 @@ def test_integer_advantages_are_rejected_naming_the_dtype():
         with pytest.raises(TypeError, match=r"`advantages` must be a floating .*got "
                                             r"(torch\.)?int32"):
             loss.policy_loss(x, None, a, m, old, adv, backend="native")
+
+
+ROWS = np.zeros((B, T), np.float32)
+#: Per-token arguments (arrays, then Python values) with two of them wrong, the error
+#: and the argument each framework names first.
+TWO_BAD = {
+    "advantages, segment_ids": (dict(advantages=ROWS.astype(np.int32), segment_ids=ROWS),
+                                {}, TypeError, "advantages"),
+    "segment_ids, loss_normalizer": (dict(advantages=ROWS, segment_ids=ROWS),
+                                     dict(loss_normalizer=0.0), TypeError, "segment_ids"),
+    "importance_weights, advantages": (dict(advantages=ROWS[0, :1], importance_weights=ROWS[0]),
+                                       {}, ValueError, "importance_weights"),
+}
+
+
+@pytest.mark.parametrize("case", list(TWO_BAD))
+def test_two_bad_per_token_arguments_name_the_same_one_in_both_frameworks(case):
+    """The per-token rules are one list checked in one order (PyTorch checked
+    ``segment_ids`` before ``advantages``, JAX after)."""
+    arrays, values, error, first = TWO_BAD[case]
+    logits, ids, mask, _ = _inputs(1.0)
+    for loss, (x, a, m, old, *given) in _both_frameworks([logits, ids, mask, ROWS,
+                                                          *arrays.values()]):
+        with pytest.raises(error, match=rf"^`{first}`"):
+            loss.policy_loss(x, None, a, m, old, **dict(zip(arrays, given)), **values,
+                             backend="native")
 
 
 def test_vocab_blocks_give_the_starts_and_the_global_vocabulary():
