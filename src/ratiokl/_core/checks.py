@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
+from functools import partial
+from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
 from ratiokl._core.route import as_rows
 
-__all__ = ["TokenInputs", "bad_rows", "check_ids", "check_logits", "check_mask",
+__all__ = ["Rules", "TokenInputs", "bad_rows", "bind", "check_ids", "check_logits", "check_mask",
            "check_ref", "check_row_values", "check_temperature", "poison_bad_temperature",
            "token_inputs", "valid_temperature"]
 
@@ -273,3 +274,23 @@ def token_inputs(xp, lead: Shape, old_logps: Any, advantages: Any, segment_ids: 
         kl_entropy_normalizer=_check_normalizer(xp, kl_entropy_normalizer,
                                                 "kl_entropy_normalizer"),
     )
+
+
+class Rules(NamedTuple):
+    """The rules above bound to one framework's adapter (:func:`bind`)."""
+
+    check_logits: Callable
+    check_ids: Callable
+    check_mask: Callable
+    check_row_values: Callable
+    check_ref: Callable
+    check_temperature: Callable
+    poison_bad_temperature: Callable
+    token_inputs: Callable
+    bad_rows: Callable
+
+
+def bind(xp) -> Rules:
+    """:class:`Rules` taking ``xp`` first, e.g. ``bind(XP).check_ids(action_ids, lead)``."""
+    return Rules(*(partial(globals()[name], xp) for name in Rules._fields))
+

@@ -9,7 +9,6 @@ after the call's kernels are queued, :func:`check_bool_option` and :func:`kernel
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any, Optional, Union
 
 import jax
@@ -34,14 +33,8 @@ Temperature = Union[float, jax.Array]
 Normalizer = Union[None, float, jax.Array]
 
 # The shape and dtype rules, in JAX's words: NumPy arrays in, jax.Arrays out.
-check_logits = partial(checks.check_logits, XP)
-check_ids = partial(checks.check_ids, XP)
-check_mask = partial(checks.check_mask, XP)
-check_row_values = partial(checks.check_row_values, XP)
-check_ref = partial(checks.check_ref, XP)
-check_temperature = partial(checks.check_temperature, XP)
-poison_bad_temperature = partial(checks.poison_bad_temperature, XP)
-token_inputs = partial(checks.token_inputs, XP)
+(check_logits, check_ids, check_mask, check_row_values, check_ref, check_temperature,
+ poison_bad_temperature, token_inputs, _bad_rows) = checks.bind(XP)
 
 
 def check_bool_option(name: str, value: Any) -> bool:
@@ -82,10 +75,10 @@ class ActiveCheck:
             if host_check:
                 # Concrete arrays closed over by a jit-traced caller are checked eagerly too.
                 with jax.ensure_compile_time_eval():
-                    flags = [jnp.any(b) for b in checks.bad_rows(XP, *self._args).values()]
+                    flags = [jnp.any(b) for b in _bad_rows(*self._args).values()]
                     self._flags = jnp.stack(flags or [jnp.zeros((), bool)])
             return
-        bad = checks.bad_rows(XP, *self._args)
+        bad = _bad_rows(*self._args)
         if "action_ids" in bad:
             _traced_check(bad["action_ids"], ids,
                           f"action_ids[{{}}] = {{}} is outside [0, {vocab_size}) on an active "

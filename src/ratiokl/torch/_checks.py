@@ -11,7 +11,6 @@ read after the call's kernels are queued.
 from __future__ import annotations
 
 import itertools
-from functools import partial
 from typing import Dict, Optional, Tuple, Union
 
 import torch
@@ -33,19 +32,14 @@ Temperature = Union[float, torch.Tensor]
 Normalizer = Union[None, float, torch.Tensor]
 
 # The shape and dtype rules, in PyTorch's words.
-check_logits = partial(checks.check_logits, XP)
-check_ids = partial(checks.check_ids, XP)
-check_mask = partial(checks.check_mask, XP)
-check_row_values = partial(checks.check_row_values, XP)
-check_temperature = partial(checks.check_temperature, XP)
-poison_bad_temperature = partial(checks.poison_bad_temperature, XP)
-token_inputs = partial(checks.token_inputs, XP)
+(check_logits, check_ids, check_mask, check_row_values, _check_ref, check_temperature,
+ poison_bad_temperature, token_inputs, _bad_rows) = checks.bind(XP)
 
 
 def check_ref(policy_logits: torch.Tensor, lead: Tuple[int, ...],
               ref_logits: object, ref_logps: object) -> None:
     """Exactly one of ``ref_logits`` (the policy's shape) and ``ref_logps`` (``lead``)."""
-    checks.check_ref(XP, ref_logits, ref_logps, lead + tuple(policy_logits.shape[-1:]))
+    _check_ref(ref_logits, ref_logps, lead + tuple(policy_logits.shape[-1:]))
 
 
 def check_no_transforms() -> None:
@@ -196,10 +190,6 @@ class ActiveCheck:
             self._event.synchronize()
             if self._flags.numpy()[:2].any():
                 check_active_ids(*self._args)
-
-
-#: ``{argument: bool rows}`` of the active rows whose id / temperature is bad.
-_bad_rows = partial(checks.bad_rows, XP)
 
 
 def check_active_ids(ids: torch.Tensor, mask: torch.Tensor, vocab_size: Optional[int],
