@@ -1,10 +1,7 @@
-"""The routes of the two ops from hidden states (JAX): ``linear_selected_logprobs`` and
-``linear_policy_loss``.
-
-The steps are ``ratiokl.jax._route``'s (validate and flatten, queue the id check, run the
-backend, read the check), with the lm_head's shape rules and logit options from
-``ratiokl.spec.linear`` (written once for both frameworks).
-"""
+"""JAX's routes of ``linear_selected_logprobs`` and ``linear_policy_loss`` (from hidden
+states): ``ratiokl.jax._route``'s steps with the weight's ``V`` as the ids' range, the
+lm_head's shape rules and logit options from ``ratiokl.spec.linear``, then the tail of
+``ratiokl._core.route`` (``linear_loss_step``) shared with PyTorch."""
 
 from __future__ import annotations
 
@@ -19,7 +16,6 @@ from ratiokl.jax._route import _rows
 from ratiokl.spec import (
     check_chunk_rows,
     check_head_shapes,
-    check_loss_normalizer, check_term_normalizer,
     logit_transform,
     policy_loss_options,
     rollout_options,
@@ -78,11 +74,8 @@ def linear_policy_loss(hidden, weight, action_ids, mask, old_logps, advantages, 
     hidden, weight, bias, ids, lead = _head(hidden, weight, bias, action_ids)
     if ref_logps is not None or opts.uses_kl:
         _, ref_logps = _checks.check_ref(None, ref_logps, hidden.shape)
-    check_loss_normalizer(loss_agg, loss_normalizer)
-    check_term_normalizer(opts, kl_entropy_normalizer)
-    inputs = _checks.token_inputs(lead, old_logps, advantages, segment_ids,
-                                  importance_weights, loss_normalizer,
-                                  kl_entropy_normalizer)
+    inputs = _tail.loss_inputs(_checks, opts, lead, old_logps, advantages, segment_ids,
+                               importance_weights, loss_normalizer, kl_entropy_normalizer)
     rows = _rows(hidden, lead, ids, mask, temperature, backend, check_ids, vocab_axis,
                  vocab=weight.shape[0])
     rollout = rollout_options(rollout_correction, rollout_bounds, rollout_logps is not None,

@@ -31,19 +31,19 @@ imports, else ``"native"``; never ``"interpret"``. ``vocab_axis`` wraps any of t
 from __future__ import annotations
 
 import functools
-from typing import Callable, Dict, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
 
 from ratiokl._backend import Backend
 from ratiokl._core import route as _tail
+from ratiokl._core.route import Rows
 from ratiokl._requirements import unmet
 from ratiokl.jax import _checks, _jax_triton
 from ratiokl.jax._arrays import XP
 from ratiokl.jax._checks import Temperature
-from ratiokl.spec import (BACKENDS, check_loss_normalizer, check_term_normalizer, kl_estimator_code,
-                          policy_loss_options, rollout_options)
+from ratiokl.spec import BACKENDS, kl_estimator_code, policy_loss_options, rollout_options
 
 __all__ = ["backend_name", "policy_loss", "ratio_kl", "resolve", "selected_logprobs"]
 
@@ -158,23 +158,6 @@ def resolve(name: str) -> Backend:
         ) from err
 
 
-class _Rows(NamedTuple):
-    """Validated inputs with the leading shape flattened to ``N`` rows."""
-
-    lead: Tuple[int, ...]  # the caller's leading shape [...]
-    logits: jax.Array  # [N, V] policy logits
-    ids: jax.Array  # [N] integer
-    mask: jax.Array  # [N] bool
-    temperature: Temperature  # Python float, or float32 [N] (bad entries NaN)
-    run: Backend
-    check: _checks.ActiveCheck  # read after the backend has queued its work
-
-    def checked(self, result):
-        """``result`` once the host check (if any) passed: raises ``ValueError`` otherwise."""
-        self.check.raise_if_bad()
-        return result
-
-
 def _lead(logits: jax.Array,
           action_ids: jax.Array) -> Tuple[jax.Array, jax.Array, Tuple[int, ...]]:
     """Check the logits, then the ids (first: a flattened ``[N, V]`` names the ids)."""
@@ -185,7 +168,7 @@ def _lead(logits: jax.Array,
 
 def _rows(logits: jax.Array, lead: Tuple[int, ...], ids: jax.Array, mask, temperature,
           backend: str, check_ids: bool, vocab_axis: Optional[str],
-          vocab: Optional[int] = None) -> _Rows:
+          vocab: Optional[int] = None) -> Rows:
     """Steps 1-3 for the inputs every op shares (``logits`` and ``ids`` already checked).
 
     ``vocab``: the ids' range where ``logits`` is not ``[..., V]`` (hidden states: the
@@ -206,7 +189,7 @@ def _rows(logits: jax.Array, lead: Tuple[int, ...], ids: jax.Array, mask, temper
     check = _checks.ActiveCheck(ids, mask, vocab, check_ids, temperature)
     if not isinstance(temperature, float):
         temperature = _checks.poison_bad_temperature(XP.flat(temperature))
-    return _Rows(lead, logits.reshape(-1, logits.shape[-1]), ids.reshape(-1), mask.reshape(-1),
+    return Rows(lead, logits.reshape(-1, logits.shape[-1]), ids.reshape(-1), mask.reshape(-1),
                  temperature, run, check)
 
 
@@ -215,12 +198,7 @@ def selected_logprobs(logits, action_ids, mask, *, temperature, backend, check_i
     """``ratiokl.jax.loss.selected_logprobs`` (documented there)."""
     logits, ids, lead = _lead(logits, action_ids)
     rows = _rows(logits, lead, ids, mask, temperature, backend, check_ids, vocab_axis)
-    if return_entropy:
-        logp, ent = rows.run.logprobs_entropy(rows.logits, rows.ids, rows.mask,
-                                              rows.temperature)
-        return rows.checked((logp.reshape(lead), ent.reshape(lead)))
-    logp = rows.run.selected_logprobs(rows.logits, rows.ids, rows.mask, rows.temperature)
-    return rows.checked(logp.reshape(lead))
+    return _tail.logprobs_step(rows, return_entropy)
 
 
 def ratio_kl(policy_logits, ref_logits, action_ids, mask, old_logps, *, ref_logps,
@@ -233,9 +211,7 @@ def ratio_kl(policy_logits, ref_logits, action_ids, mask, old_logps, *, ref_logp
     kl_code = kl_estimator_code(kl_estimator)
     rows = _rows(policy_logits, lead, ids, mask, temperature, backend, check_ids, vocab_axis)
     ref = None if ref_logits is None else ref_logits.reshape(rows.logits.shape)
-    ratio, kl = rows.run.ratio_kl(rows.logits, ref, rows.ids, rows.mask, XP.flat(old_logps),
-                                  XP.flat(ref_logps), kl_code, rows.temperature)
-    return rows.checked((ratio.reshape(lead), kl.reshape(lead)))
+    return _tail.ratio_kl_step(XP, rows, ref, old_logps, ref_logps, kl_code)
 
 
 def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantages, *,
@@ -256,11 +232,8 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
     policy_logits, ids, lead = _lead(policy_logits, action_ids)
     if ref_logits is not None or ref_logps is not None or opts.uses_kl:
         ref_logits, ref_logps = _checks.check_ref(ref_logits, ref_logps, policy_logits.shape)
-    check_loss_normalizer(loss_agg, loss_normalizer)
-    check_term_normalizer(opts, kl_entropy_normalizer)
-    inputs = _checks.token_inputs(lead, old_logps, advantages, segment_ids,
-                                  importance_weights, loss_normalizer,
-                                  kl_entropy_normalizer)
+    inputs = _tail.loss_inputs(_checks, opts, lead, old_logps, advantages, segment_ids,
+                               importance_weights, loss_normalizer, kl_entropy_normalizer)
     rows = _rows(policy_logits, lead, ids, mask, temperature, backend, check_ids, vocab_axis)
     ref = None if ref_logits is None else ref_logits.reshape(rows.logits.shape)
     # The rollout options are checked on every call; only a call with rollout_logps

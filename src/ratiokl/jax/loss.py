@@ -21,8 +21,10 @@ from typing import Dict, Optional, Tuple, Union
 
 import jax
 
+from ratiokl._core import objective_route
 from ratiokl._docs import documented
-from ratiokl.jax import _linear_route, _objective, _route
+from ratiokl.jax import _checks, _linear_route, _route
+from ratiokl.jax._arrays import XP
 from ratiokl.jax._checks import Temperature
 from ratiokl.spec import (
     DEFAULT_LOG_RATIO_BOUND,
@@ -170,8 +172,8 @@ def policy_objective(
     rollout_bounds: Tuple[float, float] = DEFAULT_ROLLOUT_BOUNDS,
     log_ratio_bound: Optional[float] = DEFAULT_LOG_RATIO_BOUND,
 ) -> Tuple[jax.Array, Dict[str, jax.Array]]:
-    return _objective.policy_objective(
-        logps, old_logps, advantages, mask, ref_logps=ref_logps, entropy=entropy,
+    return objective_route.policy_objective(
+        XP, _checks, logps, old_logps, advantages, mask, ref_logps=ref_logps, entropy=entropy,
         clip_eps=clip_eps, clip_eps_high=clip_eps_high, dual_clip=dual_clip,
         ratio_cap=ratio_cap, kl_coef=kl_coef, kl_estimator=kl_estimator, loss_agg=loss_agg,
         loss_normalizer=loss_normalizer, ratio_level=ratio_level, objective=objective,

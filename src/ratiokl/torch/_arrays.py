@@ -144,5 +144,13 @@ class _Torch:
 
         return _once.backward_once(loss, op)
 
+    @staticmethod
+    def same_device(**tensors) -> None:
+        """Raise unless the given tensors (None skipped) share one device
+        (``ratiokl.torch._checks.check_same_device``)."""
+        from ratiokl.torch import _checks
+
+        _checks.check_same_device(**tensors)
+
 
 XP = _Torch()

@@ -16,7 +16,6 @@ from ratiokl._core import route as _tail
 from ratiokl.spec import (
     check_chunk_rows,
     check_head_shapes,
-    check_loss_normalizer, check_term_normalizer,
     logit_transform,
     policy_loss_options,
     rollout_options,
@@ -97,11 +96,8 @@ def linear_policy_loss(hidden, weight, action_ids, mask, old_logps, advantages, 
     lead = _head(hidden, weight, bias, action_ids)
     if ref_logps is not None or opts.uses_kl:
         _checks.check_ref(hidden, lead, None, ref_logps)
-    check_loss_normalizer(loss_agg, loss_normalizer)
-    check_term_normalizer(opts, kl_entropy_normalizer)
-    inputs = _checks.token_inputs(lead, old_logps, advantages, segment_ids,
-                                  importance_weights, loss_normalizer,
-                                  kl_entropy_normalizer)
+    inputs = _tail.loss_inputs(_checks, opts, lead, old_logps, advantages, segment_ids,
+                               importance_weights, loss_normalizer, kl_entropy_normalizer)
     rows = _rows(
         hidden, lead, action_ids, mask, temperature, backend, check_ids, vocab_group,
         vocab=weight.shape[0], weight=weight, bias=bias, old_logps=old_logps,

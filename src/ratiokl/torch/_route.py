@@ -29,15 +29,15 @@ per-shard math of either in ``_vocab_parallel``.
 from __future__ import annotations
 
 import functools
-from typing import Callable, Dict, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
 from ratiokl._backend import Backend
 from ratiokl._core import route as _tail
+from ratiokl._core.route import Rows
 from ratiokl._requirements import unmet
-from ratiokl.spec import (BACKENDS, check_loss_normalizer, check_term_normalizer,
-                          kl_estimator_code, policy_loss_options, rollout_options)
+from ratiokl.spec import BACKENDS, kl_estimator_code, policy_loss_options, rollout_options
 from ratiokl.torch import _checks
 from ratiokl.torch._arrays import XP
 from ratiokl.torch._checks import Temperature
@@ -127,27 +127,9 @@ def _loaded(name: str) -> Backend:
     return loaded
 
 
-class _Rows(NamedTuple):
-    """Validated inputs with the leading shape flattened to ``N`` rows."""
-
-    lead: Tuple[int, ...]  # the caller's leading shape [...]
-    logits: torch.Tensor  # [N, V] policy logits (a view where possible)
-    ids: torch.Tensor  # [N] integer
-    mask: torch.Tensor  # [N] bool
-    temperature: Temperature  # Python float, or float32 [N] (bad entries NaN)
-    run: Backend
-    check: Optional[_checks.ActiveCheck]  # the host check, read after the launches
-
-    def checked(self, result):
-        """``result`` once the host check (if any) passed: raises ``ValueError`` otherwise."""
-        if self.check is not None:
-            self.check.raise_if_bad()
-        return result
-
-
 def _rows(logits: torch.Tensor, lead: Tuple[int, ...], ids: torch.Tensor, mask, temperature,
           backend: str, check_ids: bool, vocab_group, vocab: Optional[int] = None,
-          **per_token) -> _Rows:
+          **per_token) -> Rows:
     """Steps 1-3 for the inputs every op shares (``logits`` and ``ids`` already checked).
 
     ``per_token`` holds the call's other tensors by argument name, for the device check;
@@ -184,7 +166,7 @@ def _rows(logits: torch.Tensor, lead: Tuple[int, ...], ids: torch.Tensor, mask, 
         run = _vocab_parallel.backend(vocab_group, lead, name != "native", check_ids)
     if isinstance(temperature, torch.Tensor):
         temperature = _checks.poison_bad_temperature(XP.flat(temperature))
-    return _Rows(lead, logits.reshape(-1, logits.shape[-1]), ids.reshape(-1).contiguous(),
+    return Rows(lead, logits.reshape(-1, logits.shape[-1]), ids.reshape(-1).contiguous(),
                  mask.reshape(-1).contiguous(), temperature, run, check)
 
 
@@ -203,12 +185,7 @@ def selected_logprobs(logits, action_ids, mask, *, temperature, backend, check_i
     """``ratiokl.torch.loss.selected_logprobs`` (documented there)."""
     lead = _lead(logits, action_ids)
     rows = _rows(logits, lead, action_ids, mask, temperature, backend, check_ids, vocab_group)
-    if return_entropy:
-        logp, ent = rows.run.logprobs_entropy(rows.logits, rows.ids, rows.mask,
-                                              rows.temperature)
-        return rows.checked((logp.reshape(lead), ent.reshape(lead)))
-    logp = rows.run.selected_logprobs(rows.logits, rows.ids, rows.mask, rows.temperature)
-    return rows.checked(logp.reshape(lead))
+    return _tail.logprobs_step(rows, return_entropy)
 
 
 def ratio_kl(policy_logits, ref_logits, action_ids, mask, old_logps, *, ref_logps,
@@ -222,9 +199,7 @@ def ratio_kl(policy_logits, ref_logits, action_ids, mask, old_logps, *, ref_logp
     rows = _rows(policy_logits, lead, action_ids, mask, temperature, backend, check_ids,
                  vocab_group, ref_logits=ref_logits, old_logps=old_logps, ref_logps=ref_logps)
     ref = None if ref_logits is None else ref_logits.detach().reshape(rows.logits.shape)
-    ratio, kl = rows.run.ratio_kl(rows.logits, ref, rows.ids, rows.mask, XP.flat(old_logps),
-                                  XP.flat(ref_logps), kl_code, rows.temperature)
-    return rows.checked((ratio.reshape(lead), kl.reshape(lead)))
+    return _tail.ratio_kl_step(XP, rows, ref, old_logps, ref_logps, kl_code)
 
 
 def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantages, *,
@@ -252,11 +227,8 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
         )
     if ref_logits is not None or ref_logps is not None or opts.uses_kl:
         _checks.check_ref(policy_logits, lead, ref_logits, ref_logps)
-    check_loss_normalizer(loss_agg, loss_normalizer)
-    check_term_normalizer(opts, kl_entropy_normalizer)
-    inputs = _checks.token_inputs(lead, old_logps, advantages, segment_ids,
-                                  importance_weights, loss_normalizer,
-                                  kl_entropy_normalizer)
+    inputs = _tail.loss_inputs(_checks, opts, lead, old_logps, advantages, segment_ids,
+                               importance_weights, loss_normalizer, kl_entropy_normalizer)
     rows = _rows(
         policy_logits, lead, action_ids, mask, temperature, backend, check_ids, vocab_group,
         ref_logits=ref_logits, old_logps=old_logps, ref_logps=ref_logps, advantages=advantages,

@@ -20,6 +20,7 @@ from typing import Dict, Optional, Tuple, Union
 
 import torch
 
+from ratiokl._core import objective_route
 from ratiokl._docs import documented
 from ratiokl.spec import (
     DEFAULT_LOG_RATIO_BOUND,
@@ -33,7 +34,8 @@ from ratiokl.spec import (
     RolloutCorrection,
     TermAgg,
 )
-from ratiokl.torch import _linear_route, _objective, _route
+from ratiokl.torch import _checks, _linear_route, _route
+from ratiokl.torch._arrays import XP
 from ratiokl.torch._checks import Temperature
 
 __all__ = ["linear_policy_loss", "linear_selected_logprobs", "policy_loss", "policy_objective",
@@ -169,8 +171,8 @@ def policy_objective(
     rollout_bounds: Tuple[float, float] = DEFAULT_ROLLOUT_BOUNDS,
     log_ratio_bound: Optional[float] = DEFAULT_LOG_RATIO_BOUND,
 ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-    return _objective.policy_objective(
-        logps, old_logps, advantages, mask, ref_logps=ref_logps, entropy=entropy,
+    return objective_route.policy_objective(
+        XP, _checks, logps, old_logps, advantages, mask, ref_logps=ref_logps, entropy=entropy,
         clip_eps=clip_eps, clip_eps_high=clip_eps_high, dual_clip=dual_clip,
         ratio_cap=ratio_cap, kl_coef=kl_coef, kl_estimator=kl_estimator, loss_agg=loss_agg,
         loss_normalizer=loss_normalizer, ratio_level=ratio_level, objective=objective,
