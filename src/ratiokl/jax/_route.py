@@ -19,10 +19,10 @@ JAX specifics: ``kl_code`` and the option codes are static; the coefficients
 (``opts.kl_coef``, the clip bounds) and every array may be traced (``jit``,
 ``grad``, ``vmap``).
 
-Backends (the table :data:`_LOADERS`): ``"native"`` (XLA, runs everywhere),
-``"triton"`` (the shared Triton kernels through ``jax_triton``; GPU only) and
-``"interpret"`` (the same binding, ``_triton``, with each launch run by Triton's CPU
-interpreter through ``_interpret``; needs torch and triton; for tests, slow).
+Backends: the table of :mod:`ratiokl._core.backends` (``"native"``: ``_native``, XLA,
+runs everywhere; ``"triton"``: ``_triton``, the shared Triton kernels through
+``jax_triton``, GPU only; ``"interpret"``: the same binding with each launch run by
+Triton's CPU interpreter through ``_interpret``, needs torch and triton, for tests, slow).
 ``"auto"`` picks ``"triton"`` when JAX's default backend is a GPU and ``jax_triton``
 imports, else ``"native"``; never ``"interpret"``. ``vocab_axis`` wraps any of them in
 ``_vocab_parallel``.
@@ -37,18 +37,18 @@ import jax
 import jax.numpy as jnp
 
 from ratiokl._backend import Backend
-from ratiokl._core import route as _tail
+from ratiokl._core import backends, route as _tail
 from ratiokl._core.route import Rows
 from ratiokl._requirements import unmet
 from ratiokl.jax import _checks, _jax_triton
 from ratiokl.jax._arrays import XP
 from ratiokl.jax._checks import Temperature
-from ratiokl.spec import BACKENDS, kl_estimator_code, policy_loss_options, rollout_options
+from ratiokl.spec import kl_estimator_code, policy_loss_options, rollout_options
 
 __all__ = ["backend_name", "policy_loss", "ratio_kl", "resolve", "selected_logprobs"]
 
 
-def _native() -> Backend:
+def _native(name: str) -> Backend:
     from ratiokl.jax import _linear_logprobs, _native
 
     return Backend(_native.selected_logprobs, _native.ratio_kl, _native.logprobs_entropy,
@@ -56,22 +56,28 @@ def _native() -> Backend:
                        _linear_logprobs.selected_logprobs, _linear_logprobs.NATIVE_ROWS))
 
 
-def _triton() -> Backend:
-    from ratiokl.jax import _triton
+def _triton(name: str) -> Backend:
+    """The Triton binding's functions bound to the launch of ``name``: ``jax_triton``'s
+    ``triton_call`` (``"triton"``) or the interpreter's stand-in (``"interpret"``), with
+    results typed as ``_triton.typed_call`` says."""
+    from ratiokl.jax import (_interpret, _linear, _linear_logprobs, _triton, _triton_loss,
+                             _triton_shard, _vocab_linear)
 
-    return _triton.backend(_jax_triton.triton_call)
+    call = _triton.typed_call(_interpret.triton_call if name == "interpret"
+                              else _jax_triton.triton_call)
+    bind = functools.partial
+    return Backend(bind(_triton.selected_logprobs, call), bind(_triton.ratio_kl, call),
+                   bind(_triton.logprobs_entropy, call), bind(_triton_loss.policy_loss, call),
+                   bind(_triton_loss.token_weights, call),
+                   shard_logps=bind(_triton_shard.shard_logps, call),
+                   shard_rows=bind(_vocab_linear.kernel_rows, call),
+                   linear_policy_loss=bind(_linear.policy_loss, call),
+                   linear_selected_logprobs=bind(_linear_logprobs.selected_logprobs,
+                                                 _linear_logprobs.triton_rows(call)))
 
 
-def _interpret() -> Backend:
-    from ratiokl.jax import _interpret, _triton
-
-    return _triton.backend(_interpret.triton_call)
-
-
-#: Backend name -> its loader (imported on first use).
-_LOADERS: Dict[str, Callable[[], Backend]] = {
-    "native": _native, "triton": _triton, "interpret": _interpret,
-}
+#: Binding module (``_core.backends.PROVIDERS``) -> its loader (imported on first use).
+_LOADERS: Dict[str, Callable[[str], Backend]] = {"_native": _native, "_triton": _triton}
 
 
 @functools.lru_cache(maxsize=None)
@@ -117,17 +123,14 @@ def backend_name(backend: str) -> str:
     whose packages are missing, too old or fail to import ``RuntimeError`` saying why, an
     unknown name ``ValueError``.
     """
-    if backend not in BACKENDS:
-        choices = ", ".join(repr(b) for b in BACKENDS)
-        raise ValueError(f"`backend` must be one of {choices}; got {backend!r}")
+    backends.check_name(backend)
     if backend == "interpret":
         reason = _interpret_error()
         if reason:
-            raise RuntimeError(
-                f"backend='interpret' cannot run here: {reason}. It runs the Triton kernels "
-                "through Triton's CPU interpreter on torch CPU tensors, so it needs torch and "
-                "triton: pip install 'ratiokl[torch-triton]'; or use backend='native'"
-            )
+            raise backends.cannot_run(
+                backend, reason, ". It runs the Triton kernels through Triton's CPU "
+                "interpreter on torch CPU tensors, so it needs torch and triton: pip install "
+                "'ratiokl[torch-triton]'; or use backend='native'")
         return backend
     if backend == "auto":
         return "native" if _jax_triton_error() else "triton"
@@ -139,23 +142,16 @@ def backend_name(backend: str) -> str:
                 "(or 'interpret' to run the Triton kernels on the CPU)"
             )
         if reason:
-            raise RuntimeError(
-                f"backend='triton' cannot run here: {reason}. It needs a CUDA build of "
-                "jaxlib and `pip install 'ratiokl[jax-triton]'`; use backend='native' or 'auto'"
-            )
+            raise backends.cannot_run(
+                backend, reason, ". It needs a CUDA build of jaxlib and `pip install "
+                "'ratiokl[jax-triton]'`; use backend='native' or 'auto'")
     return backend
 
 
 @functools.lru_cache(maxsize=None)
 def resolve(name: str) -> Backend:
     """The :class:`Backend` of a concrete backend name (from :func:`backend_name`)."""
-    try:
-        return _LOADERS[name]()
-    except ImportError as err:
-        raise RuntimeError(
-            f"backend={name!r} is unavailable: importing its module failed ({err}). "
-            "Use backend='native'"
-        ) from err
+    return backends.load(name, _LOADERS, catch=(ImportError,))
 
 
 def _lead(logits: jax.Array,

@@ -6,7 +6,7 @@ gradient as its residual and its backward scales it by the cotangent
 (``scale_rows_kernel``, aliased in place, skipped on the device where the cotangent is 1).
 The primal (no derivative taken) skips the gradient sweep: one read of each row. The
 coefficients (``kl_coef``, the clip bounds, ``entropy_coef``) are a run-time ``[5]``
-array. Each function takes ``call`` first (``ratiokl.jax._triton.backend`` binds it).
+array. Each function takes ``call`` first (``ratiokl.jax._route``'s backend table binds it).
 """
 
 from __future__ import annotations

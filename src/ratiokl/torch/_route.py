@@ -9,7 +9,7 @@ Every call runs the same steps, each once:
    flatten the leading shape ``[...]`` to ``N`` rows;
 2. queue the check of active ids and temperatures (``check_ids=True``; an
    :class:`~ratiokl.torch._checks.ActiveCheck`);
-3. resolve the backend in :data:`BACKENDS` and call it on the flattened rows,
+3. resolve the backend (:func:`resolve`) and call it on the flattened rows,
    which queues the kernels;
 4. read the check (the call's one host sync: the GPU keeps running what was
    queued) and reshape the outputs back to ``[...]``.
@@ -19,11 +19,11 @@ PyTorch specifics: the logits may have any strides, ``ref`` and the per-row
 values are detached, and per-row inputs are contiguous (the kernels read row
 ``i`` at ``i``).
 
-Backends: ``"native"`` (``_native``, framework ops, any device), ``"triton"``
-(``_triton`` on CUDA tensors), ``"interpret"`` (the same ``_triton`` on CPU
-tensors, through Triton's interpreter); ``"auto"`` is ``"triton"`` for CUDA
-tensors when Triton is installed, else ``"native"``. ``vocab_group`` wraps the
-per-shard math of either in ``_vocab_parallel``.
+Backends: the table of :mod:`ratiokl._core.backends` (``"native"``: ``_native``, any
+device; ``"triton"``: ``_triton`` on CUDA tensors; ``"interpret"``: the same ``_triton``
+on CPU tensors, through Triton's interpreter); ``"auto"`` is ``"triton"`` for CUDA
+tensors when Triton is installed, else ``"native"``. ``vocab_group`` wraps the per-shard
+math of either in ``_vocab_parallel``.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 from ratiokl._backend import Backend
-from ratiokl._core import route as _tail
+from ratiokl._core import backends, route as _tail
 from ratiokl._core.route import Rows
 from ratiokl._requirements import unmet
 from ratiokl.spec import BACKENDS, kl_estimator_code, policy_loss_options, rollout_options
@@ -46,7 +46,7 @@ __all__ = ["BACKENDS", "backend_name", "policy_loss", "ratio_kl", "resolve",
            "selected_logprobs"]
 
 
-def _native() -> Backend:
+def _native(name: str) -> Backend:
     from ratiokl.torch import _linear_logprobs, _native
 
     return Backend(_native.selected_logprobs, _native.ratio_kl, _native.logprobs_entropy,
@@ -54,7 +54,8 @@ def _native() -> Backend:
                        _linear_logprobs.selected_logprobs, _linear_logprobs.NATIVE_ROWS))
 
 
-def _triton() -> Backend:
+def _triton(name: str) -> Backend:
+    """``"triton"`` and ``"interpret"`` alike: each launch binds by the tensors' device."""
     from ratiokl.torch import _linear, _linear_logprobs, _triton
 
     return Backend(_triton.selected_logprobs, _triton.ratio_kl, _triton.logprobs_entropy,
@@ -65,10 +66,9 @@ def _triton() -> Backend:
                        _linear_logprobs.selected_logprobs, _linear_logprobs.TRITON_ROWS))
 
 
-#: Backend name -> its loader (plain imports: torch.compile traces through them).
-_LOADERS: Dict[str, Callable[[], Backend]] = {
-    "native": _native, "triton": _triton, "interpret": _triton,
-}
+#: Binding module (``_core.backends.PROVIDERS``) -> its loader (plain imports:
+#: torch.compile traces through them).
+_LOADERS: Dict[str, Callable[[str], Backend]] = {"_native": _native, "_triton": _triton}
 _LOADED: Dict[str, Backend] = {}
 
 #: Why the installed ``triton`` cannot serve the Triton backends (not installed, or
@@ -82,9 +82,7 @@ def backend_name(backend: str, device: torch.device) -> str:
     """The concrete backend for ``backend`` on ``device``; raises if it cannot run there."""
     if backend == "auto":
         return "triton" if device.type == "cuda" and _TRITON_PROBLEM is None else "native"
-    if backend not in BACKENDS:
-        choices = ", ".join(repr(b) for b in BACKENDS)
-        raise ValueError(f"`backend` must be one of {choices}; got {backend!r}")
+    backends.check_name(backend)
     if backend == "triton" and device.type != "cuda":
         raise ValueError(
             f"backend='triton' needs CUDA tensors; the inputs are on {device}. Use "
@@ -96,9 +94,7 @@ def backend_name(backend: str, device: torch.device) -> str:
             f"the inputs are on {device}. Use backend='triton' or 'native'"
         )
     if backend in ("triton", "interpret") and _TRITON_PROBLEM is not None:
-        raise RuntimeError(
-            f"backend={backend!r} cannot run here: {_TRITON_PROBLEM}; or use backend='native'"
-        )
+        raise backends.cannot_run(backend, _TRITON_PROBLEM, "; or use backend='native'")
     return backend
 
 
@@ -115,13 +111,7 @@ def _loaded(name: str) -> Backend:
     """
     loaded = None if torch.compiler.is_compiling() else _LOADED.get(name)
     if loaded is None:
-        try:
-            loaded = _LOADERS[name]()
-        except Exception as err:  # any import failure: say which backend and what to use
-            raise RuntimeError(
-                f"backend={name!r} is unavailable: importing its module failed "
-                f"({type(err).__name__}: {err}). Use backend='native'"
-            ) from err
+        loaded = backends.load(name, _LOADERS)  # any import failure: which, what to use
         if not torch.compiler.is_compiling():
             _LOADED[name] = loaded
     return loaded
