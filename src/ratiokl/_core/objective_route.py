@@ -19,7 +19,7 @@ from typing import Any, Dict, Tuple
 
 from ratiokl._core import objective as _objective
 from ratiokl._core.route import as_rows, loss_inputs
-from ratiokl.spec import policy_loss_options, rollout_options
+from ratiokl.spec import PolicyLossOptions, rollout_options
 
 __all__ = ["policy_objective"]
 
@@ -36,21 +36,12 @@ def _missing(name: str, coef: str) -> ValueError:
     )
 
 
-def policy_objective(xp, checks, logps, old_logps, advantages, mask, *, ref_logps, entropy,
-                     clip_eps, clip_eps_high, dual_clip, ratio_cap, kl_coef, kl_estimator,
-                     loss_agg, loss_normalizer, ratio_level, objective, entropy_coef, kl_agg,
-                     entropy_agg, kl_entropy_normalizer, kl_clamp, segment_ids,
-                     importance_weights, rollout_logps, rollout_correction, rollout_bounds,
-                     log_ratio_bound) -> Tuple[Any, Dict[str, Any]]:
-    """``ratiokl.<framework>.loss.policy_objective`` (documented there)."""
-    cached = not xp.compiling()
-    opts = policy_loss_options(
-        clip_eps=clip_eps, clip_eps_high=clip_eps_high, dual_clip=dual_clip,
-        ratio_cap=ratio_cap, kl_coef=kl_coef, kl_estimator=kl_estimator, loss_agg=loss_agg,
-        ratio_level=ratio_level, log_ratio_bound=log_ratio_bound, objective=objective,
-        entropy_coef=entropy_coef, kl_agg=kl_agg, entropy_agg=entropy_agg,
-        kl_clamp=kl_clamp, cached=cached,
-    )
+def policy_objective(xp, checks, opts: PolicyLossOptions, logps, old_logps, advantages, mask,
+                     *, ref_logps, entropy, loss_normalizer, kl_entropy_normalizer,
+                     segment_ids, importance_weights, rollout_logps, rollout_correction,
+                     rollout_bounds) -> Tuple[Any, Dict[str, Any]]:
+    """``ratiokl.<framework>.loss.policy_objective`` (documented there), its options in
+    ``opts``."""
     lead = tuple(getattr(logps, "shape", ()))  # not an array: check_row_values names it
     logp = _values(xp, checks, "logps", logps, lead)
     mask = checks.check_mask(mask, lead)
@@ -67,7 +58,8 @@ def policy_objective(xp, checks, logps, old_logps, advantages, mask, *, ref_logp
         _values(xp, checks, "ref_logps", ref_logps, lead))
     ent = None if entropy is None else _values(xp, checks, "entropy", entropy, lead)
     rollout = rollout_options(rollout_correction, rollout_bounds, rollout_logps is not None,
-                              old_given=old_logps is not None, cached=cached)
+                              old_given=old_logps is not None,
+                              cached=not xp.compiling())
     rollout_metrics: Dict[str, Any] = {}
     if rollout is not None:
         inputs, rollout_metrics = xp.rollout(mask.reshape(-1), lead, inputs, rollout_logps,

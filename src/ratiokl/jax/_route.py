@@ -43,7 +43,7 @@ from ratiokl._requirements import unmet
 from ratiokl.jax import _checks, _jax_triton
 from ratiokl.jax._arrays import XP
 from ratiokl.jax._checks import Temperature
-from ratiokl.spec import kl_estimator_code, policy_loss_options, rollout_options
+from ratiokl.spec import PolicyLossOptions, kl_estimator_code, rollout_options
 
 __all__ = ["backend_name", "policy_loss", "ratio_kl", "resolve", "selected_logprobs"]
 
@@ -210,21 +210,12 @@ def ratio_kl(policy_logits, ref_logits, action_ids, mask, old_logps, *, ref_logp
     return _tail.ratio_kl_step(XP, rows, ref, old_logps, ref_logps, kl_code)
 
 
-def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantages, *,
-                ref_logps, clip_eps, clip_eps_high, dual_clip, ratio_cap, kl_coef,
-                kl_estimator, loss_agg, loss_normalizer, ratio_level, objective,
-                entropy_coef, kl_agg, entropy_agg, kl_entropy_normalizer, kl_clamp,
-                segment_ids, importance_weights, log_ratio_bound, temperature, backend,
-                check_ids, vocab_axis, inplace_grad, rollout_logps, rollout_correction,
+def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantages,
+                opts: PolicyLossOptions, *, ref_logps, loss_normalizer, kl_entropy_normalizer,
+                segment_ids, importance_weights, temperature, backend, check_ids, vocab_axis,
+                inplace_grad, rollout_logps, rollout_correction,
                 rollout_bounds) -> Tuple[jax.Array, Dict[str, jax.Array]]:
-    """``ratiokl.jax.loss.policy_loss`` (documented there)."""
-    opts = policy_loss_options(
-        clip_eps=clip_eps, clip_eps_high=clip_eps_high, dual_clip=dual_clip,
-        ratio_cap=ratio_cap, kl_coef=kl_coef, kl_estimator=kl_estimator, loss_agg=loss_agg,
-        ratio_level=ratio_level, log_ratio_bound=log_ratio_bound, objective=objective,
-        entropy_coef=entropy_coef, kl_agg=kl_agg, entropy_agg=entropy_agg,
-        kl_clamp=kl_clamp,
-    )
+    """``ratiokl.jax.loss.policy_loss`` (documented there), its options in ``opts``."""
     policy_logits, ids, lead = _lead(policy_logits, action_ids)
     if ref_logits is not None or ref_logps is not None or opts.uses_kl:
         ref_logits, ref_logps = _checks.check_ref(ref_logits, ref_logps, policy_logits.shape)

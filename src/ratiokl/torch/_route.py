@@ -37,7 +37,7 @@ from ratiokl._backend import Backend
 from ratiokl._core import backends, route as _tail
 from ratiokl._core.route import Rows
 from ratiokl._requirements import unmet
-from ratiokl.spec import BACKENDS, kl_estimator_code, policy_loss_options, rollout_options
+from ratiokl.spec import BACKENDS, PolicyLossOptions, kl_estimator_code, rollout_options
 from ratiokl.torch import _checks
 from ratiokl.torch._arrays import XP
 from ratiokl.torch._checks import Temperature
@@ -192,23 +192,12 @@ def ratio_kl(policy_logits, ref_logits, action_ids, mask, old_logps, *, ref_logp
     return _tail.ratio_kl_step(XP, rows, ref, old_logps, ref_logps, kl_code)
 
 
-def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantages, *,
-                ref_logps, clip_eps, clip_eps_high, dual_clip, ratio_cap, kl_coef,
-                kl_estimator, loss_agg, loss_normalizer, ratio_level, objective,
-                entropy_coef, kl_agg, entropy_agg, kl_entropy_normalizer, kl_clamp,
-                segment_ids, importance_weights, log_ratio_bound, temperature, backend,
-                check_ids, vocab_group, inplace_grad, rollout_logps, rollout_correction,
-                rollout_bounds, op: str = "policy_loss",
-                ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-    """``ratiokl.torch.loss.policy_loss`` (documented there); ``op``: the public call the
-    second-backward error names (``linear_policy_loss`` on its native route)."""
-    opts = policy_loss_options(
-        clip_eps=clip_eps, clip_eps_high=clip_eps_high, dual_clip=dual_clip,
-        ratio_cap=ratio_cap, kl_coef=kl_coef, kl_estimator=kl_estimator, loss_agg=loss_agg,
-        ratio_level=ratio_level, log_ratio_bound=log_ratio_bound, objective=objective,
-        entropy_coef=entropy_coef, kl_agg=kl_agg, entropy_agg=entropy_agg, kl_clamp=kl_clamp,
-        cached=not torch.compiler.is_compiling(),
-    )
+def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantages,
+                opts: PolicyLossOptions, *, ref_logps, loss_normalizer, kl_entropy_normalizer,
+                segment_ids, importance_weights, temperature, backend, check_ids, vocab_group,
+                inplace_grad, rollout_logps, rollout_correction,
+                rollout_bounds) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """``ratiokl.torch.loss.policy_loss`` (documented there), its options in ``opts``."""
     lead = _lead(policy_logits, action_ids)
     if inplace_grad and not policy_logits.is_contiguous():
         raise ValueError(
@@ -231,4 +220,4 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
                               old_given=old_logps is not None,
                               cached=not torch.compiler.is_compiling())
     return _tail.loss_step(XP, rows, ref, ref_logps, inputs, opts, rollout, rollout_logps,
-                           inplace_grad, op)
+                           inplace_grad, "policy_loss")
