@@ -18,14 +18,63 @@ against a second backward).
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
-from ratiokl._backend import inplace_grad_error
+from ratiokl._backend import Backend, inplace_grad_error
 from ratiokl._core.objective import aggregation_weights, policy_objective
-from ratiokl.spec import PolicyLossOptions
+from ratiokl.spec import PolicyLossOptions, check_loss_normalizer, check_term_normalizer
 
-__all__ = ["as_rows", "kernel_weights", "linear_loss_step", "loss_step", "objective_tail",
-           "per_token"]
+__all__ = ["Rows", "as_rows", "kernel_weights", "linear_loss_step", "logprobs_step",
+           "loss_inputs", "loss_step", "objective_tail", "per_token", "ratio_kl_step",
+           "uniform_weights"]
+
+
+class Rows(NamedTuple):
+    """Validated inputs with the leading shape flattened to ``N`` rows (a route's ``_rows``)."""
+
+    lead: Tuple[int, ...]  # the caller's leading shape [...]
+    logits: Any  # [N, V] policy logits (hidden states [N, H] on the linear routes)
+    ids: Any  # [N] integer
+    mask: Any  # [N] bool
+    temperature: Any  # Python float, or float32 [N] (bad entries NaN)
+    run: Backend
+    check: Any  # the framework's ActiveCheck (or None: no host check), read after launches
+
+    def checked(self, result):
+        """``result`` once the host check (if any) passed: raises ``ValueError`` otherwise."""
+        if self.check is not None:
+            self.check.raise_if_bad()
+        return result
+
+
+def loss_inputs(checks, opts: PolicyLossOptions, lead: Tuple[int, ...], old_logps, advantages,
+                segment_ids, importance_weights, loss_normalizer, kl_entropy_normalizer):
+    """The normalisers checked against ``opts``, then the per-token inputs validated
+    (``checks``: the framework's ``_checks``; its ``TokenInputs``)."""
+    check_loss_normalizer(opts.loss_agg, loss_normalizer)
+    check_term_normalizer(opts, kl_entropy_normalizer)
+    return checks.token_inputs(lead, old_logps, advantages, segment_ids, importance_weights,
+                               loss_normalizer, kl_entropy_normalizer)
+
+
+def logprobs_step(rows: Rows, return_entropy: bool):
+    """``selected_logprobs`` on validated ``rows``: ``logp`` (with ``return_entropy``,
+    ``(logp, entropy)``) in the leading shape, once the host check passed."""
+    lead = rows.lead
+    if return_entropy:
+        logp, ent = rows.run.logprobs_entropy(rows.logits, rows.ids, rows.mask,
+                                              rows.temperature)
+        return rows.checked((logp.reshape(lead), ent.reshape(lead)))
+    logp = rows.run.selected_logprobs(rows.logits, rows.ids, rows.mask, rows.temperature)
+    return rows.checked(logp.reshape(lead))
+
+
+def ratio_kl_step(xp, rows: Rows, ref, old_logps, ref_logps, kl_code: int):
+    """``ratio_kl`` on validated ``rows`` (``ref``: reference logits ``[N, V]`` outside the
+    gradient, or None): ``(ratio, kl)`` in the leading shape."""
+    ratio, kl = rows.run.ratio_kl(rows.logits, ref, rows.ids, rows.mask, xp.flat(old_logps),
+                                  xp.flat(ref_logps), kl_code, rows.temperature)
+    return rows.checked((ratio.reshape(rows.lead), kl.reshape(rows.lead)))
 
 
 def as_rows(x, lead: Tuple[int, ...]):
@@ -39,6 +88,23 @@ def per_token(loss, lead: Tuple[int, ...], opts: PolicyLossOptions):
     """``loss`` as returned: the per-token loss (``[N]`` / ``[R, T]``, ``loss_agg="none"``)
     in the leading shape ``[...]``, else the 0-d loss itself."""
     return loss.reshape(lead) if opts.loss_agg == "none" else loss
+
+
+def uniform_weights(opts: PolicyLossOptions, normalizer: object, width: int,
+                    by_count: Callable[[], Any], by_number: Callable[[float], Any]):
+    """A Triton backend's ``token_weights``: the aggregation weights ``w = where(mask, 1 / D,
+    0)`` (float32 ``[N]``) in one launch where every active token weighs the same (``D`` the
+    active count: ``by_count()``, the weights kernel; a number: ``by_number(D)``, one
+    ``where``); None where they do not (sequence lengths or counts, an array normaliser: the
+    caller takes the framework's ops, :func:`kernel_weights`).
+
+    ``normalizer``: ``loss_normalizer``; ``width``: tokens per sequence ``T``.
+    """
+    args = opts.uniform_weight(normalizer, width)
+    if args is None:
+        return None
+    denom, count = args
+    return by_count() if count else by_number(denom)
 
 
 def kernel_weights(xp, token_weights: Callable, mask, lead: Tuple[int, ...], inputs,

@@ -19,10 +19,10 @@ JAX specifics: ``kl_code`` and the option codes are static; the coefficients
 (``opts.kl_coef``, the clip bounds) and every array may be traced (``jit``,
 ``grad``, ``vmap``).
 
-Backends (the table :data:`_LOADERS`): ``"native"`` (XLA, runs everywhere),
-``"triton"`` (the shared Triton kernels through ``jax_triton``; GPU only) and
-``"interpret"`` (the same binding, ``_triton``, with each launch run by Triton's CPU
-interpreter through ``_interpret``; needs torch and triton; for tests, slow).
+Backends: the table of :mod:`ratiokl._core.backends` (``"native"``: ``_native``, XLA,
+runs everywhere; ``"triton"``: ``_triton``, the shared Triton kernels through
+``jax_triton``, GPU only; ``"interpret"``: the same binding with each launch run by
+Triton's CPU interpreter through ``_interpret``, needs torch and triton, for tests, slow).
 ``"auto"`` picks ``"triton"`` when JAX's default backend is a GPU and ``jax_triton``
 imports, else ``"native"``; never ``"interpret"``. ``vocab_axis`` wraps any of them in
 ``_vocab_parallel``.
@@ -31,24 +31,24 @@ imports, else ``"native"``; never ``"interpret"``. ``vocab_axis`` wraps any of t
 from __future__ import annotations
 
 import functools
-from typing import Callable, Dict, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
 
 from ratiokl._backend import Backend
-from ratiokl._core import route as _tail
+from ratiokl._core import backends, route as _tail
+from ratiokl._core.route import Rows
 from ratiokl._requirements import unmet
 from ratiokl.jax import _checks, _jax_triton
 from ratiokl.jax._arrays import XP
 from ratiokl.jax._checks import Temperature
-from ratiokl.spec import (BACKENDS, check_loss_normalizer, check_term_normalizer, kl_estimator_code,
-                          policy_loss_options, rollout_options)
+from ratiokl.spec import PolicyLossOptions, kl_estimator_code, rollout_options
 
 __all__ = ["backend_name", "policy_loss", "ratio_kl", "resolve", "selected_logprobs"]
 
 
-def _native() -> Backend:
+def _native(name: str) -> Backend:
     from ratiokl.jax import _linear_logprobs, _native
 
     return Backend(_native.selected_logprobs, _native.ratio_kl, _native.logprobs_entropy,
@@ -56,22 +56,28 @@ def _native() -> Backend:
                        _linear_logprobs.selected_logprobs, _linear_logprobs.NATIVE_ROWS))
 
 
-def _triton() -> Backend:
-    from ratiokl.jax import _triton
+def _triton(name: str) -> Backend:
+    """The Triton binding's functions bound to the launch of ``name``: ``jax_triton``'s
+    ``triton_call`` (``"triton"``) or the interpreter's stand-in (``"interpret"``), with
+    results typed as ``_triton.typed_call`` says."""
+    from ratiokl.jax import (_interpret, _linear, _linear_logprobs, _triton, _triton_loss,
+                             _triton_shard, _vocab_linear)
 
-    return _triton.backend(_jax_triton.triton_call)
+    call = _triton.typed_call(_interpret.triton_call if name == "interpret"
+                              else _jax_triton.triton_call)
+    bind = functools.partial
+    return Backend(bind(_triton.selected_logprobs, call), bind(_triton.ratio_kl, call),
+                   bind(_triton.logprobs_entropy, call), bind(_triton_loss.policy_loss, call),
+                   bind(_triton_loss.token_weights, call),
+                   shard_logps=bind(_triton_shard.shard_logps, call),
+                   shard_rows=bind(_vocab_linear.kernel_rows, call),
+                   linear_policy_loss=bind(_linear.policy_loss, call),
+                   linear_selected_logprobs=bind(_linear_logprobs.selected_logprobs,
+                                                 _linear_logprobs.triton_rows(call)))
 
 
-def _interpret() -> Backend:
-    from ratiokl.jax import _interpret, _triton
-
-    return _triton.backend(_interpret.triton_call)
-
-
-#: Backend name -> its loader (imported on first use).
-_LOADERS: Dict[str, Callable[[], Backend]] = {
-    "native": _native, "triton": _triton, "interpret": _interpret,
-}
+#: Binding module (``_core.backends.PROVIDERS``) -> its loader (imported on first use).
+_LOADERS: Dict[str, Callable[[str], Backend]] = {"_native": _native, "_triton": _triton}
 
 
 @functools.lru_cache(maxsize=None)
@@ -117,17 +123,14 @@ def backend_name(backend: str) -> str:
     whose packages are missing, too old or fail to import ``RuntimeError`` saying why, an
     unknown name ``ValueError``.
     """
-    if backend not in BACKENDS:
-        choices = ", ".join(repr(b) for b in BACKENDS)
-        raise ValueError(f"`backend` must be one of {choices}; got {backend!r}")
+    backends.check_name(backend)
     if backend == "interpret":
         reason = _interpret_error()
         if reason:
-            raise RuntimeError(
-                f"backend='interpret' cannot run here: {reason}. It runs the Triton kernels "
-                "through Triton's CPU interpreter on torch CPU tensors, so it needs torch and "
-                "triton: pip install 'ratiokl[torch-triton]'; or use backend='native'"
-            )
+            raise backends.cannot_run(
+                backend, reason, ". It runs the Triton kernels through Triton's CPU "
+                "interpreter on torch CPU tensors, so it needs torch and triton: pip install "
+                "'ratiokl[torch-triton]'; or use backend='native'")
         return backend
     if backend == "auto":
         return "native" if _jax_triton_error() else "triton"
@@ -139,40 +142,16 @@ def backend_name(backend: str) -> str:
                 "(or 'interpret' to run the Triton kernels on the CPU)"
             )
         if reason:
-            raise RuntimeError(
-                f"backend='triton' cannot run here: {reason}. It needs a CUDA build of "
-                "jaxlib and `pip install 'ratiokl[jax-triton]'`; use backend='native' or 'auto'"
-            )
+            raise backends.cannot_run(
+                backend, reason, ". It needs a CUDA build of jaxlib and `pip install "
+                "'ratiokl[jax-triton]'`; use backend='native' or 'auto'")
     return backend
 
 
 @functools.lru_cache(maxsize=None)
 def resolve(name: str) -> Backend:
     """The :class:`Backend` of a concrete backend name (from :func:`backend_name`)."""
-    try:
-        return _LOADERS[name]()
-    except ImportError as err:
-        raise RuntimeError(
-            f"backend={name!r} is unavailable: importing its module failed ({err}). "
-            "Use backend='native'"
-        ) from err
-
-
-class _Rows(NamedTuple):
-    """Validated inputs with the leading shape flattened to ``N`` rows."""
-
-    lead: Tuple[int, ...]  # the caller's leading shape [...]
-    logits: jax.Array  # [N, V] policy logits
-    ids: jax.Array  # [N] integer
-    mask: jax.Array  # [N] bool
-    temperature: Temperature  # Python float, or float32 [N] (bad entries NaN)
-    run: Backend
-    check: _checks.ActiveCheck  # read after the backend has queued its work
-
-    def checked(self, result):
-        """``result`` once the host check (if any) passed: raises ``ValueError`` otherwise."""
-        self.check.raise_if_bad()
-        return result
+    return backends.load(name, _LOADERS, catch=(ImportError,))
 
 
 def _lead(logits: jax.Array,
@@ -185,7 +164,7 @@ def _lead(logits: jax.Array,
 
 def _rows(logits: jax.Array, lead: Tuple[int, ...], ids: jax.Array, mask, temperature,
           backend: str, check_ids: bool, vocab_axis: Optional[str],
-          vocab: Optional[int] = None) -> _Rows:
+          vocab: Optional[int] = None) -> Rows:
     """Steps 1-3 for the inputs every op shares (``logits`` and ``ids`` already checked).
 
     ``vocab``: the ids' range where ``logits`` is not ``[..., V]`` (hidden states: the
@@ -206,7 +185,7 @@ def _rows(logits: jax.Array, lead: Tuple[int, ...], ids: jax.Array, mask, temper
     check = _checks.ActiveCheck(ids, mask, vocab, check_ids, temperature)
     if not isinstance(temperature, float):
         temperature = _checks.poison_bad_temperature(XP.flat(temperature))
-    return _Rows(lead, logits.reshape(-1, logits.shape[-1]), ids.reshape(-1), mask.reshape(-1),
+    return Rows(lead, logits.reshape(-1, logits.shape[-1]), ids.reshape(-1), mask.reshape(-1),
                  temperature, run, check)
 
 
@@ -215,12 +194,7 @@ def selected_logprobs(logits, action_ids, mask, *, temperature, backend, check_i
     """``ratiokl.jax.loss.selected_logprobs`` (documented there)."""
     logits, ids, lead = _lead(logits, action_ids)
     rows = _rows(logits, lead, ids, mask, temperature, backend, check_ids, vocab_axis)
-    if return_entropy:
-        logp, ent = rows.run.logprobs_entropy(rows.logits, rows.ids, rows.mask,
-                                              rows.temperature)
-        return rows.checked((logp.reshape(lead), ent.reshape(lead)))
-    logp = rows.run.selected_logprobs(rows.logits, rows.ids, rows.mask, rows.temperature)
-    return rows.checked(logp.reshape(lead))
+    return _tail.logprobs_step(rows, return_entropy)
 
 
 def ratio_kl(policy_logits, ref_logits, action_ids, mask, old_logps, *, ref_logps,
@@ -233,34 +207,20 @@ def ratio_kl(policy_logits, ref_logits, action_ids, mask, old_logps, *, ref_logp
     kl_code = kl_estimator_code(kl_estimator)
     rows = _rows(policy_logits, lead, ids, mask, temperature, backend, check_ids, vocab_axis)
     ref = None if ref_logits is None else ref_logits.reshape(rows.logits.shape)
-    ratio, kl = rows.run.ratio_kl(rows.logits, ref, rows.ids, rows.mask, XP.flat(old_logps),
-                                  XP.flat(ref_logps), kl_code, rows.temperature)
-    return rows.checked((ratio.reshape(lead), kl.reshape(lead)))
+    return _tail.ratio_kl_step(XP, rows, ref, old_logps, ref_logps, kl_code)
 
 
-def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantages, *,
-                ref_logps, clip_eps, clip_eps_high, dual_clip, ratio_cap, kl_coef,
-                kl_estimator, loss_agg, loss_normalizer, ratio_level, objective,
-                entropy_coef, kl_agg, entropy_agg, kl_entropy_normalizer, kl_clamp,
-                segment_ids, importance_weights, log_ratio_bound, temperature, backend,
-                check_ids, vocab_axis, inplace_grad, rollout_logps, rollout_correction,
+def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantages,
+                opts: PolicyLossOptions, *, ref_logps, loss_normalizer, kl_entropy_normalizer,
+                segment_ids, importance_weights, temperature, backend, check_ids, vocab_axis,
+                inplace_grad, rollout_logps, rollout_correction,
                 rollout_bounds) -> Tuple[jax.Array, Dict[str, jax.Array]]:
-    """``ratiokl.jax.loss.policy_loss`` (documented there)."""
-    opts = policy_loss_options(
-        clip_eps=clip_eps, clip_eps_high=clip_eps_high, dual_clip=dual_clip,
-        ratio_cap=ratio_cap, kl_coef=kl_coef, kl_estimator=kl_estimator, loss_agg=loss_agg,
-        ratio_level=ratio_level, log_ratio_bound=log_ratio_bound, objective=objective,
-        entropy_coef=entropy_coef, kl_agg=kl_agg, entropy_agg=entropy_agg,
-        kl_clamp=kl_clamp,
-    )
+    """``ratiokl.jax.loss.policy_loss`` (documented there), its options in ``opts``."""
     policy_logits, ids, lead = _lead(policy_logits, action_ids)
     if ref_logits is not None or ref_logps is not None or opts.uses_kl:
         ref_logits, ref_logps = _checks.check_ref(ref_logits, ref_logps, policy_logits.shape)
-    check_loss_normalizer(loss_agg, loss_normalizer)
-    check_term_normalizer(opts, kl_entropy_normalizer)
-    inputs = _checks.token_inputs(lead, old_logps, advantages, segment_ids,
-                                  importance_weights, loss_normalizer,
-                                  kl_entropy_normalizer)
+    inputs = _tail.loss_inputs(_checks, opts, lead, old_logps, advantages, segment_ids,
+                               importance_weights, loss_normalizer, kl_entropy_normalizer)
     rows = _rows(policy_logits, lead, ids, mask, temperature, backend, check_ids, vocab_axis)
     ref = None if ref_logits is None else ref_logits.reshape(rows.logits.shape)
     # The rollout options are checked on every call; only a call with rollout_logps

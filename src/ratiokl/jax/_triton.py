@@ -5,8 +5,9 @@ The functions ``ratiokl.jax._route`` calls with validated ``[N, V]`` logits
 and ``[N]`` per-row arrays, on the very kernels ``ratiokl.torch`` launches
 (``ratiokl.jax._launch`` holds the launches and their ``vmap`` rules). Each takes
 ``call`` first, the launch function (:data:`ratiokl.jax._launch.TritonCall`), and
-:func:`backend` binds them to one: ``jax_triton.triton_call`` for ``"triton"``, the
-interpreter's stand-in (``ratiokl.jax._interpret``) for ``"interpret"``. The rest is
+``ratiokl.jax._route``'s backend table binds them to one: ``jax_triton.triton_call`` for
+``"triton"``, the interpreter's stand-in (``ratiokl.jax._interpret``) for
+``"interpret"``, each through :func:`typed_call`. The rest is
 one code path for both. Here ``selected_logprobs`` / ``ratio_kl`` /
 ``logprobs_entropy``: one ``jax.custom_vjp`` whose forward runs the row forward (per row
 ``logp``, ``ratio``, ``kl``, ``dkl/dlogp``, ``lse``; few rows: partials + combine, the
@@ -14,7 +15,7 @@ same bits) and whose backward runs ``logp_backward_kernel``, which forms ``c = g
 g_ratio * ratio + g_kl * dkl`` per row itself (0 on inactive rows), in the logits' dtype.
 The fused ``policy_loss`` is ``ratiokl.jax._triton_loss``'s, ``shard_logps``
 (``vocab_axis=``) ``ratiokl.jax._triton_shard``'s, the ops from hidden states
-``ratiokl.jax._linear``'s and ``_linear_logprobs``'s: :func:`backend` binds them all.
+``ratiokl.jax._linear``'s and ``_linear_logprobs``'s: the same table binds them all.
 
 The kernels clamp ids and poison bad active rows with NaN; nothing
 synchronises with the host.
@@ -30,25 +31,17 @@ import jax.numpy as jnp
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
-from ratiokl._backend import Backend
 from ratiokl._codes import KL
-from ratiokl.jax import (
-    _launch,
-    _linear,
-    _linear_logprobs,
-    _triton_loss,
-    _triton_shard,
-    _vocab_linear,
-)
+from ratiokl.jax import _launch
 from ratiokl.jax._checks import Temperature, kernel_rows
 from ratiokl.jax._launch import TritonCall
 from ratiokl.jax._vocab_parallel import varying_axes
 
-__all__ = ["backend", "logprobs_entropy", "ratio_kl", "selected_logprobs"]
+__all__ = ["logprobs_entropy", "ratio_kl", "selected_logprobs", "typed_call"]
 
 
 @functools.lru_cache(maxsize=None)
-def _typed(call: TritonCall) -> TritonCall:
+def typed_call(call: TritonCall) -> TritonCall:
     """``call`` with its results typed as varying over every ``shard_map`` axis one of its
     arrays varies over. jax-triton's and the interpreter's launches type their results
     invariant; inside ``shard_map`` over rows (data parallelism) a loss typed invariant
@@ -66,21 +59,6 @@ def _typed(call: TritonCall) -> TritonCall:
             x, tuple(sorted(axes - varying_axes(x))), to="varying"), out)
 
     return typed
-
-
-def backend(call: TritonCall) -> Backend:
-    """The backend whose kernels launch through ``call`` (every function of the Triton
-    binding, bound; results typed as :func:`_typed` says)."""
-    call = _typed(call)
-    bind = functools.partial
-    return Backend(bind(selected_logprobs, call), bind(ratio_kl, call),
-                   bind(logprobs_entropy, call), bind(_triton_loss.policy_loss, call),
-                   bind(_triton_loss.token_weights, call),
-                   shard_logps=bind(_triton_shard.shard_logps, call),
-                   shard_rows=bind(_vocab_linear.kernel_rows, call),
-                   linear_policy_loss=bind(_linear.policy_loss, call),
-                   linear_selected_logprobs=bind(_linear_logprobs.selected_logprobs,
-                                                 _linear_logprobs.triton_rows(call)))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 8, 9))

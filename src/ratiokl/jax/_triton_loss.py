@@ -6,7 +6,7 @@ gradient as its residual and its backward scales it by the cotangent
 (``scale_rows_kernel``, aliased in place, skipped on the device where the cotangent is 1).
 The primal (no derivative taken) skips the gradient sweep: one read of each row. The
 coefficients (``kl_coef``, the clip bounds, ``entropy_coef``) are a run-time ``[5]``
-array. Each function takes ``call`` first (``ratiokl.jax._triton.backend`` binds it).
+array. Each function takes ``call`` first (``ratiokl.jax._route``'s backend table binds it).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ratiokl._codes import KL
+from ratiokl._core.route import uniform_weights
 from ratiokl._kernels.loss_rows import METRIC_NAMES
 from ratiokl.jax import _launch
 from ratiokl.jax._checks import Temperature, kernel_rows
@@ -97,19 +98,10 @@ _rows_total.defvjp(_rows_total_fwd, _rows_total_bwd)
 
 def token_weights(call: TritonCall, mask: jax.Array, opts: PolicyLossOptions,
                   normalizer: object, width: int) -> Optional[jax.Array]:
-    """The aggregation weights ``w = where(mask, 1 / D, 0)`` (float32 ``[N]``) in one launch,
-    where every active token weighs the same (``D`` the active count: the weights kernel;
-    a number: one ``where``); None where they do not (sequence lengths or counts, an array
-    normaliser: the caller takes the framework's ops).
-
-    ``normalizer``: ``loss_normalizer``; ``width``: tokens per sequence ``T``.
-    """
-    args = opts.uniform_weight(normalizer, width)
-    if args is None:
-        return None
-    denom, count = args
+    """:func:`ratiokl._core.route.uniform_weights` on ``mask [N]`` (documented there)."""
     mask = mask.astype(jnp.bool_)
-    return _launch.weights_op(call)(mask) if count else _launch.native_weights(denom, False, mask)
+    return uniform_weights(opts, normalizer, width, lambda: _launch.weights_op(call)(mask),
+                           lambda denom: _launch.native_weights(denom, False, mask))
 
 
 def policy_loss(

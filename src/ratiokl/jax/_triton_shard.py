@@ -3,7 +3,7 @@
 
 A block's statistics from ``shard_stats_kernel``, one ``pmax`` and one ``psum``, and the
 block's gradient from ``logp_backward_kernel`` with the global ``lse``. Each function
-takes ``call`` first (``ratiokl.jax._triton.backend`` binds it).
+takes ``call`` first (``ratiokl.jax._route``'s backend table binds it).
 """
 
 from __future__ import annotations

@@ -175,5 +175,13 @@ class _Torch:
     def is_bool(dtype) -> bool:
         return dtype == torch.bool
 
+    @staticmethod
+    def same_device(**tensors) -> None:
+        """Raise unless the given tensors (None skipped) share one device
+        (``ratiokl.torch._checks.check_same_device``)."""
+        from ratiokl.torch import _checks
+
+        _checks.check_same_device(**tensors)
+
 
 XP = _Torch()

@@ -14,11 +14,11 @@ import torch
 
 from ratiokl._core import route as _tail
 from ratiokl.spec import (
+    LogitTransform,
+    PolicyLossOptions,
     check_chunk_rows,
     check_head_shapes,
-    check_loss_normalizer, check_term_normalizer,
     logit_transform,
-    policy_loss_options,
     rollout_options,
 )
 from ratiokl.torch import _checks
@@ -76,32 +76,19 @@ def linear_selected_logprobs(hidden, weight, action_ids, mask, *, bias, temperat
     return rows.checked(out.reshape(lead))
 
 
-def linear_policy_loss(hidden, weight, action_ids, mask, old_logps, advantages, *,
-                       ref_logps, bias, logit_scale, logit_softcap, chunk_rows, clip_eps,
-                       clip_eps_high, dual_clip, ratio_cap, kl_coef, kl_estimator, loss_agg,
-                       loss_normalizer, objective, entropy_coef, kl_agg, entropy_agg,
-                       kl_entropy_normalizer, kl_clamp, segment_ids, importance_weights,
-                       log_ratio_bound, temperature, backend, check_ids, rollout_logps,
+def linear_policy_loss(hidden, weight, action_ids, mask, old_logps, advantages,
+                       chunk_rows: int, transform: LogitTransform, opts: PolicyLossOptions, *,
+                       ref_logps, bias, loss_normalizer, kl_entropy_normalizer, segment_ids,
+                       importance_weights, temperature, backend, check_ids, rollout_logps,
                        rollout_correction, rollout_bounds,
                        vocab_group) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-    """``ratiokl.torch.loss.linear_policy_loss`` (documented there)."""
-    chunk_rows = check_chunk_rows(chunk_rows)
-    transform = logit_transform(logit_scale, logit_softcap)
-    opts = policy_loss_options(
-        clip_eps=clip_eps, clip_eps_high=clip_eps_high, dual_clip=dual_clip,
-        ratio_cap=ratio_cap, kl_coef=kl_coef, kl_estimator=kl_estimator, loss_agg=loss_agg,
-        ratio_level="token", log_ratio_bound=log_ratio_bound, objective=objective,
-        entropy_coef=entropy_coef, kl_agg=kl_agg, entropy_agg=entropy_agg,
-        kl_clamp=kl_clamp, cached=True,
-    )
+    """``ratiokl.torch.loss.linear_policy_loss`` (documented there): ``chunk_rows`` checked,
+    the logit ``transform`` and the options ``opts`` built by the caller."""
     lead = _head(hidden, weight, bias, action_ids)
     if ref_logps is not None or opts.uses_kl:
         _checks.check_ref(hidden, lead, None, ref_logps)
-    check_loss_normalizer(loss_agg, loss_normalizer)
-    check_term_normalizer(opts, kl_entropy_normalizer)
-    inputs = _checks.token_inputs(lead, old_logps, advantages, segment_ids,
-                                  importance_weights, loss_normalizer,
-                                  kl_entropy_normalizer)
+    inputs = _tail.loss_inputs(_checks, opts, lead, old_logps, advantages, segment_ids,
+                               importance_weights, loss_normalizer, kl_entropy_normalizer)
     rows = _rows(
         hidden, lead, action_ids, mask, temperature, backend, check_ids, vocab_group,
         vocab=weight.shape[0], weight=weight, bias=bias, old_logps=old_logps,

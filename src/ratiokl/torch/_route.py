@@ -9,7 +9,7 @@ Every call runs the same steps, each once:
    flatten the leading shape ``[...]`` to ``N`` rows;
 2. queue the check of active ids and temperatures (``check_ids=True``; an
    :class:`~ratiokl.torch._checks.ActiveCheck`);
-3. resolve the backend in :data:`BACKENDS` and call it on the flattened rows,
+3. resolve the backend (:func:`resolve`) and call it on the flattened rows,
    which queues the kernels;
 4. read the check (the call's one host sync: the GPU keeps running what was
    queued) and reshape the outputs back to ``[...]``.
@@ -19,25 +19,25 @@ PyTorch specifics: the logits may have any strides, ``ref`` and the per-row
 values are detached, and per-row inputs are contiguous (the kernels read row
 ``i`` at ``i``).
 
-Backends: ``"native"`` (``_native``, framework ops, any device), ``"triton"``
-(``_triton`` on CUDA tensors), ``"interpret"`` (the same ``_triton`` on CPU
-tensors, through Triton's interpreter); ``"auto"`` is ``"triton"`` for CUDA
-tensors when Triton is installed, else ``"native"``. ``vocab_group`` wraps the
-per-shard math of either in ``_vocab_parallel``.
+Backends: the table of :mod:`ratiokl._core.backends` (``"native"``: ``_native``, any
+device; ``"triton"``: ``_triton`` on CUDA tensors; ``"interpret"``: the same ``_triton``
+on CPU tensors, through Triton's interpreter); ``"auto"`` is ``"triton"`` for CUDA
+tensors when Triton is installed, else ``"native"``. ``vocab_group`` wraps the per-shard
+math of either in ``_vocab_parallel``.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Callable, Dict, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
 from ratiokl._backend import Backend
-from ratiokl._core import route as _tail
+from ratiokl._core import backends, route as _tail
+from ratiokl._core.route import Rows
 from ratiokl._requirements import unmet
-from ratiokl.spec import (BACKENDS, check_loss_normalizer, check_term_normalizer,
-                          kl_estimator_code, policy_loss_options, rollout_options)
+from ratiokl.spec import BACKENDS, PolicyLossOptions, kl_estimator_code, rollout_options
 from ratiokl.torch import _checks
 from ratiokl.torch._arrays import XP
 from ratiokl.torch._checks import Temperature
@@ -46,7 +46,7 @@ __all__ = ["BACKENDS", "backend_name", "policy_loss", "ratio_kl", "resolve",
            "selected_logprobs"]
 
 
-def _native() -> Backend:
+def _native(name: str) -> Backend:
     from ratiokl.torch import _linear_logprobs, _native
 
     return Backend(_native.selected_logprobs, _native.ratio_kl, _native.logprobs_entropy,
@@ -54,7 +54,8 @@ def _native() -> Backend:
                        _linear_logprobs.selected_logprobs, _linear_logprobs.NATIVE_ROWS))
 
 
-def _triton() -> Backend:
+def _triton(name: str) -> Backend:
+    """``"triton"`` and ``"interpret"`` alike: each launch binds by the tensors' device."""
     from ratiokl.torch import _linear, _linear_logprobs, _triton
 
     return Backend(_triton.selected_logprobs, _triton.ratio_kl, _triton.logprobs_entropy,
@@ -65,10 +66,9 @@ def _triton() -> Backend:
                        _linear_logprobs.selected_logprobs, _linear_logprobs.TRITON_ROWS))
 
 
-#: Backend name -> its loader (plain imports: torch.compile traces through them).
-_LOADERS: Dict[str, Callable[[], Backend]] = {
-    "native": _native, "triton": _triton, "interpret": _triton,
-}
+#: Binding module (``_core.backends.PROVIDERS``) -> its loader (plain imports:
+#: torch.compile traces through them).
+_LOADERS: Dict[str, Callable[[str], Backend]] = {"_native": _native, "_triton": _triton}
 _LOADED: Dict[str, Backend] = {}
 
 #: Why the installed ``triton`` cannot serve the Triton backends (not installed, or
@@ -82,9 +82,7 @@ def backend_name(backend: str, device: torch.device) -> str:
     """The concrete backend for ``backend`` on ``device``; raises if it cannot run there."""
     if backend == "auto":
         return "triton" if device.type == "cuda" and _TRITON_PROBLEM is None else "native"
-    if backend not in BACKENDS:
-        choices = ", ".join(repr(b) for b in BACKENDS)
-        raise ValueError(f"`backend` must be one of {choices}; got {backend!r}")
+    backends.check_name(backend)
     if backend == "triton" and device.type != "cuda":
         raise ValueError(
             f"backend='triton' needs CUDA tensors; the inputs are on {device}. Use "
@@ -96,9 +94,7 @@ def backend_name(backend: str, device: torch.device) -> str:
             f"the inputs are on {device}. Use backend='triton' or 'native'"
         )
     if backend in ("triton", "interpret") and _TRITON_PROBLEM is not None:
-        raise RuntimeError(
-            f"backend={backend!r} cannot run here: {_TRITON_PROBLEM}; or use backend='native'"
-        )
+        raise backends.cannot_run(backend, _TRITON_PROBLEM, "; or use backend='native'")
     return backend
 
 
@@ -115,39 +111,15 @@ def _loaded(name: str) -> Backend:
     """
     loaded = None if torch.compiler.is_compiling() else _LOADED.get(name)
     if loaded is None:
-        try:
-            loaded = _LOADERS[name]()
-        except Exception as err:  # any import failure: say which backend and what to use
-            raise RuntimeError(
-                f"backend={name!r} is unavailable: importing its module failed "
-                f"({type(err).__name__}: {err}). Use backend='native'"
-            ) from err
+        loaded = backends.load(name, _LOADERS)  # any import failure: which, what to use
         if not torch.compiler.is_compiling():
             _LOADED[name] = loaded
     return loaded
 
 
-class _Rows(NamedTuple):
-    """Validated inputs with the leading shape flattened to ``N`` rows."""
-
-    lead: Tuple[int, ...]  # the caller's leading shape [...]
-    logits: torch.Tensor  # [N, V] policy logits (a view where possible)
-    ids: torch.Tensor  # [N] integer
-    mask: torch.Tensor  # [N] bool
-    temperature: Temperature  # Python float, or float32 [N] (bad entries NaN)
-    run: Backend
-    check: Optional[_checks.ActiveCheck]  # the host check, read after the launches
-
-    def checked(self, result):
-        """``result`` once the host check (if any) passed: raises ``ValueError`` otherwise."""
-        if self.check is not None:
-            self.check.raise_if_bad()
-        return result
-
-
 def _rows(logits: torch.Tensor, lead: Tuple[int, ...], ids: torch.Tensor, mask, temperature,
           backend: str, check_ids: bool, vocab_group, vocab: Optional[int] = None,
-          **per_token) -> _Rows:
+          **per_token) -> Rows:
     """Steps 1-3 for the inputs every op shares (``logits`` and ``ids`` already checked).
 
     ``per_token`` holds the call's other tensors by argument name, for the device check;
@@ -184,7 +156,7 @@ def _rows(logits: torch.Tensor, lead: Tuple[int, ...], ids: torch.Tensor, mask, 
         run = _vocab_parallel.backend(vocab_group, lead, name != "native", check_ids)
     if isinstance(temperature, torch.Tensor):
         temperature = _checks.poison_bad_temperature(XP.flat(temperature))
-    return _Rows(lead, logits.reshape(-1, logits.shape[-1]), ids.reshape(-1).contiguous(),
+    return Rows(lead, logits.reshape(-1, logits.shape[-1]), ids.reshape(-1).contiguous(),
                  mask.reshape(-1).contiguous(), temperature, run, check)
 
 
@@ -203,12 +175,7 @@ def selected_logprobs(logits, action_ids, mask, *, temperature, backend, check_i
     """``ratiokl.torch.loss.selected_logprobs`` (documented there)."""
     lead = _lead(logits, action_ids)
     rows = _rows(logits, lead, action_ids, mask, temperature, backend, check_ids, vocab_group)
-    if return_entropy:
-        logp, ent = rows.run.logprobs_entropy(rows.logits, rows.ids, rows.mask,
-                                              rows.temperature)
-        return rows.checked((logp.reshape(lead), ent.reshape(lead)))
-    logp = rows.run.selected_logprobs(rows.logits, rows.ids, rows.mask, rows.temperature)
-    return rows.checked(logp.reshape(lead))
+    return _tail.logprobs_step(rows, return_entropy)
 
 
 def ratio_kl(policy_logits, ref_logits, action_ids, mask, old_logps, *, ref_logps,
@@ -222,28 +189,15 @@ def ratio_kl(policy_logits, ref_logits, action_ids, mask, old_logps, *, ref_logp
     rows = _rows(policy_logits, lead, action_ids, mask, temperature, backend, check_ids,
                  vocab_group, ref_logits=ref_logits, old_logps=old_logps, ref_logps=ref_logps)
     ref = None if ref_logits is None else ref_logits.detach().reshape(rows.logits.shape)
-    ratio, kl = rows.run.ratio_kl(rows.logits, ref, rows.ids, rows.mask, XP.flat(old_logps),
-                                  XP.flat(ref_logps), kl_code, rows.temperature)
-    return rows.checked((ratio.reshape(lead), kl.reshape(lead)))
+    return _tail.ratio_kl_step(XP, rows, ref, old_logps, ref_logps, kl_code)
 
 
-def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantages, *,
-                ref_logps, clip_eps, clip_eps_high, dual_clip, ratio_cap, kl_coef,
-                kl_estimator, loss_agg, loss_normalizer, ratio_level, objective,
-                entropy_coef, kl_agg, entropy_agg, kl_entropy_normalizer, kl_clamp,
-                segment_ids, importance_weights, log_ratio_bound, temperature, backend,
-                check_ids, vocab_group, inplace_grad, rollout_logps, rollout_correction,
-                rollout_bounds, op: str = "policy_loss",
-                ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-    """``ratiokl.torch.loss.policy_loss`` (documented there); ``op``: the public call the
-    second-backward error names (``linear_policy_loss`` on its native route)."""
-    opts = policy_loss_options(
-        clip_eps=clip_eps, clip_eps_high=clip_eps_high, dual_clip=dual_clip,
-        ratio_cap=ratio_cap, kl_coef=kl_coef, kl_estimator=kl_estimator, loss_agg=loss_agg,
-        ratio_level=ratio_level, log_ratio_bound=log_ratio_bound, objective=objective,
-        entropy_coef=entropy_coef, kl_agg=kl_agg, entropy_agg=entropy_agg, kl_clamp=kl_clamp,
-        cached=not torch.compiler.is_compiling(),
-    )
+def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantages,
+                opts: PolicyLossOptions, *, ref_logps, loss_normalizer, kl_entropy_normalizer,
+                segment_ids, importance_weights, temperature, backend, check_ids, vocab_group,
+                inplace_grad, rollout_logps, rollout_correction,
+                rollout_bounds) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """``ratiokl.torch.loss.policy_loss`` (documented there), its options in ``opts``."""
     lead = _lead(policy_logits, action_ids)
     if inplace_grad and not policy_logits.is_contiguous():
         raise ValueError(
@@ -252,11 +206,8 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
         )
     if ref_logits is not None or ref_logps is not None or opts.uses_kl:
         _checks.check_ref(policy_logits, lead, ref_logits, ref_logps)
-    check_loss_normalizer(loss_agg, loss_normalizer)
-    check_term_normalizer(opts, kl_entropy_normalizer)
-    inputs = _checks.token_inputs(lead, old_logps, advantages, segment_ids,
-                                  importance_weights, loss_normalizer,
-                                  kl_entropy_normalizer)
+    inputs = _tail.loss_inputs(_checks, opts, lead, old_logps, advantages, segment_ids,
+                               importance_weights, loss_normalizer, kl_entropy_normalizer)
     rows = _rows(
         policy_logits, lead, action_ids, mask, temperature, backend, check_ids, vocab_group,
         ref_logits=ref_logits, old_logps=old_logps, ref_logps=ref_logps, advantages=advantages,
@@ -269,4 +220,4 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
                               old_given=old_logps is not None,
                               cached=not torch.compiler.is_compiling())
     return _tail.loss_step(XP, rows, ref, ref_logps, inputs, opts, rollout, rollout_logps,
-                           inplace_grad, op)
+                           inplace_grad, "policy_loss")

@@ -25,6 +25,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from ratiokl._codes import KL
+from ratiokl._core.route import uniform_weights
 from ratiokl._kernels import rollout as rollout_kernel
 from ratiokl._kernels.loss_rows import METRIC_NAMES
 from ratiokl.spec import ROLLOUT_METRIC_NAMES, PolicyLossOptions, RolloutOptions
@@ -119,20 +120,10 @@ def ratio_kl(policy: torch.Tensor, ref: Optional[torch.Tensor], ids: torch.Tenso
 
 def token_weights(mask: torch.Tensor, opts: PolicyLossOptions, normalizer: object,
                   width: int) -> Optional[torch.Tensor]:
-    """The aggregation weights ``w = where(mask, 1 / D, 0)`` (float32 ``[N]``) in one launch,
-    where every active token weighs the same (``D`` the active count: the weights kernel;
-    a number: one ``where``); None where they do not (sequence lengths or counts, a tensor
-    normaliser: the caller takes the framework's ops).
-
-    ``normalizer``: ``loss_normalizer``; ``width``: tokens per sequence ``T``.
-    """
-    args = opts.uniform_weight(normalizer, width)
-    if args is None:
-        return None
-    denom, count = args
-    if count:
-        return TOKEN_WEIGHTS(mask)
-    return torch.where(mask.bool(), 1.0 / denom, 0.0).to(torch.float32)
+    """:func:`ratiokl._core.route.uniform_weights` on ``mask [N]`` (documented there)."""
+    return uniform_weights(
+        opts, normalizer, width, lambda: TOKEN_WEIGHTS(mask),
+        lambda denom: torch.where(mask.bool(), 1.0 / denom, 0.0).to(torch.float32))
 
 
 def rollout_weights(mask: torch.Tensor, old: torch.Tensor, rollout: torch.Tensor,

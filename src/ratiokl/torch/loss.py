@@ -20,6 +20,7 @@ from typing import Dict, Optional, Tuple, Union
 
 import torch
 
+from ratiokl._core import objective_route
 from ratiokl._docs import documented
 from ratiokl.spec import (
     DEFAULT_LOG_RATIO_BOUND,
@@ -32,8 +33,12 @@ from ratiokl.spec import (
     RatioLevel,
     RolloutCorrection,
     TermAgg,
+    check_chunk_rows,
+    logit_transform,
+    policy_loss_options,
 )
-from ratiokl.torch import _linear_route, _objective, _route
+from ratiokl.torch import _checks, _linear_route, _route
+from ratiokl.torch._arrays import XP
 from ratiokl.torch._checks import Temperature
 
 __all__ = ["linear_policy_loss", "linear_selected_logprobs", "policy_loss", "policy_objective",
@@ -125,13 +130,15 @@ def policy_loss(
 ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     return _route.policy_loss(
         policy_logits, ref_logits, action_ids, mask, old_logps, advantages,
-        ref_logps=ref_logps, clip_eps=clip_eps, clip_eps_high=clip_eps_high,
-        dual_clip=dual_clip, ratio_cap=ratio_cap, kl_coef=kl_coef, kl_estimator=kl_estimator,
-        loss_agg=loss_agg, loss_normalizer=loss_normalizer, ratio_level=ratio_level,
-        objective=objective, entropy_coef=entropy_coef, kl_agg=kl_agg, entropy_agg=entropy_agg,
-        kl_entropy_normalizer=kl_entropy_normalizer, kl_clamp=kl_clamp,
-        segment_ids=segment_ids, importance_weights=importance_weights,
-        log_ratio_bound=log_ratio_bound, temperature=temperature, backend=backend,
+        policy_loss_options(
+            clip_eps=clip_eps, clip_eps_high=clip_eps_high, dual_clip=dual_clip,
+            ratio_cap=ratio_cap, kl_coef=kl_coef, kl_estimator=kl_estimator, loss_agg=loss_agg,
+            ratio_level=ratio_level, log_ratio_bound=log_ratio_bound, objective=objective,
+            entropy_coef=entropy_coef, kl_agg=kl_agg, entropy_agg=entropy_agg,
+            kl_clamp=kl_clamp, cached=not torch.compiler.is_compiling()),
+        ref_logps=ref_logps, loss_normalizer=loss_normalizer,
+        kl_entropy_normalizer=kl_entropy_normalizer, segment_ids=segment_ids,
+        importance_weights=importance_weights, temperature=temperature, backend=backend,
         check_ids=check_ids, vocab_group=vocab_group, inplace_grad=inplace_grad,
         rollout_logps=rollout_logps, rollout_correction=rollout_correction,
         rollout_bounds=rollout_bounds,
@@ -169,16 +176,18 @@ def policy_objective(
     rollout_bounds: Tuple[float, float] = DEFAULT_ROLLOUT_BOUNDS,
     log_ratio_bound: Optional[float] = DEFAULT_LOG_RATIO_BOUND,
 ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-    return _objective.policy_objective(
+    return objective_route.policy_objective(
+        XP, _checks, policy_loss_options(
+            clip_eps=clip_eps, clip_eps_high=clip_eps_high, dual_clip=dual_clip,
+            ratio_cap=ratio_cap, kl_coef=kl_coef, kl_estimator=kl_estimator, loss_agg=loss_agg,
+            ratio_level=ratio_level, log_ratio_bound=log_ratio_bound, objective=objective,
+            entropy_coef=entropy_coef, kl_agg=kl_agg, entropy_agg=entropy_agg,
+            kl_clamp=kl_clamp, cached=not torch.compiler.is_compiling()),
         logps, old_logps, advantages, mask, ref_logps=ref_logps, entropy=entropy,
-        clip_eps=clip_eps, clip_eps_high=clip_eps_high, dual_clip=dual_clip,
-        ratio_cap=ratio_cap, kl_coef=kl_coef, kl_estimator=kl_estimator, loss_agg=loss_agg,
-        loss_normalizer=loss_normalizer, ratio_level=ratio_level, objective=objective,
-        entropy_coef=entropy_coef, kl_agg=kl_agg, entropy_agg=entropy_agg,
-        kl_entropy_normalizer=kl_entropy_normalizer, kl_clamp=kl_clamp, segment_ids=segment_ids,
-        importance_weights=importance_weights, rollout_logps=rollout_logps,
-        rollout_correction=rollout_correction, rollout_bounds=rollout_bounds,
-        log_ratio_bound=log_ratio_bound,
+        loss_normalizer=loss_normalizer, kl_entropy_normalizer=kl_entropy_normalizer,
+        segment_ids=segment_ids, importance_weights=importance_weights,
+        rollout_logps=rollout_logps, rollout_correction=rollout_correction,
+        rollout_bounds=rollout_bounds,
     )
 
 
@@ -246,15 +255,17 @@ def linear_policy_loss(
     vocab_group: Optional[torch.distributed.ProcessGroup] = None,
 ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     return _linear_route.linear_policy_loss(
-        hidden, weight, action_ids, mask, old_logps, advantages, ref_logps=ref_logps,
-        bias=bias, logit_scale=logit_scale, logit_softcap=logit_softcap,
-        chunk_rows=chunk_rows, clip_eps=clip_eps, clip_eps_high=clip_eps_high,
-        dual_clip=dual_clip, ratio_cap=ratio_cap, kl_coef=kl_coef, kl_estimator=kl_estimator,
-        loss_agg=loss_agg, loss_normalizer=loss_normalizer, objective=objective,
-        entropy_coef=entropy_coef, kl_agg=kl_agg, entropy_agg=entropy_agg,
-        kl_entropy_normalizer=kl_entropy_normalizer, kl_clamp=kl_clamp, segment_ids=segment_ids,
-        importance_weights=importance_weights, log_ratio_bound=log_ratio_bound,
-        temperature=temperature, backend=backend, check_ids=check_ids,
-        rollout_logps=rollout_logps, rollout_correction=rollout_correction,
-        rollout_bounds=rollout_bounds, vocab_group=vocab_group,
+        hidden, weight, action_ids, mask, old_logps, advantages, check_chunk_rows(chunk_rows),
+        logit_transform(logit_scale, logit_softcap), policy_loss_options(
+            clip_eps=clip_eps, clip_eps_high=clip_eps_high, dual_clip=dual_clip,
+            ratio_cap=ratio_cap, kl_coef=kl_coef, kl_estimator=kl_estimator, loss_agg=loss_agg,
+            ratio_level="token", log_ratio_bound=log_ratio_bound, objective=objective,
+            entropy_coef=entropy_coef, kl_agg=kl_agg, entropy_agg=entropy_agg,
+            kl_clamp=kl_clamp, cached=True),
+        ref_logps=ref_logps, bias=bias, loss_normalizer=loss_normalizer,
+        kl_entropy_normalizer=kl_entropy_normalizer, segment_ids=segment_ids,
+        importance_weights=importance_weights, temperature=temperature, backend=backend,
+        check_ids=check_ids, rollout_logps=rollout_logps,
+        rollout_correction=rollout_correction, rollout_bounds=rollout_bounds,
+        vocab_group=vocab_group,
     )
