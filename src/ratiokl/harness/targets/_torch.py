@@ -17,8 +17,8 @@ import numpy as np
 
 from ratiokl.harness._protocol import TargetCall, TargetResult
 
-__all__ = ["POLICY_OPS", "TOKEN_OPS", "TokenBatch", "padded_arguments", "per_token_outputs",
-           "refusal", "result", "token_batch"]
+__all__ = ["POLICY_OPS", "TOKEN_OPS", "TokenBatch", "TrainerTarget", "needs_entropy",
+           "padded_arguments", "per_token_outputs", "refusal", "result", "token_batch"]
 
 #: The policy-loss ops: from logits, or from the trainer's own log-probs.
 POLICY_OPS = ("policy_loss", "policy_objective")
@@ -49,6 +49,39 @@ def refusal(call: TargetCall, trainer: str, ops: Sequence[str]) -> Optional[str]
     if call.option("segment_ids") is not None:
         return f"{trainer}'s rows are sequences: no packed segment_ids"
     return None
+
+
+class TrainerTarget:
+    """A trainer's loss as a target: ``name`` is ``key`` (``"<key>-nan-padded"`` with
+    ``nan_padding``: the fixtures' padded positions passed as they are, NaN / inf, instead
+    of zeros, to list where the trainer lets them reach the loss). A subclass sets ``key``
+    (also the ``ratiokl[...]`` extra), ``label``, and defines ``load()`` (imports the
+    trainer's code) and ``refusal(call)``."""
+
+    key: str
+    label: str
+
+    def __init__(self, nan_padding: bool = False) -> None:
+        self.nan_padding = nan_padding
+        self.name = f"{self.key}-nan-padded" if nan_padding else self.key
+
+    def supports(self, call: TargetCall) -> Optional[str]:
+        try:
+            self.load()
+        except ImportError as error:
+            return f"{self.label} is not importable ({error}); pip install 'ratiokl[{self.key}]'"
+        return self.refusal(call)
+
+    def load(self) -> Any:
+        raise NotImplementedError
+
+    def refusal(self, call: TargetCall) -> Optional[str]:
+        raise NotImplementedError
+
+
+def needs_entropy(call: TargetCall) -> bool:
+    """Whether a call needs the trainer's entropies (an entropy bonus, or the op's output)."""
+    return float(call.option("entropy_coef", 0.0)) != 0.0 or call.op.endswith("_entropy")
 
 
 @dataclass
