@@ -10,6 +10,7 @@ has a KL function, ``ratio_kl``; :func:`refusal` names the reason for the rest.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Sequence
 
@@ -55,11 +56,12 @@ class TrainerTarget:
     """A trainer's loss as a target: ``name`` is ``key`` (``"<key>-nan-padded"`` with
     ``nan_padding``: the fixtures' padded positions passed as they are, NaN / inf, instead
     of zeros, to list where the trainer lets them reach the loss). A subclass sets ``key``
-    (also the ``ratiokl[...]`` extra), ``label``, and defines ``load()`` (imports the
-    trainer's code) and ``refusal(call)``."""
+    (also the ``ratiokl[...]`` extra), ``label``, ``module`` (the trainer's module that
+    :meth:`load` imports, unless it overrides ``load``) and defines ``refusal(call)``."""
 
     key: str
     label: str
+    module: str
 
     def __init__(self, nan_padding: bool = False) -> None:
         self.nan_padding = nan_padding
@@ -73,7 +75,7 @@ class TrainerTarget:
         return self.refusal(call)
 
     def load(self) -> Any:
-        raise NotImplementedError
+        return importlib.import_module(self.module)
 
     def refusal(self, call: TargetCall) -> Optional[str]:
         raise NotImplementedError

@@ -110,14 +110,8 @@ class _Host:
 class TRLTarget(_torch.TrainerTarget):
     """TRL 1.16's ``GRPOTrainer._compute_loss`` on the case's log-probs."""
 
-    key, label = "trl", "TRL"
+    key, label, module = "trl", "TRL", "trl"
     refusal = staticmethod(_refusal)
-
-    @staticmethod
-    def load() -> Any:
-        import trl
-
-        return trl
 
     def __call__(self, call: TargetCall) -> TargetResult:
         import torch

@@ -103,14 +103,8 @@ def _global_batch_info(call: TargetCall, n_seq: int) -> Dict[str, Any]:
 class VerlTarget(_torch.TrainerTarget):
     """verl 0.9.1's policy loss, entropy bonus and KL loss (``core_algos``)."""
 
-    key, label = "verl", "verl"
+    key, label, module = "verl", "verl", "verl.trainer.ppo.core_algos"
     refusal = staticmethod(_refusal)
-
-    @staticmethod
-    def load() -> Any:
-        from verl.trainer.ppo import core_algos
-
-        return core_algos
 
     def __call__(self, call: TargetCall) -> TargetResult:
         from verl.trainer.ppo import core_algos
