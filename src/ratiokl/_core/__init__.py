@@ -6,8 +6,8 @@ small array adapter ``xp`` that each framework supplies (``ratiokl.torch._arrays
 light. An adapter offers, with the array API's names and meaning where it has them:
 
 * elementwise: ``where(cond, x, y)`` (``x`` / ``y`` arrays or Python numbers), ``exp``,
-  ``expm1``, ``isinf``, ``maximum(x, number)``, ``clip(x, lo, hi)`` (NaN stays NaN);
-* reductions and layout: ``sum(x, axis=None, keepdims=False)``, ``count(mask)`` (an
+  ``expm1``, ``log``, ``isinf``, ``isfinite``, ``maximum(x, number)``, ``clip(x, lo, hi)`` (NaN stays NaN);
+* reductions and layout: ``sum(x, axis=None, keepdims=False)``, ``max(x, axis)``, ``count(mask)`` (an
   integer 0-d array), ``stack(arrays)``, ``broadcast_to(x, shape)``, ``zeros_like``,
   ``ones_like``, ``as_float(x)`` (float32), ``as_index(x)`` (the framework's index
   integer);
@@ -30,6 +30,7 @@ The names follow the array API, so swapping a namespace in later is mechanical.
 Modules: :mod:`ratiokl._core.sequences` (the sequences of ``loss_agg`` and their
 segmented sums), :mod:`ratiokl._core.objective` (the per-token objective, the
 aggregations and the metrics), :mod:`ratiokl._core.rollout` (the rollout correction's
-weights and metrics), :mod:`ratiokl._core.route` (the policy-loss routes' tail after
+weights and metrics), :mod:`ratiokl._core.rows` (the native backends' row statistics,
+log-probs and entropy, and their vocabulary-parallel combine), :mod:`ratiokl._core.route` (the policy-loss routes' tail after
 validation, with the route's hooks each adapter also offers).
 """

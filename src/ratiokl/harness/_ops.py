@@ -16,6 +16,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 import numpy as np
 
 from ratiokl import spec
+from ratiokl.harness import _references as _refs
 from ratiokl.spec.tolerances import Tolerance
 
 __all__ = ["OPS", "Op", "default_tolerances"]
@@ -103,170 +104,6 @@ class Op:
         return self.positional + self.keywords
 
 
-def _spec_args(args: Arrays, names: Tuple[str, ...]) -> Dict[str, Any]:
-    return {k: args[k] for k in names if k in args}
-
-
-_RATIO_KL_KW = ("ref_logps", "kl_estimator", "temperature")
-
-
-def _ratio_kl_reference(args: Arrays) -> Dict[str, np.ndarray]:
-    ratio, kl = spec.ratio_kl(
-        args["policy_logits"], args.get("ref_logits"), args["action_ids"], args["mask"],
-        args["old_logps"], **_spec_args(args, _RATIO_KL_KW),
-    )
-    return {"ratio": ratio, "kl": kl}
-
-
-def _ratio_kl_grad(args: Arrays, cot: Arrays) -> np.ndarray:
-    return spec.ratio_kl_grad(
-        args["policy_logits"], args.get("ref_logits"), args["action_ids"], args["mask"],
-        args["old_logps"], cot["ratio"], cot["kl"], **_spec_args(args, _RATIO_KL_KW),
-    )
-
-
-def _selected_reference(args: Arrays) -> Dict[str, np.ndarray]:
-    logp = spec.selected_logprobs(
-        args["logits"], args["action_ids"], args.get("mask"), **_spec_args(args, ("temperature",))
-    )
-    return {"logp": logp}
-
-
-def _selected_grad(args: Arrays, cot: Arrays) -> np.ndarray:
-    return spec.selected_logprobs_grad(
-        args["logits"], args["action_ids"], args.get("mask"), cot["logp"],
-        **_spec_args(args, ("temperature",)),
-    )
-
-
-_POLICY_POSITIONAL = (
-    "policy_logits", "ref_logits", "action_ids", "mask", "old_logps", "advantages",
-)
-_POLICY_KW = (
-    "ref_logps", "clip_eps", "clip_eps_high", "dual_clip", "ratio_cap", "kl_coef",
-    "kl_estimator", "loss_agg", "loss_normalizer", "ratio_level", "segment_ids",
-    "importance_weights", "log_ratio_bound", "temperature", "objective", "entropy_coef",
-    "kl_agg", "entropy_agg", "kl_entropy_normalizer", "kl_clamp",
-)
-_POLICY_METRICS = (
-    "clip_fraction", "clip_fraction_low", "clip_fraction_high", "dual_clip_fraction",
-    "ratio_mean", "kl_mean", "approx_kl", "entropy_mean",
-)
-#: ``policy_loss`` with the rollout correction: its arguments and metrics on top.
-_ROLLOUT_KW = _POLICY_KW + ("rollout_logps", "rollout_correction", "rollout_bounds")
-
-
-def _entropy_reference(args: Arrays) -> Dict[str, np.ndarray]:
-    return {**_selected_reference(args),
-            "entropy": spec.entropy(args["logits"], args.get("mask"),
-                                    **_spec_args(args, ("temperature",)))}
-
-
-def _entropy_grad(args: Arrays, cot: Arrays) -> np.ndarray:
-    return _selected_grad(args, cot) + spec.entropy_grad(
-        args["logits"], args.get("mask"), cot["entropy"], **_spec_args(args, ("temperature",)))
-
-
-def _policy_reference(args: Arrays) -> Dict[str, np.ndarray]:
-    positional = [args.get(k) for k in _POLICY_POSITIONAL]
-    value, metrics = spec.policy_loss(*positional, **_spec_args(args, _ROLLOUT_KW))
-    return {"loss": np.asarray(value, np.float64),
-            **{k: np.float64(v) for k, v in metrics.items()}}
-
-
-def _policy_grad(args: Arrays, cot: Arrays) -> np.ndarray:
-    positional = [args.get(k) for k in _POLICY_POSITIONAL]
-    kw = _spec_args(args, _ROLLOUT_KW)
-    if np.ndim(cot["loss"]):  # loss_agg="none": one upstream value per token
-        return spec.policy_loss_grad(*positional, loss_cotangent=cot["loss"], **kw)
-    return float(cot["loss"]) * spec.policy_loss_grad(*positional, **kw)
-
-
-_OBJECTIVE_POSITIONAL = ("logps", "old_logps", "advantages", "mask")
-_OBJECTIVE_KW = ("ref_logps", "entropy") + tuple(
-    k for k in _ROLLOUT_KW if k not in ("ref_logps", "temperature"))
-
-
-def _objective_args(args: Arrays):
-    return [args.get(k) for k in _OBJECTIVE_POSITIONAL], _spec_args(args, _OBJECTIVE_KW)
-
-
-def _objective_reference(args: Arrays) -> Dict[str, np.ndarray]:
-    positional, kw = _objective_args(args)
-    value, metrics = spec.policy_objective(*positional, **kw)
-    return {"loss": np.asarray(value, np.float64),
-            **{k: np.float64(v) for k, v in metrics.items()}}
-
-
-def _objective_grad(args: Arrays, cot: Arrays) -> Dict[str, np.ndarray]:
-    positional, kw = _objective_args(args)
-    dlogps, dentropy = spec.policy_objective_grad(*positional, loss_cotangent=cot["loss"], **kw)
-    return {"logps": dlogps, "entropy": dentropy}
-
-
-def _objective_tolerances(args: Arrays, cot: Arrays, dtype: str) -> Dict[str, Tolerance]:
-    """:func:`default_tolerances` with the log-probs' magnitude as the scale: the float32
-    forward loses a few ulps of the largest active ``|logp|`` (of the policy, the behaviour
-    policy, the reference and the engine), and the gradients are stored in ``dtype``."""
-    mask = np.asarray(args["mask"], bool)
-    scale = 0.0
-    for key in ("logps", "old_logps", "ref_logps", "rollout_logps", "entropy"):
-        if args.get(key) is not None:
-            values = np.abs(np.asarray(args[key], np.float64)[mask])
-            scale = max(scale, float(values[np.isfinite(values)].max(initial=0.0)))
-    grads = _objective_grad(args, cot)
-    tols = {out: spec.forward_tolerance(scale) for out in _OBJECTIVE_OUTPUTS}
-    for key, grad in (("grad", grads["logps"]), ("grad_entropy", grads["entropy"])):
-        finite = np.abs(grad[np.isfinite(grad)])
-        tols[key] = spec.grad_tolerance(dtype, scale, float(finite.max(initial=0.0)))
-    return tols
-
-
-_LINEAR_KW = ("bias", "temperature", "logit_scale", "logit_softcap")
-
-
-def _linear_args(args: Arrays):
-    return ((args["hidden"], args["weight"], args["action_ids"], args.get("mask")),
-            _spec_args(args, _LINEAR_KW))
-
-
-def _linear_reference(args: Arrays, entropy: bool) -> Dict[str, np.ndarray]:
-    positional, kw = _linear_args(args)
-    out = spec.linear_selected_logprobs(*positional, return_entropy=entropy, **kw)
-    return {"logp": out[0], "entropy": out[1]} if entropy else {"logp": out}
-
-
-def _linear_grad(args: Arrays, cot: Arrays) -> Dict[str, np.ndarray]:
-    positional, kw = _linear_args(args)
-    grads = spec.linear_selected_logprobs_grad(*positional, cot["logp"], cot.get("entropy"),
-                                               **kw)
-    return {k: g for k, g in zip(("hidden", "weight", "bias"), grads) if g is not None}
-
-
-def _linear_tolerances(args: Arrays, cot: Arrays, dtype: str) -> Dict[str, Tolerance]:
-    """``ratiokl.spec.linear_forward_tolerance`` / ``linear_grad_tolerance``: the logits are
-    the case's GEMM, rounded to ``dtype`` in the chunk, and the gradients GEMM sums."""
-    positional, kw = _linear_args(args)
-    mask = np.ones(np.shape(args["hidden"])[:-1], bool) if args.get("mask") is None \
-        else np.asarray(args["mask"], bool)
-    logits = spec.linear_logits(np.where(mask[..., None], args["hidden"], 0.0), args["weight"],
-                                kw.get("bias"), logit_scale=kw.get("logit_scale", 1.0),
-                                logit_softcap=kw.get("logit_softcap"))
-    temp = np.broadcast_to(np.asarray(kw.get("temperature", 1.0), np.float64), mask.shape)
-    with np.errstate(invalid="ignore"):
-        z = np.abs(logits[mask] / temp[mask][:, None])
-    scale = float(z[np.isfinite(z)].max(initial=0.0))
-    vocab = np.shape(args["weight"])[0]
-    tols = {"logp": spec.linear_forward_tolerance(dtype, scale, vocab),
-            "entropy": spec.linear_forward_tolerance(dtype, scale, vocab, entropy=True)}
-    magnitudes = spec.linear_grad_magnitudes(*positional, cot["logp"], cot.get("entropy"),
-                                             **kw)
-    for key, magnitude in zip(("grad", "grad_weight", "grad_bias"), magnitudes):
-        if magnitude is not None:
-            tols[key] = spec.linear_grad_tolerance(dtype, scale, magnitude)
-    return tols
-
-
 _SELECTED_LOGPROBS = Op(
     name="selected_logprobs",
     positional=("logits", "action_ids", "mask"),
@@ -277,63 +114,58 @@ _SELECTED_LOGPROBS = Op(
     cotangents=("logp",),
     neutral={"logp": 0.0},
     unpack=lambda result: {"logp": result},
-    reference=_selected_reference,
-    reference_grad=_selected_grad,
+    reference=_refs.selected_reference,
+    reference_grad=_refs.selected_grad,
 )
 
 
 _POLICY_LOSS = Op(
     name="policy_loss",
-    positional=_POLICY_POSITIONAL,
-    keywords=_POLICY_KW,
+    positional=_refs.POLICY_POSITIONAL,
+    keywords=_refs.POLICY_KW,
     logit_args=("policy_logits", "ref_logits"),
     differentiate="policy_logits",
-    outputs=("loss",) + _POLICY_METRICS,
+    outputs=("loss",) + _refs.POLICY_METRICS,
     cotangents=("loss",),
     neutral={},
     unpack=lambda result: {"loss": result[0], **result[1]},
-    reference=_policy_reference,
-    reference_grad=_policy_grad,
+    reference=_refs.policy_reference,
+    reference_grad=_refs.policy_grad,
     per_token_neutral={"loss": 0.0},
 )
 
 
-_OBJECTIVE_OUTPUTS = ("loss",) + _POLICY_METRICS + spec.ROLLOUT_METRIC_NAMES
-
-_POLICY_OBJECTIVE = Op(
+# ``policy_loss``'s outputs, from the trainer's own per-token log-probs and entropies.
+_POLICY_OBJECTIVE = replace(
+    _POLICY_LOSS,
     name="policy_objective",
-    positional=_OBJECTIVE_POSITIONAL,
-    keywords=_OBJECTIVE_KW,
+    positional=_refs.OBJECTIVE_POSITIONAL,
+    keywords=_refs.OBJECTIVE_KW,
     logit_args=("logps", "entropy"),
     differentiate="logps",
-    outputs=("loss",) + _POLICY_METRICS,
-    cotangents=("loss",),
-    neutral={},
-    unpack=lambda result: {"loss": result[0], **result[1]},
-    reference=_objective_reference,
-    reference_grad=_objective_grad,
+    reference=_refs.objective_reference,
+    reference_grad=_refs.objective_grad,
     also_differentiate=("entropy",),
-    case_tolerances=_objective_tolerances,
+    case_tolerances=_refs.objective_tolerances,
     token_values=True,
     takes_backend=False,
-    per_token_neutral={"loss": 0.0},
 )
 
 
 _LINEAR = Op(
     name="linear_selected_logprobs",
     positional=("hidden", "weight", "action_ids", "mask"),
-    keywords=_LINEAR_KW + ("chunk_rows",),
+    keywords=_refs.LINEAR_KW + ("chunk_rows",),
     logit_args=("hidden", "weight", "bias"),
     differentiate="hidden",
     outputs=("logp",),
     cotangents=("logp",),
     neutral={"logp": 0.0},
     unpack=lambda result: {"logp": result},
-    reference=lambda args: _linear_reference(args, False),
-    reference_grad=_linear_grad,
+    reference=lambda args: _refs.linear_reference(args, False),
+    reference_grad=_refs.linear_grad,
     also_differentiate=("weight", "bias"),
-    case_tolerances=_linear_tolerances,
+    case_tolerances=_refs.linear_tolerances,
     vocab_arg="weight",
 )
 
@@ -342,15 +174,15 @@ OPS: Dict[str, Op] = {
     "ratio_kl": Op(
         name="ratio_kl",
         positional=("policy_logits", "ref_logits", "action_ids", "mask", "old_logps"),
-        keywords=_RATIO_KL_KW,
+        keywords=_refs.RATIO_KL_KW,
         logit_args=("policy_logits", "ref_logits"),
         differentiate="policy_logits",
         outputs=("ratio", "kl"),
         cotangents=("ratio", "kl"),
         neutral={"ratio": 1.0, "kl": 0.0},
         unpack=lambda result: {"ratio": result[0], "kl": result[1]},
-        reference=_ratio_kl_reference,
-        reference_grad=_ratio_kl_grad,
+        reference=_refs.ratio_kl_reference,
+        reference_grad=_refs.ratio_kl_grad,
     ),
     "selected_logprobs": _SELECTED_LOGPROBS,
     # The same call with ``return_entropy=True``: the entropy as a second output.
@@ -358,7 +190,7 @@ OPS: Dict[str, Op] = {
         _SELECTED_LOGPROBS, outputs=("logp", "entropy"), cotangents=("logp", "entropy"),
         neutral={"logp": 0.0, "entropy": 0.0},
         unpack=lambda result: {"logp": result[0], "entropy": result[1]},
-        reference=_entropy_reference, reference_grad=_entropy_grad,
+        reference=_refs.entropy_reference, reference_grad=_refs.entropy_grad,
         fixed={"return_entropy": True}),
     "policy_loss": _POLICY_LOSS,
     # From hidden states and the lm_head: gradients to hidden, weight and bias.
@@ -367,11 +199,11 @@ OPS: Dict[str, Op] = {
         _LINEAR, outputs=("logp", "entropy"), cotangents=("logp", "entropy"),
         neutral={"logp": 0.0, "entropy": 0.0},
         unpack=lambda result: {"logp": result[0], "entropy": result[1]},
-        reference=lambda args: _linear_reference(args, True),
+        reference=lambda args: _refs.linear_reference(args, True),
         fixed={"return_entropy": True}),
     # The same call with the rollout correction: its arguments and metrics on top.
     "policy_loss_rollout": replace(
-        _POLICY_LOSS, keywords=_ROLLOUT_KW,
+        _POLICY_LOSS, keywords=_refs.ROLLOUT_KW,
         outputs=_POLICY_LOSS.outputs + spec.ROLLOUT_METRIC_NAMES),
     # On the trainer's own per-token log-probs and entropies: gradients to both.
     "policy_objective": _POLICY_OBJECTIVE,

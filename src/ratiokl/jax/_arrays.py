@@ -33,6 +33,12 @@ class _Jax:
     maximum = staticmethod(jnp.maximum)
     clip = staticmethod(jnp.clip)
     stop_gradient = staticmethod(lax.stop_gradient)
+    isfinite = staticmethod(jnp.isfinite)
+    log = staticmethod(jnp.log)
+
+    @staticmethod
+    def max(x, axis):
+        return jnp.max(x, axis=axis)
 
     @staticmethod
     def sum(x, axis=None, keepdims=False):

@@ -1,12 +1,9 @@
 """The native JAX backend: ``jnp`` ops compiled by XLA, with an analytic backward.
 
-The selected log-prob is one ``jax.custom_vjp``. Its forward computes, per
-row, the statistics (row max ``m``, sum of exponentials ``s`` relative to
-``m``, the selected scaled logit ``z_a``) and then combines them into
-``lse = m + log s`` and ``logp = z_a - lse``. The split mirrors the design's
-vocabulary-parallel mode, where the combine step reduces the statistics of
-each shard with ``lax.pmax`` / ``lax.psum`` (``docs/design.md``). The
-backward saves only the per-row ``lse`` (O(N)) beside the input logits and
+The selected log-prob is one ``jax.custom_vjp``. Its forward is
+:mod:`ratiokl._core.rows`'s row math (the statistics ``m``, ``s``, ``z_a`` and
+their combine ``lse = shift(m) + log s``, ``logp = z_a - lse``, the entropy).
+The backward saves only the per-row ``lse`` (O(N)) beside the input logits and
 recomputes ``softmax(z) = exp(z - lse)``::
 
     dlogits[v] = g * (onehot(a)[v] - softmax(z)[v]) / T
@@ -29,13 +26,13 @@ import jax.numpy as jnp
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
-from ratiokl._core import objective as _objective
+from ratiokl._core import rows as _rows
 from ratiokl.jax._arrays import XP
 from ratiokl.jax._checks import Temperature
 
 __all__ = [
-    "entropy_grad", "finite_or_zero", "logprobs_entropy", "ratio_kl", "row_temperature", "rows_backward",
-    "rows_forward", "scaled_logits", "selected_logprobs",
+    "entropy_grad", "finite_or_zero", "logprobs_entropy", "ratio_kl", "row_temperature",
+    "rows_backward", "rows_forward", "scaled_logits", "selected_logprobs",
 ]
 
 
@@ -44,12 +41,6 @@ def row_temperature(temperature: Temperature, rows: int) -> jax.Array:
     if isinstance(temperature, float):
         return jnp.full((rows,), temperature, dtype=jnp.float32)
     return temperature.astype(jnp.float32)
-
-
-def _safe_ids(ids: jax.Array, mask: jax.Array, vocab: int) -> Tuple[jax.Array, jax.Array]:
-    """``(in-range ids, poisoned rows)``: ids clamped (0 on inactive rows), bad active rows."""
-    bad = mask & ((ids < 0) | (ids >= vocab))
-    return jnp.where(mask, jnp.clip(ids, 0, vocab - 1), 0), bad
 
 
 def scaled_logits(
@@ -62,33 +53,17 @@ def scaled_logits(
 
 
 def finite_or_zero(m: jax.Array) -> jax.Array:
-    # A row with no finite maximum (all -inf, or +inf present) keeps its
-    # non-finite lse: shifting by 0 leaves it visible instead of 0/0 hiding it.
-    return jnp.where(jnp.isfinite(m), m, 0.0)
+    """:func:`ratiokl._core.rows.finite_shift` (the Triton shard path's shift too)."""
+    return _rows.finite_shift(XP, m)
 
 
-def _row_stats(z: jax.Array, ids: jax.Array) -> Tuple[jax.Array, jax.Array, jax.Array]:
-    """Per-row ``(m, s, z_a)``: max, ``sum(exp(z - shift(m)))``, selected scaled logit."""
-    m = jnp.max(z, axis=-1)
-    s = jnp.sum(jnp.exp(z - finite_or_zero(m)[:, None]), axis=-1)
-    z_a = jnp.take_along_axis(z, ids[:, None], axis=-1)[:, 0]
-    return m, s, z_a
-
-
-def _combine(m: jax.Array, s: jax.Array) -> jax.Array:
-    """``lse`` from one shard's row statistics (the whole vocabulary)."""
-    return finite_or_zero(m) + jnp.log(s)
-
-
-def _forward(
-    logits: jax.Array, ids: jax.Array, mask: jax.Array, temperature: jax.Array
-) -> Tuple[jax.Array, jax.Array]:
-    """``(logp, lse)`` float32 ``[N]``; ``logp = 0`` on inactive rows, NaN on poisoned rows."""
-    safe, bad = _safe_ids(ids, mask, logits.shape[-1])
+def _forward(logits: jax.Array, ids: jax.Array, mask: jax.Array, temperature: jax.Array,
+             entropy: bool = False) -> Tuple[jax.Array, jax.Array, Optional[jax.Array]]:
+    """``(logp, lse, entropy | None)`` float32 ``[N]``; ``logp`` (and the entropy) 0 on
+    inactive rows, NaN on poisoned rows."""
+    safe, bad = _rows.safe_ids(XP, ids, mask, logits.shape[-1])
     z, _ = scaled_logits(logits, mask, temperature)
-    m, s, z_a = _row_stats(z, safe)
-    lse = jnp.where(bad, jnp.nan, _combine(m, s))
-    return jnp.where(mask, z_a - lse, 0.0), lse
+    return _rows.finish(XP, mask, bad, *_rows.row_values(XP, z, safe, entropy))
 
 
 @jax.custom_vjp
@@ -98,14 +73,14 @@ def _logp(logits: jax.Array, ids: jax.Array, mask: jax.Array,
 
 
 def _logp_fwd(logits, ids, mask, temperature):
-    logp, lse = _forward(logits, ids, mask, temperature)
+    logp, lse, _ = _forward(logits, ids, mask, temperature)
     return logp, (logits, ids, mask, temperature, lse)
 
 
 def _logp_bwd(residuals, g):
     # A poisoned row's NaN lse makes its gradient NaN.
     logits, ids, mask, temperature, lse = residuals
-    safe, _ = _safe_ids(ids, mask, logits.shape[-1])
+    safe, _ = _rows.safe_ids(XP, ids, mask, logits.shape[-1])
     z, t = scaled_logits(logits, mask, temperature)
     softmax = jnp.exp(z - lse[:, None])
     onehot = safe[:, None] == jnp.arange(logits.shape[-1])[None, :]
@@ -130,19 +105,8 @@ def selected_logprobs(
     return _logp(logits, ids, mask, t)
 
 
-def _entropy_terms(z: jax.Array, lse: jax.Array) -> Tuple[jax.Array, jax.Array]:
-    """``(p, p * log p)`` of rows ``z``; ``p * log p`` exactly 0 where ``p = 0`` (a ``-inf``
-    logit: never ``0 * -inf``) and NaN where ``p`` is NaN (a NaN or ``+inf`` logit in the
-    row: its entropy is NaN, never a finite sum that skipped it)."""
-    log_p = z - lse[:, None]
-    p = jnp.exp(log_p)
-    return p, jnp.where(p == 0.0, 0.0, p * log_p)
-
-
 def _entropy_forward(logits, ids, mask, temperature):
-    logp, lse = _forward(logits, ids, mask, temperature)
-    z, _ = scaled_logits(logits, mask, temperature)
-    ent = jnp.where(mask, -jnp.sum(_entropy_terms(z, lse)[1], axis=-1), 0.0)
+    logp, lse, ent = _forward(logits, ids, mask, temperature, entropy=True)
     return (logp, ent), (logits, ids, mask, temperature, lse, ent)
 
 
@@ -170,7 +134,7 @@ def _logp_entropy_bwd(residuals, cotangents):
 def _entropy_grad(logits, ids, mask, temperature, lse, ent, g_logp, g_ent) -> jax.Array:
     """``(g_logp (onehot - p) - g_ent p (log p + H)) / T`` in the logits' dtype; 0 on
     inactive rows."""
-    safe, _ = _safe_ids(ids, mask, logits.shape[-1])
+    safe, _ = _rows.safe_ids(XP, ids, mask, logits.shape[-1])
     onehot = safe[:, None] == jnp.arange(logits.shape[-1])[None, :]
     return entropy_grad(logits, onehot, mask, temperature, lse, ent, g_logp, g_ent)
 
@@ -180,7 +144,7 @@ def entropy_grad(logits, onehot, mask, temperature, lse, ent, g_logp, g_ent) -> 
     block's, all false on the rows whose action lies in another block); ``g_ent`` None:
     no entropy term."""
     z, t = scaled_logits(logits, mask, temperature)
-    p, p_log_p = _entropy_terms(z, lse)
+    p, p_log_p = _rows.entropy_terms(XP, z, lse)
     c_logp = jnp.where(mask, g_logp, 0.0) / t
     grad = c_logp[:, None] * (onehot - p)
     if g_ent is not None:
@@ -210,10 +174,7 @@ def rows_forward(logits: jax.Array, ids: jax.Array, mask: jax.Array, temperature
     """``(logp, entropy | None, lse)`` float32 ``[N]`` of ``logits [N, V]`` (``temperature``
     float32 ``[N]``), with no derivative rule: the linear op's chunks, whose gradient is
     :func:`rows_backward`."""
-    if not entropy:
-        logp, lse = _forward(logits, ids, mask, temperature)
-        return logp, None, lse
-    (logp, ent), (*_, lse, _) = _entropy_forward(logits, ids, mask, temperature)
+    logp, lse, ent = _forward(logits, ids, mask, temperature, entropy)
     return logp, ent, lse
 
 
@@ -240,10 +201,6 @@ def ratio_kl(
     """
     t = row_temperature(temperature, policy.shape[0])
     logp = _logp(policy, ids, mask, t)
-    if ref_logps is None:
-        ref, t_ref = lax.stop_gradient(ref), lax.stop_gradient(t)
-        logp_ref = _forward(ref, ids, mask, t_ref)[0]
-    else:
-        logp_ref = lax.stop_gradient(ref_logps)
-    return _objective.token_ratio_kl(XP, logp, logp_ref, lax.stop_gradient(old_logps), mask,
-                                     kl_code)
+    return _rows.ratio_kl(
+        XP, logp, lambda: _forward(lax.stop_gradient(ref), ids, mask, lax.stop_gradient(t))[0],
+        ref_logps, old_logps, mask, kl_code)

@@ -49,7 +49,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ratiokl._backend import Backend
-from ratiokl._core import objective as _objective
+from ratiokl._core import rows as _rows
 from ratiokl.jax import _native
 from ratiokl.jax._arrays import XP
 from ratiokl.jax._checks import Temperature
@@ -112,10 +112,8 @@ def backend(per_block: Backend, axis: str, explicit: bool) -> Backend:
 
 def _ownership(ids: jax.Array, mask: jax.Array, local_vocab: int, axis: str):
     """``(local ids clamped into this block, owned [N], bad [N])`` for global ``ids``."""
-    local = ids - lax.axis_index(axis) * local_vocab
-    owned = mask & (local >= 0) & (local < local_vocab)
-    bad = mask & ((ids < 0) | (ids >= local_vocab * _axis_size(axis)))
-    return jnp.where(owned, local, 0), owned, bad
+    return _rows.ownership(XP, ids, mask, lax.axis_index(axis) * local_vocab, local_vocab,
+                           local_vocab * _axis_size(axis))
 
 
 def _shard_sums_fwd(logits, local_ids, owned, mask, temperature, shift, entropy):
@@ -161,7 +159,7 @@ def block_logps(shards, ids, mask, temperature, axis, entropy=False):
     local_ids, owned, bad = _ownership(ids, mask, shards[0].shape[-1], axis)
     z = [_native.scaled_logits(lax.stop_gradient(x), mask, temperature)[0] for x in shards]
     m = jnp.stack([jnp.max(zk, axis=-1) for zk in z])
-    shift = lax.stop_gradient(_native.finite_or_zero(lax.pmax(m, axis)))
+    shift = lax.stop_gradient(_rows.finite_shift(XP, lax.pmax(m, axis)))
     sums = [_shard_sums(x, local_ids, owned, mask, temperature, shift[k], entropy and k == 0)
             for k, x in enumerate(shards)]
     terms = (jnp.stack([t[0] for t in sums]), jnp.stack([t[1] for t in sums]))
@@ -169,8 +167,8 @@ def block_logps(shards, ids, mask, temperature, axis, entropy=False):
     # An out-of-range active id poisons its row, value and gradient (NaN is added, not selected).
     s = s + jnp.where(bad, jnp.nan, 0.0)
     logps = [jnp.where(mask, z_a[k] - shift[k] - jnp.log(s[k]), 0.0) for k in range(len(shards))]
-    ent = jnp.where(mask, jnp.log(s[0]) - h[0] / s[0], 0.0) if entropy else None
-    return logps, ent, shift + jnp.log(s)
+    ent = jnp.where(mask, _rows.shard_entropy(XP, s[0], h[0]), 0.0) if entropy else None
+    return logps, ent, _rows.shard_lse(XP, shift, s)
 
 
 class VocabParallel:
@@ -227,11 +225,7 @@ class VocabParallel:
         temperature: Temperature,
     ) -> Tuple[jax.Array, jax.Array]:
         """Float32 ``(ratio[N], kl[N])``; one pmax and one psum for policy and reference."""
-        if ref is None:
-            (logp,), logp_ref = self._logps([policy], ids, mask, temperature)[0], ref_logps
-        else:
-            logp, logp_ref = self._logps([policy, lax.stop_gradient(ref)], ids, mask,
-                                         temperature)[0]
-        return _objective.token_ratio_kl(
-            XP, logp, lax.stop_gradient(logp_ref), lax.stop_gradient(old_logps), mask, kl_code
-        )
+        shards = [policy] + ([] if ref is None else [lax.stop_gradient(ref)])
+        logp, *logp_ref = self._logps(shards, ids, mask, temperature)[0]
+        return _rows.ratio_kl(XP, logp, lambda: logp_ref[0], ref_logps, old_logps, mask,
+                              kl_code)

@@ -29,10 +29,16 @@ class _Torch:
     zeros_like = staticmethod(torch.zeros_like)
     ones_like = staticmethod(torch.ones_like)
     stop_gradient = staticmethod(torch.Tensor.detach)
+    isfinite = staticmethod(torch.isfinite)
+    log = staticmethod(torch.log)
 
     @staticmethod
     def sum(x, axis=None, keepdims=False):
         return x.sum() if axis is None else x.sum(dim=axis, keepdim=keepdims)
+
+    @staticmethod
+    def max(x, axis):
+        return x.amax(dim=axis)
 
     @staticmethod
     def maximum(x, floor):

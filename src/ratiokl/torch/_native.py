@@ -6,13 +6,11 @@ inputs (logits ``[N, V]``, per-row tensors ``[N]``).
 How it works. Rows are processed in chunks whose size depends only on
 ``(N, V)`` (never on values, so no host sync). Per chunk, inactive rows are
 replaced with zeros by ``torch.where`` *before* any arithmetic, the logits are
-upcast to float32 and scaled by ``1/T``, and three row statistics are taken:
-the row max ``m``, the shifted sum of exponentials ``s`` and the selected
-scaled logit ``z_a``. Their combine gives ``lse`` (the vocabulary-parallel
-mode all-reduces the same statistics across ranks first, see
-docs/design.md). The backward recomputes the softmax chunk by chunk from the
-saved ``lse`` and writes ``g * (onehot(a) - softmax(z)) / T`` directly in the
-logits' dtype, selected (never multiplied) to exactly 0 on inactive rows.
+upcast to float32 and scaled by ``1/T``, and the row statistics and their
+combine (``lse``, ``logp``, the entropy) are :mod:`ratiokl._core.rows`'s. The
+backward recomputes the softmax chunk by chunk from the saved ``lse`` and
+writes ``g * (onehot(a) - softmax(z)) / T`` directly in the logits' dtype,
+selected (never multiplied) to exactly 0 on inactive rows.
 
 Memory beyond the inputs and outputs:
   * saved for backward: ``lse`` (float32 ``[N]``) plus the clamped ids and
@@ -27,10 +25,8 @@ Memory beyond the inputs and outputs:
     ``[T, B, V]`` tensor seen as ``[B, T, V]``), ``reshape`` in the public
     function makes one copy in the logits' dtype.
 
-An active row with an id outside ``[0, V)`` is poisoned (NaN outputs and
-gradient) whether or not the caller checks the ids, as on the Triton
-backend: the host check reads its result only after the work is queued, so
-``check_ids`` needs nothing here.
+An active row with an id outside ``[0, V)`` is poisoned whether or not the
+caller checks the ids (the host check reads its result after the work is queued).
 """
 
 from __future__ import annotations
@@ -39,19 +35,18 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from ratiokl._core import objective as _objective
+from ratiokl._core import rows as _rows
 from ratiokl.torch._arrays import XP
 from ratiokl.torch._checks import Temperature
 
-__all__ = ["entropy_terms", "finite_shift", "logprobs_entropy", "ratio_kl", "row_chunks",
-           "rows_backward", "rows_forward", "scaled_logits", "selected_logprobs"]
+__all__ = ["logprobs_entropy", "ratio_kl", "row_chunks", "rows_backward", "rows_forward",
+           "scaled_logits", "selected_logprobs"]
 
 #: Bytes of one float32 chunk temporary, by device type (``"cpu"``, else the default). On
 #: a CPU the chunk's passes should hit its caches: selected_logprobs, N=1024, V=32768 fp32,
 #: 2 cores (1 MiB L2 each, 32 MiB L3): eager 101 ms; chunks of 32 MiB 227 ms, 8 MiB 148,
 #: 4 MiB 83, 2 MiB 70, 1 MiB 89 (per-op overhead). A GPU launch must move enough bytes.
 _CHUNK_BYTES = {"cpu": 2 * 2**20, "default": 512 * 2**20}
-
 
 
 def row_chunks(n_rows: int, vocab: int, device: torch.device) -> List[slice]:
@@ -80,36 +75,12 @@ def scaled_logits(
     return z if temperature == 1.0 else z.div_(temperature)
 
 
-def _row_stats(
-    z: torch.Tensor, ids: torch.Tensor
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Row max ``m``, ``s = sum exp(z - shift(m))`` and the selected ``z[a]``, each ``[rows]``."""
-    m = z.amax(dim=1)
-    s = (z - finite_shift(m)[:, None]).exp_().sum(dim=1)
-    z_sel = z.gather(1, ids[:, None])[:, 0]
-    return m, s, z_sel
-
-
-def finite_shift(m: torch.Tensor) -> torch.Tensor:
-    """The max used to shift the exponentials; 0 where the max is +-inf or NaN.
-
-    A row of all ``-inf`` then gets ``lse = -inf`` and ``logp = NaN`` (no valid
-    distribution), and a ``+inf`` logit gives ``lse = +inf``, as in the spec.
-    """
-    return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-
-
-def _lse(m: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """Combine row statistics into the log-sum-exp (single shard)."""
-    return finite_shift(m) + torch.log(s)
-
-
 def _forward(
     logits: torch.Tensor,
     ids: torch.Tensor,
     mask: torch.Tensor,
     temperature: Temperature,
-    bad: Optional[torch.Tensor],
+    bad: torch.Tensor,
     entropy: bool = False,
 ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """``(logp, lse, entropy)``, float32 ``[N]`` each (``entropy`` None unless asked for).
@@ -125,19 +96,10 @@ def _forward(
     for rows in row_chunks(n_rows, vocab, logits.device):
         t = temperature[rows] if isinstance(temperature, torch.Tensor) else temperature
         z = scaled_logits(logits[rows], mask[rows], t)
-        m, s, selected = _row_stats(z, ids[rows])
-        lse[rows] = _lse(m, s)
-        z_sel[rows] = selected
+        lse[rows], z_sel[rows], chunk_ent = _rows.row_values(XP, z, ids[rows], entropy)
         if entropy:
-            ent[rows] = -entropy_terms(z, lse[rows])[1].sum(dim=1)
-    if bad is not None:
-        # An out-of-range active id (unchecked): poison the row, forward and backward.
-        nan = torch.full_like(lse, float("nan"))
-        lse = torch.where(bad, nan, lse)
-        ent = None if ent is None else torch.where(bad, nan, ent)
-    zero = torch.zeros_like(lse)
-    logp = torch.where(mask, z_sel - lse, zero)
-    return logp, lse, None if ent is None else torch.where(mask, ent, zero)
+            ent[rows] = chunk_ent
+    return _rows.finish(XP, mask, bad, lse, z_sel, ent)
 
 
 def _backward(
@@ -162,15 +124,6 @@ def _backward(
     return grad
 
 
-def entropy_terms(z: torch.Tensor, lse: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(p, p * log p)`` of a chunk's rows, ``p * log p`` exactly 0 where ``p = 0`` (a
-    ``-inf`` logit: never ``0 * -inf``) and NaN where ``p`` is NaN (a NaN or ``+inf`` logit
-    in the row: its entropy is NaN, never a finite sum that skipped it)."""
-    log_p = z - lse[:, None]
-    p = log_p.exp()
-    return p, torch.where(p == 0.0, torch.zeros_like(p), p * log_p)
-
-
 def _entropy_backward(logits, ids, mask, temperature, lse, ent, grad_logp,
                       grad_ent) -> torch.Tensor:
     """``(g_logp * (onehot - p) - g_ent * p * (log p + H)) / T`` in the logits' dtype
@@ -185,7 +138,8 @@ def _entropy_backward(logits, ids, mask, temperature, lse, ent, grad_logp,
     c_logp, c_ent = coef(grad_logp), coef(grad_ent)
     for rows in row_chunks(n_rows, vocab, logits.device):
         t = temperature[rows] if isinstance(temperature, torch.Tensor) else temperature
-        p, p_log_p = entropy_terms(scaled_logits(logits[rows], mask[rows], t), lse[rows])
+        p, p_log_p = _rows.entropy_terms(XP, scaled_logits(logits[rows], mask[rows], t),
+                                         lse[rows])
         d = (p_log_p + p * ent[rows, None]).mul_(-c_ent[rows, None])
         d.sub_(p * c_logp[rows, None])
         d.scatter_add_(1, ids[rows, None], c_logp[rows, None].contiguous())
@@ -254,11 +208,10 @@ def _prepare_rows(
     The poison is applied whether or not the caller checks the ids: the host
     check (``check_ids``) reads its result after the kernels are queued.
     """
-    bad = mask & ((ids < 0) | (ids >= vocab))
-    safe_ids = torch.where(mask, ids, torch.zeros_like(ids)).clamp(0, vocab - 1).long()
+    safe_ids, bad = _rows.safe_ids(XP, ids, mask, vocab)
     if isinstance(temperature, torch.Tensor):
         temperature = torch.where(mask, temperature, torch.ones_like(temperature))
-    return safe_ids, temperature, bad
+    return safe_ids.long(), temperature, bad
 
 
 def selected_logprobs(
@@ -316,8 +269,5 @@ def ratio_kl(
     """Float32 ``(ratio[N], kl[N])``; differentiable w.r.t. ``policy`` only."""
     safe_ids, temp, bad = _prepare_rows(ids, mask, temperature, policy.shape[1])
     logp = _SelectedLogprob.apply(policy, safe_ids, mask, temp, bad)
-    if ref_logps is None:
-        with torch.no_grad():
-            ref_logps, _, _ = _forward(ref.detach(), safe_ids, mask, temp, bad)
-    return _objective.token_ratio_kl(XP, logp, ref_logps.detach(), old_logps.detach(), mask,
-                                     kl_code)
+    return _rows.ratio_kl(XP, logp, lambda: _forward(ref.detach(), safe_ids, mask, temp, bad)[0],
+                          ref_logps, old_logps, mask, kl_code)

@@ -41,7 +41,8 @@ import torch.distributed as dist
 from ratiokl.spec import LogitTransform
 from ratiokl.torch import _linear_logprobs, _vocab_agree
 from ratiokl.torch._checks import Temperature
-from ratiokl.torch._vocab_parallel import VocabParallel, native_block_grad
+from ratiokl.torch._vocab_parallel import VocabParallel
+from ratiokl.torch._vocab_shard import native_block_grad
 
 __all__ = ["selected_logprobs"]
 

@@ -8,7 +8,7 @@ temperature and the other per-token inputs are global and identical on every
 rank.
 
 Per row, every rank computes its shard's statistics (max ``m_r`` and
-``s_r = sum exp(z - shift(m_r))``, see ``ratiokl.torch._native``) and the
+``s_r = sum exp(z - shift(m_r))``, ``ratiokl.torch._vocab_shard``) and the
 ranks combine them with two ``[N]``-sized all-reduces per call, fused over
 the policy and the reference logits::
 
@@ -58,12 +58,12 @@ import torch
 import torch.distributed as dist
 
 from ratiokl._backend import Backend
-from ratiokl._core import objective as _objective
-from ratiokl.torch import _native, _vocab_agree
+from ratiokl._core import rows as _rows
+from ratiokl.torch import _vocab_agree, _vocab_shard
 from ratiokl.torch._arrays import XP
 from ratiokl.torch._checks import Temperature
 
-__all__ = ["VocabParallel", "backend", "native_block_grad"]
+__all__ = ["VocabParallel", "backend"]
 
 
 def backend(group: dist.ProcessGroup, lead: Tuple[int, ...], kernels: bool,
@@ -84,67 +84,6 @@ def backend(group: dist.ProcessGroup, lead: Tuple[int, ...], kernels: bool,
     return Backend(parallel.selected_logprobs, parallel.ratio_kl, parallel.logprobs_entropy,
                    linear_selected_logprobs=functools.partial(_vocab_linear.selected_logprobs,
                                                               parallel))
-
-
-#: One shard tensor's statistics: row max ``m``, ``s = sum exp(z - shift(m))`` and, for the
-#: policy's entropy, ``mu`` (the mean ``z`` under the shard's softmax; else None).
-_Stats = Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]
-
-
-def _shard_stats(logits: torch.Tensor, mask: torch.Tensor, temperature: Temperature,
-                 entropy: bool) -> _Stats:
-    """This shard's ``(m, s, mu)``, float32 ``[N]`` each (``mu`` with ``entropy``; 0 on a
-    row of no mass)."""
-    n_rows, vocab = logits.shape
-    m = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
-    s = torch.empty_like(m)
-    mu = torch.empty_like(m) if entropy else None
-    for rows in _native.row_chunks(n_rows, vocab, logits.device):
-        t = temperature[rows] if isinstance(temperature, torch.Tensor) else temperature
-        z = _native.scaled_logits(logits[rows], mask[rows], t)
-        m[rows] = z.amax(dim=1)
-        shift = _native.finite_shift(m[rows])[:, None]
-        e = (z - shift).exp_()
-        s[rows] = e.sum(dim=1)
-        if entropy:  # E[z] = shift + sum e (z - shift) / s; a -inf logit (e = 0) adds 0,
-            # a NaN (e NaN) stays NaN: select on e == 0 only, never on e > 0.
-            h = torch.where(e == 0.0, torch.zeros_like(e), e * (z - shift)).sum(dim=1)
-            mu[rows] = torch.where(s[rows] == 0.0, torch.zeros_like(h),
-                                   shift[:, 0] + h / s[rows])
-    return m, s, mu
-
-
-def _selected(
-    logits: torch.Tensor,
-    local_ids: torch.Tensor,
-    owned: torch.Tensor,
-    temperature: Temperature,
-) -> torch.Tensor:
-    """``z[a]`` float32 ``[N]`` on rows whose action lies in this shard, 0 elsewhere."""
-    zero = torch.zeros((), dtype=logits.dtype, device=logits.device)
-    x = torch.where(owned, logits.gather(1, local_ids[:, None])[:, 0], zero).float()
-    return x / temperature
-
-
-def _stats(shards: Sequence[torch.Tensor], mask: torch.Tensor, temperature: Temperature,
-           kernels: bool, entropy: bool) -> List[_Stats]:
-    """``(m, s, mu)`` float32 ``[N]`` per shard tensor (policy, then ref if given; ``mu``
-    for the policy with ``entropy``, else None).
-
-    Native: the row max and shifted sum. Kernels: the shard's log-sum-exp
-    ``lse_r`` as ``(lse_r, 1)`` (one pass over policy and ref together), which
-    the combine turns into the same ``M`` shift and ``S`` sum.
-    """
-    if not kernels:
-        return [_shard_stats(x, mask, temperature, entropy and k == 0)
-                for k, x in enumerate(shards)]
-    from ratiokl.torch import _triton  # imports triton: only when a kernel backend runs
-
-    temp = _triton.kernel_temperature(temperature, shards[0].device)
-    lse, ref_lse, mu = _triton.shard_lse(shards[0], shards[1] if len(shards) > 1 else None,
-                                         mask, temp, entropy)
-    stats = [(lse, torch.ones_like(lse), mu)]
-    return stats if ref_lse is None else stats + [(ref_lse, torch.ones_like(ref_lse), None)]
 
 
 class _AttachGrad(torch.autograd.Function):
@@ -186,36 +125,9 @@ class _AttachGrad(torch.autograd.Function):
                 g_ent, ent,
             )
         else:
-            grad = native_block_grad(logits, lse, local_ids, owned, mask, temperature,
-                                     g_logp, g_ent, ent)
+            grad = _vocab_shard.native_block_grad(logits, lse, local_ids, owned, mask,
+                                                  temperature, g_logp, g_ent, ent)
         return grad, None, None, None, None, None, None, None, None
-
-
-def native_block_grad(logits, lse, local_ids, owned, mask, temperature, g_logp, g_ent,
-                      ent) -> torch.Tensor:
-    """This shard's slice of ``(g * (onehot(a) - p) - g_ent * p * (log p + H)) / T`` in the
-    logits' dtype, ``p = softmax(z)`` (``g_ent`` None: no entropy term)."""
-    n_rows, vocab = logits.shape
-    grad = torch.empty((n_rows, vocab), dtype=logits.dtype, device=logits.device)
-    coef = g_logp / temperature
-    c_ent = None if g_ent is None else g_ent / temperature
-    for rows in _native.row_chunks(n_rows, vocab, logits.device):
-        t = temperature[rows] if isinstance(temperature, torch.Tensor) else temperature
-        z = _native.scaled_logits(logits[rows], mask[rows], t)
-        if c_ent is None:
-            d = (z - lse[rows, None]).exp_().neg_()
-        else:
-            p, p_log_p = _native.entropy_terms(z, lse[rows])
-            entropy_term = (p_log_p + p * ent[rows, None]).mul_(c_ent[rows, None])
-            d = p.neg_()
-        # +1 at the action, on the owning shard only (others write their column back).
-        col = d.gather(1, local_ids[rows, None])
-        d.scatter_(1, local_ids[rows, None], torch.where(owned[rows, None], col + 1.0, col))
-        d.mul_(coef[rows, None])
-        if c_ent is not None:
-            d.sub_(entropy_term)
-        grad[rows] = d.masked_fill_(~mask[rows, None], 0.0)
-    return grad
 
 
 class VocabParallel:
@@ -267,10 +179,7 @@ class VocabParallel:
     ) -> Tuple[torch.Tensor, torch.Tensor]:
         """Float32 ``(ratio[N], kl[N])``; differentiable w.r.t. this rank's ``policy`` shard."""
         logp, logp_ref, _ = self.logprobs(policy, ref, ids, mask, temperature)
-        if logp_ref is None:
-            logp_ref = ref_logps
-        return _objective.token_ratio_kl(XP, logp, logp_ref.detach(), old_logps.detach(), mask,
-                                         kl_code)
+        return _rows.ratio_kl(XP, logp, lambda: logp_ref, ref_logps, old_logps, mask, kl_code)
 
     def logprobs(
         self,
@@ -301,7 +210,7 @@ class VocabParallel:
             logp, ent = out if entropy else (out, None)
             return logp, None if ref is None else empty, ent
         with torch.no_grad():
-            stats = _stats(shards, mask, temperature, kernels, entropy)
+            stats = _vocab_shard.stats(shards, mask, temperature, kernels, entropy)
             z_sel, lse, ent, local_ids, owned, _ = self._combine(shards, stats, ids, mask,
                                                                  temperature)
         out = _AttachGrad.apply(
@@ -318,7 +227,7 @@ class VocabParallel:
         logits (detached; ``temperature`` 1 on inactive rows): the global float32 ``[N]``
         row values of :meth:`logprobs` without its gradient, and the rank's first column,
         from the same statistics and the same two all-reduces (the linear ops' chunks)."""
-        stats = _stats([block], mask, temperature, self.kernels, entropy)
+        stats = _vocab_shard.stats([block], mask, temperature, self.kernels, entropy)
         z_sel, lse, ent, _, _, start = self._combine([block], stats, ids, mask, temperature)
         zero = torch.zeros_like(lse[0])
         logp = torch.where(mask, z_sel[0] - lse[0], zero)
@@ -327,7 +236,7 @@ class VocabParallel:
     def _combine(
         self,
         shards: Sequence[torch.Tensor],
-        stats: Sequence[_Stats],
+        stats: Sequence[_vocab_shard.Stats],
         ids: torch.Tensor,
         mask: torch.Tensor,
         temperature: Temperature,
@@ -337,7 +246,7 @@ class VocabParallel:
         its ``mu``), plus local ids and ownership ``[N]`` and this rank's first column
         ``start_r`` (0-d int64).
 
-        ``stats`` holds each shard tensor's ``(m, s, mu)`` from :func:`_stats`.
+        ``stats`` holds each shard tensor's ``(m, s, mu)`` from :func:`ratiokl.torch._vocab_shard.stats`.
         """
         n_rows, local_vocab = shards[0].shape
         sizes = torch.zeros(self.world, dtype=torch.float64, device=ids.device)
@@ -346,15 +255,13 @@ class VocabParallel:
         dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=self.group)
         sizes = maxima[len(shards) * n_rows :].long()
         start, vocab = sizes[: self.rank].sum(), sizes.sum()
-        bad = mask & ((ids < 0) | (ids >= vocab))
-        local = ids.long() - start
-        owned = mask & (local >= 0) & (local < local_vocab)
-        local_ids = torch.where(owned, local, torch.zeros_like(local))
-        shift = _native.finite_shift(maxima[: len(shards) * n_rows].float()).reshape(len(shards), n_rows)
+        local_ids, owned, bad = _rows.ownership(XP, ids.long(), mask, start, local_vocab, vocab)
+        shift = _rows.finite_shift(XP, maxima[: len(shards) * n_rows].float())
+        shift = shift.reshape(len(shards), n_rows)
         sums = []
         for k, (x, (m, s, _)) in enumerate(zip(shards, stats)):
             sums.append(s * torch.exp(m - shift[k]))
-            sums.append(_selected(x, local_ids, owned, temperature))
+            sums.append(_vocab_shard.selected(x, local_ids, owned, temperature))
         mu = stats[0][2]
         if mu is not None:  # the entropy's term: E_p[z] - shift = sum_r w_r (mu_r - shift) / S
             sums.append(sums[0] * (mu - shift[0]))
@@ -362,10 +269,11 @@ class VocabParallel:
         dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=self.group)
         nan = torch.full_like(shift[0], float("nan"))
         # log(S) after the max shift; an out-of-range active id poisons its row (unchecked calls).
-        lse = [torch.where(bad, nan, shift[k] + torch.log(sums[2 * k])) for k in range(len(shards))]
+        lse = [torch.where(bad, nan, _rows.shard_lse(XP, shift[k], sums[2 * k]))
+               for k in range(len(shards))]
         ent = None
         if mu is not None:  # H = lse - E_p[z] = log(S) - (E_p[z] - shift)
-            ent = torch.where(bad, nan, torch.log(sums[0]) - sums[-1] / sums[0])
+            ent = torch.where(bad, nan, _rows.shard_entropy(XP, sums[0], sums[-1]))
         return [sums[2 * k + 1] for k in range(len(shards))], lse, ent, local_ids, owned, start
 
     def _agree(self, n_shards: int, local_vocab: int, ids: torch.Tensor,

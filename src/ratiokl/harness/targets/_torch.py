@@ -10,6 +10,7 @@ has a KL function, ``ratio_kl``; :func:`refusal` names the reason for the rest.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Sequence
 
@@ -17,8 +18,8 @@ import numpy as np
 
 from ratiokl.harness._protocol import TargetCall, TargetResult
 
-__all__ = ["POLICY_OPS", "TOKEN_OPS", "TokenBatch", "padded_arguments", "per_token_outputs",
-           "refusal", "result", "token_batch"]
+__all__ = ["POLICY_OPS", "TOKEN_OPS", "TokenBatch", "TrainerTarget", "needs_entropy",
+           "padded_arguments", "per_token_outputs", "refusal", "result", "token_batch"]
 
 #: The policy-loss ops: from logits, or from the trainer's own log-probs.
 POLICY_OPS = ("policy_loss", "policy_objective")
@@ -49,6 +50,40 @@ def refusal(call: TargetCall, trainer: str, ops: Sequence[str]) -> Optional[str]
     if call.option("segment_ids") is not None:
         return f"{trainer}'s rows are sequences: no packed segment_ids"
     return None
+
+
+class TrainerTarget:
+    """A trainer's loss as a target: ``name`` is ``key`` (``"<key>-nan-padded"`` with
+    ``nan_padding``: the fixtures' padded positions passed as they are, NaN / inf, instead
+    of zeros, to list where the trainer lets them reach the loss). A subclass sets ``key``
+    (also the ``ratiokl[...]`` extra), ``label``, ``module`` (the trainer's module that
+    :meth:`load` imports, unless it overrides ``load``) and defines ``refusal(call)``."""
+
+    key: str
+    label: str
+    module: str
+
+    def __init__(self, nan_padding: bool = False) -> None:
+        self.nan_padding = nan_padding
+        self.name = f"{self.key}-nan-padded" if nan_padding else self.key
+
+    def supports(self, call: TargetCall) -> Optional[str]:
+        try:
+            self.load()
+        except ImportError as error:
+            return f"{self.label} is not importable ({error}); pip install 'ratiokl[{self.key}]'"
+        return self.refusal(call)
+
+    def load(self) -> Any:
+        return importlib.import_module(self.module)
+
+    def refusal(self, call: TargetCall) -> Optional[str]:
+        raise NotImplementedError
+
+
+def needs_entropy(call: TargetCall) -> bool:
+    """Whether a call needs the trainer's entropies (an entropy bonus, or the op's output)."""
+    return float(call.option("entropy_coef", 0.0)) != 0.0 or call.op.endswith("_entropy")
 
 
 @dataclass

@@ -111,23 +111,12 @@ def _refusal(call: TargetCall) -> Optional[str]:
     return None
 
 
-class OpenRLHFTarget:
-    """OpenRLHF 0.11.2's ``PolicyLoss``, KL loss and entropy bonus.
+class OpenRLHFTarget(_torch.TrainerTarget):
+    """OpenRLHF 0.11.2's ``PolicyLoss``, KL loss and entropy bonus."""
 
-    ``nan_padding``: pass the fixtures' padded positions as they are (NaN / inf) instead of
-    zeros, to list where OpenRLHF lets them reach the loss.
-    """
-
-    def __init__(self, nan_padding: bool = False) -> None:
-        self.nan_padding = nan_padding
-        self.name = "openrlhf-nan-padded" if nan_padding else "openrlhf"
-
-    def supports(self, call: TargetCall) -> Optional[str]:
-        try:
-            _openrlhf()
-        except ImportError as error:
-            return f"OpenRLHF is not importable ({error}); pip install 'ratiokl[openrlhf]'"
-        return _refusal(call)
+    key, label = "openrlhf", "OpenRLHF"
+    load = staticmethod(_openrlhf)
+    refusal = staticmethod(_refusal)
 
     def __call__(self, call: TargetCall) -> TargetResult:
         loss_module, utils = _openrlhf()
@@ -135,8 +124,8 @@ class OpenRLHFTarget:
         entropy = getattr(utils.compute_entropy, "_torchdynamo_orig_callable",
                           utils.compute_entropy)  # eager: no compiler on a CPU machine
         batch = _torch.token_batch(call, utils.log_probs_from_logits, entropy,
-                                   need_entropy=entropy_coef != 0.0 or call.op.endswith(
-                                       "_entropy"), nan_padding=self.nan_padding)
+                                   need_entropy=_torch.needs_entropy(call),
+                                   nan_padding=self.nan_padding)
         if call.op in _torch.TOKEN_OPS:
             return _torch.result(call, batch, _torch.per_token_outputs(
                 call, batch, lambda logp, ref, kind: utils.compute_approx_kl(

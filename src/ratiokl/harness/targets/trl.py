@@ -107,23 +107,11 @@ class _Host:
         return self._batch.logps, self._batch.entropy, None
 
 
-class TRLTarget:
-    """TRL 1.16's ``GRPOTrainer._compute_loss`` on the case's log-probs.
+class TRLTarget(_torch.TrainerTarget):
+    """TRL 1.16's ``GRPOTrainer._compute_loss`` on the case's log-probs."""
 
-    ``nan_padding``: pass the fixtures' padded positions as they are (NaN / inf) instead of
-    zeros, to list where TRL lets them reach the loss.
-    """
-
-    def __init__(self, nan_padding: bool = False) -> None:
-        self.nan_padding = nan_padding
-        self.name = "trl-nan-padded" if nan_padding else "trl"
-
-    def supports(self, call: TargetCall) -> Optional[str]:
-        try:
-            import trl  # noqa: F401
-        except ImportError as error:
-            return f"TRL is not importable ({error}); pip install 'ratiokl[trl]'"
-        return _refusal(call)
+    key, label, module = "trl", "TRL", "trl"
+    refusal = staticmethod(_refusal)
 
     def __call__(self, call: TargetCall) -> TargetResult:
         import torch

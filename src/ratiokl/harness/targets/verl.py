@@ -100,32 +100,19 @@ def _global_batch_info(call: TargetCall, n_seq: int) -> Dict[str, Any]:
     return info
 
 
-class VerlTarget:
-    """verl 0.9.1's policy loss, entropy bonus and KL loss (``core_algos``).
+class VerlTarget(_torch.TrainerTarget):
+    """verl 0.9.1's policy loss, entropy bonus and KL loss (``core_algos``)."""
 
-    ``nan_padding``: pass the fixtures' padded positions as they are (NaN / inf logits and
-    log-probs) instead of zeros, to list where verl lets them reach the loss.
-    """
-
-    def __init__(self, nan_padding: bool = False) -> None:
-        self.nan_padding = nan_padding
-        self.name = "verl-nan-padded" if nan_padding else "verl"
-
-    def supports(self, call: TargetCall) -> Optional[str]:
-        try:
-            import verl.trainer.ppo.core_algos  # noqa: F401
-        except ImportError as error:
-            return f"verl is not importable ({error}); pip install 'ratiokl[verl]'"
-        return _refusal(call)
+    key, label, module = "verl", "verl", "verl.trainer.ppo.core_algos"
+    refusal = staticmethod(_refusal)
 
     def __call__(self, call: TargetCall) -> TargetResult:
         from verl.trainer.ppo import core_algos
         from verl.utils import torch_functional as verl_F
 
-        entropy_coef = float(call.option("entropy_coef", 0.0))
         batch = _torch.token_batch(call, verl_F.logprobs_from_logits, verl_F.entropy_from_logits,
-                                   need_entropy=entropy_coef != 0.0 or call.op.endswith(
-                                       "_entropy"), nan_padding=self.nan_padding)
+                                   need_entropy=_torch.needs_entropy(call),
+                                   nan_padding=self.nan_padding)
         if call.op in _torch.TOKEN_OPS:
             return _torch.result(call, batch, _torch.per_token_outputs(
                 call, batch, lambda logp, ref, kind: core_algos.kl_penalty(logp, ref, kind)))
