@@ -55,7 +55,7 @@ def row_values(xp, z, ids, entropy: bool) -> Tuple[Any, Any, Optional[Any]]:
     """``(lse, z_a, H | None)`` float32 ``[N]`` of scaled rows ``z`` ``[N, V]`` and in-range
     ``ids`` ``[N]`` (``H`` with ``entropy``): the statistics and their combine."""
     m = xp.max(z, axis=-1)
-    s = xp.sum(xp.exp(z - finite_shift(xp, m)[:, None]), axis=-1)
+    s = xp.sum(xp.exp_temporary(z - finite_shift(xp, m)[:, None]), axis=-1)
     z_a = xp.take(z, ids[:, None])[:, 0]
     lse = log_sum_exp(xp, m, s)
     ent = -xp.sum(entropy_terms(xp, z, lse)[1], axis=-1) if entropy else None

@@ -25,6 +25,7 @@ class _Jax:
     where = staticmethod(jnp.where)
     exp = staticmethod(jnp.exp)
     expm1 = staticmethod(jnp.expm1)
+    exp_temporary = staticmethod(jnp.exp)  # XLA reuses the buffer itself
     isinf = staticmethod(jnp.isinf)
     stack = staticmethod(jnp.stack)
     zeros_like = staticmethod(jnp.zeros_like)
