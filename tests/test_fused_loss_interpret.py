@@ -47,7 +47,7 @@ def _spec(x: dict, case: dict):
 def _small_tiles(vocab, itemsize, n_rows, write_grad):
     """8-column tiles, two spans a row (V = 37: tiles 0-2, then 3 and the tail), one program."""
     from ratiokl._kernels import LaunchConfig, split_plan
-    from ratiokl._kernels.fused_loss import FusedPlan
+    from ratiokl._kernels.heuristics import FusedPlan
 
     spans = split_plan(vocab, 8, 2)
     return FusedPlan(LaunchConfig(8, 1), spans, spans.splits)

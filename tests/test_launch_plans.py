@@ -27,8 +27,8 @@ pytest.importorskip("triton")
 
 from assertions import assert_close  # noqa: E402
 from ratiokl import spec  # noqa: E402
-from ratiokl._kernels import fused_loss, heuristics  # noqa: E402
-from ratiokl._kernels.fused_loss import launch_plan  # noqa: E402
+from ratiokl._kernels import heuristics  # noqa: E402
+from ratiokl._kernels.heuristics import launch_plan  # noqa: E402
 from launch_plans import plans, sweep_rows, sweep_vocabularies  # noqa: E402
 
 DTYPE = {4: torch.float32, 2: torch.bfloat16}
@@ -129,7 +129,7 @@ def _head(plan):
 
 def _clear_row_caches():
     heuristics.backward_splits.cache_clear()
-    fused_loss.launch_plan.cache_clear()
+    heuristics.launch_plan.cache_clear()
 
 
 @contextlib.contextmanager

@@ -10,8 +10,8 @@ here:
 * :func:`plans` names the plans every kernel launch takes for ``n_rows``
   rows of ``vocab`` logits of ``itemsize`` bytes, read from the very plan objects
   the bindings launch (``heuristics.forward_plan``, ``heuristics.backward_plan``,
-  ``fused_loss.launch_plan``) -- the GPU's plan, which
-  Triton's interpreter now runs too (``fused_loss._stand_in_meeting``);
+  ``heuristics.launch_plan``) -- the GPU's plan, which
+  Triton's interpreter now runs too (``meeting.stand_in_meeting``);
 * :func:`sweep_vocabularies` and :func:`sweep_rows` scan the heuristics for
   every size where a tile width, warp count, split count or plan changes and
   return the sizes on both sides of it, so a changed heuristic moves the GPU
@@ -26,7 +26,7 @@ import functools
 from typing import FrozenSet, Tuple
 
 from ratiokl._kernels import heuristics
-from ratiokl._kernels.fused_loss import launch_plan
+from ratiokl._kernels.heuristics import launch_plan
 
 __all__ = ["Plan", "plans", "sweep_rows", "sweep_vocabularies"]
 

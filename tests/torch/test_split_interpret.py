@@ -118,7 +118,7 @@ def test_split_forward_and_backward_match_spec():
 
 
 def test_fused_loss_plan_splits_rows_only_where_it_pays():
-    from ratiokl._kernels.fused_loss import launch_plan
+    from ratiokl._kernels.heuristics import launch_plan
 
     v = 151_936
     with_grad = launch_plan(v, 2, 8192, True)

@@ -21,6 +21,8 @@ from typing import NamedTuple, Optional, Tuple
 __all__ = [
     "BackwardPlan",
     "ForwardPlan",
+    "FusedPlan",
+    "SCALE_WARPS",
     "LaunchConfig",
     "SplitPlan",
     "backward_config",
@@ -28,6 +30,8 @@ __all__ = [
     "backward_splits",
     "forward_config",
     "forward_plan",
+    "launch_plan",
+    "scale_block",
     "split_plan",
     "use_split_forward",
 ]
@@ -168,3 +172,60 @@ def backward_plan(n_rows: int, vocab: int, itemsize: int,
     tiles = -(-vocab // config.block_v)
     per_program = -(-tiles // backward_splits(n_rows, vocab, itemsize))
     return BackwardPlan(config, per_program, -(-tiles // per_program))
+
+
+#: Spans of a row in the fused kernel (fewer when the row has fewer tiles).
+_FUSED_SPLITS = 10
+
+
+class FusedPlan(NamedTuple):
+    """Launch of the fused kernel: tile and warps, the row's spans, spans per program."""
+
+    config: LaunchConfig
+    spans: SplitPlan
+    spans_per_program: int
+
+    @property
+    def row_programs(self) -> int:
+        """Programs per row (1: a program per row, no device counter)."""
+        return self.spans.splits // self.spans_per_program
+
+    def programs(self, n_rows: int) -> int:
+        """Programs of the launch: one per (row, group of ``spans_per_program`` spans)."""
+        return n_rows * self.row_programs
+
+    def counters(self, n_rows: int) -> int:
+        """int32 counters the launch needs zeroed (``count_ptr``): ``n_rows + 1``, or none
+        (0) with a program per row, which takes its row by program id and waits for none."""
+        return n_rows + 1 if self.row_programs > 1 else 0
+
+
+@functools.lru_cache(maxsize=1024)  # pure; called once per launch (host time)
+def launch_plan(vocab: int, itemsize: int, n_rows: int, write_grad: bool) -> FusedPlan:
+    """How the fused kernel cuts a row: ``_FUSED_SPLITS`` spans, one program each (on a GPU).
+
+    A row's programs each read their span (the log-sum-exp partials), meet at
+    a device-side counter to combine the row's statistics, then write their
+    span's gradient while it is still in L2. On the H200 (bf16, N = 8192,
+    V = 151,936) 10 spans of 4096 x 4 warps were the best of the plans tried;
+    one program per row and spans held in registers were slower, and without
+    a gradient one program per row is best once enough rows fill the GPU
+    (``heuristics.use_split_forward``): the measurements are in
+    docs/performance.md ("Experiments retired from benchmarks/"). The plan is
+    the same on a GPU and in Triton's interpreter.
+    The spans depend only on ``V`` and the element size and every program
+    combines them the same way: no launch changes a bit (batch invariance).
+    """
+    config = forward_config(vocab, itemsize)
+    spans = split_plan(vocab, config.block_v, _FUSED_SPLITS)
+    whole_rows = not (write_grad or use_split_forward(n_rows, spans))
+    return FusedPlan(config, spans, spans.splits if whole_rows else 1)
+
+
+#: Warps of ``scale_rows_kernel`` (a plain streaming read-modify-write).
+SCALE_WARPS = 8
+
+
+def scale_block(vocab: int) -> int:
+    """``scale_rows_kernel``'s tile: the row rounded up to a power of two, 16 to 4096."""
+    return min(4096, max(16, 1 << (vocab - 1).bit_length()))

@@ -18,14 +18,8 @@ either path and in any batch (batch invariance). Inactive rows read no logit
 import triton
 import triton.language as tl
 
-from ratiokl._kernels.forward import (
-    entropy_span_stats,
-    fold_lse2,
-    forward_epilogue,
-    span_stats,
-    split_span,
-    store_partial,
-)
+from ratiokl._kernels.forward import fold_lse2, forward_epilogue, store_partial
+from ratiokl._kernels.spans import entropy_span_stats, span_stats, split_span
 from ratiokl._kernels.numerics import LOG2E, fold_lse2_h
 
 

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from ratiokl._codes import KL
-from ratiokl._kernels.fused_loss import launch_plan
+from ratiokl._kernels.heuristics import launch_plan
 from ratiokl._kernels.loss_rows import METRIC_NAMES
 from ratiokl.spec import LogitTransform, PolicyLossOptions
 from ratiokl.torch._checks import Temperature

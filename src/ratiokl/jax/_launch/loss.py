@@ -12,14 +12,9 @@ import jax.numpy as jnp
 
 from ratiokl._core import objective as _objective
 from ratiokl._kernels import loss_rows as row_kernels
-from ratiokl._kernels.fused_loss import (
-    PARTIAL_FIELDS,
-    SCALE_WARPS,
-    launch_plan,
-    policy_loss_kernel,
-    scale_block,
-    scale_rows_kernel,
-)
+from ratiokl._kernels.fused_loss import policy_loss_kernel, scale_rows_kernel
+from ratiokl._kernels.heuristics import SCALE_WARPS, launch_plan, scale_block
+from ratiokl._kernels.meeting import PARTIAL_FIELDS
 from ratiokl._kernels.objective import CLIP_CAPPED, CLIP_HIGH, CLIP_LOW
 from ratiokl.jax._arrays import XP
 from ratiokl.jax._launch.vmap import TritonCall, mapped, row_op

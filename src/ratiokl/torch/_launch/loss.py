@@ -14,14 +14,9 @@ from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 
-from ratiokl._kernels.fused_loss import (
-    PARTIAL_FIELDS,
-    SCALE_WARPS,
-    launch_plan,
-    policy_loss_kernel,
-    scale_block,
-    scale_rows_kernel,
-)
+from ratiokl._kernels.fused_loss import policy_loss_kernel, scale_rows_kernel
+from ratiokl._kernels.heuristics import SCALE_WARPS, launch_plan, scale_block
+from ratiokl._kernels.meeting import PARTIAL_FIELDS
 from ratiokl._kernels.loss_rows import METRIC_NAMES, ROWS_BLOCK, ROWS_WARPS, policy_metrics_kernel
 from ratiokl.torch._launch.op import KernelOp, row_stride
 from ratiokl.torch._once import spend
