@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
-from ratiokl._core.route import as_rows
+from ratiokl._core.sequences import as_rows
 
 __all__ = ["Rules", "TokenInputs", "bad_rows", "bind", "check_ids", "check_logits", "check_mask",
            "check_ref", "check_row_values", "check_temperature", "poison_bad_temperature",

@@ -30,14 +30,14 @@ nothing synchronises with the host.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from ratiokl._codes import KL
-from ratiokl._core.sequences import segment_totals, segments
+from ratiokl._core.sequences import as_rows, segment_totals, segments
 from ratiokl.spec import KL_VARIANTS, PolicyLossOptions, aggregation_denominator, estimator_value
 
-__all__ = ["METRIC_NAMES", "aggregation_weights", "kl_value", "masked_means",
-           "policy_objective", "token_metrics", "token_ratio_kl"]
+__all__ = ["METRIC_NAMES", "aggregation_weights", "kernel_weights", "kl_value", "masked_means",
+           "objective_rows", "policy_objective", "token_metrics", "token_ratio_kl"]
 
 #: The objective's metrics, in the fused kernels' order (``_kernels.loss_rows``).
 METRIC_NAMES = ("clip_fraction", "clip_fraction_low", "clip_fraction_high",
@@ -160,6 +160,19 @@ def aggregation_weights(xp, mask, segment_ids, normalizer, opts: PolicyLossOptio
     return xp.as_float(xp.where(mask, weights / denom, 0.0))
 
 
+def kernel_weights(xp, token_weights: Callable, mask, lead: Tuple[int, ...], inputs,
+                   opts: PolicyLossOptions):
+    """The fused kernels' per-row aggregation weights ``w`` (float32 ``[N]``) for the
+    flattened bool ``mask [N]``: the backend's one launch (``token_weights``) where every
+    active token weighs the same, else :func:`aggregation_weights`."""
+    mask_rows = as_rows(mask, lead)
+    weights = token_weights(mask, opts, inputs.loss_normalizer, mask_rows.shape[-1])
+    if weights is None:
+        weights = aggregation_weights(
+            xp, mask_rows, inputs.segment_ids, inputs.loss_normalizer, opts).reshape(-1)
+    return weights
+
+
 def policy_objective(xp, logp, logp_ref: Optional[Any], mask, inputs,
                      opts: PolicyLossOptions, entropy: Optional[Any]) -> Tuple[Any, Dict[str, Any]]:
     """``(loss, metrics)`` from per-token inputs laid out ``[R, T]``.
@@ -240,6 +253,17 @@ def policy_objective(xp, logp, logp_ref: Optional[Any], mask, inputs,
         term = _aggregate(xp, term, mask, agg, counts, n_tok, n_seq, inputs.kl_entropy_normalizer)
         loss = _with(xp, loss, coef, term, uses)
     return xp.as_float(loss), metrics
+
+
+def objective_rows(xp, logp, logp_ref: Optional[Any], mask, lead: Tuple[int, ...], inputs,
+                   opts: PolicyLossOptions, entropy) -> Tuple[Any, Dict[str, Any]]:
+    """The two-pass loss from a backend's ``[N]`` log-probs (``logp``, ``logp_ref`` or None,
+    ``entropy``) and bool ``mask``: :func:`policy_objective` on their ``[R, T]`` layout, the
+    loss as returned (``loss_agg="none"``: per token in the leading shape, else 0-d)."""
+    loss, metrics = policy_objective(
+        xp, as_rows(logp, lead), None if logp_ref is None else as_rows(logp_ref, lead),
+        as_rows(mask, lead), inputs, opts, as_rows(entropy, lead))
+    return (loss.reshape(lead) if opts.loss_agg == "none" else loss), metrics
 
 
 def masked_means(xp, mask, parts, n_tok=None):

@@ -18,7 +18,8 @@ from __future__ import annotations
 from typing import Any, Dict, Tuple
 
 from ratiokl._core import objective as _objective
-from ratiokl._core.route import as_rows, loss_inputs
+from ratiokl._core.route import loss_inputs
+from ratiokl._core.sequences import as_rows
 from ratiokl.spec import PolicyLossOptions, rollout_options
 
 __all__ = ["policy_objective"]

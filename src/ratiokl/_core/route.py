@@ -4,7 +4,8 @@ A route validates its arguments, builds the option objects and flattens the lead
 ``[...]`` to ``N`` rows (``ratiokl.<framework>._route``), then hands them here
 (:func:`loss_step`): the rollout correction, the backend's one-kernel loss or its
 log-probs, and the objective of :mod:`ratiokl._core.objective` on their ``[R, T]``
-layout (:func:`as_rows`), the loss back in the caller's shape (:func:`per_token`).
+layout (``sequences.as_rows``), the loss as the caller gets it (``loss_agg="none"``: per
+token in the leading shape, else 0-d).
 
 ``xp`` is the framework's array adapter (see :mod:`ratiokl._core`); for the route it also
 offers ``flat(x)`` (a float32 ``[N]`` copy outside the gradient, None passing through),
@@ -17,16 +18,14 @@ against a second backward).
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
 from ratiokl._backend import Backend, inplace_grad_error
-from ratiokl._core.objective import aggregation_weights, policy_objective
+from ratiokl._core.objective import kernel_weights, objective_rows
 from ratiokl.spec import PolicyLossOptions, check_loss_normalizer, check_term_normalizer
 
-__all__ = ["Rows", "as_rows", "kernel_weights", "linear_loss_step", "logprobs_step",
-           "loss_inputs", "loss_step", "objective_tail", "per_token", "ratio_kl_step",
-           "uniform_weights"]
+__all__ = ["Rows", "linear_loss_step", "logprobs_step", "loss_inputs", "loss_step",
+           "ratio_kl_step", "uniform_weights"]
 
 
 class Rows(NamedTuple):
@@ -77,26 +76,13 @@ def ratio_kl_step(xp, rows: Rows, ref, old_logps, ref_logps, kl_code: int):
     return rows.checked((ratio.reshape(rows.lead), kl.reshape(rows.lead)))
 
 
-def as_rows(x, lead: Tuple[int, ...]):
-    """A per-token array of leading shape ``[..., T]`` (or ``[N]``) viewed as ``[R, T]``."""
-    if not lead:
-        return x.reshape(1, 1)
-    return x.reshape(math.prod(lead[:-1]), lead[-1])  # explicit R: T may be 0
-
-
-def per_token(loss, lead: Tuple[int, ...], opts: PolicyLossOptions):
-    """``loss`` as returned: the per-token loss (``[N]`` / ``[R, T]``, ``loss_agg="none"``)
-    in the leading shape ``[...]``, else the 0-d loss itself."""
-    return loss.reshape(lead) if opts.loss_agg == "none" else loss
-
-
 def uniform_weights(opts: PolicyLossOptions, normalizer: object, width: int,
                     by_count: Callable[[], Any], by_number: Callable[[float], Any]):
     """A Triton backend's ``token_weights``: the aggregation weights ``w = where(mask, 1 / D,
     0)`` (float32 ``[N]``) in one launch where every active token weighs the same (``D`` the
     active count: ``by_count()``, the weights kernel; a number: ``by_number(D)``, one
     ``where``); None where they do not (sequence lengths or counts, an array normaliser: the
-    caller takes the framework's ops, :func:`kernel_weights`).
+    caller takes the framework's ops, :func:`ratiokl._core.objective.kernel_weights`).
 
     ``normalizer``: ``loss_normalizer``; ``width``: tokens per sequence ``T``.
     """
@@ -105,30 +91,6 @@ def uniform_weights(opts: PolicyLossOptions, normalizer: object, width: int,
         return None
     denom, count = args
     return by_count() if count else by_number(denom)
-
-
-def kernel_weights(xp, token_weights: Callable, mask, lead: Tuple[int, ...], inputs,
-                   opts: PolicyLossOptions):
-    """The fused kernels' per-row aggregation weights ``w`` (float32 ``[N]``) for the
-    flattened bool ``mask [N]``: the backend's one launch (``token_weights``) where every
-    active token weighs the same, else :func:`ratiokl._core.objective.aggregation_weights`."""
-    mask_rows = as_rows(mask, lead)
-    weights = token_weights(mask, opts, inputs.loss_normalizer, mask_rows.shape[-1])
-    if weights is None:
-        weights = aggregation_weights(
-            xp, mask_rows, inputs.segment_ids, inputs.loss_normalizer, opts).reshape(-1)
-    return weights
-
-
-def objective_tail(xp, logp, logp_ref: Optional[Any], mask, lead: Tuple[int, ...], inputs,
-                   opts: PolicyLossOptions, entropy) -> Tuple[Any, Dict[str, Any]]:
-    """The two-pass loss from a backend's ``[N]`` log-probs (``logp``, ``logp_ref`` or None,
-    ``entropy``) and bool ``mask``: :func:`ratiokl._core.objective.policy_objective` on
-    their ``[R, T]`` layout, the loss in the caller's shape (:func:`per_token`)."""
-    loss, metrics = policy_objective(
-        xp, as_rows(logp, lead), None if logp_ref is None else as_rows(logp_ref, lead),
-        as_rows(mask, lead), inputs, opts, as_rows(entropy, lead))
-    return per_token(loss, lead, opts), metrics
 
 
 def loss_step(xp, rows, ref, ref_logps, inputs, opts: PolicyLossOptions, rollout,
@@ -159,7 +121,8 @@ def loss_step(xp, rows, ref, ref_logps, inputs, opts: PolicyLossOptions, rollout
             xp.flat(ref_logps), adv, xp.flat(inputs.importance_weights), weights,
             rows.temperature, opts, inplace_grad, **adv_kwargs,
         )
-        return rows.checked((per_token(loss, lead, opts), {**metrics, **rollout_metrics}))
+        loss = loss.reshape(lead) if opts.loss_agg == "none" else loss
+        return rows.checked((loss, {**metrics, **rollout_metrics}))
     if inplace_grad:  # the two-pass route writes a new gradient: the opt-in cannot apply
         raise inplace_grad_error(opts.sequence_ratio, xp.compiling(), fuses=opts.fuses)
     # The entropy from the same read of the logits (entropy_mean always; in the loss with
@@ -171,7 +134,7 @@ def loss_step(xp, rows, ref, ref_logps, inputs, opts: PolicyLossOptions, rollout
             logp_ref = run.selected_logprobs(xp.stop_gradient(ref), rows.ids, rows.mask,
                                              rows.temperature)
     logp_ref = None if logp_ref is None else xp.stop_gradient(logp_ref)
-    loss, metrics = objective_tail(xp, logp, logp_ref, rows.mask, lead, inputs, opts, entropy)
+    loss, metrics = objective_rows(xp, logp, logp_ref, rows.mask, lead, inputs, opts, entropy)
     return rows.checked((xp.once(loss, op), {**metrics, **rollout_metrics}))
 
 
@@ -185,7 +148,7 @@ def linear_loss_step(xp, rows, weight, bias, transform, chunk_rows: int, ref_log
     row's logits (``xp.head_logits``, inactive rows' hidden states zeroed) and takes
     :func:`loss_step`; ``sharded`` (vocab-parallel), ``loss_agg="none"`` and the options
     the fused chunks lack (``kl_agg``, ``entropy_agg``, ``kl_clamp``) take two passes:
-    the backend's chunked log-probs and entropies, then :func:`objective_tail` (with
+    the backend's chunked log-probs and entropies, then ``objective.objective_rows`` (with
     ``"none"`` the per-token loss's upstream gradient is ``[...]`` and ``d weight`` sums
     every row's share, so it cannot be scaled after the fact as the fused chunks' scalar
     one is); else the backend's fused chunks.
@@ -204,7 +167,7 @@ def linear_loss_step(xp, rows, weight, bias, transform, chunk_rows: int, ref_log
                                                  rows.mask, rows.temperature, transform,
                                                  chunk_rows, True)
         ref = None if ref_logps is None else xp.stop_gradient(xp.flat(ref_logps))
-        loss, metrics = objective_tail(xp, logp, ref, rows.mask, lead, inputs, opts, ent)
+        loss, metrics = objective_rows(xp, logp, ref, rows.mask, lead, inputs, opts, ent)
         if sharded:  # the vocab-parallel loss refuses a second backward, as policy_loss
             loss = xp.once(loss, "linear_policy_loss")
         return rows.checked((loss, {**metrics, **rollout_metrics}))

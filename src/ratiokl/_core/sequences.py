@@ -11,9 +11,17 @@ deterministic and free of scatters (a doubling scan and gathers), so it traces u
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+import math
+from typing import Any, NamedTuple, Optional, Tuple
 
-__all__ = ["Segments", "segment_totals", "segments", "sequence_totals"]
+__all__ = ["Segments", "as_rows", "segment_totals", "segments", "sequence_totals"]
+
+
+def as_rows(x, lead: Tuple[int, ...]):
+    """A per-token array of leading shape ``[..., T]`` (or ``[N]``) viewed as ``[R, T]``."""
+    if not lead:
+        return x.reshape(1, 1)
+    return x.reshape(math.prod(lead[:-1]), lead[-1])  # explicit R: T may be 0
 
 
 class Segments(NamedTuple):

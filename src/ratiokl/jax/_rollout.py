@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ratiokl._core import rollout as _core
-from ratiokl._core.route import as_rows
+from ratiokl._core.sequences import as_rows
 from ratiokl.jax._arrays import XP
 from ratiokl.jax._checks import TokenInputs, check_row_values
 from ratiokl.spec import RolloutOptions

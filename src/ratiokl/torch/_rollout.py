@@ -10,7 +10,7 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 from ratiokl._core import rollout as _core
-from ratiokl._core.route import as_rows
+from ratiokl._core.sequences import as_rows
 from ratiokl.spec import RolloutOptions
 from ratiokl.torch._arrays import XP
 from ratiokl.torch._checks import TokenInputs, check_row_values, check_same_device
