@@ -8,7 +8,9 @@ metric, the policy-logit gradient) across clip modes, KL variants, aggregations,
 bf16, garbage (NaN, bad ids) in inactive rows, upstream gradients of 1 (the device-side skip)
 and not 1, the entropy bonus, rows in one tile or in spans of tiles; then all-inactive and
 empty input, NaN inputs and unchecked bad ids on an active row, GSPO's two-pass fallback and
-batch invariance (the cases: ``tests/helpers/fused_loss_cases.py``). What only one binding
+batch invariance (the cases: ``tests/helpers/fused_loss_cases.py``); which kernels the route
+launches (the fused one for every option set but GSPO's, whose backward has an entropy term
+only with a coefficient) and one program a row against programs meeting, bit for bit. What only one binding
 has stays in ``tests/torch`` and ``tests/jax`` ``test_fused_loss_interpret.py``. Sizes are
 small: the interpreter is slow.
 """
@@ -160,3 +162,108 @@ def test_a_rows_results_do_not_depend_on_the_batch(interpret_target):
     full = call(fw, x, case, "interpret", -1.5)
     part = call(fw, {k: v[:2] for k, v in x.items()}, case, "interpret", -1.5)
     np.testing.assert_array_equal(full[2][:2], part[2])
+
+
+# --- the route's choices and the launch plans, seen in what the interpreter launches ----------
+
+
+def _launches(monkeypatch) -> list:
+    """``(kernel name, {parameter: argument})`` of every interpreter launch from here on, both
+    bindings' (each launches a twin: ``twin[grid](...)`` runs ``Twin.run``). JAX launches
+    when its computation runs: block on the results first."""
+    from ratiokl._kernels import triton_compat
+
+    seen = []
+    real = triton_compat.Twin.run
+
+    def run(self, *args, **kwargs):
+        named = dict(zip(self.arg_names, args), **kwargs)
+        seen.append((self.fn.__name__, named))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(triton_compat.Twin, "run", run)
+    return seen
+
+
+def _forward(fw: str, x: dict, case: dict, logits=None):
+    """``(loss, metrics)`` of one call without a gradient (PyTorch: under ``no_grad``; JAX:
+    no ``vjp``), as Python floats; a NumPy 0-d option becomes the framework's array."""
+    xp = importlib.import_module("torch" if fw == "torch" else "jax.numpy")
+    as_array = xp.from_numpy if fw == "torch" else xp.asarray
+    t = {k: as_array(np.asarray(v)) for k, v in x.items()}
+    ref = None if case.get("ref") in ("none", "logps") else t["ref_logits"]
+    kwargs = {k: as_array(v) if isinstance(v, np.ndarray) else v
+              for k, v in options(case).items()}
+    rest = {k: v for k, v in t.items() if k not in (
+        "policy_logits", "ref_logits", "action_ids", "mask", "old_logps", "advantages")}
+    loss = importlib.import_module(f"ratiokl.{fw}.loss")
+    grad_off = importlib.import_module("torch").no_grad() if fw == "torch" else (
+        importlib.import_module("contextlib").nullcontext())
+    with grad_off:
+        value, metrics = loss.policy_loss(
+            t["policy_logits"] if logits is None else logits, ref, t["action_ids"], t["mask"],
+            t["old_logps"], t["advantages"], backend="interpret", **rest, **kwargs)
+    return float(value), {k: float(v) for k, v in metrics.items()}
+
+
+@pytest.mark.parametrize("case, fuses", [
+    (dict(kl_coef=0.1, dual_clip=2.0, kl_estimator="k3-is"), True),
+    (dict(loss_agg="seq-mean-token-mean"), True),
+    (dict(entropy_coef=0.01), True),
+    (dict(entropy_coef=np.asarray(0.01, np.float32), objective="cispo"), True),
+    (dict(ratio_level="sequence"), False),
+    (dict(ratio_level="sequence", entropy_coef=0.01), False),
+], ids=["kl-dual-clip", "seq-mean", "entropy", "tensor-entropy-cispo", "gspo", "gspo-entropy"])
+def test_route_fuses_every_option_but_gspo(interpret_target, case, fuses, monkeypatch):
+    """The fused kernel runs for every option set but GSPO's (``entropy_coef`` included);
+    GSPO takes the log-prob kernels."""
+    fw = _framework(interpret_target)
+    case = dict(case, ref="logps")
+    x = inputs(5, case)
+    launches = _launches(monkeypatch)
+    _forward(fw, x, case)
+    kernels = {name for name, _ in launches}
+    assert ("policy_loss_kernel" in kernels) == fuses, kernels
+    assert ("logp_forward_kernel" in kernels or "logp_split_kernel" in kernels) != fuses, kernels
+
+
+def test_two_pass_backward_has_an_entropy_term_only_with_a_coefficient(interpret_target,
+                                                                         monkeypatch):
+    """GSPO's two-pass route always computes the entropy (``entropy_mean``); nothing
+    differentiates it without a coefficient, so its backward kernel has no entropy term."""
+    fw = _framework(interpret_target)
+    launches = _launches(monkeypatch)
+    for coef in (0.0, 0.2):
+        launches.clear()
+        case = dict(ratio_level="sequence", loss_agg="seq-mean-token-mean", entropy_coef=coef)
+        x = inputs(47, case)
+        f_loss, f_metrics, f_grad = call(fw, x, case, "interpret", 1.0)
+        e_loss, e_metrics, e_grad = _spec(x, case)
+        flags = [bool(args["ENTROPY"]) for name, args in launches
+                 if name == "logp_backward_kernel"]
+        assert flags == [coef != 0.0], (coef, flags)
+        assert_close(f_grad, e_grad, grad_tolerance(case, e_grad), "grad")
+        assert_close(f_metrics["entropy_mean"], e_metrics["entropy_mean"], SPEC_TOL,
+                     "entropy_mean")
+
+
+@pytest.mark.parametrize("case", [dict(kl_coef=0.1), dict(ref="logps", kl_coef=0.1),
+                                  dict(kl_coef=0.1, entropy_coef=0.05, masked=True)],
+                         ids=["ref_logits", "ref_logps", "entropy_bonus_masked_vocab"])
+def test_one_program_a_row_and_programs_meeting_give_the_same_bits(interpret_target, case,
+                                                                   monkeypatch):
+    """Spans of 8-wide tiles with a tail (V = 37): a program that owns its row folds every
+    span in one loop; a program per span publishes and meets. The same partials reach the
+    same combine: loss, metrics and gradient bit for bit, and the forward alone too."""
+    fw = _framework(interpret_target)
+    x = inputs(23, case)
+    got = {}
+    for plan in (_small_tiles, _small_tiles_meeting):
+        monkeypatch.setattr(importlib.import_module(f"ratiokl.{fw}._launch.loss"), "launch_plan",
+                            plan)
+        got[plan] = call(fw, x, case, "interpret", -1.5), _forward(fw, x, case)
+    (one, fwd_one), (meeting, fwd_meeting) = got[_small_tiles], got[_small_tiles_meeting]
+    assert one[0] == meeting[0] and one[1] == meeting[1]
+    np.testing.assert_array_equal(one[2], meeting[2])
+    assert fwd_one[0] == one[0] == fwd_meeting[0]
+    assert fwd_one[1] == one[1] == fwd_meeting[1]

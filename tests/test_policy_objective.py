@@ -11,7 +11,8 @@ frameworks (``ratiokl.harness``'s targets; the fixtures ``objective_*`` and
 * the per-token loss and its gradient (token and sequence ratios) match the float64 spec,
   and weighted by each mode's weights (the spec's closed forms) give that mode's loss, on
   every backend (the fused kernel's per-row backward scale with a NaN upstream on inactive
-  rows included), and ``linear_policy_loss``'s per-token loss equals ``policy_loss``'s;
+  rows included), and ``linear_policy_loss``'s two-pass chunks (a per-token loss; terms
+  aggregated apart with a KL clamp) equal ``policy_loss`` of the materialised logits;
 * errors name ``entropy``, ``ref_logps`` and ``loss_normalizer``;
 * JAX ``jit`` / ``grad`` / ``vmap`` and ``torch.compile(fullgraph=True)``.
 """
@@ -338,20 +339,33 @@ def test_errors_name_the_argument(native_target, options, name):
             fw.loss.linear_policy_loss(hidden, weight, ids, mask, old, adv, **options)
 
 
+#: ``linear_policy_loss`` calls that take the chunks' two passes (log-probs, then the core):
+#: a per-token loss under a per-token upstream that is NaN on inactive rows, and terms
+#: aggregated apart with a KL clamp.
+TWO_PASS_LINEAR = {
+    "per-token": (8, dict(kl_coef=0.1, entropy_coef=0.05, loss_agg="none")),
+    "term-options": (24, dict(kl_coef=0.2, entropy_coef=0.05, loss_agg="seq-mean-token-sum",
+                              kl_agg="token-mean", entropy_agg="token-mean",
+                              kl_entropy_normalizer=9.0, kl_clamp=0.1)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TWO_PASS_LINEAR))
 @pytest.mark.parametrize("backend", ["native", "interpret"])
-def test_linear_per_token_loss_is_policy_loss_of_its_logits(native_target, backend):
-    """``linear_policy_loss(loss_agg="none")`` (on the chunks: log-probs, then the core)
-    against ``policy_loss`` of the materialised logits, under a per-token upstream that is
-    NaN on inactive rows; NaN hidden states there get exactly 0 gradient."""
+def test_linear_two_pass_loss_is_policy_loss_of_its_logits(native_target, backend, case):
+    """``linear_policy_loss`` on the chunks' two passes against ``policy_loss`` of the
+    materialised logits, gradients to hidden and weight included; NaN hidden states on
+    inactive rows get exactly 0 gradient."""
     pytest.importorskip("triton")
     fw = _framework(native_target)
-    x = _inputs(seed=8)
-    rng = np.random.default_rng(8)
+    seed, options = TWO_PASS_LINEAR[case]
+    x = _inputs(seed=seed)
+    rng = np.random.default_rng(seed)
     hidden = np.where(x["mask"][..., None], rng.normal(0.0, 1.0, (B, T, H)), np.nan)
     weight = rng.normal(0.0, 0.5, (V, H))
     ids, mask, old, adv, ref = (fw.tensor(x[k]) for k in (
         "action_ids", "mask", "old_logps", "advantages", "ref_logps"))
-    kw = dict(ref_logps=ref, kl_coef=0.1, entropy_coef=0.05, loss_agg="none")
+    kw = dict(ref_logps=ref, **options)
     keep = fw.tensor(x["mask"][..., None])
 
     def linear(h, w):
@@ -363,7 +377,7 @@ def test_linear_per_token_loss_is_policy_loss_of_its_logits(native_target, backe
         return fw.loss.policy_loss(logits, None, ids, mask, old, adv, backend="native", **kw)
 
     leaves = [hidden.astype(np.float32), weight.astype(np.float32)]
-    upstream = per_token_upstream(x["mask"])
+    upstream = per_token_upstream(x["mask"]) if options["loss_agg"] == "none" else None
     got, want = fw.run(linear, leaves, upstream), fw.run(materialised, leaves, upstream)
     assert_close(got[0], want[0], LOSS_TOL, "loss")
     for d, w_ in zip(got[2], want[2]):

@@ -13,8 +13,8 @@ their gradients), on both frameworks' ``policy_objective`` and ``policy_loss``:
   gradient-accumulation steps.
 
 The fixtures ``policy_kl_*``, ``objective_kl_*`` and ``objective_entropy_agg_*`` pin the
-float64 values on every backend; ``linear_policy_loss`` is checked here against
-``policy_loss`` of its materialised logits.
+float64 values on every backend; ``linear_policy_loss`` with these options against
+``policy_loss`` of its materialised logits: ``tests/test_policy_objective.py``.
 """
 
 from __future__ import annotations
@@ -180,42 +180,6 @@ def test_policy_loss_with_term_options_is_the_objective(native_target, options):
                                x["old_logps"], x["advantages"], ref_logps=x["ref_logps"],
                                **options)
     assert_close(np.asarray(loss), want, LOSS_TOL, "loss")
-
-
-@pytest.mark.parametrize("backend", ["native", "interpret"])
-def test_linear_policy_loss_with_term_options(native_target, backend):
-    """``linear_policy_loss`` with terms aggregated apart and a KL clamp (the chunks' two
-    passes) equals ``policy_loss`` of its materialised logits, gradients to hidden and
-    weight included; NaN hidden states on inactive rows get exactly 0 gradient."""
-    pytest.importorskip("triton")
-    fw = _framework(native_target)
-    x = _inputs(seed=24)
-    rng = np.random.default_rng(24)
-    H, V = 8, x["policy_logits"].shape[-1]
-    hidden = np.where(x["mask"][..., None], rng.normal(0.0, 1.0, (B, T, H)), np.nan)
-    weight = rng.normal(0.0, 0.5, (V, H))
-    ids, mask, old, adv, ref = (fw.tensor(x[k]) for k in (
-        "action_ids", "mask", "old_logps", "advantages", "ref_logps"))
-    kw = dict(ref_logps=ref, kl_coef=0.2, entropy_coef=0.05, loss_agg="seq-mean-token-sum",
-              kl_agg="token-mean", entropy_agg="token-mean", kl_entropy_normalizer=9.0,
-              kl_clamp=0.1)
-    keep = fw.tensor(x["mask"][..., None])
-
-    def linear(h, w):
-        return fw.loss.linear_policy_loss(h, w, ids, mask, old, adv, chunk_rows=4,
-                                          backend=backend, **kw)
-
-    def materialised(h, w):
-        logits = fw.where(keep, h, 0.0) @ w.T
-        return fw.loss.policy_loss(logits, None, ids, mask, old, adv, backend="native", **kw)
-
-    leaves = [hidden.astype(np.float32), weight.astype(np.float32)]
-    got, want = fw.run(linear, leaves, None), fw.run(materialised, leaves, None)
-    assert_close(got[0], want[0], LOSS_TOL, "loss")
-    for d, w_ in zip(got[2], want[2]):
-        assert_close(d, w_, spec.grad_tolerance("float32", 8.0, float(np.abs(w_).max())),
-                     "grad")
-    assert np.all(got[2][0][~x["mask"]] == 0)
 
 
 @pytest.mark.parametrize("options, name", [

@@ -4,7 +4,9 @@ Against JAX's materialised route on the same data (``hidden @ weight.T`` -> ``po
 -> ``jax.grad``; inactive rows' hidden states zeroed there) under ``jit``, with chunks that
 leave a remainder (the ``fori_loop`` and the chunk after it), and against PyTorch's
 ``linear_policy_loss`` on the same arrays (the two frameworks' chunk loops). Garbage on
-inactive rows stays out of both gradients. Sizes are small: the interpreter is slow.
+inactive rows stays out of both gradients. The head's options, the native backend and the
+errors, on both frameworks: ``tests/test_linear_policy_loss.py``. Sizes are small: the
+interpreter is slow.
 """
 
 from __future__ import annotations
@@ -97,88 +99,6 @@ def test_matches_torch_and_keeps_garbage_out():
         _close(got[1][name], metrics[name].numpy(), name)
     _close(got[2], h.grad.numpy(), "d hidden", V)
     _close(got[3], w.grad.numpy(), "d weight")
-
-
-def test_errors_name_the_argument():
-    x = _data()
-    args = (jnp.asarray(x["ids"]), jnp.asarray(x["mask"]), jnp.asarray(x["old"]),
-            jnp.asarray(x["adv"]))
-    hidden = jnp.asarray(x["hidden"])
-    with pytest.raises(ValueError, match="weight"):
-        jax_loss.linear_policy_loss(hidden, jnp.zeros((V, H + 1)), *args, backend="interpret")
-    with pytest.raises(TypeError, match="share a dtype"):
-        jax_loss.linear_policy_loss(hidden, jnp.zeros((V, H), jnp.bfloat16), *args,
-                                    backend="interpret")
-    with pytest.raises(ValueError, match="chunk_rows"):
-        jax_loss.linear_policy_loss(hidden, jnp.asarray(x["weight"]), *args, chunk_rows=0,
-                                    backend="interpret")
-
-
-def test_native_backend_materialises_the_same_loss():
-    """``backend="native"`` (what ``"auto"`` picks without a GPU): every row's logits at
-    once, the framework-ops loss; the same values and gradients as the chunks."""
-    x = _data(seed=2)
-    want = _jax_grads(x, chunk_rows=10)
-    rest = tuple(jnp.asarray(x[k]) for k in ("ids", "mask", "old", "adv", "ref"))
-
-    def objective(h, w, ids, mask, old, adv, ref):
-        return jax_loss.linear_policy_loss(h, w, ids, mask, old, adv, ref_logps=ref,
-                                           backend="native", check_ids=False, **OPTIONS)
-
-    (value, metrics), (gh, gw) = jax.jit(jax.value_and_grad(
-        objective, argnums=(0, 1), has_aux=True))(jnp.asarray(x["hidden"]),
-                                                  jnp.asarray(x["weight"]), *rest)
-    _close(value, want[0], "loss")
-    for name in want[1]:
-        _close(metrics[name], want[1][name], name)
-    _close(gh, want[2], "d hidden", V)
-    _close(gw, want[3], "d weight")
-
-
-@pytest.mark.parametrize("backend", ["interpret", "native"])
-@pytest.mark.parametrize("softcap", [None, 2.5])
-def test_bias_logit_scale_softcap_match_the_materialised_route(backend, softcap):
-    """The head's options: the loss, metrics and the three gradients of the materialised
-    ``policy_loss`` on ``softcap((where(mask, h, 0) @ W.T + b) * scale)`` (float32 GEMM),
-    ``jax.grad``'s, under ``jit``; a -inf bias entry masks its token."""
-    from ratiokl.spec import LogitTransform, transform_logits
-
-    x = _data(seed=3)
-    rng = np.random.default_rng(3)
-    bias = (rng.standard_normal(V) * 0.5).astype(np.float32)
-    drop = rng.random(V) < 0.2
-    drop[x["ids"].reshape(-1)] = False
-    bias[drop] = -np.inf
-    temp = (rng.random((B, T)) + 0.5).astype(np.float32)
-    rest = tuple(jnp.asarray(x[k]) for k in ("ids", "mask", "old", "adv", "ref"))
-
-    def objective(h, w, b, ids, mask, old, adv, ref, chunked):
-        kw = dict(ref_logps=ref, check_ids=False, temperature=temp, **OPTIONS)
-        if not chunked:
-            kept = jnp.where(mask[..., None], h, 0.0)
-            u = jnp.matmul(kept, w.T, precision=jax.lax.Precision.HIGHEST) + b
-            logits = transform_logits(u, LogitTransform(0.7, softcap), jnp.tanh)
-            return jax_loss.policy_loss(logits, None, ids, mask, old, adv,
-                                        backend="interpret", **kw)
-        return jax_loss.linear_policy_loss(h, w, ids, mask, old, adv, bias=b, logit_scale=0.7,
-                                           logit_softcap=softcap, chunk_rows=7,
-                                           backend=backend, **kw)
-
-    results = []
-    for chunked in (False, True):
-        grad = jax.jit(jax.value_and_grad(objective, argnums=(0, 1, 2), has_aux=True),
-                       static_argnums=8)
-        results.append(grad(jnp.asarray(x["hidden"]), jnp.asarray(x["weight"]),
-                            jnp.asarray(bias), *rest, chunked))
-    (want, want_metrics), want_grads = results[0]
-    (got, metrics), grads = results[1]
-    _close(got, want, "loss")
-    for name in want_metrics:
-        _close(metrics[name], want_metrics[name], name)
-    for (what, terms), a, e in zip((("d hidden", V), ("d weight", B * T), ("d bias", B * T)),
-                                   grads, want_grads):
-        assert np.isfinite(np.asarray(a)).all()
-        _close(a, e, what, terms)
 
 
 def test_native_float16_head_gradient_accumulates_in_float32():

@@ -144,25 +144,3 @@ def test_only_logp_differentiated_with_the_entropy_returned(backend):
     want = expected(x, entropy=False)
     assert_close(with_entropy, want["d_hidden"], want["tol_d_hidden"], "d hidden")
     assert_close(without, want["d_hidden"], want["tol_d_hidden"], "d hidden")
-
-
-def test_errors_name_the_argument():
-    x = build("plain", seed=8)
-    hidden, weight = jnp.asarray(x["hidden"]), jnp.asarray(x["weight"])
-    ids, mask = jnp.asarray(x["action_ids"]), jnp.asarray(x["mask"])
-    f = loss.linear_selected_logprobs
-    with pytest.raises(ValueError, match="weight"):
-        f(hidden, weight[:, 1:], ids, mask)
-    with pytest.raises(ValueError, match="bias"):
-        f(hidden, weight, ids, mask, bias=jnp.zeros(weight.shape[0] + 1))
-    with pytest.raises(TypeError, match="bias"):
-        f(hidden, weight, ids, mask, bias=jnp.zeros(weight.shape[0], jnp.bfloat16))
-    with pytest.raises(ValueError, match="logit_scale"):
-        f(hidden, weight, ids, mask, logit_scale=-2.0)
-    with pytest.raises(ValueError, match="logit_softcap"):
-        f(hidden, weight, ids, mask, logit_softcap=0.0)
-    with pytest.raises(ValueError, match="chunk_rows"):
-        f(hidden, weight, ids, mask, chunk_rows=0)
-    bad_mask = mask.at[0, 0].set(True)
-    with pytest.raises(ValueError, match="action_ids"):
-        f(hidden, weight, ids.at[0, 0].set(weight.shape[0]), bad_mask, backend="native")

@@ -1,8 +1,8 @@
 """The fused ``policy_loss`` kernel's PyTorch launch through Triton's CPU interpreter: what
-only this binding has. The route's choice of the fused kernel, the two-pass backward's
-entropy term, one program a row against programs meeting (forward-only launch included),
-the forward without a gradient, the opt-in in-place gradient and per-sequence advantages
-read as given. The kernel's math on both bindings: ``tests/test_fused_loss_interpret.py``.
+only this binding has. The forward without a gradient allocating none, the opt-in
+in-place gradient and per-sequence advantages read as given. The kernel's math, the
+route's choice of the fused kernel, the two-pass backward's entropy term and one program
+a row against programs meeting, on both bindings: ``tests/test_fused_loss_interpret.py``.
 Sizes are small: the interpreter is slow.
 """
 
@@ -16,113 +16,10 @@ import torch
 
 pytest.importorskip("triton")
 
-from assertions import assert_close  # noqa: E402
-from ratiokl import spec  # noqa: E402
-from ratiokl.torch import _launch, _route, _triton, loss  # noqa: E402
+from ratiokl.torch import _launch, loss  # noqa: E402
 from fused_loss_cases import (  # noqa: E402
-    SPEC_TOL, V, grad_tolerance, inputs as _inputs, options as _options, torch_call as _torch,
+    V, inputs as _inputs, options as _options, torch_call as _torch,
 )
-
-def _spec(x: dict, case: dict):
-    args = {k: v for k, v in x.items() if k != "ref_logits"}
-    ref = None if case.get("ref") in ("none", "logps") else x["ref_logits"]
-    options = _options(case)
-    value, metrics = spec.policy_loss(
-        args.pop("policy_logits"), ref, args.pop("action_ids"), args.pop("mask"),
-        args.pop("old_logps"), args.pop("advantages"), **args, **options)
-    grad = spec.policy_loss_grad(
-        x["policy_logits"], ref, x["action_ids"], x["mask"], x["old_logps"], x["advantages"],
-        **{k: v for k, v in x.items() if k not in ("policy_logits", "ref_logits", "action_ids",
-                                                    "mask", "old_logps", "advantages")},
-        **options)
-    return value, metrics, grad
-
-
-def _small_tiles(vocab, itemsize, n_rows, write_grad):
-    """8-column tiles, two spans a row (V = 37: tiles 0-2, then 3 and the tail), one program."""
-    from ratiokl._kernels import LaunchConfig, split_plan
-    from ratiokl._kernels.heuristics import FusedPlan
-
-    spans = split_plan(vocab, 8, 2)
-    return FusedPlan(LaunchConfig(8, 1), spans, spans.splits)
-
-
-def _small_tiles_meeting(vocab, itemsize, n_rows, write_grad):
-    """As :func:`_small_tiles`, a program per span: the two meet at the row's counter."""
-    return _small_tiles(vocab, itemsize, n_rows, write_grad)._replace(spans_per_program=1)
-
-
-def test_route_fuses_every_option_but_gspo(monkeypatch):
-    """The fused kernel runs for every option set but GSPO's (``entropy_coef`` included);
-    the native backend has none."""
-    backend = _route.resolve("interpret", torch.device("cpu"))
-    assert backend.policy_loss is _triton.policy_loss
-    assert _route.resolve("native", torch.device("cpu")).policy_loss is None
-    launches = []
-    run = _launch.POLICY_LOSS.run
-    monkeypatch.setattr(_launch.POLICY_LOSS, "run",
-                        lambda *a: launches.append(1) or run(*a))
-    x = _inputs(5, dict(kl_coef=0.1))
-    t = {k: torch.from_numpy(np.asarray(v)) for k, v in x.items()}
-    args = (t["policy_logits"], None, t["action_ids"], t["mask"], t["old_logps"],
-            t["advantages"])
-    for options, fuses in ((dict(kl_coef=0.1, dual_clip=2.0, kl_estimator="k3-is"), True),
-                           (dict(loss_agg="seq-mean-token-mean"), True),
-                           (dict(entropy_coef=0.01), True),
-                           (dict(entropy_coef=torch.tensor(0.01), objective="cispo"), True),
-                           (dict(ratio_level="sequence"), False),
-                           (dict(ratio_level="sequence", entropy_coef=0.01), False)):
-        launches.clear()
-        loss.policy_loss(*args, ref_logps=t["old_logps"] + 0.1, backend="interpret",
-                         **options)
-        assert bool(launches) == fuses, options
-
-
-def test_two_pass_backward_has_an_entropy_term_only_with_a_coefficient(monkeypatch):
-    """GSPO's two-pass route always computes the entropy (``entropy_mean``); nothing
-    differentiates it without a coefficient, so its backward kernel has no entropy term."""
-    flags = []
-    run = _launch.BACKWARD.run
-    monkeypatch.setattr(_launch.BACKWARD, "run",
-                        lambda *a: flags.append(a[-1] is True) or run(*a))
-    for coef in (0.0, 0.2):
-        flags.clear()
-        case = dict(ratio_level="sequence", loss_agg="seq-mean-token-mean", entropy_coef=coef)
-        x = _inputs(47, case)
-        f_loss, f_metrics, f_grad = _torch(x, case, "interpret", 1.0)
-        e_loss, e_metrics, e_grad = _spec(x, case)
-        assert flags == [coef != 0.0], (coef, flags)
-        assert_close(f_grad, e_grad, grad_tolerance(case, e_grad), "grad")
-        assert_close(f_metrics["entropy_mean"], e_metrics["entropy_mean"], SPEC_TOL,
-                     "entropy_mean")
-
-
-@pytest.mark.parametrize("case", [dict(kl_coef=0.1), dict(ref="logps", kl_coef=0.1),
-                                  dict(kl_coef=0.1, entropy_coef=0.05, masked=True)],
-                         ids=["ref_logits", "ref_logps", "entropy_bonus_masked_vocab"])
-def test_one_program_a_row_and_programs_meeting_give_the_same_bits(case, monkeypatch):
-    """Spans of 8-wide tiles with a tail (V = 37): a program that owns its row folds every
-    span in one loop; a program per span publishes and meets. The same partials reach the
-    same combine: loss, metrics and gradient bit for bit, and the forward alone too."""
-    x = _inputs(23, case)
-    t = {k: torch.from_numpy(np.asarray(v)) for k, v in x.items()}
-    ref_logits = t.pop("ref_logits")
-    ref = None if case.get("ref") == "logps" else ref_logits
-    got = {}
-    for plan in (_small_tiles, _small_tiles_meeting):
-        monkeypatch.setattr(_launch.loss, "launch_plan", plan)
-        with torch.no_grad():  # no gradient wanted: the forward-only launch
-            forward = loss.policy_loss(
-                t["policy_logits"], ref, t["action_ids"], t["mask"], t["old_logps"],
-                t["advantages"], ref_logps=t.get("ref_logps"), backend="interpret",
-                **_options(case))
-        got[plan] = _torch(x, case, "interpret", -1.5), forward
-    (one, fwd_one), (meeting, fwd_meeting) = got[_small_tiles], got[_small_tiles_meeting]
-    assert one[0] == meeting[0] and one[1] == meeting[1]
-    assert torch.equal(one[2], meeting[2])
-    assert fwd_one[0].item() == one[0] == fwd_meeting[0].item()
-    assert {k: v.item() for k, v in fwd_one[1].items()} == one[1]
-    assert {k: v.item() for k, v in fwd_meeting[1].items()} == one[1]
 
 
 def test_forward_without_gradient_skips_the_sweep_and_gives_the_same_bits(monkeypatch):

@@ -6,7 +6,8 @@ hidden @ weight.T``, :func:`policy_loss`, autograd for ``d hidden`` and ``d weig
 the inactive rows' hidden states zeroed there (the materialised step would otherwise leak
 their NaN into ``d weight``, which the chunked path must not). One chunk covering every row
 runs the very GEMM and kernel of the materialised route: the loss and metrics must match
-bit for bit. Sizes are small: the interpreter is slow.
+bit for bit. The head's options, the native backend and the errors, on both frameworks:
+``tests/test_linear_policy_loss.py``. Sizes are small: the interpreter is slow.
 """
 
 from __future__ import annotations
@@ -165,78 +166,6 @@ def test_bad_active_id_raises():
     ids[1, 2] = V
     with pytest.raises(ValueError, match="action_ids"):
         loss.linear_policy_loss(hidden, weight, ids, mask, old, adv, backend="interpret")
-
-
-@pytest.mark.parametrize("bad, match", [
-    (dict(weight=torch.zeros(V, H + 1)), "weight"),
-    (dict(weight=torch.zeros(V, H, dtype=torch.float64)), "weight"),
-    (dict(weight=torch.zeros(V, H, dtype=torch.bfloat16)), "share a dtype"),
-    (dict(chunk_rows=0), "chunk_rows"),
-])
-def test_errors_name_the_argument(bad, match):
-    hidden, weight, ids, mask, old, ref, adv = _data()
-    kw = dict(weight=weight, backend="interpret", chunk_rows=8)
-    kw.update(bad)
-    with pytest.raises((ValueError, TypeError), match=match):
-        loss.linear_policy_loss(hidden, kw.pop("weight"), ids, mask, old, adv, **kw)
-
-
-def test_native_backend_materialises_the_same_loss():
-    """``backend="native"`` (what ``"auto"`` picks on a CPU): every row's logits at once, the
-    framework-ops loss; the same values and gradients, garbage on inactive rows kept out."""
-    hidden, weight, ids, mask, old, ref, adv = _data(seed=6)
-    hidden[~mask] = float("nan")
-    kw = dict(ref_logps=ref, kl_coef=0.05, entropy_coef=0.01)
-    want = _chunked(hidden, weight, ids, mask, old, adv, **kw)
-    h = hidden.clone().requires_grad_()
-    w = weight.clone().requires_grad_()
-    value, metrics = loss.linear_policy_loss(h, w, ids, mask, old, adv, backend="native", **kw)
-    value.backward()
-    _close(value, want[0], torch.float32)
-    for name in want[1]:
-        _close(metrics[name], want[1][name], torch.float32)
-    _close(h.grad, want[2], torch.float32)
-    _close(w.grad, want[3], torch.float32)
-
-
-def _head_options(seed):
-    """A bias with masked tokens (-inf, never a sampled one), a logit scale and a softcap."""
-    g = torch.Generator().manual_seed(seed)
-    bias = torch.randn(V, generator=g) * 0.5
-    bias[torch.rand(V, generator=g) < 0.2] = float("-inf")
-    return bias
-
-
-@pytest.mark.parametrize("backend", ["interpret", "native"])
-@pytest.mark.parametrize("softcap", [None, 2.5])
-def test_bias_logit_scale_softcap_match_the_materialised_route(backend, softcap):
-    """The head's options give the loss, metrics and the three gradients of the materialised
-    ``policy_loss`` on ``softcap((where(mask, h, 0) @ W.T + b) * scale)``, autograd's."""
-    from ratiokl.spec import LogitTransform, transform_logits
-
-    hidden, weight, ids, mask, old, ref, adv = _data(seed=7)
-    bias = _head_options(7)
-    ids = torch.where(torch.isinf(bias[ids]), torch.zeros_like(ids), ids)
-    bias[0] = 0.3  # the replacement id's token stays finite
-    kw = dict(ref_logps=ref, kl_coef=0.05, entropy_coef=0.01, temperature=torch.rand(B, T) + 0.5)
-    h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
-    kept = torch.where(mask[..., None], h, torch.zeros(()))
-    logits = transform_logits(kept @ w.t() + b, LogitTransform(0.7, softcap), torch.tanh)
-    want, want_metrics = loss.policy_loss(logits, None, ids, mask, old, adv,
-                                          backend="interpret", **kw)
-    want.backward()
-    want_grads = (h.grad, w.grad, b.grad)
-    h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
-    got, metrics = loss.linear_policy_loss(h, w, ids, mask, old, adv, bias=b, logit_scale=0.7,
-                                           logit_softcap=softcap, chunk_rows=7,
-                                           backend=backend, **kw)
-    got.backward()
-    _close(got, want, torch.float32)
-    for name in want_metrics:
-        _close(metrics[name], want_metrics[name], torch.float32)
-    for a, e in zip((h.grad, w.grad, b.grad), want_grads):
-        assert torch.isfinite(a).all()
-        _close(a, e, torch.float32)
 
 
 @pytest.mark.parametrize("backend", ["interpret", "native"])
