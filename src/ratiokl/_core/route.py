@@ -24,8 +24,8 @@ from ratiokl._backend import Backend, inplace_grad_error
 from ratiokl._core.objective import kernel_weights, objective_rows
 from ratiokl.spec import PolicyLossOptions, check_loss_normalizer, check_term_normalizer
 
-__all__ = ["Rows", "linear_loss_step", "logprobs_step", "loss_inputs", "loss_step",
-           "ratio_kl_step", "uniform_weights"]
+__all__ = ["Rows", "linear_logprobs_step", "linear_loss_step", "logprobs_step", "loss_inputs",
+           "loss_step", "ratio_kl_step", "uniform_weights"]
 
 
 class Rows(NamedTuple):
@@ -66,6 +66,19 @@ def logprobs_step(rows: Rows, return_entropy: bool):
         return rows.checked((logp.reshape(lead), ent.reshape(lead)))
     logp = rows.run.selected_logprobs(rows.logits, rows.ids, rows.mask, rows.temperature)
     return rows.checked(logp.reshape(lead))
+
+
+def linear_logprobs_step(rows: Rows, weight, bias, transform, chunk_rows: int,
+                         return_entropy: bool):
+    """``linear_selected_logprobs`` on validated ``rows`` of hidden states ``[N, H]``: the
+    backend's chunks over the lm_head ``weight [V, H]`` / ``bias``, ``logp`` (with
+    ``return_entropy``, ``(logp, entropy)``) in the leading shape, once the host check passed."""
+    out = rows.run.linear_selected_logprobs(rows.logits, weight, bias, rows.ids, rows.mask,
+                                            rows.temperature, transform, chunk_rows,
+                                            bool(return_entropy))
+    if return_entropy:
+        return rows.checked((out[0].reshape(rows.lead), out[1].reshape(rows.lead)))
+    return rows.checked(out.reshape(rows.lead))
 
 
 def ratio_kl_step(xp, rows: Rows, ref, old_logps, ref_logps, kl_code: int):

@@ -46,12 +46,8 @@ def linear_selected_logprobs(hidden, weight, action_ids, mask, *, bias, temperat
     hidden, weight, bias, ids, lead = _head(hidden, weight, bias, action_ids)
     rows = _rows(hidden, lead, ids, mask, temperature, backend, check_ids, vocab_axis,
                  vocab=weight.shape[0])
-    out = rows.run.linear_selected_logprobs(
-        rows.logits, weight, bias, rows.ids, rows.mask, rows.temperature, transform,
-        chunk_rows, bool(return_entropy))
-    if return_entropy:
-        return rows.checked((out[0].reshape(lead), out[1].reshape(lead)))
-    return rows.checked(out.reshape(lead))
+    return _tail.linear_logprobs_step(rows, weight, bias, transform, chunk_rows,
+                                      return_entropy)
 
 
 def linear_policy_loss(hidden, weight, action_ids, mask, old_logps, advantages,
