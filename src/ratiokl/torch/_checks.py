@@ -32,14 +32,8 @@ Temperature = Union[float, torch.Tensor]
 Normalizer = Union[None, float, torch.Tensor]
 
 # The shape and dtype rules, in PyTorch's words.
-(check_logits, check_ids, check_mask, check_row_values, _check_ref, check_temperature,
+(check_logits, check_ids, check_mask, check_row_values, check_ref, check_temperature,
  poison_bad_temperature, token_inputs, _bad_rows) = checks.bind(XP)
-
-
-def check_ref(policy_logits: torch.Tensor, lead: Tuple[int, ...],
-              ref_logits: object, ref_logps: object) -> None:
-    """Exactly one of ``ref_logits`` (the policy's shape) and ``ref_logps`` (``lead``)."""
-    _check_ref(ref_logits, ref_logps, lead + tuple(policy_logits.shape[-1:]))
 
 
 def check_no_transforms() -> None:

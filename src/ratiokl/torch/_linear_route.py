@@ -82,7 +82,7 @@ def linear_policy_loss(hidden, weight, action_ids, mask, old_logps, advantages,
     the logit ``transform`` and the options ``opts`` built by the caller."""
     lead = _head(hidden, weight, bias, action_ids)
     if ref_logps is not None or opts.uses_kl:
-        _checks.check_ref(hidden, lead, None, ref_logps)
+        _checks.check_ref(None, ref_logps, tuple(hidden.shape))
     inputs = _tail.loss_inputs(_checks, opts, lead, old_logps, advantages, segment_ids,
                                importance_weights, loss_normalizer, kl_entropy_normalizer)
     rows = _rows(

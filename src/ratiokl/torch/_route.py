@@ -183,7 +183,7 @@ def ratio_kl(policy_logits, ref_logits, action_ids, mask, old_logps, *, ref_logp
              vocab_group) -> Tuple[torch.Tensor, torch.Tensor]:
     """``ratiokl.torch.loss.ratio_kl`` (documented there)."""
     lead = _lead(policy_logits, action_ids)
-    _checks.check_ref(policy_logits, lead, ref_logits, ref_logps)
+    _checks.check_ref(ref_logits, ref_logps, tuple(policy_logits.shape))
     _checks.check_row_values("old_logps", old_logps, lead)
     kl_code = kl_estimator_code(kl_estimator)
     rows = _rows(policy_logits, lead, action_ids, mask, temperature, backend, check_ids,
@@ -205,7 +205,7 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
             "into their buffer); pass `policy_logits.contiguous()` or `inplace_grad=False`"
         )
     if ref_logits is not None or ref_logps is not None or opts.uses_kl:
-        _checks.check_ref(policy_logits, lead, ref_logits, ref_logps)
+        _checks.check_ref(ref_logits, ref_logps, tuple(policy_logits.shape))
     inputs = _tail.loss_inputs(_checks, opts, lead, old_logps, advantages, segment_ids,
                                importance_weights, loss_normalizer, kl_entropy_normalizer)
     rows = _rows(
