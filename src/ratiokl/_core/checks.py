@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
+from ratiokl._core.rows import bad_ids
 from ratiokl._core.sequences import as_rows
 
 __all__ = ["Rules", "TokenInputs", "bad_rows", "bind", "check_ids", "check_logits", "check_mask",
@@ -181,7 +182,7 @@ def bad_rows(xp, ids, mask, vocab_size: Optional[int], temperature) -> Dict[str,
     (``vocab_size`` None: not asked) or whose temperature (an array) is bad."""
     bad = {}
     if vocab_size is not None:
-        bad["action_ids"] = mask & ((ids < 0) | (ids >= vocab_size))
+        bad["action_ids"] = bad_ids(ids, mask, vocab_size)
     if xp.is_array(temperature):
         bad["temperature"] = mask & ~valid_temperature(temperature)
     return bad

@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional, Tuple
 
 from ratiokl._core.objective import token_ratio_kl
 
-__all__ = ["entropy_terms", "finish", "finite_shift", "log_sum_exp", "ownership",
+__all__ = ["bad_ids", "entropy_terms", "finish", "finite_shift", "log_sum_exp", "ownership",
            "ratio_kl", "row_values", "safe_ids", "shard_entropy", "shard_lse"]
 
 
@@ -62,10 +62,16 @@ def row_values(xp, z, ids, entropy: bool) -> Tuple[Any, Any, Optional[Any]]:
     return lse, z_a, ent
 
 
+def bad_ids(ids, mask, vocab: int):
+    """Bool ``[N]``: the active rows whose id is outside ``[0, vocab)``, which every backend
+    poisons with NaN and the host check (``check_ids``) names."""
+    return mask & ((ids < 0) | (ids >= vocab))
+
+
 def safe_ids(xp, ids, mask, vocab: int) -> Tuple[Any, Any]:
     """``(ids, bad)``: ids clamped into ``[0, V)`` (0 on inactive rows), and the active rows
     whose id is out of range (to poison)."""
-    bad = mask & ((ids < 0) | (ids >= vocab))
+    bad = bad_ids(ids, mask, vocab)
     return xp.clip(xp.where(mask, ids, xp.zeros_like(ids)), 0, vocab - 1), bad
 
 
@@ -98,7 +104,7 @@ def ownership(xp, ids, mask, start, local_vocab: int, vocab) -> Tuple[Any, Any, 
     active rows whose id is outside ``[0, vocab)``."""
     local = ids - start
     owned = mask & (local >= 0) & (local < local_vocab)
-    bad = mask & ((ids < 0) | (ids >= vocab))
+    bad = bad_ids(ids, mask, vocab)
     return xp.where(owned, local, xp.zeros_like(local)), owned, bad
 
 

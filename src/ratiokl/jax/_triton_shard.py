@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ratiokl._core.rows import bad_ids
 from ratiokl.jax import _launch, _native
 from ratiokl.jax._checks import Temperature, kernel_rows
 from ratiokl.jax._launch import TritonCall
@@ -78,7 +79,7 @@ def shard_stats(call: TritonCall, blocks: Sequence[jax.Array], ids: jax.Array, m
     if entropy:
         terms += (weights[0] * (mu - shift[0]),)
     s, z_sel, *h = lax.psum(terms, axis)
-    bad = mask & ((ids < 0) | (ids >= local_vocab * lax.axis_size(axis)))
+    bad = bad_ids(ids, mask, local_vocab * lax.axis_size(axis))
     # An out-of-range active id poisons its row; the NaN lse makes its gradient NaN too.
     lse = jnp.where(bad[None], jnp.nan, shift + jnp.log(s))
     ent = jnp.where(bad, jnp.nan, jnp.log(s[0]) - h[0] / s[0]) if entropy else lse[0]

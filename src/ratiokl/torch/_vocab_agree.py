@@ -24,6 +24,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from ratiokl._core.rows import bad_ids
 from ratiokl.spec import vocab_blocks
 from ratiokl.torch import _checks
 
@@ -88,7 +89,7 @@ def agree(group: dist.ProcessGroup, row: List[int], lead: Tuple[int, ...], ids: 
     table[rank] = torch.tensor(row, dtype=torch.int64)
     dist.all_reduce(table, op=dist.ReduceOp.SUM, group=group)
     vocab = table[:, 1].sum()
-    bad = (mask & ((ids < 0) | (ids >= vocab))).any()
+    bad = bad_ids(ids, mask, vocab).any()
     *host, any_bad = torch.cat([table.reshape(-1), bad.reshape(1).long()]).tolist()
     rows = [host[r * len(row):(r + 1) * len(row)] for r in range(world)]
     message = _disagreement(rows)
