@@ -164,6 +164,28 @@ def test_a_rows_results_do_not_depend_on_the_batch(interpret_target):
     np.testing.assert_array_equal(full[2][:2], part[2])
 
 
+@pytest.mark.parametrize("given", ["[B]", "[B, 1]"])
+def test_per_sequence_advantages_reach_the_kernel_as_given(interpret_target, given,
+                                                          monkeypatch):
+    """One advantage per sequence: the fused kernel reads the ``[B]`` values once per ``T``
+    rows (``adv_rows = T``, no ``[N]`` copy), with the same bits as the same advantages
+    given per token (read one per row)."""
+    case = dict(kl_coef=0.1, entropy_coef=0.1)
+    fw = _framework(interpret_target)
+    x = inputs(23, case)
+    seq = np.random.default_rng(23).normal(0.0, 1.0, (B,)).astype(np.float32)
+    seen = _launches(monkeypatch)
+    per_seq = call(fw, dict(x, advantages=seq if given == "[B]" else seq[:, None]), case,
+                   "interpret", -1.5)
+    per_token = call(fw, dict(x, advantages=np.repeat(seq[:, None], T, axis=1)), case,
+                     "interpret", -1.5)
+    fused = [args for name, args in seen if name == "policy_loss_kernel"]
+    assert [(int(a["adv_rows"]), a["adv_ptr"].shape) for a in fused] == [(T, (B,)),
+                                                                        (1, (B * T,))]
+    assert per_seq[:2] == per_token[:2]
+    np.testing.assert_array_equal(per_seq[2], per_token[2])
+
+
 # --- the route's choices and the launch plans, seen in what the interpreter launches ----------
 
 

@@ -7,7 +7,8 @@ A :class:`Backend` runs on flattened, validated inputs::
     ratio_kl(policy, ref, ids, mask, old_logps, ref_logps, kl_code, temperature)
         -> (ratio, kl)
     policy_loss(policy, ref, ids, mask, old, ref_logps, adv, iw, weights,
-                temperature, opts, inplace_grad) -> (loss, metrics)   [fused; or None]
+                temperature, opts, inplace_grad, adv_rows=1) -> (loss, metrics)
+                                                                  [fused; or None]
     token_weights(mask, opts, normalizer, width) -> weights | None     [or None]
     linear_policy_loss(hidden, weight, bias, transform, ids, mask, old, ref_logps, adv, iw,
                        weights, temperature, opts, chunk_rows) -> (loss, metrics)  [or None]
@@ -22,7 +23,8 @@ A :class:`Backend` runs on flattened, validated inputs::
 with ``logits``/``policy``/``ref`` ``[N, V]`` float32 / float16 / bfloat16 (``ref``
 without gradient, or None), ``ids`` ``[N]`` integer (not range-checked: clamped
 before any read), ``mask`` ``[N]`` bool, the per-row values float32 ``[N]``
-without gradient, ``kl_code`` a Python int, ``opts`` the validated
+without gradient (``adv`` of ``policy_loss``: ``[N // adv_rows]``, one per ``adv_rows``
+rows, so per-sequence advantages come as given), ``kl_code`` a Python int, ``opts`` the validated
 ``ratiokl.spec.PolicyLossOptions`` and ``temperature`` a positive Python float or
 float32 ``[N]`` with bad entries NaN. Outputs are float32 ``[N]`` (the loss and
 the metrics 0-d), differentiable w.r.t. the policy logits only, in their dtype;

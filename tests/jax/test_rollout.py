@@ -41,9 +41,14 @@ def test_one_trace_when_only_values_change() -> None:
     assert len(traces) == 1
 
 
-def test_vmap_over_a_batch_axis_matches_separate_calls() -> None:
+@pytest.mark.parametrize("backend", ["native", "interpret"])
+def test_vmap_over_a_batch_axis_matches_separate_calls(backend) -> None:
+    """``"interpret"``: the one-launch weights map the framework ops under ``vmap``."""
+    if backend == "interpret":
+        pytest.importorskip("triton")
     xs = [make_inputs(seed=40 + i) for i in range(2)]
-    static = dict(rollout_correction="sequence-truncate", rollout_bounds=(0.0, 1.3))
+    static = dict(rollout_correction="sequence-truncate", rollout_bounds=(0.0, 1.3),
+                  backend=backend)
 
     def fn(logits, ref, ids, mask, old, adv, rollout):
         return loss.policy_loss(logits, ref, ids, mask, old, adv, rollout_logps=rollout,

@@ -29,10 +29,12 @@ namespace lookup would cost host time on every call of a step whose host time ma
 and ``torch.compile(fullgraph=True)`` traces the plain torch ops without a wrapper layer.
 The names follow the array API, so swapping a namespace in later is mechanical.
 
-Modules: :mod:`ratiokl._core.sequences` (the sequences of ``loss_agg`` and their
-segmented sums), :mod:`ratiokl._core.objective` (the per-token objective, the
-aggregations and the metrics), :mod:`ratiokl._core.rollout` (the rollout correction's
-weights and metrics), :mod:`ratiokl._core.rows` (the native backends' row statistics,
-log-probs and entropy, and their vocabulary-parallel combine), :mod:`ratiokl._core.route` (the policy-loss routes' tail after
-validation, with the route's hooks each adapter also offers).
+Modules: :mod:`ratiokl._core.sequences` (the sequences of ``loss_agg``, their segmented
+sums, the rollout correction's log-weights), :mod:`ratiokl._core.objective` (the per-token
+objective, the aggregations and the metrics), :mod:`ratiokl._core.rollout` (the rollout
+correction's weights and metrics), :mod:`ratiokl._core.rows` (the native backends' row
+statistics, log-probs and entropy, and their vocabulary-parallel combine),
+:mod:`ratiokl._core.route` (the policy-loss routes' tail after validation, with the
+route's hooks each adapter also offers), :mod:`ratiokl._core.checks` (validation),
+:mod:`ratiokl._core.objective_route` and :mod:`ratiokl._core.backends`.
 """

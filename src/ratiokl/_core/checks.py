@@ -7,17 +7,12 @@ array values (the active ids and temperatures, on the host or traced) are each
 framework's own (``ratiokl.<framework>._checks``).
 
 ``xp`` is the framework's array adapter (:mod:`ratiokl._core`); for validation it also
-answers what kind of array a value is:
-
-* ``is_array(value)``: an array of the framework (JAX also takes NumPy arrays and
-  tracers), ``as_array(x)`` (that array as the framework's own: NumPy becomes
-  ``jax.Array``; a tensor is itself);
-* ``is_floating(dtype)``, ``is_integer(dtype)`` (bool excluded), ``is_bool(dtype)``,
-  ``logit_dtypes``, ``id_dtypes`` and their names ``id_dtype_names`` (as the error
-  names them);
-* the words: ``array_type`` (``"torch.Tensor"``), ``any_array`` (how the "must be"
-  error says it), ``noun`` (``"tensor"`` / ``"array"``) and ``casts``, the fix's
-  format for ``"float"``, ``"ids"`` and ``"bool"`` (``"{}.bool()"``).
+answers what kind of array a value is: ``is_array(value)`` (JAX also takes NumPy arrays and
+tracers), ``as_array(x)`` (the framework's own array), ``is_floating`` / ``is_integer``
+(bool excluded) / ``is_bool`` of a dtype, ``logit_dtypes``, ``id_dtypes`` and their names
+``id_dtype_names``; and the words: ``array_type`` (``"torch.Tensor"``), ``any_array`` (how
+the "must be" error says it), ``noun`` (``"tensor"`` / ``"array"``) and ``casts``, the
+fix's format for ``"float"``, ``"ids"`` and ``"bool"`` (``"{}.bool()"``).
 """
 
 from __future__ import annotations
@@ -138,13 +133,9 @@ def _python_number(value: Any) -> bool:
 
 def check_temperature(xp, temperature: Any, lead: Shape):
     """A positive finite Python float, or a floating array of the leading shape (or 0-d,
-    broadcast to it).
-
-    An array is not inspected here (that would synchronise): its entries are checked on
-    active rows by the framework's ``ActiveCheck`` and, checked or not,
-    :func:`poison_bad_temperature` makes a bad entry NaN so that its row is NaN on every
-    backend.
-    """
+    broadcast to it). An array is not inspected here (that would synchronise): the
+    framework's ``ActiveCheck`` checks its active entries and, checked or not,
+    :func:`poison_bad_temperature` makes a bad entry NaN, its row NaN on every backend."""
     if xp.is_array(temperature):
         if not xp.is_floating(temperature.dtype):
             raise TypeError(f"`temperature` {xp.noun} must be floating; got {temperature.dtype}")
@@ -202,6 +193,8 @@ class TokenInputs:
     importance_weights: Optional[Any]  # float32
     loss_normalizer: Any  # None, a Python float or a 0-d float32 array
     kl_entropy_normalizer: Any = None  # the denominator of kl_agg / entropy_agg terms
+    sequence_advantages: Any = None  # float32 [R] as given per sequence; None: per token
+    rollout_logps: Any = None  # float32; None: not given (no rollout correction)
 
 
 def _floats(xp, x):
@@ -210,8 +203,9 @@ def _floats(xp, x):
 
 
 def _check_advantages(xp, advantages: Any, lead: Shape):
-    """Per token ``[...]``, or per sequence ``lead[:-1]`` / ``lead[:-1] + [1]``; ``[R, T]``
-    out (per sequence: broadcast over the tokens, a stride-0 view in PyTorch)."""
+    """Per token ``[...]``, or per sequence ``lead[:-1]`` / ``lead[:-1] + [1]``; out
+    ``([R, T], [R] or None)``: the advantages per token (per sequence: broadcast over the
+    tokens, a stride-0 view in PyTorch), and those given per sequence as they came."""
     if not (xp.is_array(advantages) and xp.is_floating(advantages.dtype)):
         got = advantages.dtype if xp.is_array(advantages) else type(advantages).__name__
         raise TypeError(f"`advantages` must be a floating {xp.array_type} (float32 "
@@ -224,9 +218,9 @@ def _check_advantages(xp, advantages: Any, lead: Shape):
             f"(per sequence); got {list(shape)}"
         )
     adv = _floats(xp, advantages)
-    if shape != lead:
-        adv = xp.broadcast_to(adv.reshape(lead[:-1] + (1,)), lead)
-    return as_rows(adv, lead)
+    if shape == lead:
+        return as_rows(adv, lead), None
+    return as_rows(xp.broadcast_to(adv.reshape(lead[:-1] + (1,)), lead), lead), adv.reshape(-1)
 
 
 def _check_normalizer(xp, value: Any, name: str):
@@ -256,24 +250,31 @@ def _check_segments(xp, segment_ids: Any, lead: Shape):
     return as_rows(xp.as_array(segment_ids), lead)
 
 
+def _row_floats(xp, name: str, values: Any, lead: Shape):
+    """A per-token argument checked, as float32 ``[R, T]`` outside the gradient; None stays."""
+    if values is None:
+        return None
+    return as_rows(_floats(xp, check_row_values(xp, name, values, lead)), lead)
+
+
 def token_inputs(xp, lead: Shape, old_logps: Any, advantages: Any, segment_ids: Any,
                  importance_weights: Any, loss_normalizer: Any,
-                 kl_entropy_normalizer: Any = None) -> TokenInputs:
+                 kl_entropy_normalizer: Any = None, rollout_logps: Any = None) -> TokenInputs:
     """Validate ``policy_loss``'s per-token arguments (errors name the argument);
-    ``old_logps`` None (on-policy) stays None."""
-    old = None if old_logps is None else check_row_values(xp, "old_logps", old_logps, lead)
-    weights = None
-    if importance_weights is not None:
-        weights = check_row_values(xp, "importance_weights", importance_weights, lead)
-        weights = as_rows(_floats(xp, weights), lead)
+    ``old_logps`` None (on-policy) and ``rollout_logps`` None stay None."""
+    old = _row_floats(xp, "old_logps", old_logps, lead)
+    weights = _row_floats(xp, "importance_weights", importance_weights, lead)
+    adv, sequence_adv = _check_advantages(xp, advantages, lead)
     return TokenInputs(
-        old_logps=None if old is None else as_rows(_floats(xp, old), lead),
-        advantages=_check_advantages(xp, advantages, lead),
+        old_logps=old,
+        advantages=adv,
         segment_ids=_check_segments(xp, segment_ids, lead),
         importance_weights=weights,
         loss_normalizer=_check_normalizer(xp, loss_normalizer, "loss_normalizer"),
         kl_entropy_normalizer=_check_normalizer(xp, kl_entropy_normalizer,
                                                 "kl_entropy_normalizer"),
+        sequence_advantages=sequence_adv,
+        rollout_logps=_row_floats(xp, "rollout_logps", rollout_logps, lead),
     )
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any, Dict, Tuple
 
 from ratiokl._core import objective as _objective
-from ratiokl._core.route import loss_inputs
+from ratiokl._core.route import loss_inputs, rollout_step
 from ratiokl._core.sequences import as_rows
 from ratiokl.spec import PolicyLossOptions, rollout_options
 
@@ -45,26 +45,27 @@ def policy_objective(xp, checks, opts: PolicyLossOptions, logps, old_logps, adva
     ``opts``."""
     lead = tuple(getattr(logps, "shape", ()))  # not an array: check_row_values names it
     logp = _values(xp, checks, "logps", logps, lead)
-    mask = checks.check_mask(mask, lead)
     if ref_logps is None and opts.uses_kl:
         raise _missing("ref_logps", "kl_coef")
     if entropy is None and opts.uses_entropy:
         raise _missing("entropy", "entropy_coef")
-    inputs = loss_inputs(checks, opts, lead, old_logps, advantages, segment_ids,
-                         importance_weights, loss_normalizer, kl_entropy_normalizer)
-    xp.same_device(logps=logps, mask=mask, old_logps=old_logps, advantages=advantages,
-                   ref_logps=ref_logps, entropy=entropy, segment_ids=segment_ids,
-                   importance_weights=importance_weights)
     ref = None if ref_logps is None else xp.stop_gradient(
         _values(xp, checks, "ref_logps", ref_logps, lead))
     ent = None if entropy is None else _values(xp, checks, "entropy", entropy, lead)
+    mask = checks.check_mask(mask, lead)
+    inputs = loss_inputs(checks, opts, lead, old_logps, advantages, segment_ids,
+                         importance_weights, loss_normalizer, kl_entropy_normalizer,
+                         rollout_logps)
+    xp.same_device(logps=logps, mask=mask, old_logps=old_logps, advantages=advantages,
+                   ref_logps=ref_logps, entropy=entropy, segment_ids=segment_ids,
+                   importance_weights=importance_weights, rollout_logps=rollout_logps)
     rollout = rollout_options(rollout_correction, rollout_bounds, rollout_logps is not None,
                               old_given=old_logps is not None,
                               cached=not xp.compiling())
     rollout_metrics: Dict[str, Any] = {}
     if rollout is not None:
-        inputs, rollout_metrics = xp.rollout(mask.reshape(-1), lead, inputs, rollout_logps,
-                                             rollout, opts.log_ratio_bound, None)
+        inputs, rollout_metrics = rollout_step(xp, mask.reshape(-1), lead, inputs, rollout,
+                                               opts.log_ratio_bound)
     loss, metrics = _objective.policy_objective(xp, logp, ref, as_rows(mask, lead), inputs,
                                                 opts, ent)
     if opts.loss_agg == "none":

@@ -9,23 +9,26 @@ token in the leading shape, else 0-d).
 
 ``xp`` is the framework's array adapter (see :mod:`ratiokl._core`); for the route it also
 offers ``flat(x)`` (a float32 ``[N]`` copy outside the gradient, None passing through),
-``no_grad()`` (a context), ``rollout(...)`` (the framework's checked rollout correction),
-``fused_advantages(adv)`` (the advantages and keyword arguments the fused kernel takes),
-``compiling()``, ``compiled_backward(logits)`` (whether to leave the fused kernel to the
+``no_grad()`` (a context), ``compiling()``, ``compiled_backward(logits)`` (whether to leave the fused kernel to the
 two passes), ``check_before_inplace`` and ``once(loss, op)`` (the framework's guard
 against a second backward).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
 from ratiokl._backend import Backend, inplace_grad_error
 from ratiokl._core.objective import kernel_weights, objective_rows
-from ratiokl.spec import PolicyLossOptions, check_loss_normalizer, check_term_normalizer
+from ratiokl._core.rollout import weights as rollout_weights
+from ratiokl._core.sequences import as_rows, log_weights
+from ratiokl.spec import (PolicyLossOptions, RolloutOptions, check_loss_normalizer,
+                          check_term_normalizer)
 
-__all__ = ["Rows", "linear_logprobs_step", "linear_loss_step", "logprobs_step", "loss_inputs",
-           "loss_step", "ratio_kl_step", "uniform_weights"]
+__all__ = ["Rows", "fused_advantages", "linear_logprobs_step", "linear_loss_step",
+           "logprobs_step", "loss_inputs", "loss_step", "ratio_kl_step", "rollout_step",
+           "uniform_weights"]
 
 
 class Rows(NamedTuple):
@@ -47,13 +50,41 @@ class Rows(NamedTuple):
 
 
 def loss_inputs(checks, opts: PolicyLossOptions, lead: Tuple[int, ...], old_logps, advantages,
-                segment_ids, importance_weights, loss_normalizer, kl_entropy_normalizer):
+                segment_ids, importance_weights, loss_normalizer, kl_entropy_normalizer,
+                rollout_logps=None):
     """The normalisers checked against ``opts``, then the per-token inputs validated
     (``checks``: the framework's ``_checks``; its ``TokenInputs``)."""
     check_loss_normalizer(opts.loss_agg, loss_normalizer)
     check_term_normalizer(opts, kl_entropy_normalizer)
     return checks.token_inputs(lead, old_logps, advantages, segment_ids, importance_weights,
-                               loss_normalizer, kl_entropy_normalizer)
+                               loss_normalizer, kl_entropy_normalizer, rollout_logps)
+
+
+def rollout_step(xp, mask, lead: Tuple[int, ...], inputs, opts: RolloutOptions,
+                 bound: Optional[float], launch: Optional[Callable] = None):
+    """``(inputs, metrics)``: ``inputs`` (``TokenInputs`` with ``rollout_logps`` and
+    ``old_logps``) with the rollout weight folded into ``importance_weights`` where ``opts``
+    corrects, and the rollout metrics (``ratiokl._core.rollout``).
+
+    ``mask``: the flattened bool ``[N]`` mask; ``launch``: a backend's one-launch
+    ``rollout_weights(mask, old, rollout, seq, iw, opts, bound)`` on ``[N]`` arrays, or None
+    (the framework ops of ``rollout.weights``; also for the modes the kernel lacks,
+    ``"token-clip"`` and ``"sequence-geomean-mask"``).
+    """
+    mask, old, rollout = as_rows(mask, lead), inputs.old_logps, inputs.rollout_logps
+    in_kernel = launch is not None and opts.in_kernel
+    lw, seq = (None, None) if in_kernel and not opts.sequence else log_weights(
+        xp, mask, old, rollout, inputs.segment_ids, opts.sequence, opts.geomean)
+    if in_kernel:
+        flat = lambda x: None if x is None else x.reshape(-1)  # noqa: E731
+        w, metrics = launch(flat(mask), flat(old), flat(rollout), seq,
+                            flat(inputs.importance_weights), opts, bound)
+        w = w.reshape(mask.shape)
+    else:
+        w, metrics = rollout_weights(xp, mask, lw, seq, inputs.importance_weights, opts, bound)
+    if opts.corrects:
+        inputs = dataclasses.replace(inputs, importance_weights=w)
+    return inputs, metrics
 
 
 def logprobs_step(rows: Rows, return_entropy: bool):
@@ -106,12 +137,24 @@ def uniform_weights(opts: PolicyLossOptions, normalizer: object, width: int,
     return by_count() if count else by_number(denom)
 
 
+def fused_advantages(xp, inputs) -> Tuple[Any, int]:
+    """``(adv, adv_rows)`` as the fused kernel reads them from ``inputs`` (``TokenInputs``,
+    ``[R, T]``): float32 ``[R]`` with ``adv_rows = T`` where they were given per sequence,
+    else ``[N]`` with ``adv_rows = 1``. Per-sequence advantages are thus never expanded into
+    an ``[N]`` copy (in PyTorch that copy was the costliest host step of a call on the H200).
+    """
+    if inputs.sequence_advantages is None:
+        return xp.flat(inputs.advantages), 1
+    return xp.flat(inputs.sequence_advantages), inputs.advantages.shape[-1]
+
+
 def loss_step(xp, rows, ref, ref_logps, inputs, opts: PolicyLossOptions, rollout,
-              rollout_logps, inplace_grad: bool, op: str) -> Tuple[Any, Dict[str, Any]]:
+              inplace_grad: bool, op: str) -> Tuple[Any, Dict[str, Any]]:
     """``policy_loss`` on validated ``rows`` (the route's flattened rows: ``lead``,
     ``logits [N, V]``, ``ids``, ``mask``, ``temperature``, the backend ``run`` and
     ``checked(result)``, which reads the host check) and options: the rollout correction
-    (with ``rollout``), then the one-kernel loss or the two passes.
+    (with ``rollout``, the options of ``inputs.rollout_logps``), then the one-kernel loss
+    or the two passes.
 
     ``ref``: the reference logits ``[N, V]`` or None; ``ref_logps`` the caller's ``[...]``
     (validated) or None; ``op``: the public call a second backward's error names. Also the
@@ -120,19 +163,19 @@ def loss_step(xp, rows, ref, ref_logps, inputs, opts: PolicyLossOptions, rollout
     lead, run = rows.lead, rows.run
     rollout_metrics = {}
     if rollout is not None:
-        inputs, rollout_metrics = xp.rollout(rows.mask, lead, inputs, rollout_logps, rollout,
-                                             opts.log_ratio_bound, run.rollout_weights)
+        inputs, rollout_metrics = rollout_step(xp, rows.mask, lead, inputs, rollout,
+                                               opts.log_ratio_bound, run.rollout_weights)
     if run.policy_loss is not None and opts.fuses and not opts.sequence_ratio \
             and not xp.compiled_backward(rows.logits):
         # One kernel: the loss, the metrics' row values and the gradient.
         weights = kernel_weights(xp, run.token_weights, rows.mask, lead, inputs, opts)
         if inplace_grad and xp.check_before_inplace:  # the launch consumes the logits
             rows.checked(None)
-        adv, adv_kwargs = xp.fused_advantages(inputs.advantages)
+        adv, adv_rows = fused_advantages(xp, inputs)
         loss, metrics = run.policy_loss(
             rows.logits, ref, rows.ids, rows.mask, xp.flat(inputs.old_logps),
             xp.flat(ref_logps), adv, xp.flat(inputs.importance_weights), weights,
-            rows.temperature, opts, inplace_grad, **adv_kwargs,
+            rows.temperature, opts, inplace_grad, adv_rows=adv_rows,
         )
         loss = loss.reshape(lead) if opts.loss_agg == "none" else loss
         return rows.checked((loss, {**metrics, **rollout_metrics}))
@@ -152,7 +195,7 @@ def loss_step(xp, rows, ref, ref_logps, inputs, opts: PolicyLossOptions, rollout
 
 
 def linear_loss_step(xp, rows, weight, bias, transform, chunk_rows: int, ref_logps, inputs,
-                     opts: PolicyLossOptions, rollout, rollout_logps,
+                     opts: PolicyLossOptions, rollout,
                      sharded: bool) -> Tuple[Any, Dict[str, Any]]:
     """``linear_policy_loss`` on validated ``rows`` of hidden states (``rows.logits`` is
     ``hidden [N, H]``), the lm_head ``weight [V, H]`` / ``bias [V]`` and ``transform``.
@@ -170,11 +213,11 @@ def linear_loss_step(xp, rows, weight, bias, transform, chunk_rows: int, ref_log
     if not sharded and run.linear_policy_loss is None:
         logits = xp.head_logits(rows.logits, rows.mask, weight, bias, transform)
         return loss_step(xp, rows._replace(logits=logits), None, ref_logps, inputs, opts,
-                         rollout, rollout_logps, False, "linear_policy_loss")
+                         rollout, False, "linear_policy_loss")
     rollout_metrics = {}
     if rollout is not None:
-        inputs, rollout_metrics = xp.rollout(rows.mask, lead, inputs, rollout_logps, rollout,
-                                             opts.log_ratio_bound, run.rollout_weights)
+        inputs, rollout_metrics = rollout_step(xp, rows.mask, lead, inputs, rollout,
+                                               opts.log_ratio_bound, run.rollout_weights)
     if sharded or opts.loss_agg == "none" or not opts.fuses:
         logp, ent = run.linear_selected_logprobs(rows.logits, weight, bias, rows.ids,
                                                  rows.mask, rows.temperature, transform,

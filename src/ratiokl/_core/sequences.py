@@ -14,7 +14,8 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple, Optional, Tuple
 
-__all__ = ["Segments", "as_rows", "segment_totals", "segments", "sequence_totals"]
+__all__ = ["Segments", "as_rows", "log_weights", "segment_totals", "segments",
+           "sequence_totals"]
 
 
 def as_rows(x, lead: Tuple[int, ...]):
@@ -65,3 +66,21 @@ def sequence_totals(xp, x, mask, segment_ids: Optional[Any]):
     """Per token, the sum of ``x [R, T]`` over its sequence; ``x`` must hold 0 on inactive
     tokens (they join the sequence before them)."""
     return segment_totals(xp, x, segments(xp, mask, segment_ids))
+
+
+def log_weights(xp, mask, old, rollout, segment_ids: Optional[Any], sequence: bool,
+                mean: bool) -> Tuple[Any, Optional[Any]]:
+    """The rollout correction's log-weights (``ratiokl.spec.rollout``) of bool ``mask [R,
+    T]``: per token ``lw = old - rollout``, both selected first (0 on inactive tokens), and
+    with ``sequence`` its sum (``mean``: its mean) over each token's sequence, ``[R, 1]``
+    (one sequence a row) or, with ``segment_ids``, ``[R, T]``; else None."""
+    lw = xp.where(mask, old, 0.0) - xp.where(mask, rollout, 0.0)
+    if not sequence:
+        return lw, None
+    count = xp.as_float(mask)
+    if segment_ids is None:
+        total, count = xp.sum(lw, axis=-1, keepdims=True), xp.sum(count, axis=-1, keepdims=True)
+    else:
+        total = sequence_totals(xp, lw, mask, segment_ids)
+        count = sequence_totals(xp, count, mask, segment_ids) if mean else count
+    return lw, total / xp.maximum(count, 1.0) if mean else total

@@ -14,16 +14,32 @@ the same bits every time. Inactive rows read nothing and get weight 0; NaN stays
 NaN on active rows (selected, never ``min``/``max``, which drop a NaN on a GPU).
 """
 
+import math
+from typing import Any, Dict
+
 import triton
 import triton.language as tl
 
 from ratiokl._kernels.codes import K3
+from ratiokl._kernels.loss_rows import ROWS_BLOCK
 from ratiokl._kernels.numerics import kl_and_dkl
 
 #: ``CORRECT`` codes: no weight (metrics only), truncate, mask.
 NONE = tl.constexpr(0)
 TRUNCATE = tl.constexpr(1)
 MASK = tl.constexpr(2)
+
+
+def rollout_constexprs(masks: bool, corrects: bool, low: float, high: float, bound: float,
+                       sequence: bool, has_iw: bool) -> Dict[str, Any]:
+    """:func:`rollout_weights_kernel`'s compile-time arguments, for both bindings: a
+    correction that ``masks`` (else truncates where it ``corrects``, else none), its
+    ``[low, high]`` (``high`` may be inf: no ceiling), ``bound`` (``log_ratio_bound``, 0:
+    none), a ``sequence`` log-weight, importance weights."""
+    finite = high < math.inf
+    correct = MASK if masks else TRUNCATE if corrects else NONE
+    return dict(LOW=low, HIGH=high if finite else 0.0, HAS_HIGH=finite, BOUND=bound,
+                CORRECT=correct.value, SEQUENCE=sequence, HAS_IW=has_iw, BLOCK=ROWS_BLOCK)
 
 
 @triton.jit

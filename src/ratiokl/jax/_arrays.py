@@ -101,19 +101,6 @@ class _Jax:
         return False
 
     @staticmethod
-    def fused_advantages(advantages):
-        """``(adv [N], {})``: the fused kernel reads one advantage per row."""
-        return advantages.reshape(-1).astype(jnp.float32), {}
-
-    @staticmethod
-    def rollout(mask, lead, inputs, rollout_logps, opts, log_ratio_bound, launch):
-        """``ratiokl.jax._rollout.correct`` (the argument checked, the weights folded in);
-        ``launch`` unused (no one-launch rollout weights in JAX)."""
-        from ratiokl.jax import _rollout
-
-        return _rollout.correct(mask, lead, inputs, rollout_logps, opts, log_ratio_bound)
-
-    @staticmethod
     def head_logits(hidden, mask, weight, bias, transform):
         """Every row's logits ``[N, V]`` from ``hidden [N, H]`` (``ratiokl.jax._lm_head``),
         inactive rows' hidden states zeroed."""

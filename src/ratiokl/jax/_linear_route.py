@@ -62,10 +62,11 @@ def linear_policy_loss(hidden, weight, action_ids, mask, old_logps, advantages,
     if ref_logps is not None or opts.uses_kl:
         _, ref_logps = _checks.check_ref(None, ref_logps, hidden.shape)
     inputs = _tail.loss_inputs(_checks, opts, lead, old_logps, advantages, segment_ids,
-                               importance_weights, loss_normalizer, kl_entropy_normalizer)
+                               importance_weights, loss_normalizer, kl_entropy_normalizer,
+                               rollout_logps)
     rows = _rows(hidden, lead, ids, mask, temperature, backend, check_ids, vocab_axis,
                  vocab=weight.shape[0])
     rollout = rollout_options(rollout_correction, rollout_bounds, rollout_logps is not None,
                               old_given=old_logps is not None)
     return _tail.linear_loss_step(XP, rows, weight, bias, transform, chunk_rows, ref_logps,
-                                  inputs, opts, rollout, rollout_logps, vocab_axis is not None)
+                                  inputs, opts, rollout, vocab_axis is not None)

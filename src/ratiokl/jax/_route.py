@@ -69,6 +69,7 @@ def _triton(name: str) -> Backend:
     return Backend(bind(_triton.selected_logprobs, call), bind(_triton.ratio_kl, call),
                    bind(_triton.logprobs_entropy, call), bind(_triton_loss.policy_loss, call),
                    bind(_triton_loss.token_weights, call),
+                   rollout_weights=bind(_triton_loss.rollout_weights, call),
                    shard_logps=bind(_triton_shard.shard_logps, call),
                    shard_rows=bind(_vocab_linear.kernel_rows, call),
                    linear_policy_loss=bind(_linear.policy_loss, call),
@@ -220,12 +221,13 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
     if ref_logits is not None or ref_logps is not None or opts.uses_kl:
         ref_logits, ref_logps = _checks.check_ref(ref_logits, ref_logps, policy_logits.shape)
     inputs = _tail.loss_inputs(_checks, opts, lead, old_logps, advantages, segment_ids,
-                               importance_weights, loss_normalizer, kl_entropy_normalizer)
+                               importance_weights, loss_normalizer, kl_entropy_normalizer,
+                               rollout_logps)
     rows = _rows(policy_logits, lead, ids, mask, temperature, backend, check_ids, vocab_axis)
     ref = None if ref_logits is None else ref_logits.reshape(rows.logits.shape)
     # The rollout options are checked on every call; only a call with rollout_logps
     # visits the correction (its weights, folded into importance_weights, and metrics).
     rollout = rollout_options(rollout_correction, rollout_bounds, rollout_logps is not None,
                               old_given=old_logps is not None)
-    return _tail.loss_step(XP, rows, ref, ref_logps, inputs, opts, rollout, rollout_logps,
+    return _tail.loss_step(XP, rows, ref, ref_logps, inputs, opts, rollout,
                            inplace_grad, "policy_loss")

@@ -24,27 +24,28 @@ from ratiokl._kernels.loss_rows import METRIC_NAMES
 from ratiokl.jax import _launch
 from ratiokl.jax._checks import Temperature, kernel_rows
 from ratiokl.jax._launch import Static, TritonCall
-from ratiokl.spec import PolicyLossOptions
+from ratiokl.spec import ROLLOUT_METRIC_NAMES, PolicyLossOptions, RolloutOptions
 
-__all__ = ["fused_static", "kernel_coefficients", "policy_loss", "token_weights"]
+__all__ = ["fused_static", "kernel_coefficients", "policy_loss", "rollout_weights",
+           "token_weights"]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 12, 13))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 12, 13, 14))
 def _fused(call, policy, ref, ids, mask, old, ref_lp, temp, adv, iw, w, coefs, static: Static,
-           inplace: bool):
-    return _launch.fused_op(call, static, False)(policy, ref, ids, mask, old, ref_lp, temp,
-                                                 adv, iw, w, coefs)[:-1]
+           inplace: bool, adv_rows: int):
+    return _launch.fused_op(call, static, False, adv_rows=adv_rows)(
+        policy, ref, ids, mask, old, ref_lp, temp, adv, iw, w, coefs)[:-1]
 
 
 def _fused_fwd(call, policy, ref, ids, mask, old, ref_lp, temp, adv, iw, w, coefs, static,
-               inplace):
-    outs = _launch.fused_op(call, static, True, inplace)(policy, ref, ids, mask, old, ref_lp,
-                                                         temp, adv, iw, w, coefs)
+               inplace, adv_rows):
+    outs = _launch.fused_op(call, static, True, inplace, adv_rows)(
+        policy, ref, ids, mask, old, ref_lp, temp, adv, iw, w, coefs)
     return outs[:-1], (outs[-1], mask)
 
 
-def _fused_bwd(call, static, inplace, residuals, cotangents):
-    del static, inplace
+def _fused_bwd(call, static, inplace, adv_rows, residuals, cotangents):
+    del static, inplace, adv_rows
     grad, mask = residuals
     g_loss = cotangents[0].astype(jnp.float32)
     return (_launch.scale_op(call)(grad, g_loss, mask),) + (None,) * 10
@@ -104,19 +105,38 @@ def token_weights(call: TritonCall, mask: jax.Array, opts: PolicyLossOptions,
                            lambda denom: _launch.native_weights(denom, False, mask))
 
 
+def rollout_weights(call: TritonCall, mask: jax.Array, old: jax.Array, rollout: jax.Array,
+                    seq: Optional[jax.Array], iw: Optional[jax.Array], opts: RolloutOptions,
+                    bound: Optional[float]) -> Tuple[jax.Array, Dict[str, jax.Array]]:
+    """The rollout correction's ``w * iw`` (float32 ``[N]``, 0 on inactive rows) and its
+    metrics, in one launch (``ratiokl.spec.rollout`` has the formulas).
+
+    ``mask``, ``old``, ``rollout`` and ``iw`` (or None) are ``[N]``, without gradient;
+    ``seq`` (sequence modes) the sequence log-weights, ``[R, 1]`` (one per row) or
+    ``[R, T]`` (per token).
+    """
+    n = mask.shape[0]
+    width = 1 if seq is None else n // max(seq.size, 1)
+    op = _launch.rollout_op(call, opts, bound or 0.0, width, seq is not None, iw is not None)
+    w, metrics = op(mask.astype(jnp.bool_), old, rollout,
+                    old if seq is None else seq.reshape(-1), old if iw is None else iw)
+    return w, {name: metrics[i] for i, name in enumerate(ROLLOUT_METRIC_NAMES)}
+
+
 def policy_loss(
     call: TritonCall, policy: jax.Array, ref: Optional[jax.Array], ids: jax.Array,
     mask: jax.Array,
     old: Optional[jax.Array], ref_logps: Optional[jax.Array], adv: jax.Array,
     iw: Optional[jax.Array], weights: jax.Array, temperature: Temperature,
-    opts: PolicyLossOptions, inplace_grad: bool,
+    opts: PolicyLossOptions, inplace_grad: bool, *, adv_rows: int = 1,
 ) -> Tuple[jax.Array, Dict[str, jax.Array]]:
     """The fused ``(loss, metrics)`` of flattened rows: one kernel for the loss, the
     metrics' row values and the policy-logit gradient, one for the means.
 
-    ``old``, ``adv``, ``iw`` (or None), ``ref_logps`` (or None) and the
-    aggregation ``weights`` are float32 ``[N]`` (``old`` None: on-policy, the kernel's
-    ``ON_POLICY``); ``policy`` ``[N, V]`` is the only
+    ``old``, ``iw`` (or None), ``ref_logps`` (or None) and the aggregation ``weights``
+    are float32 ``[N]`` (``old`` None: on-policy, the kernel's ``ON_POLICY``); ``adv``
+    float32 ``[N // adv_rows]`` (one advantage per ``adv_rows`` rows: per-sequence
+    advantages reach the kernel as given); ``policy`` ``[N, V]`` is the only
     differentiable input. ``inplace_grad``: the gradient's buffer aliases
     ``policy``'s (``input_output_aliases``; without a copy where XLA may, e.g.
     ``policy`` donated to ``jit``). Returns the float32 0-d loss (``loss_agg="none"``: the
@@ -136,7 +156,7 @@ def policy_loss(
     ref_lp = weights if ref_logps is None else stop(ref_logps)
     loss_rows, logp, ratio, kl, ent, bits = _fused(
         call, policy, ref_in, ids, mask_k, old_in, ref_lp, temp, adv,
-        weights if iw is None else stop(iw), weights, coefs, static, inplace_grad,
+        weights if iw is None else stop(iw), weights, coefs, static, inplace_grad, adv_rows,
     )
     rows = (mask_k, logp, ratio, kl, ent, bits, logp if old is None else old_in, loss_rows)
     means, total = _launch.metrics_op(call)(*(stop(x) for x in rows))  # no derivative: none asked

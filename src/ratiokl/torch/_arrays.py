@@ -8,8 +8,6 @@ route's hooks (:mod:`ratiokl._core.route`) and validation's questions
 
 from __future__ import annotations
 
-from typing import Dict, Tuple
-
 import torch
 import torch.nn.functional as F
 
@@ -115,28 +113,6 @@ class _Torch:
         """
         return (torch.compiler.is_compiling() and torch.is_grad_enabled()
                 and logits.requires_grad)
-
-    @staticmethod
-    def fused_advantages(advantages: torch.Tensor) -> Tuple[torch.Tensor, Dict[str, int]]:
-        """``(adv, {"adv_rows": n})`` as the fused kernel reads them from
-        ``TokenInputs.advantages`` ``[R, T]``: one value per sequence ``[R]`` with ``n = T``
-        where they were given per sequence (a stride-0 view over the tokens), else ``[N]``
-        with ``n = 1``.
-
-        Per-sequence advantages are thus never expanded into an ``[N]`` copy (on the H200
-        that copy was the costliest host step of a ``policy_loss`` call).
-        """
-        if advantages.shape[-1] > 1 and advantages.stride(-1) == 0:
-            return advantages[:, 0].contiguous(), {"adv_rows": advantages.shape[-1]}
-        return advantages.reshape(-1).contiguous(), {"adv_rows": 1}
-
-    @staticmethod
-    def rollout(mask, lead, inputs, rollout_logps, opts, log_ratio_bound, launch):
-        """``ratiokl.torch._rollout.correct`` (the argument checked, the weights folded in)."""
-        from ratiokl.torch import _rollout
-
-        return _rollout.correct(mask, lead, inputs, rollout_logps, opts, log_ratio_bound,
-                                launch)
 
     @staticmethod
     def head_logits(hidden, mask, weight, bias, transform):

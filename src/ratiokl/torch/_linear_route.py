@@ -84,16 +84,17 @@ def linear_policy_loss(hidden, weight, action_ids, mask, old_logps, advantages,
     if ref_logps is not None or opts.uses_kl:
         _checks.check_ref(None, ref_logps, tuple(hidden.shape))
     inputs = _tail.loss_inputs(_checks, opts, lead, old_logps, advantages, segment_ids,
-                               importance_weights, loss_normalizer, kl_entropy_normalizer)
+                               importance_weights, loss_normalizer, kl_entropy_normalizer,
+                               rollout_logps)
     rows = _rows(
         hidden, lead, action_ids, mask, temperature, backend, check_ids, vocab_group,
         vocab=weight.shape[0], weight=weight, bias=bias, old_logps=old_logps,
         ref_logps=ref_logps, advantages=advantages, segment_ids=segment_ids,
-        importance_weights=importance_weights,
+        importance_weights=importance_weights, rollout_logps=rollout_logps,
     )
     rollout = rollout_options(rollout_correction, rollout_bounds, rollout_logps is not None,
                               old_given=old_logps is not None, cached=True)
     if vocab_group is not None or rows.run.linear_policy_loss is not None:
         _eager_only("linear_policy_loss", "policy_loss", vocab_group)
     return _tail.linear_loss_step(XP, rows, weight, bias, transform, chunk_rows, ref_logps,
-                                  inputs, opts, rollout, rollout_logps, vocab_group is not None)
+                                  inputs, opts, rollout, vocab_group is not None)

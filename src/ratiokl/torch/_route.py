@@ -207,11 +207,13 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
     if ref_logits is not None or ref_logps is not None or opts.uses_kl:
         _checks.check_ref(ref_logits, ref_logps, tuple(policy_logits.shape))
     inputs = _tail.loss_inputs(_checks, opts, lead, old_logps, advantages, segment_ids,
-                               importance_weights, loss_normalizer, kl_entropy_normalizer)
+                               importance_weights, loss_normalizer, kl_entropy_normalizer,
+                               rollout_logps)
     rows = _rows(
         policy_logits, lead, action_ids, mask, temperature, backend, check_ids, vocab_group,
         ref_logits=ref_logits, old_logps=old_logps, ref_logps=ref_logps, advantages=advantages,
         segment_ids=segment_ids, importance_weights=importance_weights,
+        rollout_logps=rollout_logps,
     )
     ref = None if ref_logits is None else ref_logits.detach().reshape(rows.logits.shape)
     # The rollout options are checked on every call; only a call with rollout_logps
@@ -219,5 +221,5 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
     rollout = rollout_options(rollout_correction, rollout_bounds, rollout_logps is not None,
                               old_given=old_logps is not None,
                               cached=not torch.compiler.is_compiling())
-    return _tail.loss_step(XP, rows, ref, ref_logps, inputs, opts, rollout, rollout_logps,
+    return _tail.loss_step(XP, rows, ref, ref_logps, inputs, opts, rollout,
                            inplace_grad, "policy_loss")

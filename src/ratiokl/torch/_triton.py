@@ -26,7 +26,6 @@ import torch
 
 from ratiokl._codes import KL
 from ratiokl._core.route import uniform_weights
-from ratiokl._kernels import rollout as rollout_kernel
 from ratiokl._kernels.loss_rows import METRIC_NAMES
 from ratiokl.spec import ROLLOUT_METRIC_NAMES, PolicyLossOptions, RolloutOptions
 from ratiokl.torch._launch import (
@@ -140,16 +139,9 @@ def rollout_weights(mask: torch.Tensor, old: torch.Tensor, rollout: torch.Tensor
     width = 1 if seq is None else mask.numel() // max(seq.numel(), 1)
     flat = lambda x: None if x is None else x.reshape(-1).contiguous()  # noqa: E731
     w, metrics = ROLLOUT_WEIGHTS(flat(mask), flat(old), flat(rollout), flat(seq), flat(iw),
-                                 width, opts.low, opts.high, bound or 0.0,
-                                 _correction_code(opts))
+                                 width, opts.masks, opts.corrects, opts.low, opts.high,
+                                 bound or 0.0)
     return w, dict(zip(ROLLOUT_METRIC_NAMES, metrics.unbind()))
-
-
-def _correction_code(opts: RolloutOptions) -> int:
-    """``rollout_weights_kernel``'s ``CORRECT`` for ``opts``: ``NONE``, ``TRUNCATE`` or ``MASK``."""
-    code = (rollout_kernel.MASK if opts.masks else rollout_kernel.TRUNCATE if opts.corrects
-            else rollout_kernel.NONE)
-    return code.value
 
 
 class _InplaceLoss(torch.autograd.Function):

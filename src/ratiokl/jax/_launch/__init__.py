@@ -22,7 +22,7 @@ NaN; nothing synchronises with the host.
 
 One module per kernel family, as in ``ratiokl.torch._launch``: ``logprobs`` (the row
 forward and backward), ``loss`` (the fused loss, its metrics, the row scaling), ``weights``
-(the token-mean weights), ``shard`` (a vocabulary shard's statistics); ``vmap`` holds the
+(the token-mean weights, the rollout correction's weights), ``shard`` (a vocabulary shard's statistics); ``vmap`` holds the
 launch function's type and the batching rules. This package names what the bindings call.
 """
 
@@ -30,9 +30,9 @@ from ratiokl.jax._launch.logprobs import backward_op, forward_op
 from ratiokl.jax._launch.loss import Static, fused_op, metrics_op, scale_op
 from ratiokl.jax._launch.shard import stats_op
 from ratiokl.jax._launch.vmap import TritonCall, row_op
-from ratiokl.jax._launch.weights import native_weights, weights_op
+from ratiokl.jax._launch.weights import native_weights, rollout_op, weights_op
 
 __all__ = [
     "Static", "TritonCall", "backward_op", "forward_op", "fused_op", "metrics_op", "row_op",
-    "native_weights", "scale_op", "stats_op", "weights_op",
+    "native_weights", "rollout_op", "scale_op", "stats_op", "weights_op",
 ]

@@ -27,9 +27,10 @@ __all__ = ["Static", "fused_op", "metrics_op", "scale_op"]
 Static = Tuple[bool, bool, int, bool, float, int, bool, bool]
 
 
-def _fused_call(call: TritonCall, static: Static, write_grad: bool, inplace: bool, policy, ref,
-                ids, mask, old, ref_lp, temp, adv, iw, w, coefs):
-    """``(loss_rows, logp, ratio, kl, entropy, clip_bits, grad)`` from one launch.
+def _fused_call(call: TritonCall, static: Static, write_grad: bool, inplace: bool,
+                adv_rows: int, policy, ref, ids, mask, old, ref_lp, temp, adv, iw, w, coefs):
+    """``(loss_rows, logp, ratio, kl, entropy, clip_bits, grad)`` from one launch; ``adv``
+    holds one advantage per ``adv_rows`` rows.
 
     Without ``write_grad`` (the primal, no derivative taken) the kernel reads
     each row once and ``grad`` is an unwritten ``[N, 1]`` placeholder.
@@ -59,7 +60,7 @@ def _fused_call(call: TritonCall, static: Static, write_grad: bool, inplace: boo
         zeroed_outputs=(counters_out,) if n_counters else (),
         grid=(plan.programs(n_rows),), num_warps=plan.config.num_warps,
         N=n_rows, V=vocab, stride_pn=vocab, stride_pv=1, stride_rn=vocab, stride_rv=1,
-        stride_t=0 if temp.shape[0] == 1 else 1, adv_rows=1,
+        stride_t=0 if temp.shape[0] == 1 else 1, adv_rows=adv_rows,
         HAS_REF=has_ref, HAS_IW=has_iw, KL_CODE=kl_code, HAS_NEG_CAP=has_neg_cap, BOUND=bound,
         OBJECTIVE=objective, ON_POLICY=on_policy, ENTROPY_GRAD=entropy_grad,
         WRITE_GRAD=write_grad, SPLITS=plan.spans.splits, TILES_PER_SPLIT=plan.spans.tiles_per_split,
@@ -82,10 +83,11 @@ def _scale_call(call: TritonCall, grad, g, mask):
 
 
 @functools.lru_cache(maxsize=None)
-def fused_op(call: TritonCall, static: Static, write_grad: bool,
-             inplace: bool = False) -> Callable:
-    """The fused policy loss through ``call`` (see :func:`_fused_call`)."""
-    launch = functools.partial(_fused_call, call, static, write_grad, inplace)
+def fused_op(call: TritonCall, static: Static, write_grad: bool, inplace: bool = False,
+             adv_rows: int = 1) -> Callable:
+    """The fused policy loss through ``call`` (see :func:`_fused_call`); under ``vmap`` the
+    batch folds into rows, ``[B, N // adv_rows]`` advantages into ``B * N // adv_rows``."""
+    launch = functools.partial(_fused_call, call, static, write_grad, inplace, adv_rows)
     return row_op(launch, temp_index=6, shared=(10,))
 
 

@@ -4,13 +4,12 @@ weights and metrics, each one single-program launch over the rows.
 
 from __future__ import annotations
 
-import math
 from typing import Callable, Optional, Tuple
 
 import torch
 
 from ratiokl._kernels.loss_rows import ROWS_BLOCK, ROWS_WARPS, token_weights_kernel
-from ratiokl._kernels.rollout import rollout_weights_kernel
+from ratiokl._kernels.rollout import rollout_constexprs, rollout_weights_kernel
 from ratiokl.torch._launch.op import KernelOp
 
 __all__ = ["ROLLOUT_WEIGHTS", "TOKEN_WEIGHTS", "rollout_weights", "token_weights"]
@@ -32,26 +31,23 @@ TOKEN_WEIGHTS = KernelOp(token_weights, fake=lambda mask, *_: mask.new_empty(
 
 
 def rollout_weights(kernels: Callable, mask: Tensor, old: Tensor, rollout: Tensor,
-                    seq: Optional[Tensor], iw: Optional[Tensor], seq_width: int, low: float,
-                    high: float, bound: float, correct: int) -> Tuple[Tensor, Tensor]:
+                    seq: Optional[Tensor], iw: Optional[Tensor], seq_width: int, masks: bool,
+                    corrects: bool, low: float, high: float,
+                    bound: float) -> Tuple[Tensor, Tensor]:
     """``(w * iw, metrics)``: float32 ``[N]`` (0 on inactive rows) and float32 ``[3]``
     (``ratiokl.spec.ROLLOUT_METRIC_NAMES``) from ``rollout_weights_kernel``.
 
     ``seq``: the sequence log-weights, one per ``seq_width`` rows (None: token level);
-    ``iw``: importance weights or None; ``high`` may be inf (no ceiling, mask modes);
-    ``bound``: ``log_ratio_bound`` (0: none); ``correct``: the kernel's ``CORRECT``.
+    ``iw``: importance weights or None; the rest: ``rollout_constexprs``' arguments.
     """
     w = torch.empty(mask.shape, dtype=torch.float32, device=mask.device)
     metrics = torch.empty(3, dtype=torch.float32, device=mask.device)
     if not mask.numel():
         return w, metrics.zero_()
-    finite = high < math.inf
     kernels(rollout_weights_kernel)[(1,)](
         mask, old, rollout, old if seq is None else seq, old if iw is None else iw, w, metrics,
-        mask.numel(), seq_width,
-        LOW=low, HIGH=high if finite else 0.0, HAS_HIGH=finite, BOUND=bound, CORRECT=correct,
-        SEQUENCE=seq is not None, HAS_IW=iw is not None, BLOCK=ROWS_BLOCK,
-        num_warps=ROWS_WARPS,
+        mask.numel(), seq_width, num_warps=ROWS_WARPS,
+        **rollout_constexprs(masks, corrects, low, high, bound, seq is not None, iw is not None),
     )
     return w, metrics
 
