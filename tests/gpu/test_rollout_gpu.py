@@ -1,5 +1,6 @@
 """The rollout correction on a CUDA GPU: torch ``"triton"`` (the one-launch weights, eager
-and through ``torch.compile``'s ``triton_op``) and JAX ``"triton"``, against the spec.
+and through ``torch.compile``'s ``triton_op``) and JAX ``"triton"`` (the same launch
+through jax-triton; per-sequence advantages read once per sequence), against the spec.
 
 Run on the H200 with ``pytest -m gpu tests/gpu``; skipped without CUDA.
 """
