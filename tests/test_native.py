@@ -3,9 +3,11 @@
 
 ``selected_logprobs`` and ``ratio_kl``: forward and gradient per logits dtype and leading
 shape, each KL estimator, reference log-probs instead of logits, a NaN logit poisoning its
-row only, out-of-range active ids named by position, the gradient reaching the policy
-logits only, integer masks. What only one framework has stays in ``tests/torch`` and
-``tests/jax`` ``test_native.py`` (the runners: ``tests/helpers/native_runners.py``).
+row only, out-of-range active ids named by position, errors that name the argument (each
+way either framework's tests knew to get an argument of ``ratio_kl`` wrong), the gradient
+reaching the policy logits only, integer masks. What only one framework has stays in
+``tests/torch`` and ``tests/jax`` ``test_native.py`` (the runners:
+``tests/helpers/native_runners.py``).
 """
 
 from __future__ import annotations
@@ -79,6 +81,83 @@ def test_out_of_range_active_id_raises_naming_position(native_target, bad_id):
         ratio_kl(_framework(native_target), c)
     with pytest.raises(ValueError, match=message):
         selected_logprobs(_framework(native_target), c)
+
+
+def _both(message: str) -> dict:
+    return {"torch": message, "jax": message}
+
+
+#: One argument of valid ``ratio_kl`` inputs replaced (``old_logps`` of int32 and of int64,
+#: a list, ...), the error and what its message starts with, by framework where the
+#: wording is the framework's own.
+BAD_ARGS = [pytest.param(change, error, message if isinstance(message, dict) else
+                         _both(message), id=name) for name, change, error, message in [
+    ("policy-float64", {"policy": np.zeros((4, 6, V), np.float64)}, TypeError,
+     "`policy_logits` must be float32, float16 or bfloat16"),
+    ("policy-no-vocab", {"policy": np.zeros((4, 6, 0), np.float32)}, ValueError,
+     "`policy_logits` must have shape"),
+    ("ids-float", {"ids": np.zeros((4, 6), np.float32)}, TypeError,
+     {"torch": "`action_ids` must be int64 or int32",
+      "jax": "`action_ids` must be int32 or int64"}),
+    ("ids-shape", {"ids": np.zeros((6, 4), np.int32)}, ValueError,
+     "`action_ids` must have the logits' leading shape"),
+    ("mask-float", {"mask": np.zeros((4, 6), np.float32)}, TypeError, "`mask` must be bool"),
+    ("mask-1d", {"mask": np.ones((2,), bool)}, ValueError, "`mask` must have the logits'"),
+    ("mask-rows", {"mask": np.ones((2, 6), bool)}, ValueError, "`mask` must have the logits'"),
+    ("old-int32", {"old": np.zeros((4, 6), np.int32)}, TypeError,
+     "`old_logps` must be a floating"),
+    ("old-int64", {"old": np.zeros((4, 6), np.int64)}, TypeError,
+     "`old_logps` must be a floating"),
+    ("old-list", {"old": [0.0]}, TypeError,
+     {"torch": "`old_logps` must be a torch.Tensor", "jax": "`old_logps` must be a jax.Array"}),
+    ("ref-vocab", {"ref": np.zeros((4, 6, V + 1), np.float32)}, ValueError,
+     "`ref_logits` must have the shape of `policy_logits`"),
+    ("ref-lead", {"ref": np.zeros((4, 2, V), np.float32)}, ValueError,
+     "`ref_logits` must have the shape of `policy_logits`"),
+    ("ref-neither", {"ref": None}, ValueError, "pass exactly one of `ref_logits`"),
+    ("ref-both", {"ref_logps": np.zeros((4, 6), np.float32)}, ValueError,
+     "pass exactly one of `ref_logits` (reference-model logits [..., V]) and `ref_logps`"),
+    ("temperature-zero", {"temperature": 0.0}, ValueError,
+     "`temperature` must be a positive finite"),
+    ("temperature-nan", {"temperature": float("nan")}, ValueError,
+     "`temperature` must be a positive finite"),
+    ("temperature-shape", {"temperature": np.ones((2,), np.float32)}, ValueError,
+     "`temperature` must have the logits' leading shape"),
+    ("temperature-str", {"temperature": "1"}, TypeError, "`temperature` must be a Python float"),
+    ("kl_estimator", {"kl_estimator": "k4"}, ValueError, "`kl_estimator` must be one of"),
+    ("backend-name", {"backend": "cuda"}, ValueError, "`backend` must be one of"),
+    ("backend-triton-here", {"backend": "triton"}, ValueError,
+     {"torch": "backend='triton' needs CUDA tensors", "jax": "backend='triton' needs a GPU"}),
+    ("check_ids-int", {"check_ids": 1}, TypeError, "`check_ids` must be a Python bool"),
+]]
+
+
+@pytest.mark.parametrize("change, error, message", BAD_ARGS)
+def test_validation_errors_name_the_argument(native_target, change, error, message, request):
+    """PyTorch gets tensors, JAX the NumPy arrays as they are (its functions take them;
+    ``jnp.asarray`` would make the float64 logits float32)."""
+    fw = _framework(native_target)
+    if fw == "torch" and "check_ids" in change:
+        request.applymarker(pytest.mark.xfail(
+            strict=True, reason="PyTorch takes any truthy check_ids; JAX refuses a non-bool"))
+    if fw == "jax" and change.get("backend") == "triton":
+        import jax
+
+        if jax.default_backend() == "gpu":
+            pytest.skip("triton may run on a GPU")
+    c = {**case((4, 6), vocab=V, seed=13), "backend": "native", **change}
+    if fw == "torch":
+        import torch
+
+        from ratiokl.torch import loss
+
+        c = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in c.items()}
+    else:
+        from ratiokl.jax import loss
+    opts = {k: c[k] for k in ("ref_logps", "temperature", "kl_estimator", "backend",
+                              "check_ids") if k in c}
+    with pytest.raises(error, match=re.escape(message[fw])):
+        loss.ratio_kl(c["policy"], c["ref"], c["ids"], c["mask"], c["old"], **opts)
 
 
 def test_gradient_reaches_policy_logits_only(native_target):

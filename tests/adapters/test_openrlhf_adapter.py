@@ -23,7 +23,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("openrlhf", reason="OpenRLHF is not installed (see .ci/run block (d))")
 transformers = pytest.importorskip("transformers")
 
-from assertions import assert_close  # noqa: E402
+from assertions import assert_close, two_paths  # noqa: E402
 from openrlhf_stubs import build_trainer, import_openrlhf, trainer_args  # noqa: E402
 from trainer_batch import B, T, make_batch, token_logps, tolerances  # noqa: E402
 
@@ -198,7 +198,7 @@ def _assert_grads(got_model, want_model, scale, dtype="float32"):
                                       want_model.named_parameters()):
         magnitude = float(want.grad.abs().max())
         tol = linear_grad_tolerance(dtype, scale, magnitude)
-        assert_close(got.grad, want.grad, type(tol)(2 * tol.rtol, 2 * tol.atol), name)
+        assert_close(got.grad, want.grad, two_paths(tol), name)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -228,14 +228,13 @@ def test_actor_forward_matches_openrlhf(mode, backend, dtype):
     w_logp = torch.randn(got.shape, generator=g) * rows
     scale = _logit_scale(theirs, sequences, attention)
     tol = linear_forward_tolerance(dtype, scale, VOCAB)
-    assert_close(got[rows], want[rows].detach(), type(tol)(2 * tol.rtol, 2 * tol.atol),
-                 "log-probs")
+    assert_close(got[rows], want[rows].detach(), two_paths(tol), "log-probs")
     assert torch.all(got[~rows] == 0)
     objective = [(got * w_logp).sum(), (want * w_logp).sum()]
     if mode == "entropy":
         ent_tol = linear_forward_tolerance(dtype, scale, VOCAB, entropy=True)
         assert_close(got_out.entropy[active], want_out.entropy[active].detach(),
-                     type(ent_tol)(2 * ent_tol.rtol, 2 * ent_tol.atol), "entropy")
+                     two_paths(ent_tol), "entropy")
         assert torch.all(got_out.entropy[~active] == 0)
         w_ent = torch.randn(active.shape, generator=g) * active
         objective[0] = objective[0] + (got_out.entropy * w_ent).sum()
@@ -316,7 +315,7 @@ def test_actor_forward_reads_the_models_head(name, backend):
     for label, g, w, rows in (("log-probs", got, want, batch.mask),
                               ("entropy", got_out.entropy, want_out.entropy, active)):
         tol = linear_forward_tolerance("float32", scale, VOCAB, entropy=label == "entropy")
-        assert_close(g[rows], w[rows].detach(), type(tol)(2 * tol.rtol, 2 * tol.atol), label)
+        assert_close(g[rows], w[rows].detach(), two_paths(tol), label)
     g = torch.Generator().manual_seed(3)
     w_logp, w_ent = torch.randn(got.shape, generator=g), torch.randn(active.shape, generator=g)
     ((got * w_logp).sum() + (got_out.entropy * w_ent * active).sum()).backward()
@@ -370,14 +369,12 @@ def _zero3_forward_matches(backend: str) -> None:
         results.append((logp.detach(), out.entropy.detach(),
                         {n: safe_get_full_grad(p) for n, p in actor.named_parameters()}))
     (want, want_ent, want_grads), (got, got_ent, grads) = results
-    tol = linear_forward_tolerance("float32", scale, VOCAB, entropy=True)
-    tol = type(tol)(2 * tol.rtol, 2 * tol.atol)
+    tol = two_paths(linear_forward_tolerance("float32", scale, VOCAB, entropy=True))
     assert_close(got[batch.mask], want[batch.mask], tol, "log-probs")
     assert_close(got_ent[active], want_ent[active], tol, "entropy")
     for name, want_grad in want_grads.items():
         grad_tol = linear_grad_tolerance("float32", scale, float(want_grad.abs().max()))
-        assert_close(grads[name], want_grad, type(grad_tol)(2 * grad_tol.rtol,
-                                                             2 * grad_tol.atol), name)
+        assert_close(grads[name], want_grad, two_paths(grad_tol), name)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -1,10 +1,9 @@
-"""The fused policy loss's row-vector kernels (``_kernels.loss_rows``) on the interpreter.
+"""The fused policy loss's metrics kernel (``_kernels.loss_rows``) on the interpreter.
 
-The weights launch (``ratiokl.torch._triton.token_weights``) and the metrics
-kernel that ends the fused launch, against the PyTorch ops of
-``ratiokl._core.objective`` (PyTorch adapter) they replace: every aggregation, with and
-without a normaliser (number or tensor), masks with no, some and all rows
-active, more rows than one block, and NaN / inf in inactive rows' values.
+The metrics kernel that ends the fused launch, against the PyTorch ops of
+``ratiokl._core.objective`` (PyTorch adapter) it replaces: masks with no, some and all
+rows active, more rows than one block, and NaN / inf in inactive rows' values. The
+weights launch, on both bindings: ``tests/test_loss_rows.py``.
 """
 
 from __future__ import annotations
@@ -26,9 +25,7 @@ from ratiokl._kernels.loss_rows import (  # noqa: E402
     policy_metrics_kernel,
 )
 from ratiokl._kernels.objective import CLIP_CAPPED, CLIP_HIGH, CLIP_LOW  # noqa: E402
-from ratiokl.spec import LOSS_AGGS, POLICY_LOSS_DEFAULTS, policy_loss_options  # noqa: E402
 from ratiokl._core import objective as _objective  # noqa: E402
-from ratiokl.torch import _checks, _triton  # noqa: E402
 from ratiokl.torch._arrays import XP  # noqa: E402
 
 #: [R, T] layouts: a few rows; more tokens than one block of the kernels' loops.
@@ -41,34 +38,6 @@ ROW_SCALE = 5.0
 def _mask(shape, density: float, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.rand(shape, generator=g) < density
-
-
-@pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("density", DENSITIES)
-@pytest.mark.parametrize("agg", sorted(LOSS_AGGS))
-@pytest.mark.parametrize("normalizer", [None, 7.5, "tensor"])
-def test_weights_match_objective_ops(shape, density, agg, normalizer):
-    mask = _mask(shape, density, seed=len(agg))
-    segs = torch.randint(0, 3, shape, generator=torch.Generator().manual_seed(1))
-    norm = torch.tensor(7.5) if normalizer == "tensor" else normalizer
-    inputs = _checks.token_inputs(shape, torch.zeros(shape), torch.zeros(shape), segs,
-                                  None, norm)
-    opts = policy_loss_options(**{**POLICY_LOSS_DEFAULTS, "loss_agg": agg})
-    want = _objective.aggregation_weights(XP, mask, inputs.segment_ids,
-                                          inputs.loss_normalizer, opts)
-    got = _triton.token_weights(mask.reshape(-1), opts, inputs.loss_normalizer, shape[-1])
-    # Not one weight for every token: sequence lengths or counts, or a tensor normaliser
-    # ("none": weight 1 on every active token; the routes refuse a normaliser with it).
-    per_sequence = agg != "none" and (agg == "seq-mean-token-mean" or normalizer == "tensor" or (
-        agg == "seq-mean-token-sum" and normalizer is None))
-    assert (got is None) == per_sequence
-    if got is None:
-        return
-    got = got.reshape(shape)
-    assert got.dtype == torch.float32 and got.shape == want.shape
-    # a count's conversion and up to two divisions on each side
-    assert_close(got, want, spec.rounding_tolerance(2 * 3), "weights")
-    assert torch.all(got[~mask] == 0)
 
 
 @pytest.mark.parametrize("shape", SHAPES)

@@ -20,7 +20,8 @@ from typing import Dict
 
 __all__ = ["GRAD_ROUNDOFF", "Tolerance", "forward_tolerance", "grad_tolerance",
            "linear_forward_tolerance", "linear_grad_tolerance", "paths_tolerance",
-           "reduction_tolerance", "rounding_tolerance"]
+           "autocast_tolerance", "reduction_tolerance", "rounding_tolerance",
+           "trainer_tolerance", "update_tolerance"]
 
 
 @dataclass(frozen=True)
@@ -146,3 +147,43 @@ def paths_tolerance(terms: int = 1, magnitude: float = 1.0, dtype: str = "float3
     """
     one = reduction_tolerance(terms, magnitude, dtype)
     return Tolerance(rtol=2.0 * one.rtol, atol=2.0 * one.atol)
+
+
+#: The absolute floor of :func:`trainer_tolerance`, in float32 ulps at 1: where a loss's
+#: positive and negative terms cancel (``sum |terms| >> |loss|``), what stays of the terms'
+#: own rounding (observed: a quarter of an ulp, at a loss of 6e-4 whose terms are O(1)).
+_TRAINER_FLOOR_ULPS = 4.0
+
+
+def trainer_tolerance(terms: int) -> Tolerance:
+    """Tolerance of ratiokl's float32 loss or logged metric against a trainer's own exact
+    (float64) evaluation of it on the same batch; between two float32 evaluations (the
+    trainer's code in another order): ``two_paths`` of it.
+
+    The value sums ``terms`` per-token results (the batch's tokens): relative to the value,
+    :func:`reduction_tolerance`'s ``(64 + terms) u``; absolute, a few ulps
+    (``_TRAINER_FLOOR_ULPS``) for a value that cancels to near 0::
+
+        rtol = (64 + terms) u        atol = 4 u
+    """
+    return Tolerance(rtol=reduction_tolerance(terms).rtol, atol=_TRAINER_FLOOR_ULPS * _FP32_U)
+
+
+def autocast_tolerance(dtype: str, logit_scale: float, magnitude: float) -> Tolerance:
+    """Tolerance between a loss step under ``dtype`` autocast and a trainer's own under the
+    same autocast (the loss, a parameter's gradient; ``magnitude``: its largest ``|value|``):
+    each side rounds once to ``dtype`` what the other may round elsewhere, on top of the
+    float32 forward's error: :func:`grad_tolerance` on each side::
+
+        rtol = 2 (2 u + 64 u32 s)        atol = 2 * 64 u32 s * max(1, magnitude)
+    """
+    one = grad_tolerance(dtype, logit_scale, magnitude)
+    return Tolerance(rtol=2.0 * one.rtol, atol=2.0 * one.atol)
+
+
+def update_tolerance(step: Tolerance, param_magnitude: float) -> Tolerance:
+    """Tolerance of an optimizer step's update read back as ``after - before`` (float32),
+    on the same ``before``: the step's own tolerance ``step`` (its gradient's, scaled as
+    the update), plus ``after``'s rounding on each side, ``u |after|``, which
+    ``param_magnitude`` (the largest ``|after|``) bounds."""
+    return Tolerance(rtol=step.rtol, atol=step.atol + 2.0 * _FP32_U * float(param_magnitude))
