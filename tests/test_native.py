@@ -133,13 +133,10 @@ BAD_ARGS = [pytest.param(change, error, message if isinstance(message, dict) els
 
 
 @pytest.mark.parametrize("change, error, message", BAD_ARGS)
-def test_validation_errors_name_the_argument(native_target, change, error, message, request):
+def test_validation_errors_name_the_argument(native_target, change, error, message):
     """PyTorch gets tensors, JAX the NumPy arrays as they are (its functions take them;
     ``jnp.asarray`` would make the float64 logits float32)."""
     fw = _framework(native_target)
-    if fw == "torch" and "check_ids" in change:
-        request.applymarker(pytest.mark.xfail(
-            strict=True, reason="PyTorch takes any truthy check_ids; JAX refuses a non-bool"))
     if fw == "jax" and change.get("backend") == "triton":
         import jax
 

@@ -4,7 +4,7 @@ The shape and dtype rules are :mod:`ratiokl._core.checks`, bound here to JAX's a
 they look only at shapes, dtypes and Python scalars, so they work on tracers and add
 nothing to a compiled program. JAX's own: :class:`ActiveCheck`, the documented host check
 on concrete inputs (``check_ids=False`` skips it; a ``checkify`` check when traced), read
-after the call's kernels are queued, :func:`check_bool_option` and :func:`kernel_rows`.
+after the call's kernels are queued, and :func:`kernel_rows`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from ratiokl._core.checks import TokenInputs
 from ratiokl.jax._arrays import XP
 from ratiokl.spec import check_action_ids, check_temperatures
 
-__all__ = ["ActiveCheck", "check_bool_option", "check_ids", "check_logits", "check_mask",
+__all__ = ["ActiveCheck", "check_ids", "check_logits", "check_mask",
            "check_ref", "check_row_values", "check_temperature", "kernel_rows",
            "LOGIT_DTYPES", "Normalizer", "poison_bad_temperature", "Temperature",
            "token_inputs", "TokenInputs"]
@@ -35,13 +35,6 @@ Normalizer = Union[None, float, jax.Array]
 # The shape and dtype rules, in JAX's words: NumPy arrays in, jax.Arrays out.
 (check_logits, check_ids, check_mask, check_row_values, check_ref, check_temperature,
  poison_bad_temperature, token_inputs, _bad_rows) = checks.bind(XP)
-
-
-def check_bool_option(name: str, value: Any) -> bool:
-    """A static Python bool option (``check_ids``)."""
-    if not isinstance(value, bool):
-        raise TypeError(f"`{name}` must be a Python bool; got {type(value).__name__}")
-    return value
 
 
 def _is_concrete(*arrays: jax.Array) -> bool:

@@ -43,7 +43,8 @@ from ratiokl._requirements import unmet
 from ratiokl.jax import _checks, _jax_triton
 from ratiokl.jax._arrays import XP
 from ratiokl.jax._checks import Temperature
-from ratiokl.spec import PolicyLossOptions, kl_estimator_code, rollout_options
+from ratiokl.spec import (PolicyLossOptions, check_bool_option, kl_estimator_code,
+                          rollout_options)
 
 __all__ = ["backend_name", "policy_loss", "ratio_kl", "resolve", "selected_logprobs"]
 
@@ -173,7 +174,7 @@ def _rows(logits: jax.Array, lead: Tuple[int, ...], ids: jax.Array, mask, temper
     """
     mask = jnp.ones(lead, dtype=bool) if mask is None else _checks.check_mask(mask, lead)
     temperature = _checks.check_temperature(temperature, lead)
-    check_ids = _checks.check_bool_option("check_ids", check_ids)
+    check_ids = check_bool_option("check_ids", check_ids)
     name = backend_name(backend)
     if vocab_axis is None:
         vocab, run = vocab or logits.shape[-1], resolve(name)

@@ -1,5 +1,6 @@
-"""The checks of ``policy_loss``'s scalar options: errors name the argument and the fix.
+"""The checks of the public calls' scalar options: errors name the argument and the fix.
 
+:func:`check_bool_option` checks a flag (``check_ids``) for both frameworks;
 :func:`policy_loss_options` turns the public keywords into a
 :class:`ratiokl.spec.PolicyLossOptions`, once per distinct set of Python values (cached).
 """
@@ -15,7 +16,15 @@ from ratiokl.spec.loss_options import PolicyLossOptions
 from ratiokl.spec.options import (LOSS_AGGS, OBJECTIVES, POLICY_KL_ESTIMATORS, RATIO_LEVELS,
                                   TERM_AGGS, Coefficient, option_code)
 
-__all__ = ["policy_loss_options"]
+__all__ = ["check_bool_option", "policy_loss_options"]
+
+
+def check_bool_option(name: str, value: object) -> bool:
+    """A Python bool option (``check_ids``): static in both frameworks (a JAX tracer or a
+    tensor is refused, and so is ``1``, which would read as a flag in one framework only)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"`{name}` must be a Python bool; got {type(value).__name__}")
+    return value
 
 
 def _number(name: str, value: object, *, allow_none: bool = False) -> Optional[float]:

@@ -37,7 +37,8 @@ from ratiokl._backend import Backend
 from ratiokl._core import backends, route as _tail
 from ratiokl._core.route import Rows
 from ratiokl._requirements import unmet
-from ratiokl.spec import BACKENDS, PolicyLossOptions, kl_estimator_code, rollout_options
+from ratiokl.spec import (BACKENDS, PolicyLossOptions, check_bool_option, kl_estimator_code,
+                          rollout_options)
 from ratiokl.torch import _checks
 from ratiokl.torch._arrays import XP
 from ratiokl.torch._checks import Temperature
@@ -130,6 +131,7 @@ def _rows(logits: torch.Tensor, lead: Tuple[int, ...], ids: torch.Tensor, mask, 
         mask = torch.ones(lead, dtype=torch.bool, device=logits.device)
     mask = _checks.check_mask(mask, lead)
     temperature = _checks.check_temperature(temperature, lead)
+    check_ids = check_bool_option("check_ids", check_ids)
     first = {"hidden" if vocab else "policy_logits": logits}
     device = _checks.check_same_device(
         **first, action_ids=ids, mask=mask,
