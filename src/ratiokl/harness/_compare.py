@@ -69,8 +69,12 @@ def compare_close(check: Check, what: str, actual: np.ndarray, expected: np.ndar
         return
     finite = np.isfinite(e)
     if finite.any():
-        with np.errstate(invalid="ignore", over="ignore"):  # the non-finite entries: unused
-            err = np.where(finite, np.abs(a - e) / (tol.atol + tol.rtol * np.abs(e)), 0.0)
+        # Equal entries are within any bound, a zero bound included (0 / 0 would be a NaN
+        # that argmax picks and the check reads as passing); another one over a zero bound
+        # is infinitely far.
+        with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+            diff = np.abs(a - e)
+            err = np.where(finite & (diff != 0), diff / (tol.atol + tol.rtol * np.abs(e)), 0.0)
         pos = np.unravel_index(int(np.argmax(err)), err.shape)
         at = f" at {[int(i) for i in pos]}" if err.ndim else ""
         check.fraction(what, float(err[pos]),
