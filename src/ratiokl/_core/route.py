@@ -9,9 +9,9 @@ token in the leading shape, else 0-d).
 
 ``xp`` is the framework's array adapter (see :mod:`ratiokl._core`); for the route it also
 offers ``flat(x)`` (a float32 ``[N]`` copy outside the gradient, None passing through),
-``no_grad()`` (a context), ``compiling()``, ``compiled_backward(logits)`` (whether to leave the fused kernel to the
-two passes), ``check_before_inplace`` and ``once(loss, op)`` (the framework's guard
-against a second backward).
+``no_grad()`` (a context), ``compiling()``, ``compiled_backward(logits)`` (whether to
+leave the fused kernel to the two passes), ``check_before_inplace`` and ``once(loss, op)``
+(the framework's guard against a second backward).
 """
 
 from __future__ import annotations

@@ -22,8 +22,9 @@ NaN; nothing synchronises with the host.
 
 One module per kernel family, as in ``ratiokl.torch._launch``: ``logprobs`` (the row
 forward and backward), ``loss`` (the fused loss, its metrics, the row scaling), ``weights``
-(the token-mean weights, the rollout correction's weights), ``shard`` (a vocabulary shard's statistics); ``vmap`` holds the
-launch function's type and the batching rules. This package names what the bindings call.
+(the token-mean weights, the rollout correction's weights), ``shard`` (a vocabulary
+shard's statistics); ``vmap`` holds the launch function's type and the batching rules.
+This package names what the bindings call.
 """
 
 from ratiokl.jax._launch.logprobs import backward_op, forward_op
