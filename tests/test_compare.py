@@ -39,3 +39,13 @@ def test_nan_and_infinity_must_match():
     assert _passes([np.nan, np.inf], [np.nan, np.inf], EXACT_RELATIVE)
     assert not _passes([0.0, np.inf], [np.nan, np.inf], EXACT_RELATIVE)
     assert not _passes([np.nan, -np.inf], [np.nan, np.inf], EXACT_RELATIVE)
+
+
+def test_an_unmeasured_error_is_a_failure():
+    """A NaN error fraction (nothing to compare it by) fails the check, never passes it."""
+    check = Check()
+    check.fraction("x", float("nan"))
+    assert not check.passed and check.worst == np.inf
+    check = Check()
+    check.fraction("x", 1.0)
+    assert check.passed

@@ -38,7 +38,11 @@ class Check:
 
     def fraction(self, what: str, value: float, detail: str = "") -> None:
         """Record an error of ``value`` times its tolerance (a failure above 1); ``detail``
-        (where, the values, the tolerance) is appended to the failure's message."""
+        (where, the values, the tolerance) is appended to the failure's message. A NaN
+        ``value`` fails as a mismatch does: an error not measured is not within tolerance."""
+        if value != value:
+            self.fail(f"{what}: error is NaN{detail}")
+            return
         self.worst = max(self.worst, value)
         if value > 1.0:
             self.failures.append(f"{what}: error is {value:.3g}x its tolerance{detail}")
