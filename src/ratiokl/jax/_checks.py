@@ -9,7 +9,7 @@ after the call's kernels are queued, and :func:`kernel_rows`.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 import jax
 import jax.numpy as jnp

@@ -42,7 +42,6 @@ from ratiokl._core.route import Rows
 from ratiokl._requirements import unmet
 from ratiokl.jax import _checks, _jax_triton
 from ratiokl.jax._arrays import XP
-from ratiokl.jax._checks import Temperature
 from ratiokl.spec import (PolicyLossOptions, check_bool_option, kl_estimator_code,
                           rollout_options)
 

@@ -41,7 +41,6 @@ from ratiokl.spec import (BACKENDS, PolicyLossOptions, check_bool_option, kl_est
                           rollout_options)
 from ratiokl.torch import _checks
 from ratiokl.torch._arrays import XP
-from ratiokl.torch._checks import Temperature
 
 __all__ = ["BACKENDS", "backend_name", "policy_loss", "ratio_kl", "resolve",
            "selected_logprobs"]

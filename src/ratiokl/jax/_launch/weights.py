@@ -6,7 +6,7 @@ its framework twin, for ``vmap``).
 from __future__ import annotations
 
 import functools
-from typing import Callable, Optional, Tuple
+from typing import Callable, Tuple
 
 import jax
 import jax.numpy as jnp
