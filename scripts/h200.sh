@@ -8,7 +8,9 @@
 #          framework at a time; `sweep` runs both. Neither fits one call: SWEEP_PART=I/N
 #          runs the I-th of N interleaved parts (pytest --part). At 2026-12-02 PyTorch took
 #          288 + 302 s in 2 parts on 8 workers, JAX 190+ + 194 s in 2 parts on 4 (10
-#          PyTorch workers ran out of GPU memory twice)
+#          PyTorch workers ran out of GPU memory twice); at 2026-12-05 PyTorch's part 1/2
+#          reached 156 of its 246 ids in 250 s and JAX's whole sweep 55 of 56 in 395 s
+#          (the last, bfloat16-262144-7, took 55 s alone): plan 3 parts for PyTorch
 #          SWEEP_OPS=op,op sweeps only those ops (tests/gpu/test_launch_plan_sweep.py)
 #   check  `ratiokl check` on the four backends (the conformance table)
 #   bench  the headline benchmark (both timings, every provider) and its report
