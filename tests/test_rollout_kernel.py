@@ -12,9 +12,8 @@ with no, some and all rows active, garbage in inactive rows. JAX's launch under 
 
 from __future__ import annotations
 
-import math
-
 import importlib
+import math
 
 import numpy as np
 import pytest
