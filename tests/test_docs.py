@@ -11,6 +11,7 @@ import inspect
 import re
 import runpy
 from pathlib import Path
+from typing import List
 
 import pytest
 
@@ -160,3 +161,32 @@ def test_sources_compile_without_syntax_warnings():
             warnings.simplefilter("error", SyntaxWarning)  # Python >= 3.12
             warnings.simplefilter("error", DeprecationWarning)  # 3.11
             compile(path.read_text(), str(path), "exec")
+
+
+def _table_rows(page: Path, heading: str) -> List[List[str]]:
+    """The cells of each body row of the first table under ``## heading`` in ``page``."""
+    section = page.read_text().split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    lines = [line for line in section.splitlines() if line.startswith("|")]
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[2:]]
+
+
+def test_policy_loss_trl_column_names_what_the_trl_adapter_maps():
+    """Each option ``ratiokl.adapters.trl`` sets from a ``GRPOConfig`` field has, in
+    docs/policy_loss.md's "verl and TRL equivalents", a row whose TRL column names a field
+    (not "—", which says TRL has no such thing)."""
+    from types import SimpleNamespace
+
+    from ratiokl.adapters._trl_options import loss_options
+
+    config = SimpleNamespace(loss_type="grpo", importance_sampling_level="sequence", beta=0.04,
+                             epsilon=0.2, epsilon_high=0.28, delta=4.0, entropy_coef=0.01,
+                             use_adaptive_entropy=False, top_entropy_quantile=1.0,
+                             use_bias_correction_kl=False)
+    mapped = loss_options(config)
+    rows = _table_rows(ROOT / "docs" / "policy_loss.md", "verl and TRL equivalents")
+    missing = []
+    for option in sorted(mapped):
+        trl = [cells[2] for cells in rows if re.match(rf"`{option}\b", cells[0])]
+        if trl and all(cell.startswith("—") for cell in trl):
+            missing.append(option)
+    assert missing == [], f"the TRL column says TRL has no {missing}, which the adapter maps"
