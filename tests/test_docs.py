@@ -55,7 +55,6 @@ def test_readme_states_each_lower_bound():
         assert f"`{requirement.specifier}`" in text, requirement.specifier
 
 
-BLOCKS = python_blocks()
 #: The pages whose Python blocks run as printed: the README and the API reference's.
 RUNNABLE = [ROOT / "README.md", *sorted((ROOT / "docs" / "reference").glob("*.md"))]
 #: The module a block's imports need -> what provides it (skipped without).
@@ -83,28 +82,6 @@ def test_python_block_runs_as_printed(page, block):
         if module in _NEEDS:
             pytest.importorskip(_NEEDS[module])
     exec(compile(tree, f"{page.name}:{block.line}", "exec"), {"__name__": "docs"})
-
-
-def test_readme_api_at_a_glance_shows_the_defaults():
-    """In "The API at a glance", each function's first call passes every keyword at its
-    default (the PyTorch signature; JAX's takes the same)."""
-    torch_loss = pytest.importorskip("ratiokl.torch.loss")
-    (block,) = [b for b in BLOCKS if b.heading == "The API at a glance"]
-    seen = set()
-    for node in ast.walk(ast.parse(block.code)):
-        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                and isinstance(node.func.value, ast.Name) and node.func.value.id == "loss"):
-            continue
-        name = node.func.attr
-        if name in seen:
-            continue
-        seen.add(name)
-        params = inspect.signature(getattr(torch_loss, name)).parameters
-        for keyword in node.keywords:
-            assert ast.literal_eval(keyword.value) == params[keyword.arg].default, \
-                (name, keyword.arg)
-    assert seen == {"ratio_kl", "policy_loss", "selected_logprobs", "linear_selected_logprobs",
-                    "linear_policy_loss", "policy_objective"}
 
 
 @pytest.mark.parametrize("page", sorted((ROOT / "docs" / "reference").glob("*.md")),
