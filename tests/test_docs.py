@@ -167,3 +167,64 @@ def test_policy_loss_trl_column_names_what_the_trl_adapter_maps():
         if trl and all(cell.startswith("—") for cell in trl):
             missing.append(option)
     assert missing == [], f"the TRL column says TRL has no {missing}, which the adapter maps"
+
+
+def _flat(page: Path) -> str:
+    return " ".join(page.read_text().split())
+
+
+@pytest.fixture(scope="module")
+def fixture_calls():
+    """Every conformance case as the :class:`~ratiokl.harness.TargetCall` a target sees."""
+    from ratiokl import harness
+
+    return {name: harness.TargetCall.of(harness.load_case(name))
+            for name in harness.list_cases()}
+
+
+def test_check_md_trainer_case_counts_are_the_codes(fixture_calls):
+    """docs/check.md's counts of the cases each trainer target runs and skips are what the
+    targets' own refusals give on the fixtures (no trainer needed: ``refusal`` is the part
+    of ``supports`` that reads only the case)."""
+    import importlib
+
+    text = _flat(ROOT / "docs" / "check.md")
+    total = f"Of the fixtures' {len(fixture_calls)} cases,"
+    assert total in text, f"docs/check.md should say: {total}"
+    for trainer in ("verl", "openrlhf", "trl"):
+        module = importlib.import_module(f"ratiokl.harness.targets.{trainer}")
+        runs = [sum(target.refusal(call) is None for call in fixture_calls.values())
+                for target in (module.TARGET, module.NAN_PADDED)]
+        assert runs[0] == runs[1], trainer
+        row = (f"| `{trainer}:TARGET`, `{trainer}:NAN_PADDED` | {runs[0]} | "
+               f"{len(fixture_calls) - runs[0]} |")
+        assert row in text, f"docs/check.md should have the row\n{row}"
+
+
+def test_check_md_port_summary_counts_are_the_codes(fixture_calls):
+    """The summary lines of docs/check.md's port example count the cases its ``--case``
+    globs select and the port supports (that it passes them: tests/test_check_target.py)."""
+    from check_user_targets import port
+
+    from ratiokl import harness
+
+    text = (ROOT / "docs" / "check.md").read_text()
+    command = text[text.index("$ ratiokl check --target examples.check_target_port"):]
+    globs = re.findall(r"--case '([^']+)'", command.split("...")[0])
+    assert globs, "the example's --case globs"
+    names = sorted({n for g in globs for n in harness.list_cases(g)})
+    for target in (port.TorchRatioKL(), port.JaxRatioKL()):
+        runs = sum(target.supports(fixture_calls[n]) is None for n in names)
+        line = re.search(rf"^\s+{target.name}\s+(\d+)/(\d+)\s+passed.*\((\d+) cases x 1\)$",
+                         text, re.MULTILINE)
+        assert line and [int(g) for g in line.groups()] == [runs, runs, len(names)], (
+            f"docs/check.md: {target.name} should read {runs}/{runs} ({len(names)} cases x 1)")
+
+
+def test_install_md_tested_versions_type_no_counts():
+    """The tested-versions table records what ran and that it passed, not counts of cases
+    or tests, which change with every fixture and test added (the command prints them)."""
+    typed = [cells[-1] for cells in _table_rows(ROOT / "docs" / "install.md",
+                                                  "Tested versions")
+             if re.search(r"\b\d+/\d+\b|\b\d+ (passed|cases|tests)\b", cells[-1])]
+    assert typed == []
