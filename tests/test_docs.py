@@ -228,3 +228,17 @@ def test_install_md_tested_versions_type_no_counts():
                                                   "Tested versions")
              if re.search(r"\b\d+/\d+\b|\b\d+ (passed|cases|tests)\b", cells[-1])]
     assert typed == []
+
+
+def test_readme_install_commands_use_the_venvs_tools():
+    """Each README command that installs this checkout (``pip install ... -e``) runs every
+    step but the venv's creation from ``.venv/bin/`` (pip, ``ratiokl``, pytest,
+    ``sphinx-build``), never whatever is on the PATH."""
+    text = (ROOT / "README.md").read_text()
+    spans = re.findall(r"```bash\n(.*?)```", text, re.DOTALL) + re.findall(r"`([^`\n]+)`", text)
+    commands = [line for span in spans for line in span.splitlines()
+                if re.search(r"\bpip install\b.* -e ", line)]
+    assert len(commands) >= 3, commands
+    steps = [step.strip() for command in commands for step in command.split("&&")]
+    bare = [s for s in steps if not s.startswith((".venv/bin/", "python3 -m venv .venv"))]
+    assert bare == []
