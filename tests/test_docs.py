@@ -2,7 +2,9 @@
 documentation site's navigation (``conf.py``), the README's tested version matrix
 names the dependency bounds of ``ratiokl._requirements``, and the Python blocks of the
 README and of the API reference pages run as printed (the trainer adapters' blocks in
-their trainers' tests)."""
+their trainers' tests), the README's install lines use the venv's tools, the counts the
+docs print are those the code gives (the signatures: ``test_doc_signatures.py``), and
+docs/policy_loss.md's TRL column names what the TRL adapter maps."""
 
 from __future__ import annotations
 
