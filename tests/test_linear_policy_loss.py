@@ -158,7 +158,8 @@ def test_native_backend_materialises_the_same_loss(framework):
 #: array of the framework.
 BAD = [
     (dict(weight=("zeros", (V, H + 1), "float32")), ValueError, "weight"),
-    (dict(weight=("zeros", (V, H), "bfloat16")), TypeError, "share a dtype"),
+    (dict(logits_dtype="bfloat16"), ValueError, "logits_dtype"),
+    (dict(fp32_matmul="float64"), ValueError, "fp32_matmul"),
     (dict(weight=("zeros", (V, H), "float64")), (ValueError, TypeError), "weight"),
     (dict(bias=("zeros", (V + 1,), "float32")), ValueError, "bias"),
     (dict(chunk_rows=0), ValueError, "chunk_rows"),

@@ -103,25 +103,27 @@ def options(x: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def run(framework: str, x: Dict[str, Any], backend: str, dtype: str = "float32",
-        chunk_rows: int = 4, entropy: bool = True):
+        chunk_rows: int = 4, entropy: bool = True, weight_dtype: str = None, **head: Any):
     """``(logp, entropy | None, d hidden, d weight, d bias | None)`` of one
     ``linear_selected_logprobs`` call of ``framework`` (JAX under ``jit``) and its backward
     with the case's cotangents, as NumPy (the gradients as float32 after checking they are
-    in ``dtype``)."""
+    in their inputs' dtypes: ``dtype``, the weight and bias ``weight_dtype`` when given);
+    ``head``: more keywords (``logits_dtype``, ``fp32_matmul``)."""
+    wdt = weight_dtype or dtype
     if framework == "torch":
         import torch
 
         from ratiokl.torch import loss
 
-        dt = getattr(torch, dtype)
+        dt, wt = getattr(torch, dtype), getattr(torch, wdt)
         h = torch.tensor(x["hidden"]).to(dt).requires_grad_()
-        w = torch.tensor(x["weight"]).to(dt).requires_grad_()
-        b = torch.tensor(x["bias"]).to(dt).requires_grad_() if "bias" in x else None
+        w = torch.tensor(x["weight"]).to(wt).requires_grad_()
+        b = torch.tensor(x["bias"]).to(wt).requires_grad_() if "bias" in x else None
         temp = torch.tensor(x["temperature"]) if "temperature" in x else 1.0
         out = loss.linear_selected_logprobs(
             h, w, torch.tensor(x["action_ids"]), torch.tensor(x["mask"]), bias=b,
             temperature=temp, return_entropy=entropy, chunk_rows=chunk_rows, backend=backend,
-            **options(x))
+            **options(x), **head)
         logp, ent = out if entropy else (out, None)
         total = (logp * torch.tensor(x["g_logp"])).sum()
         if entropy:
@@ -134,8 +136,8 @@ def run(framework: str, x: Dict[str, Any], backend: str, dtype: str = "float32",
 
         from ratiokl.jax import loss
 
-        arrays = {k: jnp.asarray(x[k]).astype(dtype if k != "temperature" else jnp.float32)
-                  for k in ("hidden", "weight", "bias", "temperature") if k in x}
+        kinds = {"hidden": dtype, "weight": wdt, "bias": wdt, "temperature": "float32"}
+        arrays = {k: jnp.asarray(x[k]).astype(kinds[k]) for k in kinds if k in x}
         ids, mask = jnp.asarray(x["action_ids"]), jnp.asarray(x["mask"])
         g_logp, g_ent = jnp.asarray(x["g_logp"]), jnp.asarray(x["g_entropy"])
 
@@ -143,7 +145,7 @@ def run(framework: str, x: Dict[str, Any], backend: str, dtype: str = "float32",
             out = loss.linear_selected_logprobs(
                 arrays["hidden"], arrays["weight"], ids, mask, bias=arrays.get("bias"),
                 temperature=arrays.get("temperature", 1.0), return_entropy=entropy,
-                chunk_rows=chunk_rows, backend=backend, check_ids=False, **options(x))
+                chunk_rows=chunk_rows, backend=backend, check_ids=False, **options(x), **head)
             logp, ent = out if entropy else (out, None)
             total = jnp.sum(logp * g_logp) + (jnp.sum(ent * g_ent) if entropy else 0.0)
             return total, (logp, ent)
@@ -152,8 +154,8 @@ def run(framework: str, x: Dict[str, Any], backend: str, dtype: str = "float32",
         outs = (logp, ent, grads["hidden"], grads["weight"], grads.get("bias"))
     for value in outs[:2]:
         assert value is None or str(value.dtype).endswith("float32")
-    for grad in outs[2:]:
-        assert grad is None or str(grad.dtype).endswith(dtype)
+    for grad, want in zip(outs[2:], (dtype, wdt, wdt)):
+        assert grad is None or str(grad.dtype).endswith(want)
     return tuple(None if a is None else _numpy(a) for a in outs)
 
 

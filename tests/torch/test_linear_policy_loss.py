@@ -110,12 +110,15 @@ def test_one_chunk_is_the_materialised_route_bit_for_bit():
 
 
 def test_bf16_per_token_advantages_temperature_and_upstream():
+    """``logits_dtype="input"``: the chunks round their logits to bf16 as the materialised
+    bf16 GEMM does (a bf16 head, reproduced)."""
     hidden, weight, ids, mask, old, ref, adv = _data(torch.bfloat16, seed=1)
     adv = torch.randn(B, T)
     temp = torch.rand(B, T) + 0.5
     kw = dict(ref_logps=ref, kl_coef=0.02, temperature=temp, upstream=2.5)
     want = _materialised(hidden, weight, ids, mask, old, adv, **kw)
-    got = _chunked(hidden, weight, ids, mask, old, adv, chunk_rows=16, **kw)
+    got = _chunked(hidden, weight, ids, mask, old, adv, chunk_rows=16, logits_dtype="input",
+                   **kw)
     assert got[2].dtype == got[3].dtype == torch.bfloat16
     for what, a, b in zip(("loss", "d hidden", "d weight"), got[:1] + got[2:],
                           want[:1] + want[2:]):

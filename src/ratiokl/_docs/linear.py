@@ -26,8 +26,9 @@ LINEAR_SELECTED_LOGPROBS = r"""
 
     Args:
       hidden: ``[..., H]`` last hidden states (float32, float16 or bfloat16$strides).
-      weight: ``[V, H]`` lm_head weight, ``hidden``'s dtype and device (a tied embedding
-        works: it is the same ``[V, H]``).
+      weight: ``[V, H]`` lm_head weight on ``hidden``'s device, in ``hidden``'s dtype or
+        float32 (a float32 head over half-precision hidden states), or half precision
+        under float32 hidden states (a tied embedding works: it is the same ``[V, H]``).
       action_ids: ``[...]`` integer sampled token ids, in ``[0, V)`` on active rows.
       mask: ``[...]`` bool (or integer 0/1), True for active tokens; None: all active.
       bias: ``[V]`` lm_head bias in the weight's dtype, or None. A ``-inf`` entry masks its
@@ -38,6 +39,22 @@ LINEAR_SELECTED_LOGPROBS = r"""
         ``logit_scale``; Granite's ``1 / logits_scaling``)$static.
       logit_softcap: a positive Python number (Gemma 2's ``final_logit_softcapping``) or
         None (no softcap)$static.
+      logits_dtype: ``"float32"`` (default): each chunk's logits are the GEMM's float32
+        accumulator, never rounded to the inputs' dtype: the log-probs of an fp32 head on
+        the inputs' own values, at the cost of the bf16 GEMMs (bf16 operands' products are
+        exact in float32). ``"input"``: the logits rounded to the inputs' dtype first, as a
+        bf16 ``F.linear`` / ``jnp.dot`` writes them: choose it to reproduce a bf16 head bit
+        for bit (a sampler that runs one). The trainer and its sampler should run the same
+        head precision: their log-probs then differ by the kernels' rounding only. Errors
+        and times: docs/api.md, "The lm_head's precision"$static.
+      fp32_matmul: how the GEMMs with a float32 operand (a float32 weight, as TRL's
+        ``cast_lm_head_to_fp32`` keeps it, or float32 hidden states) run on a GPU:
+        ``"bf16x3"`` (default) splits each float32 operand into three bfloat16 pieces and
+        sums their products in float32 on the tensor cores (a float32 GEMM's precision;
+        three GEMMs for bf16 hidden states and a float32 weight, six for two float32
+        operands); ``"ieee"``: float32 GEMMs; ``"tf32"``: TF32 ones (10-bit mantissas). The
+        gradient GEMMs take ``d loss / d logits`` in bfloat16 with the first piece, as the
+        fused heads do. On a CPU every float32 GEMM is a float32 one$static.
       return_entropy: also return the entropy of each row's distribution$static.
       chunk_rows: $chunk_rows
       backend: $backend
@@ -67,10 +84,11 @@ LINEAR_POLICY_LOSS = r"""
 
     Args:
       hidden: ``[..., H]`` last hidden states (float32, float16 or bfloat16$strides).
-      weight: ``[V, H]`` lm_head weight, ``hidden``'s dtype and device (a tied embedding
-        works: it is the same ``[V, H]``).
-      bias, logit_scale, logit_softcap: the head's bias ``[V]`` and logit options, as in
-        :func:`linear_selected_logprobs`$static_head.
+      weight: ``[V, H]`` lm_head weight on ``hidden``'s device, in ``hidden``'s dtype or
+        float32 (a float32 head over half-precision hidden states), or half precision
+        under float32 hidden states (a tied embedding works: it is the same ``[V, H]``).
+      bias, logit_scale, logit_softcap, logits_dtype, fp32_matmul: the head's bias ``[V]``,
+        logit options and precision, as in :func:`linear_selected_logprobs`$static_head.
       action_ids, mask, old_logps, advantages, ref_logps: as in :func:`policy_loss`, of the
         leading shape ``[...]``; the reference enters as log-probs only (reference logits
         would need the reference model's own hidden states).
@@ -107,14 +125,16 @@ PIECES = {
     "torch": {
         # linear_selected_logprobs
         "chunks": """The rows go through ``chunk_rows`` at a time: per chunk one GEMM into a
-    reusable ``[chunk_rows, V]`` buffer in the weight's dtype (the bias and scale in the GEMM, the
+    reusable ``[chunk_rows, V]`` float32 buffer (``logits_dtype``; the bias, scale and
     softcap in place), then the row kernels of :func:`selected_logprobs` on it, keeping
     ``logp``, the entropy and the log-sum-exp (O(N)). The backward recomputes each chunk's
-    logits (the same GEMM, the same bits), writes ``dx`` over them with the row kernels
-    and adds the chunk's share to the three gradients: four GEMMs per chunk in all.""",
-        "chunk_rows": """rows per chunk: memory beyond the inputs and gradients is one
-        ``[chunk_rows, V]`` buffer in the weight's dtype (two in the backward with a
-        softcap) plus O(N).""",
+    logits (the same GEMM, the same bits), writes ``dx`` with the row kernels (in the inputs'
+    half-precision dtype on a GPU) and adds the chunk's share to the three gradients: four
+    GEMMs per chunk in all.""",
+        "chunk_rows": """rows per chunk; None (default): as many as keep the chunk's logits
+        and their gradient within 256 MiB (``ratiokl.spec.CHUNK_BYTES``; 320 rows at V =
+        151,936 with float32 logits and a bf16 gradient), a multiple of 64. Memory beyond
+        the inputs and gradients is that buffer plus O(N).""",
         "backend": """``"auto"``, ``"native"``, ``"triton"`` or ``"interpret"``. ``"triton"`` (what
         ``"auto"`` picks for CUDA tensors) and ``"interpret"`` run the row kernels of
         :func:`selected_logprobs` on each chunk, eagerly (under ``torch.compile`` a
@@ -140,27 +160,27 @@ PIECES = {
       through Megatron's ``copy_to_tensor_model_parallel_region``, which would sum it
       again). Inactive rows keep every guarantee below on every rank.""",
         "accumulation": """
-      ``d weight`` accumulates over the chunks in the weight's dtype, ``d bias`` in
-      float32. On the Triton backends a row's values are those of
+      ``d weight`` accumulates over the chunks in the weight's dtype (in float32 on a CPU,
+      rounded once), ``d bias`` in float32. On the Triton backends a row's values are those of
       :func:`selected_logprobs` on its logits: deterministic and independent of the other
       rows, given the GEMM's bits (which are the BLAS library's, chosen per chunk shape).""",
-        "precision": """the GEMMs of float32 inputs run in float32 (IEEE), whatever
-    ``torch.backends.cuda.matmul.allow_tf32`` / ``fp32_precision`` or
-    ``torch.set_float32_matmul_precision`` say (set for the call only, on the host), as
-    the JAX op runs ``Precision.HIGHEST``; the two frameworks agree.""",
+        "precision": """the logits are float32 (``logits_dtype``); the GEMMs of float32
+    operands run as ``fp32_matmul`` says, whatever ``torch.backends.cuda.matmul.allow_tf32``
+    / ``fp32_precision`` or ``torch.set_float32_matmul_precision`` say (set for the call
+    only, on the host), as the JAX op's; the two frameworks agree.""",
         # linear_policy_loss
         "loss_chunks": """The rows go through ``chunk_rows`` at a time: a GEMM writes a
-    chunk's logits into one reusable ``[chunk_rows, V]`` buffer, the fused policy-loss
-    kernel turns them into ``g = d loss / d x`` in place, and two GEMMs give the chunk's
+    chunk's float32 logits into one reusable ``[chunk_rows, V]`` buffer, the fused
+    policy-loss kernel turns them into ``g = d loss / d x`` (in the inputs' half-precision
+    dtype, into a second buffer, on a GPU; in place otherwise), and two GEMMs give the chunk's
     rows of ``d loss / d hidden = du @ weight`` and add ``du.T @ hidden`` to ``d loss / d
     weight`` (``du = g * logit_scale * (1 - (x / softcap)^2)``; its column sums go to ``d
     loss / d bias``).""",
         "metrics_pass": " (one metrics pass over all rows after the chunks)",
         "static_head": "",
-        "loss_chunk_rows": """rows per chunk. Memory beyond the gradients is one
-        ``[chunk_rows, V]`` buffer in ``weight``'s dtype plus O(N): 0.58 GiB at the default
-        2048 rows for V = 151,936 in bf16. Smaller saves memory; the fused kernel's time
-        per row is flat from about 1024 rows up (H200 measurements: docs/performance.md).""",
+        "loss_chunk_rows": """rows per chunk; None (default): sized by bytes, as in
+        :func:`linear_selected_logprobs` (the float32 logits and their gradient within 256
+        MiB). Memory beyond the gradients is that buffer plus O(N).""",
         "loss_backend": """``"auto"`` / ``"triton"`` on CUDA tensors, ``"interpret"`` on CPU tensors
         (Triton's interpreter): the chunks. ``"native"`` (what ``"auto"`` picks for CPU
         tensors)""",
@@ -177,12 +197,12 @@ PIECES = {
         "once": """, so the loss
       backpropagates once, on every backend (a second backward raises ``RuntimeError``)""",
         "loss_accumulation": """ (one
-      rounding per chunk in bf16, as the materialised step rounds its one GEMM once),
-      ``d bias`` in float32""",
+      rounding per chunk in bf16, as the materialised step rounds its one GEMM once; in
+      float32 on a CPU, rounded once), ``d bias`` in float32""",
         "nan_included": " (NaN included)",
         "loss_precision": """The
-      GEMMs of float32 inputs run in float32 whatever the TF32 settings (as
-      :func:`linear_selected_logprobs`). Runs eagerly: under ``torch.compile`` it is a
+      logits are float32 and the float32 operands' GEMMs run as ``fp32_matmul`` says,
+      whatever the TF32 settings (as :func:`linear_selected_logprobs`). Runs eagerly: under ``torch.compile`` it is a
       ``ValueError`` on the Triton backends.""",
     },
     "jax": {
@@ -194,7 +214,8 @@ PIECES = {
     and ``d bias`` (the entropy's own gradient included; a cotangent nothing produced
     drops its term).
     Works under ``jit``, ``grad``, ``vjp`` and ``vmap``.""",
-        "chunk_rows": """rows per chunk (static): one ``[chunk_rows, V]`` logits array at a
+        "chunk_rows": """rows per chunk (static); None (default): sized by bytes as in
+        PyTorch (``ratiokl.spec.CHUNK_BYTES``): one ``[chunk_rows, V]`` logits array at a
         time.""",
         "backend": """``"auto"``, ``"native"``, ``"triton"`` or ``"interpret"`` (static).
         ``"triton"`` (``"auto"`` on a GPU) and ``"interpret"`` run the row kernels of
@@ -221,16 +242,17 @@ PIECES = {
         raises.""",
         "vocab_returns": "",
         "accumulation": "",
-        "precision": """every GEMM of the op runs at ``Precision.HIGHEST`` with float32
-    accumulation, whatever ``jax_default_matmul_precision`` says (TF32-class by default on
-    GPUs), so float32 inputs get float32 GEMMs as in PyTorch.""",
+        "precision": """the logits are float32 (``logits_dtype``); every GEMM of the op
+    accumulates in float32, and those of float32 operands run as ``fp32_matmul`` says
+    (``"ieee"``: ``Precision.HIGHEST``), whatever ``jax_default_matmul_precision`` says
+    (TF32-class by default on GPUs), as in PyTorch.""",
         # linear_policy_loss
         "loss_chunks": """The full chunks of ``chunk_rows`` rows run in a
     ``lax.fori_loop``, so one ``[chunk_rows, V]`` logits buffer lives at a time, and the
     call traces under ``jit``.""",
         "metrics_pass": "",
         "static_head": " (``logit_scale`` and ``logit_softcap`` static Python numbers)",
-        "loss_chunk_rows": "rows per chunk (static).",
+        "loss_chunk_rows": "rows per chunk (static); None: sized by bytes.",
         "loss_backend": """``"auto"`` / ``"triton"`` on a GPU, ``"interpret"`` (Triton's
         interpreter) anywhere: the chunks; ``"native"`` (what ``"auto"`` picks without a
         GPU)""",
@@ -245,7 +267,8 @@ PIECES = {
         "once": "",
         "loss_accumulation": "",
         "nan_included": "",
-        "loss_precision": """The GEMMs run at
-      ``Precision.HIGHEST`` (float32 inputs: float32 GEMMs, as in PyTorch).""",
+        "loss_precision": """The logits are
+      float32 and the float32 operands' GEMMs run as ``fp32_matmul`` says, as in
+      PyTorch.""",
     },
 }

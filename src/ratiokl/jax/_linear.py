@@ -26,7 +26,7 @@ from ratiokl._kernels.loss_rows import METRIC_NAMES
 from ratiokl.jax import _launch
 from ratiokl.jax._checks import Temperature, kernel_rows
 from ratiokl.jax._launch import Static, TritonCall
-from ratiokl.jax._lm_head import head_grads, head_logits, vary_alike
+from ratiokl.jax._lm_head import chunk_size, head_grads, head_logits, vary_alike
 from ratiokl.jax._triton_loss import fused_static, kernel_coefficients
 from ratiokl.spec import LogitTransform, PolicyLossOptions
 
@@ -147,6 +147,6 @@ def policy_loss(call: TritonCall, hidden: jax.Array, weight: jax.Array,
     loss, means = _linear(
         call, hidden, weight, bias, ids, mask_k, old, ref_lp, temp, adv,
         weights if iw is None else stop(iw), weights, kernel_coefficients(opts), static,
-        transform, min(chunk_rows, max(hidden.shape[0], 1)),
+        transform, chunk_size(chunk_rows, hidden, weight, transform),
     )
     return loss, {name: means[i] for i, name in enumerate(METRIC_NAMES)}

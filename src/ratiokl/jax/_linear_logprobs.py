@@ -33,7 +33,7 @@ from jax.custom_derivatives import SymbolicZero
 from ratiokl._codes import KL
 from ratiokl.jax import _native
 from ratiokl.jax._checks import Temperature, kernel_rows
-from ratiokl.jax._lm_head import head_grads, head_logits, vary_alike
+from ratiokl.jax._lm_head import chunk_size, head_grads, head_logits, vary_alike
 from ratiokl.spec import LogitTransform
 
 if TYPE_CHECKING:
@@ -200,6 +200,6 @@ def selected_logprobs(ops: RowOps, hidden: jax.Array, weight: jax.Array,
     (static); ``ids``, ``mask`` and a per-row ``temperature`` are ``[N]``. Differentiable
     w.r.t. ``hidden``, ``weight`` and ``bias``."""
     ids, mask_k, temp = kernel_rows(ids, mask, temperature)
-    static = _Static(ops, transform, min(chunk_rows, max(hidden.shape[0], 1)), entropy)
+    static = _Static(ops, transform, chunk_size(chunk_rows, hidden, weight, transform), entropy)
     hidden, weight, bias = vary_alike(hidden, weight, bias, ids, mask_k, temp)
     return _linear(static, hidden, weight, bias, ids, mask_k, lax.stop_gradient(temp))

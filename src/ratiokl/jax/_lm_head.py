@@ -1,9 +1,14 @@
 """The linear ops' own GEMMs (JAX): a row chunk's logits from hidden states, their gradients.
 
 The transform is ``ratiokl.spec.linear``'s (``x = softcap((h @ W.T + b) * scale)``, slope
-``scale * (1 - (x / softcap)^2)``), applied in float32 to the GEMM's float32 result and
-rounded once to the weight's dtype (XLA fuses the elementwise steps into the GEMM's
-consumer). The rounding is a ``reduce_precision``: on the GPU, XLA may drop a float32 ->
+``scale * (1 - (x / softcap)^2)``), applied in float32 to the GEMM's float32 result, which
+is the chunk's logits (``logits_dtype="float32"``, the default) or is rounded once to the
+inputs' dtype (``logits_dtype="input"``). The precision rules are the spec's
+(:func:`~ratiokl.spec.linear.head_dtypes`) and PyTorch's (``ratiokl.torch._lm_head``): on
+a GPU a float32 operand is split into bfloat16 pieces (``fp32_matmul="bf16x3"``) whose
+products are summed in float32, ``d loss / d x`` enters the gradient GEMMs in the inputs'
+half-precision dtype; on a CPU every GEMM of float32 logits is a float32 one. With
+``logits_dtype="input"`` the rounding is a ``reduce_precision``: on the GPU, XLA may drop a float32 ->
 bfloat16 -> float32 round trip inside a fusion (excess precision), which gave one consumer
 (the entropy) unrounded logits beside another's (the log-prob) rounded ones (a float16
 logit below 2^-14 in magnitude, a subnormal, becomes 0). Every ``dot_general`` here runs
@@ -22,29 +27,73 @@ import jax.numpy as jnp
 from jax import lax
 
 from ratiokl.jax._vocab_parallel import varying_axes
-from ratiokl.spec import LogitTransform, transform_logits, transform_slope
+from ratiokl.spec import (LogitTransform, chunk_rows_for, head_dtypes, piece_pairs, split_bf16, split_pieces,
+                          transform_logits, transform_slope)
 
-__all__ = ["head_grads", "head_logits", "matmul", "vary_alike"]
+__all__ = ["chunk_size", "head_dtypes_of", "head_grads", "head_logits", "matmul", "vary_alike"]
 
 
-def matmul(a: jax.Array, b: jax.Array, contract: Tuple[int, int]) -> jax.Array:
+def matmul(a: jax.Array, b: jax.Array, contract: Tuple[int, int],
+           precision=lax.Precision.HIGHEST) -> jax.Array:
     """float32 ``a @ b`` contracting ``a``'s axis ``contract[0]`` with ``b``'s ``contract[1]``
-    (2-d operands), at ``Precision.HIGHEST``."""
+    (2-d operands), at ``precision`` (``Precision.HIGHEST``: float32 operands in float32),
+    operands of two dtypes in the wider one."""
+    if a.dtype != b.dtype:
+        common = jnp.promote_types(a.dtype, b.dtype)
+        a, b = a.astype(common), b.astype(common)
     return lax.dot_general(a, b, (((contract[0],), (contract[1],)), ((), ())),
-                           precision=lax.Precision.HIGHEST,
-                           preferred_element_type=jnp.float32)
+                           precision=precision, preferred_element_type=jnp.float32)
+
+
+def head_dtypes_of(kept: jax.Array, weight: jax.Array, transform: LogitTransform):
+    """``(logits, gradient)`` dtypes of a chunk (``ratiokl.spec.head_dtypes``; a GPU when JAX's
+    default backend is one)."""
+    names = head_dtypes(str(kept.dtype), str(weight.dtype), transform,
+                        jax.default_backend() == "gpu")
+    return tuple(jnp.dtype(n) for n in names)
+
+
+def chunk_size(chunk_rows: Optional[int], hidden: jax.Array, weight: jax.Array,
+               transform: LogitTransform) -> int:
+    """Rows per chunk (static): ``chunk_rows``, or the spec's byte budget for a chunk's
+    logits and their gradient (``ratiokl.spec.chunk_rows_for``)."""
+    logits, grad = head_dtypes_of(hidden, weight, transform)
+    return chunk_rows_for(chunk_rows, hidden.shape[0], weight.shape[0],
+                          logits.itemsize + grad.itemsize)
+
+
+def _product(kept: jax.Array, weight: jax.Array, transform: LogitTransform) -> jax.Array:
+    """float32 ``kept @ weight.T``: the bfloat16 pieces' products (``fp32_matmul="bf16x3"``
+    with a float32 operand, on a GPU), a TF32 GEMM (``"tf32"``), else one GEMM with float32
+    accumulation at ``Precision.HIGHEST``."""
+    wide = jnp.float32 in (kept.dtype, weight.dtype)
+    if wide and jax.default_backend() == "gpu":
+        if transform.fp32_matmul == "bf16x3":
+            pieces = []
+            for x in (kept, weight):
+                n = split_pieces(str(x.dtype))
+                pieces.append((x,) if n == 1 else split_bf16(
+                    x, n, lambda t: t.astype(jnp.bfloat16), lambda t: t.astype(jnp.float32)))
+            h, w = pieces
+            terms = [matmul(h[i], w[j], (1, 1), lax.Precision.DEFAULT)
+                     for i, j in piece_pairs(len(h), len(w))]
+            return functools.reduce(lambda a, b: a + b, terms)
+        if transform.fp32_matmul == "tf32":
+            return matmul(kept, weight, (1, 1), lax.Precision.HIGH)
+    return matmul(kept, weight, (1, 1))
 
 
 def _logits(kept: jax.Array, weight: jax.Array, bias: Optional[jax.Array],
             transform: LogitTransform) -> jax.Array:
-    u = matmul(kept, weight, (1, 1))
+    u = _product(kept, weight, transform)
     if bias is not None:
         u = u + bias.astype(jnp.float32)
     x = transform_logits(u, transform, jnp.tanh)
-    if weight.dtype != jnp.float32:
-        info = jnp.finfo(weight.dtype)
+    logits, _ = head_dtypes_of(kept, weight, transform)
+    if logits != jnp.float32:  # logits_dtype="input": a half-precision head
+        info = jnp.finfo(logits)
         x = lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
-    return x.astype(weight.dtype)
+    return x.astype(logits)
 
 
 def vary_alike(hidden: jax.Array, weight: jax.Array, bias: Optional[jax.Array], *others):
@@ -63,8 +112,8 @@ def vary_alike(hidden: jax.Array, weight: jax.Array, bias: Optional[jax.Array], 
 
 def head_logits(kept: jax.Array, weight: jax.Array, bias: Optional[jax.Array],
                 transform: LogitTransform) -> jax.Array:
-    """``x = softcap((kept @ weight.T + bias) * scale)`` ``[C, V]`` in the weight's dtype
-    (``kept`` has inactive rows zeroed already). Differentiable, through :func:`head_grads`
+    """``x = softcap((kept @ weight.T + bias) * scale)`` ``[C, V]``, float32 (with
+    ``logits_dtype="input"``: the inputs' dtype) (``kept`` has inactive rows zeroed already). Differentiable, through :func:`head_grads`
     (float32 accumulation): JAX's own transpose of a half-precision ``dot_general``
     accumulates ``d hidden`` in that precision (over the whole vocabulary: a float16
     ``d hidden`` 20 % off at V = 262,144 on the native route). Inside ``shard_map`` the
@@ -97,8 +146,11 @@ def head_grads(dx: jax.Array, x: Optional[jax.Array], kept: jax.Array, weight: j
                transform: LogitTransform) -> Tuple[jax.Array, jax.Array, jax.Array]:
     """float32 ``(du @ weight, du.T @ kept, column sums of du)`` with ``du = dx *
     slope(x)`` (``dx = d / d x`` ``[C, V]``; ``x`` may be None without a softcap), ``du``
-    rounded to the weight's dtype for the GEMMs as the PyTorch op's."""
+    and the operands in the gradient's dtype for the GEMMs (``head_dtypes``: the inputs'
+    half-precision dtype on a GPU, bfloat16 for a split float32 operand), as the PyTorch
+    op's."""
     du = dx.astype(jnp.float32) * transform_slope(
         None if x is None else x.astype(jnp.float32), transform)
-    du_k = du.astype(weight.dtype)
-    return matmul(du_k, weight, (1, 0)), matmul(du_k, kept, (0, 0)), jnp.sum(du, axis=0)
+    _, grad = head_dtypes_of(kept, weight, transform)
+    du_k, w_k, h_k = du.astype(grad), weight.astype(grad), kept.astype(grad)
+    return matmul(du_k, w_k, (1, 0)), matmul(du_k, h_k, (0, 0)), jnp.sum(du, axis=0)

@@ -30,7 +30,9 @@ from ratiokl.spec import (
     DEFAULT_LOG_RATIO_BOUND,
     DEFAULT_ROLLOUT_BOUNDS,
     BackendName,
+    Fp32Matmul,
     KLEstimator,
+    LogitsDtype,
     LossAgg,
     Objective,
     PolicyKLEstimator,
@@ -203,15 +205,18 @@ def linear_selected_logprobs(
     temperature: Temperature = 1.0,
     logit_scale: float = 1.0,
     logit_softcap: Optional[float] = None,
+    logits_dtype: LogitsDtype = "float32",
+    fp32_matmul: Fp32Matmul = "bf16x3",
     return_entropy: bool = False,
-    chunk_rows: int = 2048,
+    chunk_rows: Optional[int] = None,
     backend: BackendName = "auto",
     check_ids: bool = True,
     vocab_axis: Optional[str] = None,
 ) -> Union[jax.Array, Tuple[jax.Array, jax.Array]]:
     return _linear_route.linear_selected_logprobs(
         hidden, weight, action_ids, mask, bias=bias, temperature=temperature,
-        logit_scale=logit_scale, logit_softcap=logit_softcap, return_entropy=return_entropy,
+        logit_scale=logit_scale, logit_softcap=logit_softcap, logits_dtype=logits_dtype,
+        fp32_matmul=fp32_matmul, return_entropy=return_entropy,
         chunk_rows=chunk_rows, backend=backend, check_ids=check_ids, vocab_axis=vocab_axis,
     )
 
@@ -229,7 +234,9 @@ def linear_policy_loss(
     bias: Optional[jax.Array] = None,
     logit_scale: float = 1.0,
     logit_softcap: Optional[float] = None,
-    chunk_rows: int = 2048,
+    logits_dtype: LogitsDtype = "float32",
+    fp32_matmul: Fp32Matmul = "bf16x3",
+    chunk_rows: Optional[int] = None,
     clip_eps: Coefficient = 0.2,
     clip_eps_high: Optional[Coefficient] = None,
     dual_clip: Optional[float] = None,
@@ -257,7 +264,8 @@ def linear_policy_loss(
 ) -> Tuple[jax.Array, Dict[str, jax.Array]]:
     return _linear_route.linear_policy_loss(
         hidden, weight, action_ids, mask, old_logps, advantages, check_chunk_rows(chunk_rows),
-        logit_transform(logit_scale, logit_softcap), policy_loss_options(
+        logit_transform(logit_scale, logit_softcap, logits_dtype, fp32_matmul),
+        policy_loss_options(
             clip_eps=clip_eps, clip_eps_high=clip_eps_high, dual_clip=dual_clip,
             ratio_cap=ratio_cap, kl_coef=kl_coef, kl_estimator=kl_estimator, loss_agg=loss_agg,
             ratio_level="token", log_ratio_bound=log_ratio_bound, objective=objective,

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence, Tuple
+from typing import Any, Callable, Literal, Optional, Sequence, Tuple, get_args
 
 import numpy as np
 
@@ -41,26 +41,61 @@ from ratiokl.spec.reference import (
 )
 
 __all__ = [
+    "CHUNK_BYTES",
+    "Fp32Matmul",
     "LogitTransform",
+    "LogitsDtype",
     "check_chunk_rows",
+    "chunk_rows_for",
+    "head_dtypes",
     "check_head_shapes",
     "linear_grad_magnitudes",
     "linear_logits",
     "linear_selected_logprobs",
     "linear_selected_logprobs_grad",
     "logit_transform",
+    "piece_pairs",
+    "split_bf16",
+    "split_pieces",
     "transform_logits",
     "transform_slope",
     "vocab_blocks",
 ]
 
 
+#: ``logits_dtype``: ``"float32"`` (default) keeps each chunk's logits in float32 straight
+#: from the GEMM's float32 accumulator (an fp32 head on the inputs' own values);
+#: ``"input"`` rounds them to the inputs' dtype first (a bf16 head, as the GEMM of a bf16
+#: ``F.linear`` / ``jnp.dot`` writes them).
+LogitsDtype = Literal["float32", "input"]
+
+#: ``fp32_matmul``: how a GEMM with a float32 operand runs on a GPU. ``"bf16x3"`` (default)
+#: splits each float32 operand into three bfloat16 pieces (``x = hi + mid + lo``, 24
+#: significant bits, exact up to float32's range) and sums the products whose pieces
+#: carry at least float32's precision (``piece_pairs``) on the tensor cores, accumulated in
+#: float32; ``"ieee"`` runs a float32 GEMM; ``"tf32"`` a TF32 one (10-bit mantissas). On a
+#: CPU every float32 GEMM is a float32 one.
+Fp32Matmul = Literal["bf16x3", "ieee", "tf32"]
+
+#: The byte budget of one row chunk's logits and their gradient (``chunk_rows=None``):
+#: float32 logits [C, V] plus the gradient [C, V] in the inputs' dtype, at most 256 MiB.
+CHUNK_BYTES = 256 * 2 ** 20
+
+#: Chunk sizes are multiples of this many rows (the GEMMs' row tiles), unless N is smaller.
+_CHUNK_ALIGN = 64
+
+_PIECES = {"bfloat16": 1, "float16": 2, "float32": 3}
+
+
 @dataclass(frozen=True)
 class LogitTransform:
-    """The validated logit options (:func:`logit_transform`): ``x = softcap(u * scale)``."""
+    """The validated lm_head options (:func:`logit_transform`): ``x = softcap(u * scale)``,
+    the logits' dtype and how float32 GEMMs run."""
 
     scale: float = 1.0  # logit_scale, positive and finite
     softcap: Optional[float] = None  # logit_softcap, positive and finite, or None (off)
+    logits_dtype: str = "float32"  # LogitsDtype
+    fp32_matmul: str = "bf16x3"  # Fp32Matmul
 
     @property
     def identity(self) -> bool:
@@ -77,21 +112,95 @@ def _positive(name: str, value: object, hint: str) -> float:
     return float(value)
 
 
-def logit_transform(logit_scale: object = 1.0,
-                    logit_softcap: object = None) -> LogitTransform:
-    """The checked ``logit_scale`` and ``logit_softcap`` (``ValueError`` / ``TypeError``
-    naming the argument): static Python numbers, as a model's config holds them."""
+def _choice(name: str, value: object, options: Any) -> str:
+    allowed = get_args(options)
+    if value not in allowed:
+        raise ValueError(f"`{name}` must be one of {', '.join(map(repr, allowed))}; "
+                         f"got {value!r}")
+    return str(value)
+
+
+def logit_transform(logit_scale: object = 1.0, logit_softcap: object = None,
+                    logits_dtype: object = "float32",
+                    fp32_matmul: object = "bf16x3") -> LogitTransform:
+    """The checked ``logit_scale``, ``logit_softcap``, ``logits_dtype`` and
+    ``fp32_matmul`` (``ValueError`` / ``TypeError`` naming the argument): static Python
+    values, as a model's config holds them."""
     scale = _positive("logit_scale", logit_scale, "the model's logit multiplier, e.g. 0.0625")
     softcap = None if logit_softcap is None else _positive(
         "logit_softcap", logit_softcap, "e.g. Gemma 2's final_logit_softcapping 30.0; None: off")
-    return LogitTransform(scale, softcap)
+    return LogitTransform(scale, softcap, _choice("logits_dtype", logits_dtype, LogitsDtype),
+                          _choice("fp32_matmul", fp32_matmul, Fp32Matmul))
 
 
-def check_chunk_rows(chunk_rows: object) -> int:
-    """``chunk_rows``, a positive Python int (``ValueError`` naming it otherwise)."""
+def check_chunk_rows(chunk_rows: object) -> Optional[int]:
+    """``chunk_rows``: None (sized by :data:`CHUNK_BYTES`) or a positive Python int
+    (``ValueError`` naming it otherwise)."""
+    if chunk_rows is None:
+        return None
     if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
-        raise ValueError(f"`chunk_rows` must be a positive int; got {chunk_rows!r}")
+        raise ValueError(f"`chunk_rows` must be a positive int, or None to size the chunk by "
+                         f"bytes; got {chunk_rows!r}")
     return chunk_rows
+
+
+def head_dtypes(hidden_dtype: str, weight_dtype: str, transform: LogitTransform,
+                gpu: bool) -> Tuple[str, str]:
+    """``(logits, gradient)`` dtype names of a row chunk (dtypes by name).
+
+    The logits: float32, or with ``logits_dtype="input"`` the inputs' common dtype (float32
+    when they differ). The gradient ``d loss / d x`` as the gradient GEMMs take it: on a GPU
+    the inputs' half-precision dtype when they share one, bfloat16 for split float32
+    operands (``fp32_matmul="bf16x3"``), else float32; on a CPU, where every GEMM of a
+    float32 chunk is a float32 one, the logits' dtype.
+    """
+    same = hidden_dtype == weight_dtype
+    logits = hidden_dtype if transform.logits_dtype == "input" and same else "float32"
+    if not gpu:
+        return logits, logits
+    if same and hidden_dtype != "float32":
+        return logits, hidden_dtype
+    return logits, "bfloat16" if transform.fp32_matmul == "bf16x3" else "float32"
+
+
+def chunk_rows_for(chunk_rows: Optional[int], n_rows: int, vocab: int,
+                   bytes_per_logit: int) -> int:
+    """Rows per chunk: ``chunk_rows`` when given, else as many rows as keep a chunk's
+    ``[C, V]`` buffers (``bytes_per_logit`` bytes per entry: the logits' and the gradient's)
+    within :data:`CHUNK_BYTES`, a multiple of 64 (at least 64); never more than ``n_rows``
+    (at least 1)."""
+    if chunk_rows is None:
+        rows = CHUNK_BYTES // max(1, vocab * bytes_per_logit)
+        chunk_rows = max(_CHUNK_ALIGN, rows - rows % _CHUNK_ALIGN)
+    return max(1, min(chunk_rows, n_rows))
+
+
+def split_pieces(dtype: str) -> int:
+    """How many bfloat16 pieces hold a ``dtype`` operand exactly: 1 (bfloat16), 2 (float16:
+    11 significant bits), 3 (float32: 24)."""
+    return _PIECES[dtype]
+
+
+def piece_pairs(pieces_a: int, pieces_b: int) -> Tuple[Tuple[int, int], ...]:
+    """The products ``a_i @ b_j`` a split GEMM sums (``fp32_matmul="bf16x3"``): piece ``i``
+    of ``a`` is about ``2^(-8 i)`` of it, so the pairs with ``i + j <= 2`` carry every
+    term down to float32's rounding (``2^-24``) and drop the smaller ones: three GEMMs for a
+    bfloat16 operand against a float32 one, six for two float32 operands (BF16x6)."""
+    return tuple((i, j) for i in range(pieces_a) for j in range(pieces_b) if i + j <= 2)
+
+
+def split_bf16(x: Any, pieces: int, to_bf16: Callable[[Any], Any],
+               to_f32: Callable[[Any], Any]) -> Tuple[Any, ...]:
+    """``pieces`` bfloat16 arrays whose float32 sum is ``x`` (float32, or float16) to
+    ``8 * pieces`` significant bits: ``hi = bf16(x)``, ``mid = bf16(x - hi)``, ``lo =
+    bf16(x - hi - mid)`` (each remainder exact in float32), on any array type."""
+    out = []
+    rest = to_f32(x)
+    for _ in range(pieces):
+        piece = to_bf16(rest)
+        out.append(piece)
+        rest = rest - to_f32(piece)
+    return tuple(out)
 
 
 def check_head_shapes(hidden_shape: Sequence[int], hidden_dtype: str,
@@ -99,8 +208,9 @@ def check_head_shapes(hidden_shape: Sequence[int], hidden_dtype: str,
                       bias_shape: Optional[Sequence[int]] = None,
                       bias_dtype: Optional[str] = None) -> Tuple[int, ...]:
     """The leading shape ``[...]`` of ``hidden [..., H]``, after checking ``weight [V, H]``
-    and ``bias [V]`` against it (one float dtype for all three; dtypes by name, e.g.
-    ``"bfloat16"``). Raises ``ValueError`` (shapes) or ``TypeError`` (dtypes) naming the
+    and ``bias [V]`` against it (dtypes by name, e.g. ``"bfloat16"``: the bias in the weight's
+    dtype; the hidden states in it or in float32, or float32 ones with a half-precision
+    weight). Raises ``ValueError`` (shapes) or ``TypeError`` (dtypes) naming the
     argument."""
     width = hidden_shape[-1]
     if len(weight_shape) != 2 or weight_shape[1] != width:
@@ -108,10 +218,11 @@ def check_head_shapes(hidden_shape: Sequence[int], hidden_dtype: str,
             f"`weight` must be the lm_head weight [V, H] with H = hidden.shape[-1] = {width}; "
             f"got shape {list(weight_shape)}"
         )
-    if weight_dtype != hidden_dtype:
+    if weight_dtype != hidden_dtype and "float32" not in (weight_dtype, hidden_dtype):
         raise TypeError(
-            f"`hidden` ({hidden_dtype}) and `weight` ({weight_dtype}) must share a dtype: the "
-            "logits are their product; cast one, e.g. `hidden.to(weight.dtype)`"
+            f"`hidden` ({hidden_dtype}) and `weight` ({weight_dtype}): a half-precision "
+            "weight takes hidden states of its own dtype or float32; cast one, e.g. "
+            "`hidden.to(weight.dtype)`"
         )
     if bias_shape is not None:
         if tuple(bias_shape) != (weight_shape[0],):

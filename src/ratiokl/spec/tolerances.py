@@ -71,38 +71,45 @@ def grad_tolerance(dtype: str, logit_scale: float, grad_scale: float) -> Toleran
     return Tolerance(rtol=2.0 * u + fwd.rtol, atol=fwd.atol * max(1.0, float(grad_scale)) + 1e-30)
 
 
-#: The ops from hidden states (``linear_selected_logprobs``) round each logit to the weight's
-#: dtype in their chunk buffer: the GEMM's result once, then (PyTorch, in place) each of the
-#: softcap's three steps once.
+#: The ops from hidden states keep each chunk's logits in float32 by default; with
+#: ``logits_dtype="input"`` they round each logit to the inputs' dtype in their chunk buffer:
+#: the GEMM's result once, then (PyTorch, in place) each of the softcap's three steps once.
 _LOGIT_ROUNDINGS = 4.0
 
 
 def linear_forward_tolerance(dtype: str, logit_scale: float, vocab: int,
-                             entropy: bool = False) -> Tolerance:
+                             entropy: bool = False, logits_dtype: str = "float32") -> Tolerance:
     """Tolerance of ``logp`` (or, with ``entropy``, the entropy) of the ops from hidden
-    states (``dtype``: the hidden states' and weight's; ``logit_scale``: ``max |x / T|``).
+    states against float64 on the inputs' own values (``dtype``: the hidden states' and
+    weight's; ``logit_scale``: ``max |x / T|``; ``logits_dtype``: the chunk's logits, float32
+    unless ``logits_dtype="input"`` made them ``dtype``).
 
-    :func:`forward_tolerance`, plus the logits' rounding to ``dtype`` in the chunk buffer:
-    each ``x / T`` moves by up to ``4 u max(1, |x / T|)``, which moves ``logp`` by twice
-    that and the entropy by ``E_p |log p + H|`` times that, at most about ``2 + ln V``.
+    :func:`forward_tolerance`, plus the logits' rounding to ``logits_dtype`` in the chunk
+    buffer: each ``x / T`` moves by up to ``4 u max(1, |x / T|)``, which moves ``logp`` by
+    twice that and the entropy by ``E_p |log p + H|`` times that, at most about ``2 + ln V``.
+    With float32 logits (the default) that is a few float32 ulps: the GEMM's float32
+    accumulator is the logit, whatever ``dtype`` the operands had (their products are exact
+    in float32).
     """
     fwd = forward_tolerance(logit_scale)
-    moved = _LOGIT_ROUNDINGS * GRAD_ROUNDOFF[dtype] * max(1.0, float(logit_scale))
+    moved = _LOGIT_ROUNDINGS * GRAD_ROUNDOFF[logits_dtype] * max(1.0, float(logit_scale))
     factor = 2.0 + math.log(max(vocab, 1)) if entropy else 2.0
     return Tolerance(rtol=fwd.rtol, atol=fwd.atol + moved * factor)
 
 
-def linear_grad_tolerance(dtype: str, logit_scale: float, magnitude: float) -> Tolerance:
+def linear_grad_tolerance(dtype: str, logit_scale: float, magnitude: float,
+                          logits_dtype: str = "float32") -> Tolerance:
     """Tolerance of ``d hidden``, ``d weight`` or ``d bias`` of the ops from hidden states.
 
     Each is a sum of products ``du * other`` (over the vocabulary or the rows), so its error
     is relative to ``magnitude``, the largest entry of the same sum of ``|du| * |other|``
-    (``ratiokl.spec.linear_grad_magnitudes``): ``du`` is rounded to ``dtype`` (2 u, with the
-    result's rounding), and the logits' rounding moves each softmax term by up to twice the
+    (``ratiokl.spec.linear_grad_magnitudes``): ``du`` is rounded to ``dtype`` (the inputs'
+    half-precision dtype, as the gradient GEMMs take it: 2 u, with the result's rounding),
+    and the logits' rounding to ``logits_dtype`` moves each softmax term by up to twice the
     :func:`linear_forward_tolerance` shift, on top of the float32 forward's error.
     """
     u = GRAD_ROUNDOFF[dtype]
-    shift = _LOGIT_ROUNDINGS * u * max(1.0, float(logit_scale))
+    shift = _LOGIT_ROUNDINGS * GRAD_ROUNDOFF[logits_dtype] * max(1.0, float(logit_scale))
     relative = 2.0 * u + 2.0 * shift + forward_tolerance(logit_scale).rtol
     return Tolerance(rtol=2.0 * u, atol=relative * float(magnitude) + 1e-30)
 

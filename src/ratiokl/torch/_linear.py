@@ -39,9 +39,10 @@ import torch
 from ratiokl._codes import KL
 from ratiokl._kernels.heuristics import launch_plan
 from ratiokl._kernels.loss_rows import METRIC_NAMES
-from ratiokl.spec import LogitTransform, PolicyLossOptions
+from ratiokl.spec import LogitTransform, PolicyLossOptions, chunk_rows_for
 from ratiokl.torch._checks import Temperature
-from ratiokl.torch._lm_head import chunk_grads, chunk_logits, ieee_fp32, softcap_slope_
+from ratiokl.torch._lm_head import chunk_grads, chunk_logits, head_operands, ieee_fp32, \
+    softcap_slope_
 from ratiokl.torch._launch import SCALE_ROWS, kernels_for, policy_loss_rows, policy_metrics, \
     row_scratch
 from ratiokl.torch._once import spend
@@ -94,37 +95,41 @@ def _forward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     vocab = weight.shape[0]
     device = hidden.device
     write_grad = want_hidden or want_weight or want_bias
+    head = head_operands(hidden.dtype, weight, transform)
     grad_hidden = torch.empty((n_rows, width), dtype=hidden.dtype, device=device) \
         if want_hidden else None
     # d weight: the first chunk's product is written (no zero fill, no read of zeros: a
     # [V, H] pass each), the later chunks' are added.
-    grad_weight = (torch.empty_like if n_rows else torch.zeros_like)(
-        weight, memory_format=torch.contiguous_format) if want_weight else None
+    grad_weight = (torch.empty if n_rows else torch.zeros)(
+        weight.shape, dtype=head.accumulate, device=device) if want_weight else None
     grad_bias = torch.zeros(vocab, dtype=torch.float32, device=device) if want_bias else None
     if n_rows == 0:
         return (torch.zeros((), dtype=torch.float32, device=device),
                 torch.zeros(len(METRIC_NAMES), dtype=torch.float32, device=device),
-                grad_hidden, grad_weight, None if grad_bias is None else grad_bias.to(bias.dtype))
-    chunk = min(chunk_rows, n_rows)
+                grad_hidden, _as(grad_weight, weight), _as(grad_bias, bias))
+    # The kernel writes g over the logits, except where g has another dtype or a softcap's
+    # slope needs the logits: then into a second buffer.
+    second = write_grad and (head.grad != head.logits or transform.softcap is not None)
+    chunk = chunk_rows_for(chunk_rows, n_rows, vocab,
+                           head.logits.itemsize + (head.grad.itemsize if second else 0))
     temp = kernel_temperature(temperature, device)
     per_row_temp = isinstance(temperature, torch.Tensor)
     coefs = kernel_coefficients(opts, device)
     kl_code = opts.kl_code if ref_logps is not None else KL.NONE.value
-    splits = launch_plan(vocab, weight.element_size(), chunk, write_grad).spans.splits
+    splits = launch_plan(vocab, head.logits.itemsize, chunk, write_grad).spans.splits
     rows, (parts,) = row_scratch(n_rows, splits, device)  # parts: enough for a chunk
-    logits_buffer = torch.empty((chunk, vocab), dtype=weight.dtype, device=device)
-    # The kernel writes g over the logits, except with a softcap, whose slope needs them.
-    grad_buffer = logits_buffer if transform.softcap is None or not write_grad else \
-        torch.empty_like(logits_buffer)
+    logits_buffer = torch.empty((chunk, vocab), dtype=head.logits, device=device)
+    grad_buffer = torch.empty((chunk, vocab), dtype=head.grad, device=device) if second \
+        else logits_buffer
     kernels = kernels_for(device)
     no_grad_out = logits_buffer[:0]
     zero = torch.zeros((), dtype=hidden.dtype, device=device)
-    with np.errstate(all="ignore"), ieee_fp32():  # the interpreter's NumPy noise (CPU)
+    with np.errstate(all="ignore"), ieee_fp32(head.tf32):  # the interpreter's NumPy noise
         for start in range(0, n_rows, chunk):
             end = min(start + chunk, n_rows)
             part = slice(start, end)
             kept = torch.where(mask[part, None], hidden[part], zero)
-            logits = chunk_logits(kept, weight, bias, transform, logits_buffer[:end - start])
+            logits = chunk_logits(kept, head, bias, transform, logits_buffer[:end - start])
             g = grad_buffer[:end - start] if write_grad else no_grad_out
             policy_loss_rows(
                 kernels, logits, None, ids[part], mask[part],
@@ -137,12 +142,16 @@ def _forward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
             )
             if write_grad:  # g = d loss / d x
                 softcap_slope_(g, logits, transform)
-                chunk_grads(g, kept, weight, transform,
+                chunk_grads(g, kept, head, transform,
                             grad_hidden[part] if want_hidden else None, grad_weight,
                             start == 0, grad_bias)
         loss, metrics = policy_metrics(kernels, mask, rows, old)
-    return (loss, metrics, grad_hidden, grad_weight,
-            None if grad_bias is None else grad_bias.to(bias.dtype))
+    return loss, metrics, grad_hidden, _as(grad_weight, weight), _as(grad_bias, bias)
+
+
+def _as(grad: Optional[torch.Tensor], like: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A gradient accumulated in float32 (or None) in its input's dtype."""
+    return None if grad is None else grad.to(like.dtype)
 
 
 def policy_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],

@@ -31,10 +31,11 @@ from typing import Callable, List, NamedTuple, Optional, Tuple
 import torch
 
 from ratiokl._codes import KL
-from ratiokl.spec import LogitTransform
+from ratiokl.spec import LogitTransform, chunk_rows_for
 from ratiokl.torch import _native
 from ratiokl.torch._checks import Temperature
-from ratiokl.torch._lm_head import chunk_grads, chunk_logits, ieee_fp32, softcap_slope_
+from ratiokl.torch._lm_head import Head, chunk_grads, chunk_logits, head_operands, ieee_fp32, \
+    softcap_slope_
 
 __all__ = ["NATIVE_ROWS", "RowOps", "TRITON_ROWS", "selected_logprobs"]
 
@@ -103,6 +104,21 @@ class _Inputs(NamedTuple):
     entropy: bool
 
 
+def _chunk(inputs: _Inputs, head: Head, n_rows: int, vocab: int) -> int:
+    """Rows per chunk: ``chunk_rows``, or sized so that the logits and their gradient (a
+    second buffer where their dtypes differ or a softcap keeps the logits) fit
+    ``ratiokl.spec.CHUNK_BYTES``."""
+    size = head.logits.itemsize
+    if _second_buffer(head, inputs.transform):
+        size += head.grad.itemsize
+    return chunk_rows_for(inputs.chunk, n_rows, vocab, size)
+
+
+def _second_buffer(head: Head, transform: LogitTransform) -> bool:
+    """Whether the row gradient needs its own ``[C, V]`` buffer (else it overwrites x)."""
+    return head.grad != head.logits or transform.softcap is not None
+
+
 def _forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
              inputs: _Inputs) -> Tuple[Tensor, Optional[Tensor], Tensor]:
     """``(logp, entropy | None, lse)`` float32 ``[N]`` from the chunk loop."""
@@ -110,12 +126,13 @@ def _forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
     out = [torch.zeros(n_rows, dtype=torch.float32, device=hidden.device)
            for _ in range(3)]
     logp, ent, lse = out
-    buffer = torch.empty((min(inputs.chunk, n_rows), vocab), dtype=weight.dtype,
-                         device=weight.device)
-    with ieee_fp32():
-        for part in _parts(n_rows, inputs.chunk):
+    head = head_operands(hidden.dtype, weight, inputs.transform)
+    chunk = _chunk(inputs, head, n_rows, vocab)
+    buffer = torch.empty((chunk, vocab), dtype=head.logits, device=weight.device)
+    with ieee_fp32(head.tf32):
+        for part in _parts(n_rows, chunk):
             mask = inputs.mask[part]
-            x = chunk_logits(_kept(hidden[part], mask), weight, bias, inputs.transform,
+            x = chunk_logits(_kept(hidden[part], mask), head, bias, inputs.transform,
                              buffer[:part.stop - part.start])
             rows = inputs.ops.forward(x, inputs.ids[part], mask,
                                       _at(inputs.temperature, part), inputs.entropy)
@@ -130,28 +147,32 @@ def _backward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], lse: Tenso
               inputs: _Inputs, wants: Tuple[bool, bool, bool]):
     """``(d hidden, d weight, d bias)`` (None where not wanted) from the chunk loop."""
     n_rows, vocab = hidden.shape[0], weight.shape[0]
+    head = head_operands(hidden.dtype, weight, inputs.transform)
     grad_hidden = torch.zeros(hidden.shape, dtype=hidden.dtype, device=hidden.device) \
         if wants[0] else None
-    grad_weight = torch.zeros_like(weight, memory_format=torch.contiguous_format) \
+    grad_weight = torch.zeros(weight.shape, dtype=head.accumulate, device=weight.device) \
         if wants[1] else None
     grad_bias = torch.zeros(vocab, dtype=torch.float32, device=weight.device) \
         if wants[2] else None
     if g_logp is not None or g_ent is not None:
-        shape = (min(inputs.chunk, n_rows), vocab)
-        buffer = torch.empty(shape, dtype=weight.dtype, device=weight.device)
-        second = buffer if inputs.transform.softcap is None else torch.empty_like(buffer)
-        with ieee_fp32():
-            for i, part in enumerate(_parts(n_rows, inputs.chunk)):
+        chunk = _chunk(inputs, head, n_rows, vocab)
+        buffer = torch.empty((chunk, vocab), dtype=head.logits, device=weight.device)
+        second = torch.empty((chunk, vocab), dtype=head.grad, device=weight.device) \
+            if _second_buffer(head, inputs.transform) else buffer
+        with ieee_fp32(head.tf32):
+            for i, part in enumerate(_parts(n_rows, chunk)):
                 mask, rows = inputs.mask[part], part.stop - part.start
                 kept = _kept(hidden[part], mask)
-                x = chunk_logits(kept, weight, bias, inputs.transform, buffer[:rows])
+                x = chunk_logits(kept, head, bias, inputs.transform, buffer[:rows])
                 dx = inputs.ops.backward(x, inputs.ids[part], mask,
                                          _at(inputs.temperature, part), lse[part],
                                          _at(ent, part), _at(g_logp, part), _at(g_ent, part),
                                          second[:rows])
                 softcap_slope_(dx, x, inputs.transform)
-                chunk_grads(dx, kept, weight, inputs.transform, _at(grad_hidden, part),
+                chunk_grads(dx, kept, head, inputs.transform, _at(grad_hidden, part),
                             grad_weight, i == 0, grad_bias)
+    if grad_weight is not None:
+        grad_weight = grad_weight.to(weight.dtype)
     if grad_bias is not None:
         grad_bias = grad_bias.to(bias.dtype)
     return grad_hidden, grad_weight, grad_bias

@@ -58,11 +58,11 @@ def _eager_only(op: str, logits_op: str, vocab_group) -> None:
 
 
 def linear_selected_logprobs(hidden, weight, action_ids, mask, *, bias, temperature,
-                             logit_scale, logit_softcap, return_entropy, chunk_rows, backend,
-                             check_ids, vocab_group):
+                             logit_scale, logit_softcap, logits_dtype, fp32_matmul,
+                             return_entropy, chunk_rows, backend, check_ids, vocab_group):
     """``ratiokl.torch.loss.linear_selected_logprobs`` (documented there)."""
     chunk_rows = check_chunk_rows(chunk_rows)
-    transform = logit_transform(logit_scale, logit_softcap)
+    transform = logit_transform(logit_scale, logit_softcap, logits_dtype, fp32_matmul)
     lead = _head(hidden, weight, bias, action_ids)
     rows = _rows(hidden, lead, action_ids, mask, temperature, backend, check_ids, vocab_group,
                  vocab=weight.shape[0], weight=weight, bias=bias)

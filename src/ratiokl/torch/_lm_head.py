@@ -1,5 +1,19 @@
 """The linear ops' own GEMMs: a row chunk's logits from hidden states, and their gradients.
 
+The precision is the spec's (``ratiokl.spec.linear``: ``logits_dtype``, ``fp32_matmul``,
+:func:`~ratiokl.spec.linear.head_dtypes`), resolved once per call into a :class:`Head`:
+
+* ``logits_dtype="input"`` with one half-precision dtype: the GEMMs in that dtype, the
+  logits rounded to it (a bf16 head), the gradient in it;
+* otherwise on CUDA: float32 logits from the GEMM's float32 accumulator (``out_dtype``):
+  one GEMM for half-precision inputs, the split products of ``piece_pairs`` for a float32
+  operand (``"bf16x3"``; ``"ieee"`` / ``"tf32"``: float32 GEMMs); the gradient GEMMs take
+  ``d loss / d x`` in the half-precision dtype (bfloat16 for split operands) with the
+  weight's (and hidden states') first piece, as every fused head does, and accumulate in
+  float32;
+* on a CPU: every GEMM in float32 on the operands' values (the weight upcast once per
+  call, ``d weight`` accumulated in float32 and rounded once at the end).
+
 The transform is ``ratiokl.spec.linear``'s (``x = softcap((h @ W.T + b) * scale)``, its
 slope ``scale * (1 - (x / softcap)^2)``), applied in place on the chunk's buffer so that no
 second ``[C, V]`` array is made: the bias and the scale ride in the GEMM's epilogue
@@ -17,13 +31,15 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import replace
-from typing import Iterator, Optional
+from typing import Callable, Iterator, NamedTuple, Optional, Tuple
 
 import torch
 
-from ratiokl.spec import LogitTransform, transform_slope
+from ratiokl.spec import (LogitTransform, head_dtypes, piece_pairs, split_bf16, split_pieces,
+                          transform_slope)
 
-__all__ = ["chunk_grads", "chunk_logits", "head_logits", "ieee_fp32", "softcap_slope_"]
+__all__ = ["Head", "chunk_grads", "chunk_logits", "head_logits", "head_operands", "ieee_fp32",
+           "softcap_slope_"]
 
 #: torch >= 2.9 also keeps a precision per backend (``fp32_precision``), which its legacy
 #: getters check against the global one ("mix of the legacy and new APIs").
@@ -40,7 +56,7 @@ def _global_precision() -> str:
 
 
 @contextlib.contextmanager
-def ieee_fp32() -> Iterator[None]:
+def ieee_fp32(tf32: bool = False) -> Iterator[None]:
     """float32 matmuls in float32 (no TF32 on CUDA, no bf16 on oneDNN) inside, the caller's
     settings restored after. ``torch.set_float32_matmul_precision("highest")`` sets the
     global flag and (torch >= 2.9) the CUDA and oneDNN matmul flags to ``"ieee"``, one
@@ -49,7 +65,7 @@ def ieee_fp32() -> Iterator[None]:
     flags = (torch.backends.cuda.matmul, torch.backends.mkldnn.matmul) if _PER_BACKEND else ()
     saved = _global_precision()
     saved_flags = [f.fp32_precision for f in flags]
-    torch.set_float32_matmul_precision("highest")
+    torch.set_float32_matmul_precision("high" if tf32 else "highest")
     try:
         yield
     finally:
@@ -58,17 +74,105 @@ def ieee_fp32() -> Iterator[None]:
             f.fp32_precision = value
 
 
-def chunk_logits(kept: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                 transform: LogitTransform, out: torch.Tensor) -> torch.Tensor:
-    """``x = softcap((kept @ weight.T + bias) * scale)`` written into ``out [C, V]`` (the
-    weight's dtype, contiguous) and returned; call under :func:`ieee_fp32`."""
-    scale = transform.scale
-    if bias is not None:
-        torch.addmm(bias, kept, weight.t(), beta=scale, alpha=scale, out=out)
-    elif scale != 1.0:
-        out.addmm_(kept, weight.t(), beta=0.0, alpha=scale)  # beta 0: out's bytes unread
+_HALF = (torch.bfloat16, torch.float16)
+
+
+class Head(NamedTuple):
+    """One call's lm_head as its GEMMs take it (:func:`head_operands`)."""
+
+    pieces: Tuple[torch.Tensor, ...]  # the forward's weight operands [V, H] (one: no split)
+    pairs: Optional[Tuple[Tuple[int, int], ...]]  # (hidden piece, weight piece); None: one
+    # GEMM in the logits' dtype with the epilogue (bias, scale) in it
+    hidden_pieces: int  # bfloat16 pieces of each chunk's hidden rows; 0: cast to `operand`
+    operand: torch.dtype  # the hidden rows' dtype in the GEMMs when not split
+    logits: torch.dtype  # a chunk's logits x [C, V]
+    grad: torch.dtype  # d loss / d x as the gradient GEMMs take it
+    grad_weight_op: torch.Tensor  # the weight in d hidden = du @ W, [V, H] in `grad`
+    accumulate: torch.dtype  # d weight's accumulator across chunks
+    tf32: bool  # float32 GEMMs in TF32 (fp32_matmul="tf32")
+
+    def hidden_ops(self, kept: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        """A chunk's hidden rows as the forward's GEMMs take them (split or cast)."""
+        if self.hidden_pieces:
+            if kept.dtype == torch.bfloat16:
+                return (kept,)
+            return split_bf16(kept, self.hidden_pieces, _to(torch.bfloat16), _to(torch.float32))
+        return (kept.to(self.operand),)
+
+    def kept_grad_op(self, kept: torch.Tensor) -> torch.Tensor:
+        """The hidden rows in ``d weight = du.T @ kept``: in the gradient's dtype."""
+        return kept.to(self.grad)
+
+
+def _to(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda t: t.to(dtype)
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def head_operands(hidden_dtype: torch.dtype, weight: torch.Tensor,
+                  transform: LogitTransform) -> Head:
+    """The :class:`Head` of ``weight [V, H]`` for hidden states of ``hidden_dtype`` (module
+    docstring): the weight split (``"bf16x3"`` on CUDA) or upcast (CPU) once here."""
+    gpu = weight.is_cuda
+    logits_name, grad_name = head_dtypes(_name(hidden_dtype), _name(weight.dtype), transform,
+                                         gpu)
+    logits, grad = getattr(torch, logits_name), getattr(torch, grad_name)
+    tf32 = transform.fp32_matmul == "tf32"
+    if not gpu or logits == hidden_dtype == weight.dtype:  # one dtype for every GEMM
+        op = weight.to(logits)
+        return Head((op,), None, 0, logits, logits, logits, op,
+                    torch.float32 if weight.dtype != logits else weight.dtype, tf32)
+    if grad == torch.float32:  # float32 operands, "ieee" / "tf32": float32 GEMMs
+        return Head((weight,), None, 0, torch.float32, logits, grad, weight, weight.dtype,
+                    tf32)
+    if torch.float32 in (hidden_dtype, weight.dtype):  # "bf16x3": the split products
+        n_h, n_w = split_pieces(_name(hidden_dtype)), split_pieces(_name(weight.dtype))
+        pieces = (weight,) if n_w == 1 else split_bf16(weight, n_w, _to(torch.bfloat16),
+                                                       _to(torch.float32))
+        return Head(pieces, piece_pairs(n_h, n_w), n_h, hidden_dtype, logits, grad,
+                    pieces[0], weight.dtype, False)
+    # half-precision inputs of one dtype, float32 logits from the accumulator
+    return Head((weight,), ((0, 0),), 0, weight.dtype, logits, grad, weight, weight.dtype,
+                False)
+
+
+def _gemm(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float,
+          beta: float) -> None:
+    """``out = alpha * a @ b + beta * out`` (beta 0: ``out`` unread) with ``out`` in its own
+    dtype: the float32 accumulator written as it is when the operands are narrower
+    (CUDA's ``out_dtype``; elsewhere the operands upcast)."""
+    if out.dtype == a.dtype == b.dtype:
+        out.addmm_(a, b, beta=beta, alpha=alpha)
+    elif out.is_cuda:
+        torch.addmm(out, a, b, beta=beta, alpha=alpha, out_dtype=out.dtype, out=out)
     else:
-        torch.mm(kept, weight.t(), out=out)
+        out.addmm_(a.to(out.dtype), b.to(out.dtype), beta=beta, alpha=alpha)
+
+
+def chunk_logits(kept: torch.Tensor, head: Head, bias: Optional[torch.Tensor],
+                 transform: LogitTransform, out: torch.Tensor) -> torch.Tensor:
+    """``x = softcap((kept @ weight.T + bias) * scale)`` written into ``out [C, V]``
+    (``head.logits``, contiguous) and returned; call under :func:`ieee_fp32` (with
+    ``head.tf32``)."""
+    scale = transform.scale
+    if head.pairs is None:  # one GEMM in the logits' dtype, the bias and scale in it
+        weight, hidden = head.pieces[0], kept.to(head.operand)
+        if bias is not None:
+            torch.addmm(bias.to(out.dtype), hidden, weight.t(), beta=scale, alpha=scale,
+                        out=out)
+        else:  # beta 0: out's bytes unread
+            out.addmm_(hidden, weight.t(), beta=0.0, alpha=scale)
+    else:  # the products summed in float32, then the bias and scale
+        hidden = head.hidden_ops(kept)
+        for n, (i, j) in enumerate(head.pairs):
+            _gemm(out, hidden[i], head.pieces[j].t(), 1.0, 0.0 if n == 0 else 1.0)
+        if bias is not None:
+            out.add_(bias)
+        if scale != 1.0:
+            out.mul_(scale)
     if transform.softcap is not None:
         out.div_(transform.softcap).tanh_().mul_(transform.softcap)
     return out
@@ -81,23 +185,27 @@ def softcap_slope_(dx: torch.Tensor, x: torch.Tensor, transform: LogitTransform)
         dx.mul_(x.div_(transform.softcap).square_().neg_().add_(1.0))
 
 
-def chunk_grads(du: torch.Tensor, kept: torch.Tensor, weight: torch.Tensor,
-                transform: LogitTransform, grad_hidden: Optional[torch.Tensor],
-                grad_weight: Optional[torch.Tensor], first: bool,
-                grad_bias: Optional[torch.Tensor]) -> None:
+def chunk_grads(du: torch.Tensor, kept: torch.Tensor, head: Head, transform: LogitTransform,
+                grad_hidden: Optional[torch.Tensor], grad_weight: Optional[torch.Tensor],
+                first: bool, grad_bias: Optional[torch.Tensor]) -> None:
     """One chunk's share of the gradients from ``du = d loss / d u / scale`` ``[C, V]``
     (:func:`softcap_slope_` applied; the scale enters here, as the GEMMs' ``alpha``).
 
-    Writes ``scale * du @ weight`` into ``grad_hidden [C, H]``, writes (``first``) or adds
-    ``scale * du.T @ kept`` into ``grad_weight [V, H]`` and adds ``scale`` times ``du``'s
-    column sums into the float32 ``grad_bias [V]`` (each None: not wanted). Call under
-    :func:`ieee_fp32`.
+    Writes ``scale * du @ weight`` into ``grad_hidden [C, H]`` (the hidden states' dtype),
+    writes (``first``) or adds ``scale * du.T @ kept`` into ``grad_weight [V, H]``
+    (``head.accumulate``) and adds ``scale`` times ``du``'s column sums into the float32
+    ``grad_bias [V]`` (each None: not wanted). Call under :func:`ieee_fp32`.
     """
     scale = transform.scale
+    du_op = du.to(head.grad)
     if grad_hidden is not None:
-        grad_hidden.addmm_(du, weight, beta=0.0, alpha=scale)
+        if grad_hidden.dtype in (head.grad, torch.float32):
+            _gemm(grad_hidden, du_op, head.grad_weight_op, scale, 0.0)
+        else:  # float32 GEMMs for half-precision hidden states: [C, H] rounded once
+            grad_hidden.copy_(torch.mm(du_op, head.grad_weight_op).mul_(scale))
     if grad_weight is not None:
-        grad_weight.addmm_(du.t(), kept, beta=0.0 if first else 1.0, alpha=scale)
+        _gemm(grad_weight, du_op.t(), head.kept_grad_op(kept), scale,
+              0.0 if first else 1.0)
     if grad_bias is not None:
         grad_bias.add_(du.sum(dim=0, dtype=torch.float32), alpha=scale)
 
@@ -107,10 +215,11 @@ class _HeadLogits(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, kept, weight, bias, transform):
-        out = torch.empty((kept.shape[0], weight.shape[0]), dtype=weight.dtype,
+        head = head_operands(kept.dtype, weight, transform)
+        out = torch.empty((kept.shape[0], weight.shape[0]), dtype=head.logits,
                           device=weight.device)
-        with ieee_fp32():
-            x = chunk_logits(kept, weight, bias, transform, out)
+        with ieee_fp32(head.tf32):
+            x = chunk_logits(kept, head, bias, transform, out)
         ctx.transform = transform
         ctx.has_bias = bias is not None
         ctx.save_for_backward(kept, weight, x if transform.softcap is not None else None)
@@ -119,22 +228,24 @@ class _HeadLogits(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         kept, weight, x = ctx.saved_tensors
+        head = head_operands(kept.dtype, weight, ctx.transform)
         wants = ctx.needs_input_grad
         grad_hidden = torch.empty_like(kept) if wants[0] else None
-        grad_weight = torch.empty_like(weight) if wants[1] else None
+        grad_weight = torch.empty(weight.shape, dtype=head.accumulate, device=weight.device) \
+            if wants[1] else None
         grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=g.device) \
             if ctx.has_bias and wants[2] else None
         du = g if x is None else g * transform_slope(x, replace(ctx.transform, scale=1.0))
-        with ieee_fp32():
-            chunk_grads(du, kept, weight, ctx.transform, grad_hidden, grad_weight, True,
+        with ieee_fp32(head.tf32):
+            chunk_grads(du, kept, head, ctx.transform, grad_hidden, grad_weight, True,
                         grad_bias)
-        if grad_bias is not None:
-            grad_bias = grad_bias.to(weight.dtype)
-        return grad_hidden, grad_weight, grad_bias, None
+        return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
+                None if grad_bias is None else grad_bias.to(weight.dtype), None)
 
 
 def head_logits(kept: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                 transform: LogitTransform) -> torch.Tensor:
-    """Every row's ``x [N, V]`` (the weight's dtype), differentiable w.r.t. ``kept``,
-    ``weight`` and ``bias``: the native routes' materialised logits."""
+    """Every row's ``x [N, V]`` (float32; ``logits_dtype="input"``: the inputs' dtype),
+    differentiable w.r.t. ``kept``, ``weight`` and ``bias``: the native routes'
+    materialised logits."""
     return _HeadLogits.apply(kept, weight, bias, transform)
