@@ -27,8 +27,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from ratiokl.jax._vocab_parallel import varying_axes
-from ratiokl.spec import (LogitTransform, chunk_rows_for, head_dtypes, piece_pairs, split_bf16, split_pieces,
-                          transform_logits, transform_slope)
+from ratiokl.spec import (GRAD_PIECES, LogitTransform, chunk_rows_for, head_dtypes,
+                          piece_pairs, split_bf16, split_pieces, transform_logits,
+                          transform_slope)
 
 __all__ = ["chunk_size", "head_dtypes_of", "head_grads", "head_logits", "matmul", "vary_alike"]
 
@@ -62,25 +63,44 @@ def chunk_size(chunk_rows: Optional[int], hidden: jax.Array, weight: jax.Array,
                           logits.itemsize + grad.itemsize)
 
 
+def _split(x: jax.Array, pieces: int) -> Tuple[jax.Array, ...]:
+    """``x`` as bfloat16 pieces (``ratiokl.spec.split_bf16``; a bfloat16 ``x`` itself)."""
+    if x.dtype == jnp.bfloat16:
+        return (x,)
+    return split_bf16(x, pieces, lambda t: t.astype(jnp.bfloat16),
+                      lambda t: t.astype(jnp.float32))
+
+
+def _split_mode(kept: jax.Array, weight: jax.Array, transform: LogitTransform) -> bool:
+    """Whether the GEMMs run on bfloat16 pieces: a float32 operand on a GPU, ``"bf16x3"``."""
+    return (jnp.float32 in (kept.dtype, weight.dtype) and jax.default_backend() == "gpu"
+            and transform.fp32_matmul == "bf16x3")
+
+
+def _products(a, b, pairs, contract: Tuple[int, int]) -> jax.Array:
+    """float32 ``sum over pairs (i, j) of a[i] @ b[j]`` (bfloat16 pieces, float32 sums)."""
+    terms = [matmul(a[i], b[j], contract, lax.Precision.DEFAULT) for i, j in pairs]
+    return functools.reduce(lambda x, y: x + y, terms)
+
+
+def _precision(kept: jax.Array, weight: jax.Array, transform: LogitTransform):
+    """``Precision.HIGH`` (TF32) for float32 operands with ``"tf32"`` on a GPU, else
+    ``HIGHEST``."""
+    if (transform.fp32_matmul == "tf32" and jnp.float32 in (kept.dtype, weight.dtype)
+            and jax.default_backend() == "gpu"):
+        return lax.Precision.HIGH
+    return lax.Precision.HIGHEST
+
+
 def _product(kept: jax.Array, weight: jax.Array, transform: LogitTransform) -> jax.Array:
     """float32 ``kept @ weight.T``: the bfloat16 pieces' products (``fp32_matmul="bf16x3"``
-    with a float32 operand, on a GPU), a TF32 GEMM (``"tf32"``), else one GEMM with float32
-    accumulation at ``Precision.HIGHEST``."""
-    wide = jnp.float32 in (kept.dtype, weight.dtype)
-    if wide and jax.default_backend() == "gpu":
-        if transform.fp32_matmul == "bf16x3":
-            pieces = []
-            for x in (kept, weight):
-                n = split_pieces(str(x.dtype))
-                pieces.append((x,) if n == 1 else split_bf16(
-                    x, n, lambda t: t.astype(jnp.bfloat16), lambda t: t.astype(jnp.float32)))
-            h, w = pieces
-            terms = [matmul(h[i], w[j], (1, 1), lax.Precision.DEFAULT)
-                     for i, j in piece_pairs(len(h), len(w))]
-            return functools.reduce(lambda a, b: a + b, terms)
-        if transform.fp32_matmul == "tf32":
-            return matmul(kept, weight, (1, 1), lax.Precision.HIGH)
-    return matmul(kept, weight, (1, 1))
+    with a float32 operand, on a GPU; ``piece_pairs``), else one GEMM with float32
+    accumulation (``_precision``)."""
+    if _split_mode(kept, weight, transform):
+        h = _split(kept, split_pieces(str(kept.dtype)))
+        w = _split(weight, split_pieces(str(weight.dtype)))
+        return _products(h, w, piece_pairs(len(h), len(w)), (1, 1))
+    return matmul(kept, weight, (1, 1), _precision(kept, weight, transform))
 
 
 def _logits(kept: jax.Array, weight: jax.Array, bias: Optional[jax.Array],
@@ -147,10 +167,17 @@ def head_grads(dx: jax.Array, x: Optional[jax.Array], kept: jax.Array, weight: j
     """float32 ``(du @ weight, du.T @ kept, column sums of du)`` with ``du = dx *
     slope(x)`` (``dx = d / d x`` ``[C, V]``; ``x`` may be None without a softcap), ``du``
     and the operands in the gradient's dtype for the GEMMs (``head_dtypes``: the inputs'
-    half-precision dtype on a GPU, bfloat16 for a split float32 operand), as the PyTorch
-    op's."""
+    half-precision dtype on a GPU when they share one), or ``GRAD_PIECES`` bfloat16 pieces
+    of each (a float32 operand with ``"bf16x3"`` on a GPU), as the PyTorch op's."""
     du = dx.astype(jnp.float32) * transform_slope(
         None if x is None else x.astype(jnp.float32), transform)
+    if _split_mode(kept, weight, transform):
+        d, w, h = (_split(a, GRAD_PIECES) for a in (du, weight, kept))
+        return (_products(d, w, piece_pairs(len(d), len(w), depth=1), (1, 0)),
+                _products(d, h, piece_pairs(len(d), len(h), depth=1), (0, 0)),
+                jnp.sum(du, axis=0))
     _, grad = head_dtypes_of(kept, weight, transform)
     du_k, w_k, h_k = du.astype(grad), weight.astype(grad), kept.astype(grad)
-    return matmul(du_k, w_k, (1, 0)), matmul(du_k, h_k, (0, 0)), jnp.sum(du, axis=0)
+    precision = _precision(kept, weight, transform)
+    return (matmul(du_k, w_k, (1, 0), precision), matmul(du_k, h_k, (0, 0), precision),
+            jnp.sum(du, axis=0))

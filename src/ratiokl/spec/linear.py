@@ -43,6 +43,7 @@ from ratiokl.spec.reference import (
 __all__ = [
     "CHUNK_BYTES",
     "Fp32Matmul",
+    "GRAD_PIECES",
     "LogitTransform",
     "LogitsDtype",
     "check_chunk_rows",
@@ -149,18 +150,17 @@ def head_dtypes(hidden_dtype: str, weight_dtype: str, transform: LogitTransform,
     """``(logits, gradient)`` dtype names of a row chunk (dtypes by name).
 
     The logits: float32, or with ``logits_dtype="input"`` the inputs' common dtype (float32
-    when they differ). The gradient ``d loss / d x`` as the gradient GEMMs take it: on a GPU
-    the inputs' half-precision dtype when they share one, bfloat16 for split float32
-    operands (``fp32_matmul="bf16x3"``), else float32; on a CPU, where every GEMM of a
-    float32 chunk is a float32 one, the logits' dtype.
+    when they differ). The gradient ``d loss / d x`` as the kernels write it for the
+    gradient GEMMs: on a GPU the inputs' half-precision dtype when they share one (as every
+    fused head does), else float32 (split into bfloat16 pieces for ``fp32_matmul="bf16x3"``:
+    :data:`GRAD_PIECES`); on a CPU, where every GEMM of a float32 chunk is a float32 one, the
+    logits' dtype.
     """
     same = hidden_dtype == weight_dtype
     logits = hidden_dtype if transform.logits_dtype == "input" and same else "float32"
     if not gpu:
         return logits, logits
-    if same and hidden_dtype != "float32":
-        return logits, hidden_dtype
-    return logits, "bfloat16" if transform.fp32_matmul == "bf16x3" else "float32"
+    return logits, hidden_dtype if same and hidden_dtype != "float32" else "float32"
 
 
 def chunk_rows_for(chunk_rows: Optional[int], n_rows: int, vocab: int,
@@ -181,12 +181,20 @@ def split_pieces(dtype: str) -> int:
     return _PIECES[dtype]
 
 
-def piece_pairs(pieces_a: int, pieces_b: int) -> Tuple[Tuple[int, int], ...]:
+#: ``fp32_matmul="bf16x3"``'s gradient GEMMs: ``d loss / d x`` and each float32 operand in
+#: two bfloat16 pieces (16 significant bits, as a gradient needs), the products of
+#: ``piece_pairs(..., depth=1)``.
+GRAD_PIECES = 2
+
+
+def piece_pairs(pieces_a: int, pieces_b: int, depth: int = 2) -> Tuple[Tuple[int, int], ...]:
     """The products ``a_i @ b_j`` a split GEMM sums (``fp32_matmul="bf16x3"``): piece ``i``
-    of ``a`` is about ``2^(-8 i)`` of it, so the pairs with ``i + j <= 2`` carry every
-    term down to float32's rounding (``2^-24``) and drop the smaller ones: three GEMMs for a
-    bfloat16 operand against a float32 one, six for two float32 operands (BF16x6)."""
-    return tuple((i, j) for i in range(pieces_a) for j in range(pieces_b) if i + j <= 2)
+    of ``a`` is about ``2^(-8 i)`` of it, so the pairs with ``i + j <= depth`` carry every
+    term down to ``2^(-8 (depth + 1))`` and drop the smaller ones. ``depth=2`` (the
+    logits): float32's precision, three GEMMs for a bfloat16 operand against a float32
+    one, six for two float32 operands (BF16x6); ``depth=1`` (the gradients, two pieces a
+    side): three GEMMs."""
+    return tuple((i, j) for i in range(pieces_a) for j in range(pieces_b) if i + j <= depth)
 
 
 def split_bf16(x: Any, pieces: int, to_bf16: Callable[[Any], Any],

@@ -40,6 +40,9 @@ GRAD_ROUNDOFF: Dict[str, float] = {
     "float32": 2.0**-24,  # fp32 math dominates: handled by the forward term
     "float16": 2.0**-11,  # 10 stored mantissa bits
     "bfloat16": 2.0**-8,  # 7 stored mantissa bits
+    # the gradient GEMMs of fp32_matmul="bf16x3": d loss / d x and the float32 operands as
+    # two bfloat16 pieces each (16 significant bits)
+    "bf16x2": 2.0**-16,
 }
 
 #: float32 unit roundoff; the fp32 forward loses a small multiple of it.

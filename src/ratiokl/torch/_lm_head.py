@@ -31,12 +31,12 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import replace
-from typing import Callable, Iterator, NamedTuple, Optional, Tuple
+from typing import Iterator, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from ratiokl.spec import (LogitTransform, head_dtypes, piece_pairs, split_bf16, split_pieces,
-                          transform_slope)
+from ratiokl.spec import (GRAD_PIECES, LogitTransform, head_dtypes, piece_pairs, split_bf16,
+                          split_pieces, transform_slope)
 
 __all__ = ["Head", "chunk_grads", "chunk_logits", "head_logits", "head_operands", "ieee_fp32",
            "softcap_slope_"]
@@ -74,38 +74,33 @@ def ieee_fp32(tf32: bool = False) -> Iterator[None]:
             f.fp32_precision = value
 
 
-_HALF = (torch.bfloat16, torch.float16)
-
-
 class Head(NamedTuple):
     """One call's lm_head as its GEMMs take it (:func:`head_operands`)."""
 
-    pieces: Tuple[torch.Tensor, ...]  # the forward's weight operands [V, H] (one: no split)
-    pairs: Optional[Tuple[Tuple[int, int], ...]]  # (hidden piece, weight piece); None: one
-    # GEMM in the logits' dtype with the epilogue (bias, scale) in it
+    pieces: Tuple[torch.Tensor, ...]  # the weight's operands [V, H] (one: no split)
+    pairs: Optional[Tuple[Tuple[int, int], ...]]  # the logits' (hidden piece, weight piece)
+    # products; None: one GEMM in the logits' dtype with the epilogue (bias, scale) in it
     hidden_pieces: int  # bfloat16 pieces of each chunk's hidden rows; 0: cast to `operand`
     operand: torch.dtype  # the hidden rows' dtype in the GEMMs when not split
     logits: torch.dtype  # a chunk's logits x [C, V]
-    grad: torch.dtype  # d loss / d x as the gradient GEMMs take it
-    grad_weight_op: torch.Tensor  # the weight in d hidden = du @ W, [V, H] in `grad`
+    grad: torch.dtype  # d loss / d x as the kernels write it
+    split_grads: bool  # the gradient GEMMs on GRAD_PIECES bfloat16 pieces a side
     accumulate: torch.dtype  # d weight's accumulator across chunks
     tf32: bool  # float32 GEMMs in TF32 (fp32_matmul="tf32")
 
     def hidden_ops(self, kept: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-        """A chunk's hidden rows as the forward's GEMMs take them (split or cast)."""
+        """A chunk's hidden rows as the logits' GEMMs take them (split or cast)."""
         if self.hidden_pieces:
-            if kept.dtype == torch.bfloat16:
-                return (kept,)
-            return split_bf16(kept, self.hidden_pieces, _to(torch.bfloat16), _to(torch.float32))
+            return _split(kept, self.hidden_pieces)
         return (kept.to(self.operand),)
 
-    def kept_grad_op(self, kept: torch.Tensor) -> torch.Tensor:
-        """The hidden rows in ``d weight = du.T @ kept``: in the gradient's dtype."""
-        return kept.to(self.grad)
 
-
-def _to(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
-    return lambda t: t.to(dtype)
+def _split(x: torch.Tensor, pieces: int) -> Tuple[torch.Tensor, ...]:
+    """``x`` as bfloat16 pieces (``ratiokl.spec.split_bf16``; a bfloat16 ``x`` itself)."""
+    if x.dtype == torch.bfloat16:
+        return (x,)
+    return split_bf16(x, pieces, lambda t: t.to(torch.bfloat16),
+                      lambda t: t.to(torch.float32))
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -123,19 +118,17 @@ def head_operands(hidden_dtype: torch.dtype, weight: torch.Tensor,
     tf32 = transform.fp32_matmul == "tf32"
     if not gpu or logits == hidden_dtype == weight.dtype:  # one dtype for every GEMM
         op = weight.to(logits)
-        return Head((op,), None, 0, logits, logits, logits, op,
+        return Head((op,), None, 0, logits, logits, logits, False,
                     torch.float32 if weight.dtype != logits else weight.dtype, tf32)
-    if grad == torch.float32:  # float32 operands, "ieee" / "tf32": float32 GEMMs
-        return Head((weight,), None, 0, torch.float32, logits, grad, weight, weight.dtype,
-                    tf32)
-    if torch.float32 in (hidden_dtype, weight.dtype):  # "bf16x3": the split products
+    if grad == torch.float32 and transform.fp32_matmul == "bf16x3":  # split products
         n_h, n_w = split_pieces(_name(hidden_dtype)), split_pieces(_name(weight.dtype))
-        pieces = (weight,) if n_w == 1 else split_bf16(weight, n_w, _to(torch.bfloat16),
-                                                       _to(torch.float32))
-        return Head(pieces, piece_pairs(n_h, n_w), n_h, hidden_dtype, logits, grad,
-                    pieces[0], weight.dtype, False)
+        return Head(_split(weight, n_w), piece_pairs(n_h, n_w), n_h, hidden_dtype, logits,
+                    grad, True, torch.float32, False)
+    if grad == torch.float32:  # float32 operands, "ieee" / "tf32": float32 GEMMs
+        return Head((weight.to(grad),), None, 0, grad, logits, grad, False, weight.dtype,
+                    tf32)
     # half-precision inputs of one dtype, float32 logits from the accumulator
-    return Head((weight,), ((0, 0),), 0, weight.dtype, logits, grad, weight, weight.dtype,
+    return Head((weight,), ((0, 0),), 0, weight.dtype, logits, grad, False, weight.dtype,
                 False)
 
 
@@ -152,6 +145,14 @@ def _gemm(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float,
         out.addmm_(a.to(out.dtype), b.to(out.dtype), beta=beta, alpha=alpha)
 
 
+def _products(out: torch.Tensor, a: Sequence[torch.Tensor], b: Sequence[torch.Tensor],
+              pairs: Sequence[Tuple[int, int]], alpha: float, beta: float) -> None:
+    """``out = alpha * sum over pairs (i, j) of a[i] @ b[j] + beta * out``: the split GEMMs,
+    summed in ``out``'s dtype (float32 for a sum of several)."""
+    for n, (i, j) in enumerate(pairs):
+        _gemm(out, a[i], b[j], alpha, beta if n == 0 else 1.0)
+
+
 def chunk_logits(kept: torch.Tensor, head: Head, bias: Optional[torch.Tensor],
                  transform: LogitTransform, out: torch.Tensor) -> torch.Tensor:
     """``x = softcap((kept @ weight.T + bias) * scale)`` written into ``out [C, V]``
@@ -166,9 +167,8 @@ def chunk_logits(kept: torch.Tensor, head: Head, bias: Optional[torch.Tensor],
         else:  # beta 0: out's bytes unread
             out.addmm_(hidden, weight.t(), beta=0.0, alpha=scale)
     else:  # the products summed in float32, then the bias and scale
-        hidden = head.hidden_ops(kept)
-        for n, (i, j) in enumerate(head.pairs):
-            _gemm(out, hidden[i], head.pieces[j].t(), 1.0, 0.0 if n == 0 else 1.0)
+        _products(out, head.hidden_ops(kept), [w.t() for w in head.pieces], head.pairs, 1.0,
+                  0.0)
         if bias is not None:
             out.add_(bias)
         if scale != 1.0:
@@ -194,18 +194,30 @@ def chunk_grads(du: torch.Tensor, kept: torch.Tensor, head: Head, transform: Log
     Writes ``scale * du @ weight`` into ``grad_hidden [C, H]`` (the hidden states' dtype),
     writes (``first``) or adds ``scale * du.T @ kept`` into ``grad_weight [V, H]``
     (``head.accumulate``) and adds ``scale`` times ``du``'s column sums into the float32
-    ``grad_bias [V]`` (each None: not wanted). Call under :func:`ieee_fp32`.
+    ``grad_bias [V]`` (each None: not wanted). With ``head.split_grads`` ``du`` and the
+    float32 operands enter as ``GRAD_PIECES`` bfloat16 pieces each. Call under
+    :func:`ieee_fp32`.
     """
     scale = transform.scale
-    du_op = du.to(head.grad)
+    if head.split_grads:
+        du_ops = _split(du.to(torch.float32), GRAD_PIECES)
+        w_ops = head.pieces[:GRAD_PIECES]
+        h_ops = _split(kept, GRAD_PIECES)
+    else:
+        du_ops, w_ops, h_ops = (du.to(head.grad),), head.pieces, (kept.to(head.grad),)
     if grad_hidden is not None:
-        if grad_hidden.dtype in (head.grad, torch.float32):
-            _gemm(grad_hidden, du_op, head.grad_weight_op, scale, 0.0)
-        else:  # float32 GEMMs for half-precision hidden states: [C, H] rounded once
-            grad_hidden.copy_(torch.mm(du_op, head.grad_weight_op).mul_(scale))
+        pairs = piece_pairs(len(du_ops), len(w_ops), depth=1)
+        if grad_hidden.dtype == torch.float32 or (
+                len(pairs) == 1 and grad_hidden.dtype == du_ops[0].dtype == w_ops[0].dtype):
+            _products(grad_hidden, du_ops, w_ops, pairs, scale, 0.0)
+        else:  # a sum in float32, rounded once to the hidden states' dtype: [C, H]
+            total = torch.empty(grad_hidden.shape, dtype=torch.float32,
+                                device=grad_hidden.device)
+            _products(total, du_ops, w_ops, pairs, scale, 0.0)
+            grad_hidden.copy_(total)
     if grad_weight is not None:
-        _gemm(grad_weight, du_op.t(), head.kept_grad_op(kept), scale,
-              0.0 if first else 1.0)
+        _products(grad_weight, [d.t() for d in du_ops], h_ops,
+                  piece_pairs(len(du_ops), len(h_ops), depth=1), scale, 0.0 if first else 1.0)
     if grad_bias is not None:
         grad_bias.add_(du.sum(dim=0, dtype=torch.float32), alpha=scale)
 
