@@ -237,6 +237,31 @@ def _policy_loss(x, chunks=()) -> Dict:
     return out
 
 
+def markdown(result: Dict) -> str:
+    """The table docs/api.md shows ("The lm_head's precision"), from a result file."""
+    records = result["records"]
+    gemms = records[0]
+    lines = ["| provider | fwd ms | fwd+bwd ms | peak GiB | max abs error: log-prob / "
+             "entropy | rel. error: d hidden / d weight |", "|---|---|---|---|---|---|"]
+
+    def num(value, fmt):
+        return "–" if value is None else fmt % value
+
+    for r in records:
+        if "error" in r:
+            continue
+        fwd, fb = r.get("fwd_ms"), r.get("fwd_bwd_ms")
+        lines.append(
+            f"| {r['provider']} | {num(fwd, '%.2f')} | {num(fb, '%.2f')}"
+            + (f" ({fb / gemms['fwd_bwd_ms']:.2f}x)" if fb and r is not gemms else "")
+            + f" | {num(r.get('peak_gib'), '%.2f')} | "
+            f"{num(r.get('logp_max_abs_err'), '%.1e')} / "
+            f"{num(r.get('entropy_max_abs_err'), '%.1e')} | "
+            f"{num(r.get('d_hidden_rel_err'), '%.1e')} / "
+            f"{num(r.get('d_weight_rel_err'), '%.1e')} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=8192)
@@ -246,7 +271,13 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--skip-jax", action="store_true")
     ap.add_argument("--chunks", default="", help="also time these chunk_rows, e.g. 512,1024")
+    ap.add_argument("--markdown", metavar="RESULT_JSON",
+                    help="print docs/api.md's table from a result file and exit")
     args = ap.parse_args()
+    if args.markdown:
+        with open(args.markdown) as f:
+            print(markdown(json.load(f)))
+        return
     x = _inputs(args.n, args.h, args.v, args.logit_std)
     refs = {"bf16": _reference(x.hidden, x.weight, x), "fp32": _reference(x.hidden, x.w32, x)}
     logits = torch.cat([(x.hidden[i:i + 1024].float() @ x.weight.float().T).flatten()[:10 ** 6]

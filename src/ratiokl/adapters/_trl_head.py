@@ -73,8 +73,10 @@ def install_head(model: torch.nn.Module, fp32: bool) -> None:
     hidden states that predict the last ``T`` tokens; without ``ratiokl_loss`` the
     previous forward (TRL's, or the model's own) runs. The backbone and head are looked
     up per call (FSDP and PEFT replace them). ``fp32`` (``cast_lm_head_to_fp32``): the
-    head and hidden states in float32; else, under autocast, the head in the hidden
-    states' dtype."""
+    head in float32 and the hidden states as they are (TRL's ``F.linear`` upcasts them,
+    which changes no value): ratiokl's split products (``fp32_matmul="bf16x3"``) give that
+    float32 head's log-probs with bf16 GEMMs, no float32 GEMM; else, under autocast, the
+    head in the hidden states' dtype (float32 logits either way)."""
     previous = model.forward
 
     def forward(self, *args, ratiokl_loss: Callable = None, ratiokl_tokens: int = 0, **kwargs):
@@ -89,6 +91,6 @@ def install_head(model: torch.nn.Module, fp32: bool) -> None:
             dtype = torch.float32 if fp32 else hidden.dtype
             weight = weight.to(dtype)
             bias = None if bias is None else bias.to(dtype)
-            return ratiokl_loss(hidden.to(weight.device, dtype), weight, bias)
+            return ratiokl_loss(hidden.to(weight.device), weight, bias)
 
     model.forward = types.MethodType(forward, model)
