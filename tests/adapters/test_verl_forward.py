@@ -223,9 +223,10 @@ def test_fused_forward_gives_the_models_own_logprobs(name, backend):
         assert_close(p.grad, e.grad, two_paths(tol), f"d/d {label}")
     with torch.no_grad():
         theirs = verl_model(**inputs, temperature=0.8, return_dict=True, use_cache=False)
-    off = float((theirs.log_probs.double() - want_logp.detach())[active].abs().max())
+    want_logp = want_logp.detach()[active]
+    off = float((theirs.log_probs.detach().double()[active] - want_logp).abs().max())
     tol = linear_forward_tolerance("float32", scale, V)
-    assert (off <= tol.atol + tol.rtol * float(want_logp[active].abs().max())) == \
+    assert (off <= tol.atol + tol.rtol * float(want_logp.abs().max())) == \
         (name in PLAIN), f"verl's fused log-probs are off the model's by {off:.3g}"
 
 
