@@ -251,12 +251,17 @@ def test_an_instance_the_patch_never_saw_reads_its_own_head():
     assert_close(got.log_probs[:, :-1], want[:, :-1], two_paths(tol), "log_probs")
 
 
-@pytest.mark.parametrize("field, value", [
-    ("final_logit_softcapping", -1.0), ("logit_scale", float("nan")),
-    ("logits_scaling", 0.0), ("lm_head_multiplier", -2.0), ("output_multiplier", 0.5)])
-def test_refuses_a_head_transform_it_cannot_take(field, value):
+@pytest.mark.parametrize("field, value, model_type", [
+    ("final_logit_softcapping", -1.0, None), ("logit_scale", float("nan"), None),
+    ("logits_scaling", 0.0, None), ("lm_head_multiplier", -2.0, None),
+    ("output_multiplier", 0.5, None), ("logit_scale", 0.5, "mpt")])
+def test_refuses_a_head_transform_it_cannot_take(field, value, model_type):
+    """A scale or soft cap that is no positive number, a field no transformers class
+    applies, or one only the model's remote code applies (MPT's ``logit_scale``)."""
     model = _model()
     setattr(model.config, field, value)
+    if model_type is not None:
+        model.config.model_type = model_type
     with pytest.raises(ValueError, match=f"`model.config.{field}="):
         monkey_patch.patch_forward_with_backends(model, use_fused_kernels=True,
                                                  fused_kernels_backend="ratiokl")

@@ -26,6 +26,9 @@ _MULTIPLIERS = ("logit_scale", "lm_head_multiplier")
 _MULTIPLYING_LOGITS_SCALING = ("hyperclovax",)
 #: Fields that scale the logits in no ``transformers`` model class this module knows.
 _UNKNOWN = ("output_multiplier",)
+#: ``{model_type: field}`` where the ``transformers`` class ignores a field that the
+#: model's remote code applies (MPT's ``logit_scale``): which forward runs is unknown here.
+_AMBIGUOUS = {"mpt": "logit_scale"}
 
 
 def _positive(value: Any) -> bool:
@@ -40,7 +43,8 @@ def head_transform(config: Any, refuse: Callable[[str, Any, str], NoReturn]
 
     ``refuse(field, value, why)`` is called (and must raise) for a field that is set to
     something ratiokl cannot take: a scale or soft cap that is not a positive finite
-    number, or a field no known model class reads the same way.
+    number, a field no known model class applies, or MPT's ``logit_scale`` (applied by
+    its remote code only).
     """
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     for name in _UNKNOWN:
@@ -48,6 +52,11 @@ def head_transform(config: Any, refuse: Callable[[str, Any, str], NoReturn]
         if value is not None and value != 1.0:
             refuse(f"model.config.{name}", value, "no transformers model class scales its "
                    "logits by this field, so ratiokl does not know how the model applies it")
+    ambiguous = _AMBIGUOUS.get(getattr(text, "model_type", None))
+    if ambiguous is not None and getattr(text, ambiguous, None) is not None:
+        refuse(f"model.config.{ambiguous}", getattr(text, ambiguous), "transformers' model "
+               "class ignores it and the model's remote code applies it; ratiokl cannot "
+               "tell which of the two forwards the model runs")
     scale = 1.0
     for name in _MULTIPLIERS:
         value = getattr(text, name, None)
