@@ -19,6 +19,7 @@ look-ups (``get_device_id``, ``get_device_name``) answer ``"cpu"``.
 
 from __future__ import annotations
 
+import copy
 import types
 
 import pytest
@@ -29,6 +30,7 @@ pytest.importorskip("verl", reason="verl is not installed (see .ci/run block (d)
 from assertions import assert_close, two_paths  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
 from trainer_batch import tolerances  # noqa: E402
+import transformers  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from verl.models.transformers import monkey_patch  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
@@ -40,6 +42,8 @@ from verl.workers.utils.padding import left_right_2_no_padding  # noqa: E402
 
 from ratiokl.adapters.verl import use_ratiokl_forward  # noqa: E402
 from ratiokl.spec import trainer_tolerance  # noqa: E402
+from ratiokl.spec.tolerances import (linear_forward_tolerance,  # noqa: E402
+                                     linear_grad_tolerance)
 
 V, S = 37, 7
 LENGTHS = (7, 5, 2, 6)  # tokens per row (right-padded)
@@ -115,10 +119,150 @@ def test_fused_forward_matches_verl(backend, layout):
         assert_close(got[2][name], e, tol, f"d/d {name}")
 
 
-def test_refuses_a_head_verl_does_not_compute():
+_SMALL = dict(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+              num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+
+#: Tiny models of each head family, built from a config (no download): ``(config class,
+#: model class, config fields)``. Each family's own ``tie_word_embeddings`` default.
+HEADS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "phi_bias": ("PhiConfig", "PhiForCausalLM", {}),  # lm_head = Linear(bias=True)
+    "gemma2_softcap": ("Gemma2Config", "Gemma2ForCausalLM",
+                       {"final_logit_softcapping": 1.5, "head_dim": 8}),
+    "cohere_logit_scale": ("CohereConfig", "CohereForCausalLM", {"logit_scale": 4.0}),
+    "granite_logits_scaling": ("GraniteConfig", "GraniteForCausalLM",
+                               {"logits_scaling": 0.25}),
+    "hyperclovax_logits_scaling": ("HyperCLOVAXConfig", "HyperCLOVAXForCausalLM",
+                                   {"logits_scaling": 3.0}),
+    "falcon_h1_lm_head_multiplier": ("FalconH1Config", "FalconH1ForCausalLM", {
+        "lm_head_multiplier": 3.0, "head_dim": 8, "mamba_d_ssm": 16, "mamba_n_heads": 2,
+        "mamba_d_head": 8, "mamba_n_groups": 1, "mamba_d_state": 8, "mamba_chunk_size": 4}),
+}
+#: The heads whose logits are ``hidden @ lm_head.weight.T``, the only ones verl's own fused
+#: forward computes.
+PLAIN = ("llama", "qwen2")
+
+
+def _head_model(name: str) -> torch.nn.Module:
+    """``HEADS[name]`` with an lm_head large enough for its logits to reach past the soft
+    cap (std 1: logits of a few units) and, where it has one, a bias that is not 0."""
+    config_cls, model_cls, fields = HEADS[name]
+    config_cls = getattr(transformers, config_cls, None)
+    if config_cls is None:
+        pytest.skip(f"transformers {transformers.__version__} has no {HEADS[name][0]}")
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(config_cls(**_SMALL, **fields))
+    model.config._attn_implementation = "eager"
+    with torch.no_grad():
+        model.lm_head.weight.normal_(std=1.0)
+        if model.lm_head.bias is not None:
+            model.lm_head.bias.normal_(std=1.0)
+    return model
+
+
+def _subclassed(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` in a fresh subclass of its class (verl patches the class's forward)."""
+    cls = type(model)
+    model.__class__ = type(f"Tiny{cls.__name__}", (cls,), {"__module__": cls.__module__})
+    return model
+
+
+def _model_own(model, inputs, temperature):
+    """The oracle: the model's own forward (its logits, bias and head transform included)
+    in float64, then log-softmax of ``logits / temperature`` at the next token, and the
+    entropy. Also the largest ``|logits / temperature|``."""
+    out = model(**inputs, use_cache=False)
+    z = out.logits / temperature
+    logp = torch.log_softmax(z, -1)
+    next_ids = inputs["input_ids"].roll(-1, -1)
+    token = logp.gather(-1, next_ids[..., None])[..., 0]
+    entropy = -(logp.exp() * logp).sum(-1)
+    return token, entropy, float(z.detach().abs().max())
+
+
+@pytest.mark.parametrize("backend", ["native", "interpret"])
+@pytest.mark.parametrize("name", list(HEADS))
+def test_fused_forward_gives_the_models_own_logprobs(name, backend):
+    """Through verl's fused-forward entry point (``patch_forward_with_backends`` with
+    ``impl_backend="ratiokl"``), each head family's log-probs, entropies and every
+    parameter's gradient are the model's own (its float64 forward, log-softmax, gather):
+    the lm_head's bias (Phi), Gemma 2's soft cap, Cohere's ``logit_scale``, Granite's
+    ``logits_scaling`` (HyperCLOVA X's, which multiplies), Falcon-H1's
+    ``lm_head_multiplier``. verl's own fused forward
+    (``impl_backend="torch"``) computes ``hidden @ lm_head.weight.T`` and so agrees with
+    the model on the plain heads only; docs/trainers.md gives the differences."""
+    if backend == "interpret":
+        pytest.importorskip("triton")
+    base = _head_model(name)
+    oracle, verl_model = copy.deepcopy(base).double(), _subclassed(copy.deepcopy(base))
+    ours = _subclassed(base)
+    monkey_patch.patch_forward_with_backends(verl_model, use_fused_kernels=True,
+                                             fused_kernels_backend="torch")
+    monkey_patch.patch_forward_with_backends(ours, use_fused_kernels=True,
+                                             fused_kernels_backend="ratiokl")
+    ours._ratiokl_backend, ours._ratiokl_chunk_rows = backend, 5
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, V, (len(LENGTHS), S), generator=g)
+    mask = torch.arange(S) < torch.tensor(LENGTHS)[:, None]
+    inputs = dict(input_ids=ids, attention_mask=mask.long(),
+                  position_ids=torch.arange(S).expand(len(LENGTHS), S))
+    active = mask & mask.roll(-1, -1)  # the next token is a real one
+    active[:, -1] = False
+    up = torch.randn(2, *mask.shape, generator=g, dtype=torch.float64) * active
+    want_logp, want_entropy, scale = _model_own(oracle, inputs, 0.8)
+    ((want_logp * up[0]).sum() + (want_entropy * up[1]).sum()).backward()
+    got = ours(**inputs, temperature=0.8, return_dict=True, use_cache=False)
+    ((got.log_probs * up[0]).sum() + (got.entropy * up[1]).sum()).backward()
+    for what, a, e in (("log_probs", got.log_probs, want_logp),
+                       ("entropy", got.entropy, want_entropy)):
+        tol = linear_forward_tolerance("float32", scale, V, entropy=what == "entropy")
+        assert_close(a[active], e[active].detach(), two_paths(tol), what)
+    for (label, p), (_, e) in zip(ours.named_parameters(), oracle.named_parameters()):
+        tol = linear_grad_tolerance("float32", scale, float(e.grad.abs().max()))
+        assert_close(p.grad, e.grad, two_paths(tol), f"d/d {label}")
+    with torch.no_grad():
+        theirs = verl_model(**inputs, temperature=0.8, return_dict=True, use_cache=False)
+    want_logp = want_logp.detach()[active]
+    off = float((theirs.log_probs.detach().double()[active] - want_logp).abs().max())
+    tol = linear_forward_tolerance("float32", scale, V)
+    assert (off <= tol.atol + tol.rtol * float(want_logp.abs().max())) == \
+        (name in PLAIN), f"verl's fused log-probs are off the model's by {off:.3g}"
+
+
+def test_an_instance_the_patch_never_saw_reads_its_own_head():
+    """verl patches the class: another instance of it (a second model of the same family
+    with another soft cap) gets the fused forward without ``use_ratiokl_forward`` having
+    read its config; its log-probs are still its own model's."""
+    first = _subclassed(_head_model("gemma2_softcap"))
+    monkey_patch.patch_forward_with_backends(first, use_fused_kernels=True,
+                                             fused_kernels_backend="ratiokl")
+    config = copy.deepcopy(first.config)
+    config.final_logit_softcapping = 0.5
+    second = type(first)(config)
+    second.load_state_dict(first.state_dict())
+    oracle = copy.deepcopy(second).double()  # its class's forward is the patched one
+    ids = torch.randint(0, V, (2, S), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        own = transformers.Gemma2ForCausalLM.forward.__get__(oracle)
+        want, _, scale = _model_own(own, dict(input_ids=ids), 0.8)
+        got = second(input_ids=ids, temperature=0.8, return_dict=True, use_cache=False)
+    tol = linear_forward_tolerance("float32", scale, V)
+    assert_close(got.log_probs[:, :-1], want[:, :-1], two_paths(tol), "log_probs")
+
+
+@pytest.mark.parametrize("field, value, model_type", [
+    ("final_logit_softcapping", -1.0, None), ("logit_scale", float("nan"), None),
+    ("logits_scaling", 0.0, None), ("lm_head_multiplier", -2.0, None),
+    ("output_multiplier", 0.5, None), ("logit_scale", 0.5, "mpt")])
+def test_refuses_a_head_transform_it_cannot_take(field, value, model_type):
+    """A scale or soft cap that is no positive number, a field no transformers class
+    applies, or one only the model's remote code applies (MPT's ``logit_scale``)."""
     model = _model()
-    model.config.final_logit_softcapping = 30.0
-    with pytest.raises(ValueError, match="final_logit_softcapping"):
+    setattr(model.config, field, value)
+    if model_type is not None:
+        model.config.model_type = model_type
+    with pytest.raises(ValueError, match=f"`model.config.{field}="):
         monkey_patch.patch_forward_with_backends(model, use_fused_kernels=True,
                                                  fused_kernels_backend="ratiokl")
 

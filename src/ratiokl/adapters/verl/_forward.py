@@ -10,16 +10,23 @@ of the logits; ``fused_kernel_options.impl_backend`` picks the implementation
 same contract as verl's ``dense_common.forward_with_torch_backend`` with the head's
 log-probs and entropies from ``linear_selected_logprobs`` (``chunk_rows`` rows of the
 ``[N, V]`` logits at a time, never all of them).
+
+Where it deliberately differs from verl's own fused forwards: those compute
+``hidden @ lm_head.weight.T`` and leave out the lm_head's bias (Phi), the model's logit
+scale (Cohere, Falcon-H1, Granite) and its soft cap (Gemma 2); the adapter's log-probs and
+entropies are the model's own, with the bias and the config's transform
+(:func:`ratiokl.adapters._hf_head.head_transform`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, NoReturn, Optional
 
 import torch
 from verl.models.transformers import dense_common, monkey_patch
 
 from ratiokl.adapters import refuse
+from ratiokl.adapters._hf_head import head_transform
 from ratiokl.spec import BackendName
 from ratiokl.torch.loss import linear_selected_logprobs
 
@@ -32,13 +39,17 @@ _FIELD = "actor_rollout_ref.model.fused_kernel_options.impl_backend"
 #: decoder); the adapter's forward is the dense text models' one.
 _OWN_FORWARD = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "qwen3_5",
                 "qwen3_5_moe", "kimi_vl")
-#: Head transforms verl's fused forwards leave out (they use ``hidden @ weight.T``).
-_HEAD_FIELDS = ("final_logit_softcapping", "logit_scale", "output_multiplier",
-                "lm_head_multiplier", "logits_scaling")
 
 
-def _refuse(field: str, value: Any, why: str) -> None:
+def _refuse(field: str, value: Any, why: str) -> NoReturn:
     refuse("ratiokl.adapters.verl's fused forward", f"{_FIELD}=torch", field, value, why)
+
+
+def _refuse_head(field: str, value: Any, why: str) -> NoReturn:
+    """A head ratiokl cannot take: verl's fused forwards would drop its transform, so the
+    fallback is verl's unfused path (the model's own logits)."""
+    refuse("ratiokl.adapters.verl's fused forward",
+           "actor_rollout_ref.model.use_fused_kernels=False", field, value, why)
 
 
 def use_ratiokl_forward(model: torch.nn.Module, *, backend: BackendName = "auto",
@@ -48,20 +59,17 @@ def use_ratiokl_forward(model: torch.nn.Module, *, backend: BackendName = "auto"
     ``patch_forward_with_backends`` does for its own backends: the model's *class*
     forward is replaced (every instance of the class), the options live on ``model``.
 
-    ``backend`` and ``chunk_rows`` are :func:`linear_selected_logprobs`'s. ``ValueError``
-    naming the field for a model type verl gives its own fused forward, or a head that is
-    not ``hidden @ weight.T (+ bias)`` (a logit scale or soft cap).
+    ``backend`` and ``chunk_rows`` are :func:`linear_selected_logprobs`'s. The head is the
+    model's own: the lm_head's bias and the config's logit scale and soft cap (read here,
+    once: :func:`~ratiokl.adapters._hf_head.head_transform`), which verl's own fused
+    forwards leave out. ``ValueError`` naming the field for a model type verl gives its
+    own fused forward, or a head transform ratiokl cannot take.
     """
     config = model.config
     if config.model_type in _OWN_FORWARD:
         _refuse("model.config.model_type", config.model_type,
                 "verl gives this model type its own fused forward (vision inputs)")
-    text = config.get_text_config()
-    for name in _HEAD_FIELDS:
-        value = getattr(text, name, None)
-        if value is not None and value != 1.0:
-            _refuse(f"model.config.{name}", value,
-                    "verl's fused log-probs are those of hidden @ lm_head.weight.T")
+    model._ratiokl_head = head_transform(config, _refuse_head)
     model._verl_fused_kernels_backend = BACKEND
     model._ratiokl_backend = backend
     model._ratiokl_chunk_rows = chunk_rows
@@ -87,7 +95,8 @@ def forward(self, input_ids: Optional[torch.LongTensor] = None,
     else ``labels`` or ``input_ids`` rolled left by one (the last position's is the
     first token: its value is discarded by the engine). A 2-D ``attention_mask`` of the
     ids' shape (the engine's padded layout) marks the active positions: padded ones
-    enter no GEMM, get 0 and send no gradient.
+    enter no GEMM, get 0 and send no gradient. The logits are the model's own: the
+    lm_head's bias, then the logit scale and soft cap :func:`use_ratiokl_forward` read.
     """
     if not return_dict:
         raise ValueError("ratiokl.adapters.verl's fused forward returns log_probs and "
@@ -109,9 +118,14 @@ def forward(self, input_ids: Optional[torch.LongTensor] = None,
     if attention_mask is not None and attention_mask.shape == next_ids.shape:
         mask = attention_mask.bool()
     head = self.lm_head
+    # An instance of the patched class that use_ratiokl_forward never saw reads its own.
+    transform = getattr(self, "_ratiokl_head", None)
+    if transform is None:
+        transform = head_transform(self.config, _refuse_head)
     log_probs, entropy = linear_selected_logprobs(
         hidden, head.weight, next_ids, mask, bias=head.bias, temperature=temperature,
-        return_entropy=True, chunk_rows=getattr(self, "_ratiokl_chunk_rows", 2048),
+        **transform, return_entropy=True,
+        chunk_rows=getattr(self, "_ratiokl_chunk_rows", 2048),
         backend=getattr(self, "_ratiokl_backend", "auto"))
     return dense_common.CausalLMOutputForPPO(
         log_probs=log_probs, entropy=entropy, past_key_values=outputs.past_key_values,
