@@ -148,7 +148,8 @@ def _entropy_backward(logits, ids, mask, temperature, lse, ent, grad_logp,
 
 
 class _LogprobEntropy(torch.autograd.Function):
-    """``(logp[N], entropy[N])`` from ``logits[N, V]``; the backward sums both terms."""
+    """``(logp[N], entropy[N])`` from ``logits[N, V]``; the backward sums both terms (an
+    unused output's gradient is None: its term is skipped; both None: no gradient)."""
 
     @staticmethod
     def forward(ctx, logits, ids, mask, temperature, bad):
@@ -167,6 +168,8 @@ class _LogprobEntropy(torch.autograd.Function):
         saved = ctx.saved_tensors
         logits, ids, mask, lse, ent = saved[:5]
         temperature = saved[5] if len(saved) == 6 else ctx.temperature
+        if grad_logp is None and grad_ent is None:  # neither output used: no gradient
+            return None, None, None, None, None
         if grad_ent is None:  # the entropy only logged (policy_loss's entropy_mean)
             grad = _backward(logits, ids, mask, temperature, lse, grad_logp)
         else:
