@@ -4,8 +4,8 @@
 ``selected_logprobs`` (with and without the entropy), ``ratio_kl`` and ``policy_loss`` (the
 one-kernel loss on ``interpret``, the two-pass route for GSPO) on ``native`` and
 ``interpret``, with the host id check on (under ``vmap`` it checks every example's ids
-together; off: the bad row is NaN). What stays refused says so: the ops from hidden states, ``vocab_group``
-and ``inplace_grad=True`` inside a transform.
+together; off: the bad row is NaN). What stays refused says so: the ops from hidden
+states, ``vocab_group`` and ``inplace_grad=True`` inside a transform.
 """
 
 from __future__ import annotations

@@ -23,8 +23,8 @@ from ratiokl.torch._arrays import XP
 
 __all__ = ["ActiveCheck", "check_active_ids", "check_ids", "check_logits", "check_mask",
            "check_no_transforms", "check_ref", "check_row_values", "check_same_device",
-           "check_temperature", "check_transform_backend", "LOGIT_DTYPES", "Normalizer", "poison_bad_temperature",
-           "token_inputs", "TokenInputs"]
+           "check_temperature", "check_transform_backend", "LOGIT_DTYPES", "Normalizer",
+           "poison_bad_temperature", "token_inputs", "TokenInputs"]
 
 #: ``spec.LOGIT_DTYPE_NAMES`` as torch dtypes.
 LOGIT_DTYPES = XP.logit_dtypes

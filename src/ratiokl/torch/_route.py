@@ -211,7 +211,8 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
                                rollout_logps)
     rows = _rows(
         policy_logits, lead, action_ids, mask, temperature, backend, check_ids, vocab_group,
-        inplace_grad=inplace_grad, ref_logits=ref_logits, old_logps=old_logps, ref_logps=ref_logps, advantages=advantages,
+        inplace_grad=inplace_grad, ref_logits=ref_logits, old_logps=old_logps,
+        ref_logps=ref_logps, advantages=advantages,
         segment_ids=segment_ids, importance_weights=importance_weights,
         rollout_logps=rollout_logps,
     )
