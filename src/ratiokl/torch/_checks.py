@@ -1,7 +1,8 @@
 """Argument validation for ``ratiokl.torch.loss``.
 
 The shape and dtype rules are :mod:`ratiokl._core.checks`, bound here to PyTorch's
-adapter; with :func:`check_same_device` and :func:`check_no_transforms` they look only at
+adapter; with :func:`check_same_device`, :func:`check_no_transforms` and
+:func:`check_transform_backend` they look only at
 shapes, dtypes, devices and Python scalars, so they cost no device synchronisation and
 trace under ``torch.compile``. The one exception is :class:`ActiveCheck`
 (:func:`check_active_ids`), the documented host check that ``check_ids=False`` skips,
@@ -22,8 +23,8 @@ from ratiokl.torch._arrays import XP
 
 __all__ = ["ActiveCheck", "check_active_ids", "check_ids", "check_logits", "check_mask",
            "check_no_transforms", "check_ref", "check_row_values", "check_same_device",
-           "check_temperature", "LOGIT_DTYPES", "Normalizer", "poison_bad_temperature",
-           "token_inputs", "TokenInputs"]
+           "check_temperature", "check_transform_backend", "LOGIT_DTYPES", "Normalizer",
+           "poison_bad_temperature", "token_inputs", "TokenInputs"]
 
 #: ``spec.LOGIT_DTYPE_NAMES`` as torch dtypes.
 LOGIT_DTYPES = XP.logit_dtypes
@@ -36,21 +37,57 @@ Normalizer = Union[None, float, torch.Tensor]
  poison_bad_temperature, token_inputs, _bad_rows) = checks.bind(XP)
 
 
-def check_no_transforms() -> None:
-    """Raise ``RuntimeError`` inside a ``torch.func`` transform (``grad``, ``vmap``, ...).
+def _in_transform() -> bool:
+    """Whether a ``torch.func`` transform is active (never asked while ``torch.compile``
+    traces: Dynamo handles its own)."""
+    return not torch.compiler.is_compiling() and torch._C._are_functorch_transforms_active()
 
-    The ops' ``autograd.Function``s give analytic (some in-place, computed in the forward)
-    gradients and no batching rules, so functorch cannot transform them; the error says
-    what to use. Not asked while ``torch.compile`` traces (Dynamo handles its own).
+
+def check_no_transforms() -> None:
+    """Raise ``RuntimeError`` inside a ``torch.func`` transform (``grad``, ``vmap``, ...):
+    the ops from hidden states (``linear_selected_logprobs``, ``linear_policy_loss``).
+
+    Their ``autograd.Function``s compute the gradients in the forward or in chunks written
+    into buffers, with no functorch rules; the error says what to use.
     """
-    if not torch.compiler.is_compiling() and torch._C._are_functorch_transforms_active():
+    if _in_transform():
         raise RuntimeError(
-            "ratiokl.torch.loss functions do not support torch.func transforms (grad, vmap, "
-            "jacrev, jvp, ...): their gradients are custom autograd Functions without "
-            "functorch rules. Call them outside the transform: take gradients with "
-            "loss.backward() or torch.autograd.grad, and pass the batch as the leading "
-            "shape [...] instead of vmap (every op takes any leading shape); ratiokl.jax "
-            "supports jax.grad and jax.vmap"
+            "linear_selected_logprobs and linear_policy_loss do not support torch.func "
+            "transforms (grad, vmap, jacrev, jvp, ...): their gradients are custom autograd "
+            "Functions without functorch rules. Call them outside the transform: take "
+            "gradients with loss.backward() or torch.autograd.grad, and pass the batch as "
+            "the leading shape [...] instead of vmap (every op takes any leading shape); "
+            "selected_logprobs, ratio_kl, policy_loss and policy_objective support "
+            "torch.func, and ratiokl.jax supports jax.grad and jax.vmap"
+        )
+
+
+def check_transform_backend(backend: str, vocab_group: object, inplace_grad: bool = False
+                            ) -> None:
+    """Inside a ``torch.func`` transform, the logits ops run on ``"native"`` and
+    ``"interpret"``; raise ``RuntimeError`` for ``"triton"`` (its launches take no batched
+    tensors) and ``vocab_group`` (collectives), ``ValueError`` for ``inplace_grad=True``."""
+    if not _in_transform():
+        return
+    if vocab_group is not None:
+        raise RuntimeError(
+            "`vocab_group` is not supported inside torch.func transforms (grad, vmap, ...): "
+            "the sharded ops run collectives with custom autograd Functions without "
+            "functorch rules. Call the op outside the transform (loss.backward(), the batch "
+            "as the leading shape [...]), or pass unsharded logits"
+        )
+    if backend == "triton":
+        raise RuntimeError(
+            "backend='triton' is not supported inside torch.func transforms (grad, vmap, "
+            "...): its CUDA launches take no batched tensors. Pass backend='native' inside "
+            "the transform, or call the op outside it (loss.backward(), the batch as the "
+            "leading shape [...])"
+        )
+    if inplace_grad:
+        raise ValueError(
+            "`inplace_grad=True` cannot apply inside a torch.func transform (the gradient "
+            "would be written into a transform's wrapper of the logits); pass "
+            "inplace_grad=False"
         )
 
 
@@ -130,6 +167,21 @@ def _checked_mask_fake(ids, mask, vocab_size, temperature):
     return torch.empty_like(mask)
 
 
+@_checked_mask.register_vmap
+def _checked_mask_vmap(info, in_dims, ids, mask, vocab_size, temperature):
+    """Under ``torch.func.vmap``: every example's ids at once, the batch axis first (so an
+    error names the position as ``[example, ...]``); the mask passes through."""
+
+    def whole(t: Optional[torch.Tensor], dim: Optional[int]) -> Optional[torch.Tensor]:
+        if t is None:
+            return None
+        return t.expand(info.batch_size, *t.shape) if dim is None else t.movedim(dim, 0)
+
+    check_active_ids(whole(ids, in_dims[0]), whole(mask, in_dims[1]), vocab_size,
+                     whole(temperature, in_dims[3]))
+    return mask.clone(), in_dims[1]
+
+
 class ActiveCheck:
     """The host check of active ids and temperatures, queued on the device, read later.
 
@@ -142,8 +194,10 @@ class ActiveCheck:
     are NaN in them either way. On the CPU the test runs at once, before anything is
     launched. While ``torch.compile`` traces, the test becomes the ``ratiokl::checked_mask``
     op (``vocab_size`` needed), run inside the compiled graph before the kernels (on a GPU
-    one host sync there), whose output the caller reads as the mask (:attr:`mask`). The
-    error names the first bad position (:func:`check_active_ids`).
+    one host sync there), whose output the caller reads as the mask (:attr:`mask`). Inside
+    a ``torch.func`` transform the same op runs at once; under ``vmap`` its batching rule
+    checks every example's ids together. The error names the first bad position
+    (:func:`check_active_ids`; under ``vmap`` with the vmapped axis first).
     """
 
     def __init__(self, ids: torch.Tensor, mask: torch.Tensor, vocab_size: Optional[int],
@@ -154,7 +208,7 @@ class ActiveCheck:
         #: The mask the call's kernels read: ``mask``, or under ``torch.compile`` the
         #: checking op's copy of it.
         self.mask = mask
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
             self.mask = _checked_mask(ids, mask, vocab_size,
                                       temperature if has_temp else None)
             return

@@ -147,54 +147,121 @@ def _entropy_backward(logits, ids, mask, temperature, lse, ent, grad_logp,
     return grad
 
 
+def _fold_rows(fn):
+    """A ``vmap`` staticmethod for a row-wise op whose tensor arguments and outputs all lead
+    with the row axis ``N``: ``vmap``'s batch becomes more rows (``[B * N, ...]``; an
+    unbatched argument is expanded to every example), the op runs once, and each output is
+    reshaped back to ``[B, N, ...]``. The ops' forwards and backwards write row chunks into
+    buffers, which a batched tensor cannot enter: they only ever see plain tensors."""
+
+    def vmap(info, in_dims, *args):
+        batch = info.batch_size
+        # N: the first tensor's leading axis once the batch axis (``d``) is set aside.
+        rows = next(a.shape[1 if d == 0 else 0] for a, d in zip(args, in_dims)
+                    if isinstance(a, torch.Tensor))
+
+        def fold(a, d):
+            if not isinstance(a, torch.Tensor):
+                return a
+            a = a.expand(batch, *a.shape) if d is None else a.movedim(d, 0)
+            return a.reshape(batch * rows, *a.shape[2:])
+
+        out = fn(*(fold(a, d) for a, d in zip(args, in_dims)))
+        unfold = lambda o: None if o is None else o.reshape(batch, rows, *o.shape[1:])  # noqa: E731
+        if isinstance(out, tuple):
+            return tuple(unfold(o) for o in out), (0,) * len(out)
+        return unfold(out), 0
+
+    return staticmethod(vmap)
+
+
+class _RowsGrad(torch.autograd.Function):
+    """``d / d logits`` of ``sum(grad_logp * logp + grad_ent * entropy)`` (``[N, V]``, the
+    logits' dtype) as an op of its own, so that a backward run under ``torch.func.vmap``
+    (per-example gradients) folds the batch into rows. Not differentiable again."""
+
+    @staticmethod
+    def forward(logits, ids, mask, temperature, lse, ent, grad_logp, grad_ent):
+        if grad_ent is None:
+            return _backward(logits, ids, mask, temperature, lse, grad_logp)
+        return _entropy_backward(logits, ids, mask, temperature, lse, ent, grad_logp,
+                                 grad_ent)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("ratiokl's native log-prob gradient is not differentiable again "
+                           "(no double backward)")
+
+    vmap = _fold_rows(forward.__func__)
+
+
+def _rows_grad(ctx, grad_logp, grad_ent=None):
+    """The two Functions' backward: None when no output is used (gradcheck's undefined
+    output gradients); an unused output's term is skipped."""
+    if grad_logp is None and grad_ent is None:
+        return None, None, None, None, None
+    saved = ctx.saved_tensors
+    logits, ids, mask, lse, ent = saved[:5]
+    temperature = saved[5] if len(saved) == 6 else ctx.temperature
+    grad = _RowsGrad.apply(logits, ids, mask, temperature, lse, ent, grad_logp, grad_ent)
+    return grad, None, None, None, None
+
+
+def _save(ctx, inputs, lse, ent) -> None:
+    logits, ids, mask, temperature, _ = inputs
+    saved = (logits, ids, mask, lse, ent)
+    if isinstance(temperature, torch.Tensor):
+        saved = saved + (temperature,)
+    else:
+        ctx.temperature = temperature
+    ctx.save_for_backward(*saved)
+    ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)
+
+
 class _LogprobEntropy(torch.autograd.Function):
-    """``(logp[N], entropy[N])`` from ``logits[N, V]``; the backward sums both terms."""
+    """``(logp[N], entropy[N], lse[N])`` from ``logits[N, V]``; the backward sums both terms
+    (an unused output's gradient is None: its term is skipped; both None: no gradient).
+    ``setup_context`` and the row-folding ``vmap``: ``torch.func`` transforms it."""
 
     @staticmethod
-    def forward(ctx, logits, ids, mask, temperature, bad):
+    def forward(logits, ids, mask, temperature, bad):
         logp, lse, ent = _forward(logits, ids, mask, temperature, bad, entropy=True)
-        saved = (logits, ids, mask, lse, ent)
-        if isinstance(temperature, torch.Tensor):
-            saved = saved + (temperature,)
-        else:
-            ctx.temperature = temperature
-        ctx.save_for_backward(*saved)
-        ctx.set_materialize_grads(False)
-        return logp, ent
+        return logp, ent, lse
 
     @staticmethod
-    def backward(ctx, grad_logp, grad_ent):
-        saved = ctx.saved_tensors
-        logits, ids, mask, lse, ent = saved[:5]
-        temperature = saved[5] if len(saved) == 6 else ctx.temperature
-        if grad_ent is None:  # the entropy only logged (policy_loss's entropy_mean)
-            grad = _backward(logits, ids, mask, temperature, lse, grad_logp)
-        else:
-            grad = _entropy_backward(logits, ids, mask, temperature, lse, ent, grad_logp,
-                                     grad_ent)
-        return grad, None, None, None, None
+    def setup_context(ctx, inputs, output) -> None:
+        _save(ctx, inputs, output[2], output[1])
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_ent, _grad_lse):
+        return _rows_grad(ctx, grad_logp, grad_ent)
+
+    vmap = _fold_rows(forward.__func__)
 
 
 class _SelectedLogprob(torch.autograd.Function):
-    """``logp[N]`` from ``logits[N, V]`` with the analytic, chunked backward."""
+    """``(logp[N], lse[N])`` from ``logits[N, V]`` with the analytic, chunked backward;
+    ``setup_context`` and the row-folding ``vmap``: ``torch.func`` transforms it."""
 
     @staticmethod
-    def forward(ctx, logits, ids, mask, temperature, bad):
+    def forward(logits, ids, mask, temperature, bad):
         logp, lse, _ = _forward(logits, ids, mask, temperature, bad)
-        if isinstance(temperature, torch.Tensor):
-            ctx.save_for_backward(logits, ids, mask, lse, temperature)
-        else:
-            ctx.save_for_backward(logits, ids, mask, lse)
-            ctx.temperature = temperature
-        return logp
+        return logp, lse
 
     @staticmethod
-    def backward(ctx, grad_logp):
-        saved = ctx.saved_tensors
-        logits, ids, mask, lse = saved[:4]
-        temperature = saved[4] if len(saved) == 5 else ctx.temperature
-        grad = _backward(logits, ids, mask, temperature, lse, grad_logp)
-        return grad, None, None, None, None
+    def setup_context(ctx, inputs, output) -> None:
+        _save(ctx, inputs, output[1], output[1])  # the entropy's slot: a placeholder
+
+    @staticmethod
+    def backward(ctx, grad_logp, _grad_lse):
+        return _rows_grad(ctx, grad_logp)
+
+    vmap = _fold_rows(forward.__func__)
 
 
 def _prepare_rows(
@@ -222,7 +289,7 @@ def selected_logprobs(
 ) -> torch.Tensor:
     """Float32 ``logp[N]`` of ``logits[N, V]``; differentiable w.r.t. ``logits``."""
     safe_ids, temp, bad = _prepare_rows(ids, mask, temperature, logits.shape[1])
-    return _SelectedLogprob.apply(logits, safe_ids, mask, temp, bad)
+    return _SelectedLogprob.apply(logits, safe_ids, mask, temp, bad)[0]
 
 
 def logprobs_entropy(
@@ -233,7 +300,7 @@ def logprobs_entropy(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Float32 ``(logp[N], entropy[N])`` of ``logits[N, V]``; differentiable w.r.t. ``logits``."""
     safe_ids, temp, bad = _prepare_rows(ids, mask, temperature, logits.shape[1])
-    return _LogprobEntropy.apply(logits, safe_ids, mask, temp, bad)
+    return _LogprobEntropy.apply(logits, safe_ids, mask, temp, bad)[:2]
 
 
 def rows_forward(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor,
@@ -268,6 +335,7 @@ def ratio_kl(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Float32 ``(ratio[N], kl[N])``; differentiable w.r.t. ``policy`` only."""
     safe_ids, temp, bad = _prepare_rows(ids, mask, temperature, policy.shape[1])
-    logp = _SelectedLogprob.apply(policy, safe_ids, mask, temp, bad)
-    return _rows.ratio_kl(XP, logp, lambda: _forward(ref.detach(), safe_ids, mask, temp, bad)[0],
+    logp = _SelectedLogprob.apply(policy, safe_ids, mask, temp, bad)[0]
+    return _rows.ratio_kl(XP, logp, lambda: _SelectedLogprob.apply(ref.detach(), safe_ids, mask,
+                                                                   temp, bad)[0],
                           ref_logps, old_logps, mask, kl_code)

@@ -49,12 +49,18 @@ def spend(ctx, op: str) -> None:
 
 class _BackwardOnce(torch.autograd.Function):
     """``loss`` unchanged (a copy of the 0-d value, so the caller may modify it in place);
-    its backward passes the gradient through once, then raises."""
+    its backward passes the gradient through once, then raises. ``setup_context`` and a
+    generated ``vmap`` rule: ``torch.func`` transforms it."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, loss, op):
-        ctx.op = op
+    def forward(loss, op):
         return loss.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        ctx.op = inputs[1]
 
     @staticmethod
     def backward(ctx, grad):

@@ -119,7 +119,7 @@ def _loaded(name: str) -> Backend:
 
 def _rows(logits: torch.Tensor, lead: Tuple[int, ...], ids: torch.Tensor, mask, temperature,
           backend: str, check_ids: bool, vocab_group, vocab: Optional[int] = None,
-          **per_token) -> Rows:
+          inplace_grad: bool = False, **per_token) -> Rows:
     """Steps 1-3 for the inputs every op shares (``logits`` and ``ids`` already checked).
 
     ``per_token`` holds the call's other tensors by argument name, for the device check;
@@ -143,6 +143,7 @@ def _rows(logits: torch.Tensor, lead: Tuple[int, ...], ids: torch.Tensor, mask, 
             "torch.compile (a bad id or temperature then makes its row NaN)"
         )
     name = backend_name(backend, device)
+    _checks.check_transform_backend(name, vocab_group, inplace_grad)
     check = None
     if check_ids:  # sharded logits: their ids are checked against the global V later
         check = _checks.ActiveCheck(ids, mask, None if vocab_group else
@@ -162,9 +163,7 @@ def _rows(logits: torch.Tensor, lead: Tuple[int, ...], ids: torch.Tensor, mask, 
 
 
 def _lead(logits: torch.Tensor, action_ids: torch.Tensor) -> Tuple[int, ...]:
-    """Check the call context and the logits, then the ids (first: a flattened ``[N, V]``
-    names the ids)."""
-    _checks.check_no_transforms()
+    """Check the logits, then the ids (first: a flattened ``[N, V]`` names the ids)."""
     _checks.check_logits("policy_logits", logits)
     lead = tuple(logits.shape[:-1])
     _checks.check_ids(action_ids, lead)
@@ -212,7 +211,8 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
                                rollout_logps)
     rows = _rows(
         policy_logits, lead, action_ids, mask, temperature, backend, check_ids, vocab_group,
-        ref_logits=ref_logits, old_logps=old_logps, ref_logps=ref_logps, advantages=advantages,
+        inplace_grad=inplace_grad, ref_logits=ref_logits, old_logps=old_logps,
+        ref_logps=ref_logps, advantages=advantages,
         segment_ids=segment_ids, importance_weights=importance_weights,
         rollout_logps=rollout_logps,
     )

@@ -5,9 +5,13 @@ Signatures only; each function is one call into
 validates the inputs once, queues the check of active ids (``check_ids``), runs the
 backend and reads the check.
 
-They work under autograd and ``torch.compile``; inside a ``torch.func`` transform
-(``grad``, ``vmap``, ...) they raise ``RuntimeError`` (use ``backward()`` and the leading
-shape ``[...]``, or ``ratiokl.jax``).
+They work under autograd and ``torch.compile``. ``torch.func``: ``selected_logprobs``,
+``ratio_kl`` and ``policy_loss`` support ``grad``, ``vjp``, ``jacrev`` and ``vmap`` on the
+``native`` and ``interpret`` backends, and ``policy_objective`` (plain autograd ops) every
+transform; inside a transform ``backend="triton"``, ``vocab_group`` and the two ops from
+hidden states raise ``RuntimeError`` (use ``backward()`` and the leading shape ``[...]``,
+or ``ratiokl.jax``). Forward mode (``jvp``) is not supported. The details, and the id
+check under ``vmap``: ``docs/api.md``.
 
 The docstrings are written once for both frameworks in ``ratiokl._docs`` (a template per
 function, with this framework's pieces); ``@_documented`` sets each function's ``__doc__``

@@ -175,7 +175,12 @@ def _fused_backward(ctx, g_loss, *_unused):
     if g_loss is None:
         return (None,) * _FUSED_INPUTS
     grad, mask = ctx.saved_tensors
-    SCALE_ROWS.run(ctx.binding, grad, g_loss.to(torch.float32), mask)
+    g = g_loss.to(torch.float32)
+    if torch._C._are_functorch_transforms_active():  # vmap cannot batch an in-place launch
+        rows = g.reshape(-1, 1) if g.numel() > 1 else g.reshape(1, 1)
+        grad = torch.where(mask[:, None], (grad.float() * rows).to(grad.dtype), grad)
+    else:
+        SCALE_ROWS.run(ctx.binding, grad, g, mask)
     return (grad,) + (None,) * (_FUSED_INPUTS - 1)
 
 

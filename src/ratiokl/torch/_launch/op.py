@@ -86,7 +86,10 @@ class KernelOp:
                                       (f"ratiokl::interpret_{name}", "interpret")):
                 register_autograd(qualname, backward,
                                   setup_context=self._tagged(setup_context, binding))
-            self._eager = self._function(name, setup_context, backward)
+            self._eager = self._function(f"{name}_eager", setup_context, backward,
+                                         lambda *args: launch(_raw, *args), "eager")
+        self._transformed = self._function(f"{name}_transformed", setup_context, backward,
+                                           self._interpret, "interpret")
 
     @staticmethod
     def _bound(launch: Callable, kernels: Callable, schema: inspect.Signature,
@@ -109,27 +112,37 @@ class KernelOp:
 
         return setup
 
-    def _function(self, name: str, setup_context: Callable,
-                  backward: Callable) -> Callable:
-        """The eager op: an ``autograd.Function`` of the first input (the one a backward
-        differentiates) and the rest as one tuple, which autograd does not walk
-        (``apply`` costs host time per argument: the fused loss's twenty took about 35 us
-        a call on the CPU); ``backward``'s other gradients, all None, are dropped."""
-        launch = self.launch
+    @staticmethod
+    def _function(name: str, setup_context: Optional[Callable], backward: Optional[Callable],
+                  run: Callable, binding: str) -> Callable:
+        """An ``autograd.Function`` of the first input (the one a backward differentiates)
+        and the rest as one tuple, which autograd does not walk (``apply`` costs host time
+        per argument: the fused loss's twenty took about 35 us a call on the CPU), whose
+        forward is ``run``; ``backward``'s other gradients, all None, are dropped (no
+        ``backward``: the op is not differentiable, as a backward's own launches).
 
-        def forward(ctx, first, rest):
-            args = (first, *rest)
-            output = launch(_raw, *args)
-            ctx.binding = "eager"
-            setup_context(ctx, args, output)
-            return output
+        In ``setup_context`` form with a generated ``vmap`` rule, so ``torch.func``
+        transforms it: the ``"interpret"`` one (``run``: the interpreter's custom op, which
+        ``vmap`` runs example by example) serves the CPU ops inside a transform, where the
+        custom op's own autograd cannot go."""
+
+        def forward(first, rest):
+            return run(first, *rest)
+
+        def setup(ctx, inputs, output) -> None:
+            first, rest = inputs
+            ctx.binding = binding
+            if setup_context is not None:
+                setup_context(ctx, (first, *rest), output)
 
         def backward_first(ctx, *grads):
+            if backward is None:
+                raise RuntimeError(f"{name} is not differentiable (no double backward)")
             return backward(ctx, *grads)[0], None
 
-        function = type(f"{name}_eager", (torch.autograd.Function,),
-                        {"forward": staticmethod(forward),
-                         "backward": staticmethod(backward_first)})
+        function = type(name, (torch.autograd.Function,),
+                        {"forward": staticmethod(forward), "setup_context": staticmethod(setup),
+                         "backward": staticmethod(backward_first), "generate_vmap_rule": True})
         return lambda first, *rest: function.apply(first, rest)
 
     def _direct(self, *args):
@@ -149,6 +162,8 @@ class KernelOp:
             if torch.is_grad_enabled() and args[0].requires_grad:
                 return self._eager(*args)
             return self._direct(*args)
+        if binding == "interpret" and torch._C._are_functorch_transforms_active():
+            return self._transformed(*args)
         return (self._compiled if binding == "compiled" else self._interpret)(*args)
 
     def __call__(self, *args):
