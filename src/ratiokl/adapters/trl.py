@@ -129,7 +129,7 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     Args (besides TRL's, all keyword):
       ratiokl_chunk_rows: completion tokens per chunk (``linear_policy_loss``'s
-        ``chunk_rows``): one ``[chunk_rows, V]`` buffer in the head's dtype.
+        ``chunk_rows``); None (default): sized by bytes (float32 logits, 256 MiB at most).
       ratiokl_backend: ``"auto"`` (Triton on CUDA, else the native path), ``"native"``,
         ``"triton"`` or ``"interpret"``; checked against the trainer's device when built
         (``ValueError``: ``"triton"`` off CUDA, ``"interpret"`` off the CPU, either
@@ -138,13 +138,15 @@ class GRPOTrainer(trl.GRPOTrainer):
         (``check_ids``).
     """
 
-    def __init__(self, *args, ratiokl_chunk_rows: int = 2048,
+    def __init__(self, *args, ratiokl_chunk_rows: Optional[int] = None,
                  ratiokl_backend: BackendName = "auto", ratiokl_check_ids: bool = True,
                  **kwargs) -> None:
-        if isinstance(ratiokl_chunk_rows, bool) or not isinstance(ratiokl_chunk_rows, int) \
-                or ratiokl_chunk_rows < 1:
+        if ratiokl_chunk_rows is not None and (
+                isinstance(ratiokl_chunk_rows, bool) or not isinstance(ratiokl_chunk_rows, int)
+                or ratiokl_chunk_rows < 1):
             raise ValueError(f"`ratiokl_chunk_rows` must be a positive int (completion tokens "
-                             f"per chunk); got {ratiokl_chunk_rows!r}")
+                             f"per chunk), or None to size the chunk by bytes; got "
+                             f"{ratiokl_chunk_rows!r}")
         if ratiokl_backend not in BACKENDS:
             raise ValueError(f"`ratiokl_backend` must be one of {', '.join(map(repr, BACKENDS))}"
                              f"; got {ratiokl_backend!r}")

@@ -24,7 +24,7 @@ forward.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 from ratiokl._requirements import import_framework
 
@@ -40,7 +40,8 @@ from ratiokl.spec import BackendName  # noqa: E402
 __all__ = ["ActorOutput", "PolicyLoss", "actor_forward", "install", "loss_options"]
 
 
-def install(backend: BackendName = "auto", chunk_rows: int = 2048) -> Callable[[], None]:
+def install(backend: BackendName = "auto",
+            chunk_rows: Optional[int] = None) -> Callable[[], None]:
     """Make OpenRLHF (this process) use ratiokl: ``openrlhf.models.Actor.forward`` becomes
     :func:`actor_forward` (``backend``, ``chunk_rows``) and ``ActorPPOTrainer`` builds
     :class:`PolicyLoss` (the name in ``openrlhf.trainer.ray.ppo_actor``; trainers built

@@ -77,7 +77,8 @@ def _call_head(head: torch.nn.Linear, rows: torch.Tensor, score: Callable) -> An
             head.forward = own
 
 
-def actor_forward(backend: BackendName = "auto", chunk_rows: int = 2048) -> Callable:
+def actor_forward(backend: BackendName = "auto",
+                  chunk_rows: Optional[int] = None) -> Callable:
     """A replacement for ``openrlhf.models.Actor.forward`` (OpenRLHF 0.11): same arguments,
     same return values, the log-probs and entropies through
     :func:`ratiokl.torch.loss.linear_selected_logprobs` (``backend``, ``chunk_rows``).

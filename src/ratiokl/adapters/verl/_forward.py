@@ -53,7 +53,7 @@ def _refuse_head(field: str, value: Any, why: str) -> NoReturn:
 
 
 def use_ratiokl_forward(model: torch.nn.Module, *, backend: BackendName = "auto",
-                        chunk_rows: int = 2048) -> None:
+                        chunk_rows: Optional[int] = None) -> None:
     """Make ``model`` (a Hugging Face causal LM, dense text model) return verl's fused
     ``log_probs`` and ``entropy`` through :func:`forward`, as verl's
     ``patch_forward_with_backends`` does for its own backends: the model's *class*
@@ -125,7 +125,7 @@ def forward(self, input_ids: Optional[torch.LongTensor] = None,
     log_probs, entropy = linear_selected_logprobs(
         hidden, head.weight, next_ids, mask, bias=head.bias, temperature=temperature,
         **transform, return_entropy=True,
-        chunk_rows=getattr(self, "_ratiokl_chunk_rows", 2048),
+        chunk_rows=getattr(self, "_ratiokl_chunk_rows", None),
         backend=getattr(self, "_ratiokl_backend", "auto"))
     return dense_common.CausalLMOutputForPPO(
         log_probs=log_probs, entropy=entropy, past_key_values=outputs.past_key_values,
