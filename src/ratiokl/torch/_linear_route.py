@@ -119,6 +119,7 @@ def linear_policy_loss(hidden, weight, action_ids, mask, old_logps, advantages,
         importance_weights=importance_weights, rollout_logps=rollout_logps,
     )
     rollout = rollout_options(rollout_correction, rollout_bounds, rollout_logps is not None,
-                              old_given=old_logps is not None, cached=True)
+                              old_given=old_logps is not None,
+                              cached=not torch.compiler.is_compiling())
     return _tail.linear_loss_step(XP, rows, weight, bias, transform, chunk_rows, ref_logps,
                                   inputs, opts, rollout, vocab_group is not None)

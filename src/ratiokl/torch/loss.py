@@ -261,7 +261,7 @@ def linear_policy_loss(
             ratio_cap=ratio_cap, kl_coef=kl_coef, kl_estimator=kl_estimator, loss_agg=loss_agg,
             ratio_level="token", log_ratio_bound=log_ratio_bound, objective=objective,
             entropy_coef=entropy_coef, kl_agg=kl_agg, entropy_agg=entropy_agg,
-            kl_clamp=kl_clamp, cached=True),
+            kl_clamp=kl_clamp, cached=not torch.compiler.is_compiling()),
         ref_logps=ref_logps, bias=bias, loss_normalizer=loss_normalizer,
         kl_entropy_normalizer=kl_entropy_normalizer, segment_ids=segment_ids,
         importance_weights=importance_weights, temperature=temperature, backend=backend,
