@@ -10,6 +10,7 @@ its reason, and bad ``--target`` strings are refused naming ``--target`` and the
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -165,3 +166,19 @@ def test_cli_runs_a_target_beside_a_backend(capsys):
     both = [line.split()[0] for line in capsys.readouterr().out.splitlines()
             if line.startswith(("port-torch ", "torch-native "))]
     assert set(both) == {"port-torch", "torch-native"}
+
+
+def test_target_imports_from_the_working_directory(tmp_path, monkeypatch, capsys):
+    """A user's module beside them, run with a console script's path: its own folder, not
+    the working directory (``python -m`` adds that one; the ``ratiokl`` script does not)."""
+    name = "my_project_losses_for_ratiokl"
+    (tmp_path / f"{name}.py").write_text(
+        "from ratiokl import harness\nTARGET = harness.builtin_target('torch-native')\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
+    try:
+        assert main(["check", "--target", f"{name}:TARGET", "--case", "vocab_2",
+                     "--contiguous-only", "--no-progress"]) == 0, capsys.readouterr().err
+    finally:
+        sys.modules.pop(name, None)
+    assert any(line.startswith("torch-native ") for line in capsys.readouterr().out.splitlines())

@@ -191,3 +191,18 @@ def test_bench_plot_only_draws_or_explains(tmp_path):
     proc = _python_m("bench", "--plot-only", str(results))
     assert proc.returncode == 0, proc.stderr
     assert "plot.py" in proc.stdout
+
+
+def test_openrlhf_launcher_without_openrlhf_prints_one_line(tmp_path):
+    """``python -m ratiokl.adapters.openrlhf`` where OpenRLHF cannot be imported (a stand-in
+    package that raises, so the test runs in OpenRLHF's venv too): one line saying what is
+    missing and what to install, exit 2, no traceback."""
+    (tmp_path / "openrlhf").mkdir()
+    (tmp_path / "openrlhf" / "__init__.py").write_text("raise ImportError('not installed')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(SRC)]))
+    proc = subprocess.run([sys.executable, "-m", "ratiokl.adapters.openrlhf", "--help"],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 2 and proc.stdout == "", proc
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "needs openrlhf" in lines[0] and "pip install 'ratiokl[openrlhf]'" in lines[0]

@@ -158,7 +158,7 @@ def test_deterministic_bitwise() -> None:
 
 
 def test_vocabulary_temperature_and_device_errors() -> None:
-    with pytest.raises(ValueError, match="policy_logits"):
+    with pytest.raises(ValueError, match="`logits`"):
         loss.selected_logprobs(torch.zeros(3, 0), torch.zeros(3, dtype=torch.long), **NATIVE)
     logits, ref, ids, mask, old = _case((3, 4))
     with pytest.raises(ValueError, match="temperature"):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import json
+import os
 import sys
 import time
 from collections import defaultdict
@@ -205,7 +206,11 @@ def _print_skips(results: List[CaseResult], out: TextIO) -> None:
 
 
 def _load_targets(specs: Sequence[str]) -> List[CheckTarget]:
-    """``--target`` objects; ``ValueError`` naming ``--target`` and the fix."""
+    """``--target`` objects, imported from the working directory too (as ``python -m``,
+    uvicorn and gunicorn do; a console script's path holds its own folder, not the working
+    directory); ``ValueError`` naming ``--target`` and the fix."""
+    if specs and not {"", os.getcwd()} & set(sys.path):
+        sys.path.insert(0, os.getcwd())
     return [harness.load_target(spec, argument="--target") for spec in specs]
 
 

@@ -52,7 +52,8 @@ def policy_objective(xp, checks, opts: PolicyLossOptions, logps, old_logps, adva
     ref = None if ref_logps is None else xp.stop_gradient(
         _values(xp, checks, "ref_logps", ref_logps, lead))
     ent = None if entropy is None else _values(xp, checks, "entropy", entropy, lead)
-    mask = checks.check_mask(mask, lead)
+    mask = (xp.ones_like(logp) > 0 if mask is None  # None: every row active
+            else checks.check_mask(mask, lead))
     inputs = loss_inputs(checks, opts, lead, old_logps, advantages, segment_ids,
                          importance_weights, loss_normalizer, kl_entropy_normalizer,
                          rollout_logps)

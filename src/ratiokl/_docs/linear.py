@@ -90,8 +90,9 @@ LINEAR_POLICY_LOSS = r"""
       bias, logit_scale, logit_softcap, logits_dtype, fp32_matmul: the head's bias ``[V]``,
         logit options and precision, as in :func:`linear_selected_logprobs`$static_head.
       action_ids, mask, old_logps, advantages, ref_logps: as in :func:`policy_loss`, of the
-        leading shape ``[...]``; the reference enters as log-probs only (reference logits
-        would need the reference model's own hidden states).
+        leading shape ``[...]`` (``mask`` None: all active); the reference enters as
+        log-probs only (reference logits would need the reference model's own hidden
+        states).
       chunk_rows: $loss_chunk_rows
       clip_eps ... rollout_bounds, log_ratio_bound, temperature, check_ids: as in
         :func:`policy_loss` (``ratio_level="token"`` only: GSPO's sequence ratio needs

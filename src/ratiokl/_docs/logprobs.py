@@ -63,7 +63,7 @@ RATIO_KL = r"""
       ref_logits: reference-model logits of the same shape (any of those dtypes),
         or None when ``ref_logps`` is given. Evaluated $no_grad.
       action_ids: ``[...]`` int64 or int32 sampled token ids, in ``[0, V)`` on active rows.
-      mask: ``[...]`` bool (or integer 0/1), True for active tokens.
+      mask: ``[...]`` bool (or integer 0/1), True for active tokens; None: all active.
       old_logps: ``[...]`` floating log-probs of the behaviour policy.
       ref_logps: ``[...]`` floating reference log-probs, instead of ``ref_logits``.
       kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"``$static.

@@ -48,8 +48,8 @@ POLICY_LOSS = r"""
 
     Args:
       policy_logits, ref_logits, action_ids, mask, old_logps, ref_logps: as in
-        :func:`ratio_kl`; ``ref_logits`` and ``ref_logps`` may both be None when
-        ``kl_coef == 0``. ``old_logps`` None: on-policy, ``old_logp = sg(logp)`` (one
+        :func:`ratio_kl` (``mask`` None: all active); ``ref_logits`` and ``ref_logps`` may
+        both be None when ``kl_coef == 0``. ``old_logps`` None: on-policy, ``old_logp = sg(logp)`` (one
         optimisation step per rollout: ``r = 1`` in value, ``dr/dlogp = 1``; the ratio
         is never clipped and ``approx_kl`` is 0), as TRL and Liger do when the behaviour
         policy's log-probs were not computed; not with ``rollout_logps``.
@@ -171,7 +171,7 @@ POLICY_OBJECTIVE = r"""
       old_logps: ``[...]`` floating behaviour log-probs, or None (on-policy:
         ``old_logp = sg(logp)``, as in :func:`policy_loss`).
       advantages: floating, per token ``[..., T]`` or per sequence ``[...]`` / ``[..., 1]``.
-      mask: ``[...]`` bool (or integer 0/1), True for active tokens.
+      mask: ``[...]`` bool (or integer 0/1), True for active tokens; None: all active.
       ref_logps: ``[...]`` floating reference log-probs ($detached); needed when
         ``kl_coef != 0`` (a ``ValueError`` naming it otherwise), else only logged
         (``kl_mean``).

@@ -155,10 +155,11 @@ def resolve(name: str) -> Backend:
     return backends.load(name, _LOADERS, catch=(ImportError,))
 
 
-def _lead(logits: jax.Array,
-          action_ids: jax.Array) -> Tuple[jax.Array, jax.Array, Tuple[int, ...]]:
-    """Check the logits, then the ids (first: a flattened ``[N, V]`` names the ids)."""
-    logits = _checks.check_logits("policy_logits", logits)
+def _lead(logits: jax.Array, action_ids: jax.Array,
+          name: str = "policy_logits") -> Tuple[jax.Array, jax.Array, Tuple[int, ...]]:
+    """Check the logits (the op's argument ``name``), then the ids (first: a flattened
+    ``[N, V]`` names the ids)."""
+    logits = _checks.check_logits(name, logits)
     lead = tuple(logits.shape[:-1])
     return logits, _checks.check_ids(action_ids, lead), lead
 
@@ -193,7 +194,7 @@ def _rows(logits: jax.Array, lead: Tuple[int, ...], ids: jax.Array, mask, temper
 def selected_logprobs(logits, action_ids, mask, *, temperature, backend, check_ids,
                       vocab_axis, return_entropy=False):
     """``ratiokl.jax.loss.selected_logprobs`` (documented there)."""
-    logits, ids, lead = _lead(logits, action_ids)
+    logits, ids, lead = _lead(logits, action_ids, "logits")
     rows = _rows(logits, lead, ids, mask, temperature, backend, check_ids, vocab_axis)
     return _tail.logprobs_step(rows, return_entropy)
 

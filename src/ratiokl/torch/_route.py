@@ -119,19 +119,21 @@ def _loaded(name: str) -> Backend:
 
 def _rows(logits: torch.Tensor, lead: Tuple[int, ...], ids: torch.Tensor, mask, temperature,
           backend: str, check_ids: bool, vocab_group, vocab: Optional[int] = None,
-          inplace_grad: bool = False, **per_token) -> Rows:
+          inplace_grad: bool = False, logits_name: str = "policy_logits",
+          **per_token) -> Rows:
     """Steps 1-3 for the inputs every op shares (``logits`` and ``ids`` already checked).
 
     ``per_token`` holds the call's other tensors by argument name, for the device check;
     ``vocab``: the ids' range where ``logits`` is not ``[..., V]`` (hidden states: the
-    lm_head weight's rows; None: ``logits.shape[-1]``).
+    lm_head weight's rows; None: ``logits.shape[-1]``); ``logits_name``: the op's name for
+    ``logits``.
     """
     if mask is None:
         mask = torch.ones(lead, dtype=torch.bool, device=logits.device)
     mask = _checks.check_mask(mask, lead)
     temperature = _checks.check_temperature(temperature, lead)
     check_ids = check_bool_option("check_ids", check_ids)
-    first = {"hidden" if vocab else "policy_logits": logits}
+    first = {"hidden" if vocab else logits_name: logits}
     device = _checks.check_same_device(
         **first, action_ids=ids, mask=mask,
         temperature=temperature if isinstance(temperature, torch.Tensor) else None, **per_token,
@@ -162,9 +164,11 @@ def _rows(logits: torch.Tensor, lead: Tuple[int, ...], ids: torch.Tensor, mask, 
                  mask.reshape(-1).contiguous(), temperature, run, check)
 
 
-def _lead(logits: torch.Tensor, action_ids: torch.Tensor) -> Tuple[int, ...]:
-    """Check the logits, then the ids (first: a flattened ``[N, V]`` names the ids)."""
-    _checks.check_logits("policy_logits", logits)
+def _lead(logits: torch.Tensor, action_ids: torch.Tensor,
+          name: str = "policy_logits") -> Tuple[int, ...]:
+    """Check the logits (the op's argument ``name``), then the ids (first: a flattened
+    ``[N, V]`` names the ids)."""
+    _checks.check_logits(name, logits)
     lead = tuple(logits.shape[:-1])
     _checks.check_ids(action_ids, lead)
     return lead
@@ -173,8 +177,9 @@ def _lead(logits: torch.Tensor, action_ids: torch.Tensor) -> Tuple[int, ...]:
 def selected_logprobs(logits, action_ids, mask, *, temperature, backend, check_ids,
                       vocab_group, return_entropy=False):
     """``ratiokl.torch.loss.selected_logprobs`` (documented there)."""
-    lead = _lead(logits, action_ids)
-    rows = _rows(logits, lead, action_ids, mask, temperature, backend, check_ids, vocab_group)
+    lead = _lead(logits, action_ids, "logits")
+    rows = _rows(logits, lead, action_ids, mask, temperature, backend, check_ids, vocab_group,
+                 logits_name="logits")
     return _tail.logprobs_step(rows, return_entropy)
 
 

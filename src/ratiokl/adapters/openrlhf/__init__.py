@@ -24,13 +24,28 @@ forward.
 
 from __future__ import annotations
 
+import sys
 from typing import Callable, Optional
 
-from ratiokl._requirements import import_framework
+from ratiokl._requirements import MissingDependency, import_framework
 
-# Each says which extra to install when absent or too old (``ratiokl[openrlhf]``).
-import_framework("torch", needed_by="ratiokl.adapters.openrlhf", extra="openrlhf")
-import_framework("openrlhf", needed_by="ratiokl.adapters.openrlhf")
+
+def _run_by_python_m() -> bool:
+    """Whether ``python -m ratiokl.adapters.openrlhf`` is importing this package to find
+    its ``__main__`` (``sys.argv[0]`` is ``"-m"`` while Python locates the module)."""
+    argv = sys.orig_argv
+    return (sys.argv[:1] == ["-m"] and "-m" in argv
+            and argv[argv.index("-m") + 1:argv.index("-m") + 2] == [__name__])
+
+
+try:  # each says which extra to install when absent or too old (``ratiokl[openrlhf]``)
+    import_framework("torch", needed_by="ratiokl.adapters.openrlhf", extra="openrlhf")
+    import_framework("openrlhf", needed_by="ratiokl.adapters.openrlhf")
+except MissingDependency as missing:
+    if not _run_by_python_m():
+        raise
+    print(f"python -m {__name__}: {missing}", file=sys.stderr)  # a command line's one line
+    raise SystemExit(2) from None
 
 from ratiokl.adapters.openrlhf._actor import ActorOutput, actor_forward  # noqa: E402
 from ratiokl.adapters.openrlhf._options import loss_options  # noqa: E402
