@@ -126,13 +126,47 @@ def test_policy_loss_refuses_at_construction(kw, field):
         adapter.PolicyLoss(**kw)
 
 
-def test_policy_loss_refuses_what_openrlhf_refuses():
-    """A sequence-level clip: OpenRLHF's constructor raises, and so does the drop-in's."""
-    kw = dict(is_correction_level="seq", is_correction_mode="clip")
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize("kw, field", [
+    (dict(is_correction_level="seq", is_correction_mode="clip"), "is_correction_mode"),
+    (dict(is_correction_level="token", is_correction_mode="clip",
+          is_correction_gating="tv", is_correction_threshold=[0.0, 0.1]),
+     "is_correction_mode"),
+    (dict(dual_clip=1.0), "dual_clip"),
+    # GSPO applies no correction weight, but OpenRLHF's constructor checks the gate first.
+    (dict(policy_loss_type="gspo", is_correction_level="token",
+          is_correction_gating="binary_kl"), "is_correction_gating"),
+    (dict(policy_loss_type="gspo", is_correction_level="seq", is_correction_gating="tv",
+          is_correction_threshold=[0.1, 0.5]), "is_correction_gating"),
+    (dict(policy_loss_type="gspo", is_correction_level="seq", is_correction_mode="clip"),
+     "is_correction_mode"),
+    (dict(policy_loss_type="gspo", dual_clip=0.5), "dual_clip"),
+])
+def test_policy_loss_refuses_what_openrlhf_refuses(kw, field):
+    """What OpenRLHF's own constructor refuses (a ``ValueError``, or an ``assert`` for the
+    dual clip), the drop-in's refuses, naming the argument."""
+    with pytest.raises((ValueError, AssertionError)):
         OpenRLHFPolicyLoss(**kw)
-    with pytest.raises(ValueError, match="`is_correction_mode='clip'`"):
+    with pytest.raises(ValueError, match=f"`{field}="):
         adapter.PolicyLoss(**kw)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(policy_loss_type="gspo", is_correction_level="token", is_correction_gating="binary_kl",
+         is_correction_threshold=[0.0, 0.01]),
+    dict(policy_loss_type="gspo", is_correction_level="seq", is_correction_gating="tv",
+         is_correction_threshold=[0.0, 0.2]),
+])
+def test_gspo_with_a_divergence_gate_openrlhf_accepts_matches(kw):
+    """GSPO with a ``binary_kl`` / ``tv`` gate and a lower bound of 0: OpenRLHF builds it
+    and applies no correction weight (only the ratio against the rollout log-probs); so
+    does the drop-in (the refusals above stop at what OpenRLHF refuses)."""
+    case, batch = dict(kw=kw, seq_adv=True), make_batch()
+    want, want_grad = _run_loss(OpenRLHFPolicyLoss(**kw), batch, case, False)
+    got, grad = _run_loss(adapter.PolicyLoss(**kw), batch, case, True)
+    tol_value, tol_grad = tolerances(batch.logits, want_grad, both_float32=True)
+    assert_close(got[0], want[0], tol_value, "loss")
+    assert_close(grad, want_grad, tol_grad, "d loss / d log_probs")
+    assert got[3:] == want[3:] == (None, None)
 
 
 def test_gspo_refuses_per_token_advantages():

@@ -26,7 +26,8 @@ class PolicyLoss(torch.nn.Module):
     ``ratio_level="sequence"`` at the sequence level, and the correction is ``token-mask``
     (``is_correction_mode="mask"``, IcePop), ``token-clip`` (``"clip"``, TIS with its
     floor) or ``sequence-geomean-mask`` (``is_correction_level="seq"``). A ``ValueError``
-    naming the argument refuses the ``binary_kl`` / ``tv`` gates.
+    naming the argument refuses the ``binary_kl`` / ``tv`` gates, and whatever OpenRLHF's
+    own constructor refuses.
 
     Inactive tokens (``action_mask`` false) are selected out before any arithmetic:
     whatever they hold, they reach neither the loss, the logged values nor a gradient
