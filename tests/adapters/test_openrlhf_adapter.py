@@ -57,6 +57,16 @@ LOSS_CASES = {
                                        clip_eps_high=0.15)),
     "gspo_dp": dict(seq_adv=True, info=DP, kw=dict(policy_loss_type="gspo")),
     "gspo_ratio_to_rollout": dict(seq_adv=True, kw=dict(policy_loss_type="gspo", **TOKEN)),
+    # Per-token advantages of both signs in a sequence: OpenRLHF differentiates the
+    # sequence ratio (every token of a sequence gets the same gradient).
+    "gspo_per_token_advantages": dict(kw=dict(policy_loss_type="gspo", clip_eps_low=0.1,
+                                              clip_eps_high=0.15)),
+    "gspo_per_token_advantages_dual_clip_dp": dict(info=DP, kw=dict(
+        policy_loss_type="gspo", dual_clip=1.5, clip_eps_low=0.05, clip_eps_high=0.05)),
+    "gspo_per_token_advantages_ratio_to_rollout": dict(kw=dict(policy_loss_type="gspo",
+                                                               **TOKEN)),
+    "gspo_per_token_advantages_local_counts": dict(info=LOCAL, kw=dict(
+        policy_loss_type="gspo")),
     "tis_token_clip": dict(kw=dict(is_correction_mode="clip",
                                    is_correction_threshold=[0.0, 2.0], **TOKEN)),
     "tis_token_clip_floor": dict(kw=dict(is_correction_mode="clip", **TOKEN)),  # (0.5, 5)
@@ -167,14 +177,6 @@ def test_gspo_with_a_divergence_gate_openrlhf_accepts_matches(kw):
     assert_close(got[0], want[0], tol_value, "loss")
     assert_close(grad, want_grad, tol_grad, "d loss / d log_probs")
     assert got[3:] == want[3:] == (None, None)
-
-
-def test_gspo_refuses_per_token_advantages():
-    """GSPO with advantages that vary within a sequence: the gradients would differ
-    (``test_openrlhf_parity.test_gspo_with_per_token_advantages_differs``)."""
-    batch = make_batch()
-    with pytest.raises(ValueError, match="`policy_loss_type='gspo'` with `advantages`"):
-        _run_loss(adapter.PolicyLoss(policy_loss_type="gspo"), batch, {}, True)
 
 
 # --- Actor.forward on a tiny transformers model --------------------------------------
@@ -455,6 +457,9 @@ STEP_CASES = {
     "geomean_sequence_mask": dict(advantage=dict(is_correction_level="seq",
                                                  is_correction_threshold=[0.6, 1.6])),
     "gspo": dict(seq_adv=True, actor=dict(policy_loss_type="gspo", entropy_coef=-0.01)),
+    "gspo_per_token_advantages_kl_k3": dict(
+        actor=dict(policy_loss_type="gspo"), kl=dict(use_loss=True, init_coef=0.1,
+                                                     estimator="k3")),
 }
 
 
