@@ -279,6 +279,25 @@ def test_per_token_advantages_match_trl(tiny, tmp_path, name):
     _assert_same_step(trainer, clean, config, ours=poisoned)
 
 
+def test_per_token_advantages_with_vllm_ratio_match_trl(tiny, tmp_path):
+    """GSPO with advantages ``[B, T]`` under vLLM's per-token ``importance_sampling_ratio``
+    and the off-policy mask: TRL multiplies each token's term by both before it
+    differentiates the sequence ratio; the adapter folds them into the advantages'
+    per-sequence means."""
+    config = {"loss_type": "dapo", "importance_sampling_level": "sequence", "epsilon": 0.05,
+              "off_policy_mask_threshold": 0.1}
+    trainer = _trainer(tiny, tmp_path, **config)
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True
+    batch, _ = _per_token_advantages(_batch(trainer, old=True, ref=False))
+    batch["importance_sampling_ratio"] = torch.tensor([[0.5], [1.0], [2.0], [0.0]]) + \
+        torch.linspace(0.0, 1.0, T)
+    batch["sampling_per_token_logps"] = batch["old_per_token_logps"] + torch.tensor(
+        [-0.3, 0.0, 0.0, 0.3])[:, None]
+    _assert_same_step(trainer, batch, config)
+
+
 @pytest.mark.parametrize("name", ["gspo_grpo", "off_policy_mask_gspo_entropy_quantile",
                                   "dapo_clip_higher_delta"])
 def test_advantages_of_shape_b_1_match_trl(tiny, tmp_path, name):
