@@ -160,6 +160,23 @@ def test_policy_loss_refuses_what_openrlhf_refuses(kw, field):
         adapter.PolicyLoss(**kw)
 
 
+@pytest.mark.parametrize("kw, missing", [
+    (dict(), "old_log_probs"),
+    (dict(policy_loss_type="gspo"), "old_log_probs"),
+    (dict(policy_loss_type="gspo", is_correction_level="token"), "rollout_log_probs"),
+])
+def test_policy_loss_refuses_a_missing_ratio_reference(kw, missing):
+    """The log-probs OpenRLHF takes its ratio against, None: OpenRLHF's forward fails on
+    them; the drop-in names them, rather than reading None as on-policy."""
+    batch = make_batch()
+    logp, old, adv, rollout = _loss_inputs(batch, False, False)
+    inputs = {"old_log_probs": old, "rollout_log_probs": rollout, missing: None}
+    with pytest.raises((TypeError, AttributeError, RuntimeError)):
+        OpenRLHFPolicyLoss(**kw)(logp, advantages=adv, action_mask=batch.mask, **inputs)
+    with pytest.raises(ValueError, match=f"needs `{missing}`"):
+        adapter.PolicyLoss(**kw)(logp, advantages=adv, action_mask=batch.mask, **inputs)
+
+
 @pytest.mark.parametrize("kw", [
     dict(policy_loss_type="gspo", is_correction_level="token", is_correction_gating="binary_kl",
          is_correction_threshold=[0.0, 0.01]),

@@ -78,6 +78,12 @@ class PolicyLoss(torch.nn.Module):
             else action_mask.bool()
         opts = self.opts
         reference = rollout_log_probs if opts.ratio_to_rollout else old_log_probs
+        if reference is None:  # policy_objective would read None as on-policy
+            name = "rollout_log_probs" if opts.ratio_to_rollout else "old_log_probs"
+            raise ValueError(
+                f"ratiokl.adapters.openrlhf.PolicyLoss needs `{name}` (got None): OpenRLHF's "
+                "ratio is taken against it (GSPO with is_correction_level on: the rollout "
+                "log-probs); pass the batch's tensor")
         normalizer = loss_normalizer(opts, dp_size, batch_num_tokens, global_batch_size)
         if opts.options["ratio_level"] == "sequence":  # GSPO: no rollout correction
             loss, metrics = spread_objective(log_probs, reference, advantages, mask, None,
