@@ -57,6 +57,16 @@ LOSS_CASES = {
                                        clip_eps_high=0.15)),
     "gspo_dp": dict(seq_adv=True, info=DP, kw=dict(policy_loss_type="gspo")),
     "gspo_ratio_to_rollout": dict(seq_adv=True, kw=dict(policy_loss_type="gspo", **TOKEN)),
+    # Per-token advantages of both signs in a sequence: OpenRLHF differentiates the
+    # sequence ratio (every token of a sequence gets the same gradient).
+    "gspo_per_token_advantages": dict(kw=dict(policy_loss_type="gspo", clip_eps_low=0.1,
+                                              clip_eps_high=0.15)),
+    "gspo_per_token_advantages_dual_clip_dp": dict(info=DP, kw=dict(
+        policy_loss_type="gspo", dual_clip=1.5, clip_eps_low=0.05, clip_eps_high=0.05)),
+    "gspo_per_token_advantages_ratio_to_rollout": dict(kw=dict(policy_loss_type="gspo",
+                                                               **TOKEN)),
+    "gspo_per_token_advantages_local_counts": dict(info=LOCAL, kw=dict(
+        policy_loss_type="gspo")),
     "tis_token_clip": dict(kw=dict(is_correction_mode="clip",
                                    is_correction_threshold=[0.0, 2.0], **TOKEN)),
     "tis_token_clip_floor": dict(kw=dict(is_correction_mode="clip", **TOKEN)),  # (0.5, 5)
@@ -126,21 +136,64 @@ def test_policy_loss_refuses_at_construction(kw, field):
         adapter.PolicyLoss(**kw)
 
 
-def test_policy_loss_refuses_what_openrlhf_refuses():
-    """A sequence-level clip: OpenRLHF's constructor raises, and so does the drop-in's."""
-    kw = dict(is_correction_level="seq", is_correction_mode="clip")
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize("kw, field", [
+    (dict(is_correction_level="seq", is_correction_mode="clip"), "is_correction_mode"),
+    (dict(is_correction_level="token", is_correction_mode="clip",
+          is_correction_gating="tv", is_correction_threshold=[0.0, 0.1]),
+     "is_correction_mode"),
+    (dict(dual_clip=1.0), "dual_clip"),
+    # GSPO applies no correction weight, but OpenRLHF's constructor checks the gate first.
+    (dict(policy_loss_type="gspo", is_correction_level="token",
+          is_correction_gating="binary_kl"), "is_correction_gating"),
+    (dict(policy_loss_type="gspo", is_correction_level="seq", is_correction_gating="tv",
+          is_correction_threshold=[0.1, 0.5]), "is_correction_gating"),
+    (dict(policy_loss_type="gspo", is_correction_level="seq", is_correction_mode="clip"),
+     "is_correction_mode"),
+    (dict(policy_loss_type="gspo", dual_clip=0.5), "dual_clip"),
+])
+def test_policy_loss_refuses_what_openrlhf_refuses(kw, field):
+    """What OpenRLHF's own constructor refuses (a ``ValueError``, or an ``assert`` for the
+    dual clip), the drop-in's refuses, naming the argument."""
+    with pytest.raises((ValueError, AssertionError)):
         OpenRLHFPolicyLoss(**kw)
-    with pytest.raises(ValueError, match="`is_correction_mode='clip'`"):
+    with pytest.raises(ValueError, match=f"`{field}="):
         adapter.PolicyLoss(**kw)
 
 
-def test_gspo_refuses_per_token_advantages():
-    """GSPO with advantages that vary within a sequence: the gradients would differ
-    (``test_openrlhf_parity.test_gspo_with_per_token_advantages_differs``)."""
+@pytest.mark.parametrize("kw, missing", [
+    (dict(), "old_log_probs"),
+    (dict(policy_loss_type="gspo"), "old_log_probs"),
+    (dict(policy_loss_type="gspo", is_correction_level="token"), "rollout_log_probs"),
+])
+def test_policy_loss_refuses_a_missing_ratio_reference(kw, missing):
+    """The log-probs OpenRLHF takes its ratio against, None: OpenRLHF's forward fails on
+    them; the drop-in names them, rather than reading None as on-policy."""
     batch = make_batch()
-    with pytest.raises(ValueError, match="`policy_loss_type='gspo'` with `advantages`"):
-        _run_loss(adapter.PolicyLoss(policy_loss_type="gspo"), batch, {}, True)
+    logp, old, adv, rollout = _loss_inputs(batch, False, False)
+    inputs = {"old_log_probs": old, "rollout_log_probs": rollout, missing: None}
+    with pytest.raises((TypeError, AttributeError, RuntimeError)):
+        OpenRLHFPolicyLoss(**kw)(logp, advantages=adv, action_mask=batch.mask, **inputs)
+    with pytest.raises(ValueError, match=f"needs `{missing}`"):
+        adapter.PolicyLoss(**kw)(logp, advantages=adv, action_mask=batch.mask, **inputs)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(policy_loss_type="gspo", is_correction_level="token", is_correction_gating="binary_kl",
+         is_correction_threshold=[0.0, 0.01]),
+    dict(policy_loss_type="gspo", is_correction_level="seq", is_correction_gating="tv",
+         is_correction_threshold=[0.0, 0.2]),
+])
+def test_gspo_with_a_divergence_gate_openrlhf_accepts_matches(kw):
+    """GSPO with a ``binary_kl`` / ``tv`` gate and a lower bound of 0: OpenRLHF builds it
+    and applies no correction weight (only the ratio against the rollout log-probs); so
+    does the drop-in (the refusals above stop at what OpenRLHF refuses)."""
+    case, batch = dict(kw=kw, seq_adv=True), make_batch()
+    want, want_grad = _run_loss(OpenRLHFPolicyLoss(**kw), batch, case, False)
+    got, grad = _run_loss(adapter.PolicyLoss(**kw), batch, case, True)
+    tol_value, tol_grad = tolerances(batch.logits, want_grad, both_float32=True)
+    assert_close(got[0], want[0], tol_value, "loss")
+    assert_close(grad, want_grad, tol_grad, "d loss / d log_probs")
+    assert got[3:] == want[3:] == (None, None)
 
 
 # --- Actor.forward on a tiny transformers model --------------------------------------
@@ -425,6 +478,9 @@ STEP_CASES = {
     "geomean_sequence_mask": dict(advantage=dict(is_correction_level="seq",
                                                  is_correction_threshold=[0.6, 1.6])),
     "gspo": dict(seq_adv=True, actor=dict(policy_loss_type="gspo", entropy_coef=-0.01)),
+    "gspo_per_token_advantages_kl_k3": dict(
+        actor=dict(policy_loss_type="gspo"), kl=dict(use_loss=True, init_coef=0.1,
+                                                     estimator="k3")),
 }
 
 

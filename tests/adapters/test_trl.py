@@ -246,6 +246,72 @@ def test_loss_step_matches_trl(tiny, tmp_path, name, backend):
     _assert_same_step(trainer, _batch(trainer, old, ref), config)
 
 
+def _per_token_advantages(batch, seed=1):
+    """``[B, T]`` advantages (TRL: "subclasses that provide advantages with shape (B,
+    T)"): each sequence's own plus noise whose sign differs within the first, second and
+    fourth sequences (so that each side of GSPO's clip meets both signs), NaN on two
+    padded positions (TRL multiplies them by the mask; ratiokl never reads them)."""
+    g = torch.Generator().manual_seed(seed)
+    adv = batch["advantages"][:, None] + torch.randn(B, T, generator=g)
+    adv[:, 0] = -adv[:, 1]
+    clean = dict(batch, advantages=adv)
+    padded = batch["completion_mask"] == 0
+    poisoned = dict(batch, advantages=torch.where(
+        padded & (torch.arange(T) % 2 == 0), float("nan"), adv))
+    return clean, poisoned
+
+
+@pytest.mark.parametrize("name", [
+    "gspo_grpo", "gspo_dapo_kl_delta", "gspo_bnpo_on_policy", "luspo_gspo",
+    "gspo_dr_grpo_entropy_bonus", "off_policy_mask_gspo_entropy_quantile", "gspo_cispo",
+    "dapo_clip_higher_delta", "bnpo_off_policy_kl", "entropy_quantile_dapo_kl"])
+def test_per_token_advantages_match_trl(tiny, tmp_path, name):
+    """Advantages ``[B, T]`` of both signs within a sequence, on every route. With GSPO's
+    PPO term TRL multiplies each token's advantage by the sequence ratio and
+    differentiates the ratio (the gradient reaches every token of the sequence alike), and
+    its clip ratios become means over the active tokens; the adapter's loss, gradients
+    and metrics are TRL's."""
+    config, old, ref = CONFIGS[name]
+    trainer = _trainer(tiny, tmp_path, **config)
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 2
+    clean, poisoned = _per_token_advantages(_batch(trainer, old, ref))
+    _assert_same_step(trainer, clean, config, ours=poisoned)
+
+
+def test_per_token_advantages_with_vllm_ratio_match_trl(tiny, tmp_path):
+    """GSPO with advantages ``[B, T]`` under vLLM's per-token ``importance_sampling_ratio``
+    and the off-policy mask: TRL multiplies each token's term by both before it
+    differentiates the sequence ratio; the adapter folds them into the advantages'
+    per-sequence means."""
+    config = {"loss_type": "dapo", "importance_sampling_level": "sequence", "epsilon": 0.05,
+              "off_policy_mask_threshold": 0.1}
+    trainer = _trainer(tiny, tmp_path, **config)
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True
+    batch, _ = _per_token_advantages(_batch(trainer, old=True, ref=False))
+    batch["importance_sampling_ratio"] = torch.tensor([[0.5], [1.0], [2.0], [0.0]]) + \
+        torch.linspace(0.0, 1.0, T)
+    batch["sampling_per_token_logps"] = batch["old_per_token_logps"] + torch.tensor(
+        [-0.3, 0.0, 0.0, 0.3])[:, None]
+    _assert_same_step(trainer, batch, config)
+
+
+@pytest.mark.parametrize("name", ["gspo_grpo", "off_policy_mask_gspo_entropy_quantile",
+                                  "dapo_clip_higher_delta"])
+def test_advantages_of_shape_b_1_match_trl(tiny, tmp_path, name):
+    """Advantages ``[B, 1]`` (TRL unsqueezes only a 1-D tensor): one per sequence, and
+    TRL's sequence-level clip ratios over the sequences."""
+    config, old, ref = CONFIGS[name]
+    trainer = _trainer(tiny, tmp_path, **config)
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    batch = _batch(trainer, old, ref)
+    batch["advantages"] = batch["advantages"][:, None]
+    _assert_same_step(trainer, batch, config)
+
+
 _CONTROLLER = ("entropy_coef", "_last_world_entropy", "_entropy_window_stats")
 
 

@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from ratiokl.adapters._sequence_ratio import clip_indicators
 from ratiokl.adapters._trl_options import PPO_TYPES
 
 __all__ = ["log_metrics", "sequence_clips"]
@@ -25,30 +26,27 @@ _CLIP_METRICS = (("clip_ratio/low_mean", "clip_fraction_low"),
 
 def sequence_clips(trainer: Any, logp: Optional[torch.Tensor],
                    batch: Dict[str, Any]) -> Optional[List[torch.Tensor]]:
-    """GSPO's clip indicators per sequence, float ``[B]`` each (low, high, either), TRL's
-    definition: ``r = exp(masked mean of logp - old)`` (its cap ``delta``, above the
-    clip, changes nothing here), clipped where it leaves ``[1 - epsilon, 1 +
-    epsilon_high]`` on the advantage's side. None at the token level or for ``cispo``
-    (``logp`` None: the one-pass route)."""
+    """GSPO's clip indicators (low, high, either), TRL's definition: ``r = exp(masked
+    mean of logp - old)`` per sequence (its cap ``delta``, above the clip, changes nothing
+    here), clipped where it leaves ``[1 - epsilon, 1 + epsilon_high]`` on the advantage's
+    side. Float ``[B]`` each (one per sequence) for advantages ``[B]`` or ``[B, 1]``;
+    float ``[B, T]`` for per-token advantages ``[B, T]``, whose indicators TRL averages
+    over the active tokens (:func:`log_metrics` counts each as it is shaped). None at
+    the token level or for ``cispo`` (``logp`` None: the one-pass route)."""
     options = trainer._ratiokl_options
     if logp is None or options["ratio_level"] != "sequence" \
             or trainer.args.loss_type not in PPO_TYPES:
         return None
-    mask = batch["mask"]
-    old = logp if batch["old_logps"] is None else batch["old_logps"]
-    log_ratio = torch.where(mask, logp - old, 0.0).sum(-1) / mask.sum(-1).clamp(min=1)
-    ratio = torch.exp(log_ratio)
-    adv = batch["advantages"].reshape(-1)
-    low = (ratio < 1 - options["clip_eps"]) & (adv < 0)
-    high = (ratio > 1 + options["clip_eps_high"]) & (adv > 0)
+    low, high = clip_indicators(logp, batch["old_logps"], batch["advantages"], batch["mask"],
+                                options["clip_eps"], options["clip_eps_high"])
     return [low.float(), high.float(), (low | high).float()]
 
 
 def log_metrics(trainer: Any, mode: str, metrics: Dict[str, torch.Tensor], mask: torch.Tensor,
                 clips: Optional[List[torch.Tensor]]) -> None:
-    """``entropy``, ``kl`` (with ``beta``) and the clip ratios (PPO loss types; over the
-    sequences with ``clips``, from :func:`sequence_clips`): one all-reduce of the sums
-    and counts."""
+    """``entropy``, ``kl`` (with ``beta``) and the clip ratios (PPO loss types; with
+    ``clips``, from :func:`sequence_clips`, over the sequences or the active tokens as
+    they are shaped): one all-reduce of the sums and counts."""
     tokens = mask.sum().float()
     names: List[str] = ["entropy"]
     sums, counts = [metrics["entropy_mean"] * tokens], [tokens]
@@ -60,8 +58,15 @@ def log_metrics(trainer: Any, mode: str, metrics: Dict[str, torch.Tensor], mask:
         rows = torch.tensor(float(mask.shape[0]), device=tokens.device)
         for i, (theirs, ours) in enumerate(_CLIP_METRICS):
             names.append(theirs)
-            sums.append(metrics[ours] * tokens if clips is None else clips[i].sum())
-            counts.append(tokens if clips is None else rows)
+            if clips is None:
+                sums.append(metrics[ours] * tokens)
+                counts.append(tokens)
+            elif clips[i].dim() == 1:  # one per sequence: every row counts
+                sums.append(clips[i].sum())
+                counts.append(rows)
+            else:  # per token: the active ones
+                sums.append(torch.where(mask, clips[i], 0.0).sum())
+                counts.append(tokens)
     totals = trainer.accelerator.reduce(torch.stack(sums + counts), reduction="sum")
     for i, name in enumerate(names):
         mean = totals[i] / totals[len(names) + i].clamp(min=1.0)

@@ -41,8 +41,11 @@ gradient-accumulation steps in training, 1 in evaluation):
 off-policy sequence mask (its own ``get_high_entropy_mask`` and ``get_off_policy_mask``
 on the entropies and log-probs of the same pass) and vLLM's ``importance_sampling_ratio``
 are ``importance_weights`` (the policy term only; the denominators keep every active
-token); with GSPO's PPO term they are averaged per sequence first
-(:func:`_sequence_mean`). TRL's entropy bonus, a token mean whatever the ``loss_type``,
+token). GSPO's PPO term, whose sequence ratio TRL differentiates (its gradient spread
+over the sequence's tokens), with advantages ``[B]`` or ``[B, T]``, is two
+``policy_objective`` calls on the per-sequence means of the positive and the negative
+parts of ``weights * advantages`` (``ratiokl.adapters._sequence_ratio``, which shows the
+equality). TRL's entropy bonus, a token mean whatever the ``loss_type``,
 is ``entropy_coef`` with ``entropy_agg="token-mean"`` over
 ``kl_entropy_normalizer = max(active tokens, 1) * GA`` (for ``bnpo``, ``entropy_coef``
 alone); with ``use_adaptive_entropy`` the coefficient of each step is TRL's controller's
@@ -81,6 +84,7 @@ from ratiokl.adapters._trl_head import head_options, install_head  # noqa: E402
 from ratiokl.adapters._trl_bonus import after_step, applied_coef  # noqa: E402
 from ratiokl.adapters._trl_metrics import log_metrics, sequence_clips  # noqa: E402
 from ratiokl.adapters._trl_options import loss_options, refuse_trl  # noqa: E402
+from ratiokl.adapters._sequence_ratio import spread_objective  # noqa: E402
 from ratiokl.spec import BACKENDS, BackendName  # noqa: E402
 from ratiokl.torch._route import backend_name  # noqa: E402
 from ratiokl.torch.loss import (  # noqa: E402
@@ -107,20 +111,6 @@ def _check_backend(backend: str, device: torch.device) -> None:
             f"`ratiokl_backend={backend!r}` cannot run on this trainer, whose model is on "
             f"{device} ({err}). Pass ratiokl_backend='auto' (the Triton kernels on CUDA, "
             "else the native path) or 'native'") from err
-
-
-def _sequence_mean(weights: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    r"""Per-token policy weights ``w [B, T]`` -> their mean over each sequence's active
-    tokens, on every token: GSPO's PPO term with TRL's sequence ratio :math:`s` (its
-    gradient spread over the sequence) equals ratiokl's GSPO-token term (value
-    :math:`s`, gradient on each token's own log-prob) with the weights averaged, as every
-    token of a sequence has the same aggregation weight :math:`a`: with
-    :math:`\partial s / \partial \log p_u = s / L`,
-    :math:`\partial_{\log p_u} \sum_t a w_t \ell(s) = a \bar w\, \ell'(s)\, s`, the
-    GSPO-token gradient of :math:`\sum_t a \bar w\, \ell(r_t)`."""
-    kept = torch.where(mask, weights, 0.0)
-    mean = kept.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
-    return mean.expand_as(weights)
 
 
 class GRPOTrainer(trl.GRPOTrainer):
@@ -211,19 +201,23 @@ class GRPOTrainer(trl.GRPOTrainer):
             return loss, metrics, None
         logp, entropy = linear_selected_logprobs(hidden, weight, ids, mask, bias=bias,
                                                  return_entropy=True, **head)
-        loss, metrics = policy_objective(
-            logp, batch["old_logps"], batch["advantages"], mask, entropy=entropy,
-            importance_weights=self._policy_weights(logp.detach(), entropy.detach(), batch),
-            **common, **options)
+        weights = self._policy_weights(logp.detach(), entropy.detach(), batch)
+        if self._ratiokl_spread:  # GSPO's PPO term: TRL differentiates the sequence ratio
+            loss, metrics = spread_objective(logp, batch["old_logps"], batch["advantages"],
+                                             mask, weights, options, entropy=entropy, **common)
+        else:
+            loss, metrics = policy_objective(
+                logp, batch["old_logps"], batch["advantages"], mask, entropy=entropy,
+                importance_weights=weights, **common, **options)
         return loss, metrics, logp.detach()
 
     def _policy_weights(self, logp: torch.Tensor, entropy: torch.Tensor,
                         batch: Dict[str, Any]) -> Optional[torch.Tensor]:
-        """The two-pass route's ``importance_weights`` ``[B, T]`` (or None): what TRL
-        multiplies its policy term by, from this pass's log-probs and entropies through
-        TRL's own methods. vLLM's ratio, the off-policy sequence mask
-        (``get_off_policy_mask``, ``[B, 1]``) and the high-entropy token mask
-        (``get_high_entropy_mask``); with GSPO's PPO term, averaged per sequence."""
+        """The two-pass route's policy weights ``[B, T]`` (or None): what TRL multiplies
+        its policy term by, from this pass's log-probs and entropies through TRL's own
+        methods. vLLM's ratio, the off-policy mask (``get_off_policy_mask``: ``[B, 1]``,
+        or ``[B, T]`` with per-token advantages) and the high-entropy token mask
+        (``get_high_entropy_mask``)."""
         mask, weights = batch["mask"], batch["weights"]
         parts = [] if weights is None else [weights]
         if self.off_policy_mask_threshold is not None:
@@ -242,7 +236,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         weights = parts[0]
         for part in parts[1:]:
             weights = weights * part
-        return _sequence_mean(weights, mask) if self._ratiokl_spread else weights
+        return weights
 
     def _compute_loss(self, model: torch.nn.Module, inputs: Dict[str, Any]) -> torch.Tensor:
         for name in _MULTIMODAL:

@@ -54,6 +54,23 @@ class LossOptions:
     bounds: tuple
 
 
+def _refuse_as_openrlhf(dual_clip: Optional[float], level: str, mode: str, gating: str,
+                        threshold: Sequence[float]) -> None:
+    """What OpenRLHF 0.11's ``PolicyLoss.__init__`` itself refuses, whatever the
+    ``policy_loss_type``: a ``dual_clip`` not above 1, ``is_correction_mode="clip"``
+    beside the sequence level or a divergence gate, and a divergence gate (``binary_kl``,
+    ``tv``; a level on) with a lower bound above 0 (the default ``(0.5, 5.0)``)."""
+    if dual_clip is not None and not float(dual_clip) > 1.0:
+        _refuse("dual_clip", dual_clip, "OpenRLHF's PolicyLoss asserts dual_clip > 1.0 too")
+    if mode == "clip" and (level == "seq" or gating != "ratio"):
+        _refuse("is_correction_mode", "clip", "OpenRLHF's PolicyLoss refuses it too: its "
+                "clip needs is_correction_level='token' and is_correction_gating='ratio'")
+    if gating != "ratio" and level != "off" and float(threshold[0]) > 0:
+        _refuse("is_correction_gating", gating, f"OpenRLHF's PolicyLoss refuses it too "
+                f"with is_correction_threshold={tuple(threshold)}: a divergence gate takes an "
+                "upper bound only (a lower bound of 0, e.g. (0.0, 0.01))")
+
+
 def loss_options(clip_eps_low: float = 0.2, clip_eps_high: float = 0.2,
                  dual_clip: Optional[float] = None, token_level_loss: bool = True,
                  policy_loss_type: PolicyLossType = "ppo",
@@ -69,6 +86,8 @@ def loss_options(clip_eps_low: float = 0.2, clip_eps_high: float = 0.2,
         _refuse("is_correction_level", is_correction_level, "OpenRLHF 0.11 has off/token/seq")
     if is_correction_mode not in ("mask", "clip"):
         _refuse("is_correction_mode", is_correction_mode, "OpenRLHF 0.11 has mask/clip")
+    _refuse_as_openrlhf(dual_clip, is_correction_level, is_correction_mode,
+                        is_correction_gating, is_correction_threshold)
     gspo = policy_loss_type == "gspo"
     options: Dict[str, Any] = dict(
         clip_eps=float(clip_eps_low), clip_eps_high=float(clip_eps_high), dual_clip=dual_clip,
@@ -84,9 +103,6 @@ def loss_options(clip_eps_low: float = 0.2, clip_eps_high: float = 0.2,
             _refuse("is_correction_gating", is_correction_gating,
                     "ratiokl gates on the importance ratio only (no binary-KL / TV gate)")
         if is_correction_level == "seq":
-            if is_correction_mode == "clip":  # OpenRLHF's own ValueError too
-                _refuse("is_correction_mode", "clip", "OpenRLHF clamps per-token weights "
-                        "only (is_correction_level='token')")
             options["rollout_correction"] = "sequence-geomean-mask"
         elif is_correction_mode == "clip":
             options["rollout_correction"] = "token-clip"

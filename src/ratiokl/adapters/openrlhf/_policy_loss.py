@@ -6,6 +6,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
+from ratiokl.adapters._sequence_ratio import clip_indicators, spread_objective
 from ratiokl.adapters.openrlhf._options import (CorrectionGating, CorrectionLevel,
                                                 CorrectionMode, PolicyLossType,
                                                 loss_normalizer, loss_options)
@@ -23,10 +24,12 @@ class PolicyLoss(torch.nn.Module):
     ``clip_eps_high``, ``dual_clip`` is ``dual_clip``, ``token_level_loss`` picks
     ``token-mean`` over ``batch_num_tokens / dp_size`` or ``seq-mean-token-mean`` over
     ``global_batch_size / dp_size``, ``policy_loss_type="gspo"`` is
-    ``ratio_level="sequence"`` at the sequence level, and the correction is ``token-mask``
-    (``is_correction_mode="mask"``, IcePop), ``token-clip`` (``"clip"``, TIS with its
-    floor) or ``sequence-geomean-mask`` (``is_correction_level="seq"``). A ``ValueError``
-    naming the argument refuses the ``binary_kl`` / ``tv`` gates.
+    ``ratio_level="sequence"`` at the sequence level (its sequence ratio differentiated
+    as OpenRLHF does, for any advantages: ``ratiokl.adapters._sequence_ratio``), and the
+    correction is ``token-mask`` (``is_correction_mode="mask"``, IcePop), ``token-clip``
+    (``"clip"``, TIS with its floor) or ``sequence-geomean-mask``
+    (``is_correction_level="seq"``). A ``ValueError`` naming the argument refuses the
+    ``binary_kl`` / ``tv`` gates, and whatever OpenRLHF's own constructor refuses.
 
     Inactive tokens (``action_mask`` false) are selected out before any arithmetic:
     whatever they hold, they reach neither the loss, the logged values nor a gradient
@@ -56,10 +59,10 @@ class PolicyLoss(torch.nn.Module):
           log_probs: ``[B, T]`` floating action log-probs with autograd (``Actor.forward``'s).
           old_log_probs, rollout_log_probs: ``[B, T]`` floating, detached; the rollout
             ones needed with a correction level on.
-          advantages: ``[B, T]`` floating; with ``policy_loss_type="gspo"`` constant over
-            each sequence's active tokens (a ``ValueError`` naming ``advantages``
-            otherwise: OpenRLHF then differentiates the sequence ratio itself, ratiokl
-            gives each token ``d r / d logp_t = r``; the check reads one bool on the host).
+          advantages: ``[B, T]`` floating (with ``policy_loss_type="gspo"`` they may vary
+            within a sequence: OpenRLHF differentiates the sequence ratio, whose gradient
+            reaches each of its tokens alike; ``ratiokl.adapters._sequence_ratio`` computes
+            that with two ``policy_objective`` calls).
           action_mask: ``[B, T]`` bool or 0/1; None: all active.
           dp_size, batch_num_tokens, global_batch_size: ``get_loss_batch_info``'s.
 
@@ -74,14 +77,25 @@ class PolicyLoss(torch.nn.Module):
         mask = torch.ones_like(log_probs, dtype=torch.bool) if action_mask is None \
             else action_mask.bool()
         opts = self.opts
-        if opts.options["ratio_level"] == "sequence":
-            advantages = _per_sequence(advantages, mask)
         reference = rollout_log_probs if opts.ratio_to_rollout else old_log_probs
-        loss, metrics = policy_objective(
-            log_probs, reference, advantages, mask,
-            loss_normalizer=loss_normalizer(opts, dp_size, batch_num_tokens,
-                                            global_batch_size),
-            rollout_logps=rollout_log_probs if opts.corrects else None, **opts.options)
+        if reference is None:  # policy_objective would read None as on-policy
+            name = "rollout_log_probs" if opts.ratio_to_rollout else "old_log_probs"
+            raise ValueError(
+                f"ratiokl.adapters.openrlhf.PolicyLoss needs `{name}` (got None): OpenRLHF's "
+                "ratio is taken against it (GSPO with is_correction_level on: the rollout "
+                "log-probs); pass the batch's tensor")
+        normalizer = loss_normalizer(opts, dp_size, batch_num_tokens, global_batch_size)
+        if opts.options["ratio_level"] == "sequence":  # GSPO: no rollout correction
+            loss, metrics = spread_objective(log_probs, reference, advantages, mask, None,
+                                             opts.options, loss_normalizer=normalizer)
+            clipped = clip_indicators(log_probs, reference, advantages, mask,
+                                      opts.options["clip_eps"], opts.options["clip_eps_high"])
+            either = (clipped[0] | clipped[1]).float().reshape(mask.shape[0], -1)
+            metrics = dict(metrics, clip_fraction=_mean(either.expand(mask.shape), mask))
+        else:
+            loss, metrics = policy_objective(
+                log_probs, reference, advantages, mask, loss_normalizer=normalizer,
+                rollout_logps=rollout_log_probs if opts.corrects else None, **opts.options)
         ppo_kl = metrics["approx_kl"] if not opts.ratio_to_rollout else _mean(
             torch.where(mask, old_log_probs, 0.0) - torch.where(mask, log_probs.detach(), 0.0),
             mask)
@@ -112,19 +126,3 @@ def _filter_ratio(log_weight: torch.Tensor, mask: torch.Tensor, bounds, sequence
     gate = torch.exp(log_weight.sum(-1) / count.clamp(min=1))
     kept = (gate >= low) & (gate <= high) & (count > 0)
     return (~kept).float().mean()
-
-
-def _per_sequence(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """GSPO's advantages as ``[B, 1]``: each row's value at its first active token; a
-    ``ValueError`` naming ``advantages`` if an active token holds another."""
-    first = mask.float().argmax(-1, keepdim=True)
-    row = advantages.gather(-1, first)
-    nan_row = (mask & advantages.isnan()).any(-1, keepdim=True)  # stays NaN, not "varying"
-    if bool(torch.any(mask & ((advantages - row).abs() > 0))):
-        raise ValueError(
-            "ratiokl.adapters.openrlhf.PolicyLoss cannot compute `policy_loss_type='gspo'` "
-            "with `advantages` that vary within a sequence: OpenRLHF differentiates the "
-            "sequence ratio itself, ratiokl's GSPO gives each token the gradient of its own "
-            "log-prob (equal only for per-sequence advantages). Use "
-            "openrlhf.models.PolicyLoss, or per-sequence advantages")
-    return torch.where(nan_row, float("nan"), torch.where(mask.any(-1, keepdim=True), row, 0.0))
