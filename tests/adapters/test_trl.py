@@ -557,8 +557,9 @@ def test_bf16_autocast_step_matches_trl(tiny, tmp_path):
 
 def test_cast_lm_head_to_fp32_under_bf16_matches_trl(tiny, tmp_path):
     """``cast_lm_head_to_fp32``: with bf16 hidden states under bf16 autocast, TRL runs the
-    head in float32 outside autocast; so does the adapter (float32 hidden states, head
-    and bias), and the step is TRL's to float32 tolerances."""
+    head in float32 outside autocast; so does the adapter (the float32 head and bias, the
+    bf16 hidden states as they are: the split products), and the step is TRL's to float32
+    tolerances."""
     config = {"loss_type": "bnpo", "beta": 0.04, "cast_lm_head_to_fp32": True}
     trainer = _trainer(tiny, tmp_path, **config)
     trainer.model.model.norm.register_forward_hook(lambda m, i, out: out.to(torch.bfloat16))
