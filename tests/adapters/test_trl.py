@@ -76,7 +76,8 @@ def tiny(tmp_path_factory):
     return _save_tiny(tmp_path_factory.mktemp("tiny-llama"), LlamaConfig, LlamaForCausalLM)
 
 
-def _trainer(tiny, tmp_path, backend="native", chunk_rows=2048, **config):
+def _trainer(tiny, tmp_path, backend="native", chunk_rows=2048, logits_dtype="float32",
+             **config):
     path, tokenizer = tiny
     args = trl.GRPOConfig(
         output_dir=str(tmp_path), per_device_train_batch_size=B, num_generations=B,
@@ -86,7 +87,7 @@ def _trainer(tiny, tmp_path, backend="native", chunk_rows=2048, **config):
     return adapter.GRPOTrainer(
         model=path, reward_funcs=lambda completions, **_: [float(len(c)) for c in completions],
         args=args, train_dataset=data, processing_class=tokenizer, ratiokl_backend=backend,
-        ratiokl_chunk_rows=chunk_rows)
+        ratiokl_chunk_rows=chunk_rows, ratiokl_logits_dtype=logits_dtype)
 
 
 def _batch(trainer, old: bool, ref: bool, seed: int = 0):
@@ -535,8 +536,9 @@ def test_bf16_autocast_step_matches_trl(tiny, tmp_path):
     """Under bf16 autocast (``GRPOConfig(bf16=True)`` on a GPU) a backbone may hand back
     bf16 hidden states beside the float32 head (Llama's does not on the CPU: its final
     norm's output is made bf16 here): the head is cast to their dtype for the call, and
-    the step stays TRL's within bf16."""
-    trainer = _trainer(tiny, tmp_path, loss_type="bnpo", beta=0.04)
+    the step stays TRL's within bf16. ``ratiokl_logits_dtype="input"``: the bf16 head
+    TRL's chunked head runs (the default, float32 logits, is the fp32 head's)."""
+    trainer = _trainer(tiny, tmp_path, loss_type="bnpo", beta=0.04, logits_dtype="input")
     trainer.model.model.norm.register_forward_hook(lambda m, i, out: out.to(torch.bfloat16))
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1
@@ -589,6 +591,7 @@ def test_tool_mask_leaves_tool_tokens_out(tiny, tmp_path, name):
 
 @pytest.mark.parametrize("keyword, value", [
     ("ratiokl_chunk_rows", 0), ("ratiokl_chunk_rows", 2.5), ("ratiokl_backend", "cuda"),
+    ("ratiokl_logits_dtype", "bf16"),
 ])
 def test_bad_adapter_arguments_name_themselves(tiny, tmp_path, keyword, value):
     """Checked at construction, before TRL loads anything, naming the adapter's argument."""

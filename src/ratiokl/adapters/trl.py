@@ -69,7 +69,7 @@ entropy bonus ``policy_loss`` and ``entropy_coef``. Not logged: ``clip_ratio/low
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, get_args
 
 from ratiokl._requirements import import_framework
 
@@ -85,7 +85,7 @@ from ratiokl.adapters._trl_bonus import after_step, applied_coef  # noqa: E402
 from ratiokl.adapters._trl_metrics import log_metrics, sequence_clips  # noqa: E402
 from ratiokl.adapters._trl_options import loss_options, refuse_trl  # noqa: E402
 from ratiokl.adapters._sequence_ratio import spread_objective  # noqa: E402
-from ratiokl.spec import BACKENDS, BackendName  # noqa: E402
+from ratiokl.spec import BACKENDS, BackendName, LogitsDtype  # noqa: E402
 from ratiokl.torch._route import backend_name  # noqa: E402
 from ratiokl.torch.loss import (  # noqa: E402
     linear_policy_loss,
@@ -126,11 +126,19 @@ class GRPOTrainer(trl.GRPOTrainer):
         without a usable Triton).
       ratiokl_check_ids: check the completion ids against the vocabulary
         (``check_ids``).
+      ratiokl_logits_dtype: ``"float32"`` (default): the log-probs of an fp32 head on the
+        model's values (TRL's own chunked head rounds its bf16 tiles); ``"input"``: a
+        bf16 model's logits rounded to bf16 first, as TRL's head and a bf16 sampler do
+        (``linear_policy_loss``'s ``logits_dtype``).
     """
 
     def __init__(self, *args, ratiokl_chunk_rows: Optional[int] = None,
                  ratiokl_backend: BackendName = "auto", ratiokl_check_ids: bool = True,
-                 **kwargs) -> None:
+                 ratiokl_logits_dtype: LogitsDtype = "float32", **kwargs) -> None:
+        if ratiokl_logits_dtype not in get_args(LogitsDtype):
+            raise ValueError(f"`ratiokl_logits_dtype` must be one of "
+                             f"{', '.join(map(repr, get_args(LogitsDtype)))}; got "
+                             f"{ratiokl_logits_dtype!r}")
         if ratiokl_chunk_rows is not None and (
                 isinstance(ratiokl_chunk_rows, bool) or not isinstance(ratiokl_chunk_rows, int)
                 or ratiokl_chunk_rows < 1):
@@ -156,7 +164,8 @@ class GRPOTrainer(trl.GRPOTrainer):
         target = self.model.get_base_model() if is_peft else self.model
         self._ratiokl_head = {**head_options(target), "temperature": float(self.args.temperature),
                               "chunk_rows": ratiokl_chunk_rows, "backend": ratiokl_backend,
-                              "check_ids": ratiokl_check_ids}
+                              "check_ids": ratiokl_check_ids,
+                              "logits_dtype": ratiokl_logits_dtype}
         install_head(target, bool(getattr(self.args, "cast_lm_head_to_fp32", False)))
 
     def _normalizer(self, mask: torch.Tensor, inputs: Dict[str, Any],
