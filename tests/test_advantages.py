@@ -240,3 +240,19 @@ def test_jax_jit_traces_every_estimator():
     expected = spec.reference_gae(rewards, values, mask, 0.99, 0.95)
     close(np.asarray(adv), expected[0])
     close(np.asarray(ret), expected[1])
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_docstrings_name_every_parameter_and_frameworks_agree(framework):
+    import inspect
+
+    module = Runner(framework).module
+    other = Runner("jax" if framework == "torch" else "torch").module
+    for name in module.__all__:
+        function, twin = getattr(module, name), getattr(other, name)
+        parameters = list(inspect.signature(function).parameters)
+        assert parameters == list(inspect.signature(twin).parameters), name
+        doc = inspect.getdoc(function)
+        for parameter in parameters:
+            assert f"\n  {parameter}:" in doc, (name, parameter)
+        assert "Returns:" in doc and "``[...]``" in doc, name

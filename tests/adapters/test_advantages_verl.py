@@ -73,7 +73,7 @@ OUTCOME = [
 ]
 
 
-def ratiokl(name: str, scores, ids, mask, options, valid=None):
+def ours(name: str, scores, ids, mask, options, valid=None):
     options = dict(options)
     if options.pop("lengths", False):
         options["lengths"] = mask.sum(-1)
@@ -88,7 +88,7 @@ def test_outcome_estimators_equal_verl(case):
     verl_name, verl_kwargs, name, options = case
     rewards, mask, index, scores, ids = batch()
     expected = verl(verl_name, rewards, mask, index, **verl_kwargs)
-    close(ratiokl(name, scores, ids, mask, options), expected)
+    close(ours(name, scores, ids, mask, options), expected)
 
 
 @pytest.mark.parametrize("case", OUTCOME, ids=[f"{c[0]}-{c[3]}" for c in OUTCOME])
@@ -101,7 +101,7 @@ def test_failed_samples_equal_verl_without_them(case):
     expected = verl(verl_name, rewards[valid], mask[valid], index[kept], **verl_kwargs)
     scores = scores.clone()
     scores[~valid] = float("nan")
-    actual = ratiokl(name, scores, ids, mask, options, valid=valid)
+    actual = ours(name, scores, ids, mask, options, valid=valid)
     close(actual[valid], expected)
     assert (actual[~valid] == 0).all()
 

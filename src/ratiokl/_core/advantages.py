@@ -21,8 +21,8 @@ from typing import Any, Optional, Tuple
 
 from ratiokl.spec.advantages import WHITEN_EPS
 
-__all__ = ["Groups", "GroupStats", "gae_elements", "group_stats",
-           "groups", "grpo", "grpo_passk", "gpg", "opo", "reverse_scan", "rloo",
+__all__ = ["Groups", "GroupStats", "gae_elements", "group_stats", "groups", "grpo",
+           "grpo_passk", "gpg", "opo", "reinforce_pp_baseline", "reverse_scan", "rloo",
            "scan_combine", "whiten", "whiten_tokens"]
 
 

@@ -24,7 +24,8 @@ from ratiokl.spec.reference import *  # noqa: F401,F403
 from ratiokl.spec.rollout import *  # noqa: F401,F403
 from ratiokl.spec.tolerances import *  # noqa: F401,F403
 
-__all__ = [*advantages.__all__, *aggregation.__all__, *kl.__all__, *linear.__all__, *loss_options.__all__,
+__all__ = [*advantages.__all__, *aggregation.__all__, *kl.__all__, *linear.__all__,
+           *loss_options.__all__,
            *objective.__all__, *option_checks.__all__, *options.__all__,
            *_policy_loss.__all__, *policy_terms.__all__, *ratio.__all__,
            *reference.__all__, *rollout.__all__, *tolerances.__all__]
