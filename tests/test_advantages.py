@@ -256,3 +256,20 @@ def test_docstrings_name_every_parameter_and_frameworks_agree(framework):
         for parameter in parameters:
             assert f"\n  {parameter}:" in doc, (name, parameter)
         assert "Returns:" in doc and "``[...]``" in doc, name
+
+
+def test_gae_kernel_row_blocks_with_a_ragged_tail():
+    """More rows than one program's block (``GAE_BLOCK_B``), the last block part empty, and
+    strided (non-contiguous) inputs."""
+    torch = pytest.importorskip("torch")
+    from ratiokl._kernels.gae import GAE_BLOCK_B
+    from ratiokl.torch import advantages
+
+    rewards, values, mask = gae_inputs(8, rows=GAE_BLOCK_B + 7, steps=6)
+    wide = torch.zeros(rewards.shape[0], 12)
+    wide[:, ::2] = torch.from_numpy(values)  # a view with column stride 2
+    adv, ret = advantages.gae(torch.from_numpy(rewards), wide[:, ::2], torch.from_numpy(mask),
+                              0.9, 0.8, backend="interpret")
+    expected = spec.reference_gae(rewards, values, mask, 0.9, 0.8)
+    close(adv.numpy(), expected[0])
+    close(ret.numpy(), expected[1])
