@@ -3,8 +3,8 @@
 OpenRLHF (0.11.2, tested) is the oracle: ``RemoteExperienceMaker.compute_advantages_and_returns``
 (reward shaping by ``--advantage_estimator``, the per-token returns or GAE, and the
 whitening over the batch's action tokens), called on a list of experiences with the
-trainer's settings and no Ray actor (the method reads only ``strategy.args``, the KL
-controller and the experiences). Groups are consecutive (``n_samples_per_prompt``), each
+trainer's settings on an instance built without ``__init__`` (no Ray actor: the method
+reads only ``strategy.args``, the KL controller and the experiences). Groups are consecutive (``n_samples_per_prompt``), each
 response one contiguous span of action tokens, the reward on its last token. Runs in its
 own venv (``.ci/run`` block (d)); skipped where OpenRLHF is not importable.
 """
@@ -53,11 +53,12 @@ def openrlhf(estimator: str, scores, mask, values, gamma=1.0, lambd=1.0):
               rollout=NS(n_samples_per_prompt=N),
               reward=NS(clip_range=None, overlong_buffer_len=None,
                         stop_properly_penalty_coef=None))
-    maker = NS(strategy=NS(args=args), advantage_estimator=estimator, kl_ctl=NS(value=0.0))
+    maker = object.__new__(RemoteExperienceMaker)  # its methods, none of its Ray actors
+    maker.strategy, maker.advantage_estimator, maker.kl_ctl = NS(args=args), estimator, NS(value=0.0)
     experience = NS(rewards=scores.clone(), index=list(range(scores.numel())),
                     action_mask=mask, kl=torch.zeros(mask.shape), values=values.clone(),
                     info={})
-    RemoteExperienceMaker.compute_advantages_and_returns(maker, [experience])
+    maker.compute_advantages_and_returns([experience])
     return experience.advantages, experience.returns
 
 
