@@ -258,15 +258,20 @@ def test_docstrings_name_every_parameter_and_frameworks_agree(framework):
         assert "Returns:" in doc and "``[...]``" in doc, name
 
 
-def test_gae_kernel_row_blocks_with_a_ragged_tail():
-    """More rows than one program's block (``GAE_BLOCK_B``), the last block part empty, and
-    strided (non-contiguous) inputs."""
+@pytest.mark.parametrize("block_t", [8, None], ids=["tiles-8", "default"])
+def test_gae_kernel_row_blocks_and_time_tiles(block_t, monkeypatch):
+    """More rows than one program's block (``GAE_BLOCK_B``) with the last block part empty;
+    time in several tiles with a ragged last one (the state carried across tiles) or in
+    one; strided (non-contiguous) inputs."""
     torch = pytest.importorskip("torch")
     from ratiokl._kernels.gae import GAE_BLOCK_B
     from ratiokl.torch import advantages
+    from ratiokl.torch._launch import gae as launch
 
-    rewards, values, mask = gae_inputs(8, rows=GAE_BLOCK_B + 7, steps=6)
-    wide = torch.zeros(rewards.shape[0], 12)
+    if block_t is not None:
+        monkeypatch.setattr(launch, "GAE_BLOCK_T", block_t)
+    rewards, values, mask = gae_inputs(8, rows=2 * GAE_BLOCK_B + 1, steps=37)
+    wide = torch.zeros(rewards.shape[0], 2 * rewards.shape[1])
     wide[:, ::2] = torch.from_numpy(values)  # a view with column stride 2
     adv, ret = advantages.gae(torch.from_numpy(rewards), wide[:, ::2], torch.from_numpy(mask),
                               0.9, 0.8, backend="interpret")

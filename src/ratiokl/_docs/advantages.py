@@ -15,8 +15,8 @@ F = TypeVar("F", bound=Callable)
 PIECES: Dict[str, Dict[str, str]] = {
     "torch": {"array": "tensor", "compiled": "``torch.compile``",
               "backends": "``\"native\"`` (a scan of whole-tensor ops, ``log2 T`` steps), "
-                          "``\"triton\"`` (one Triton kernel: a reverse recurrence over "
-                          "``T`` per block of rows), ``\"interpret\"`` (that kernel on the "
+                          "``\"triton\"`` (one Triton kernel: a reverse scan over "
+                          "``T`` per block of rows, tile by tile), ``\"interpret\"`` (that kernel on the "
                           "CPU) or ``\"auto\"`` (Triton on CUDA tensors, else native)"},
     "jax": {"array": "array", "compiled": "``jax.jit``",
             "backends": "every backend runs ``lax.associative_scan`` (XLA's scan, one pass "

@@ -93,10 +93,10 @@ def gdpo(scores: Array, group_ids: Optional[Array] = None, *,
                        lengths=lengths, whiten=whiten)
 
 
-def _combine(earlier, later):
-    """``lax.associative_scan``'s combine in reverse: ``later`` holds the maps of later
-    positions (applied first), ``earlier`` the outer one."""
-    return _math.scan_combine(later, earlier)
+def _combine(later, current):
+    """``lax.associative_scan``'s combine in reverse: ``later`` holds the composed maps of
+    the later positions (applied first), ``current`` the map applied after them."""
+    return _math.scan_combine(current, later)
 
 
 def _scan(backend: str):

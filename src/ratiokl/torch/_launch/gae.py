@@ -7,7 +7,7 @@ from typing import Callable, Tuple
 import torch
 import triton
 
-from ratiokl._kernels.gae import GAE_BLOCK_B, GAE_WARPS, gae_kernel
+from ratiokl._kernels.gae import GAE_BLOCK_B, GAE_BLOCK_T, GAE_WARPS, gae_kernel
 from ratiokl.torch._launch.op import KernelOp
 
 __all__ = ["GAE"]
@@ -26,7 +26,8 @@ def gae_scan(kernels: Callable, rewards: Tensor, values: Tensor, mask: Tensor, g
         kernels(gae_kernel)[(triton.cdiv(n_rows, GAE_BLOCK_B),)](
             rewards, values, mask, adv, ret,
             n_rows, n_steps, rewards.stride(0), values.stride(0), mask.stride(0), adv.stride(0),
-            GAMMA=gamma, LAM=lam, BLOCK_B=GAE_BLOCK_B, num_warps=GAE_WARPS,
+            GAMMA=gamma, LAM=lam, BLOCK_B=GAE_BLOCK_B, BLOCK_T=GAE_BLOCK_T,
+            num_warps=GAE_WARPS,
         )
     return adv, ret
 
