@@ -30,7 +30,8 @@ root_doc = "README"
 # toctree when Sphinx reads it (README stays plain Markdown on GitHub); the test
 # tests/test_docs.py checks that every page under docs/ is listed here.
 NAV = [
-    ("Guides", ["docs/install", "docs/api", "docs/policy_loss", "docs/trainers",
+    ("Guides", ["docs/install", "docs/api", "docs/policy_loss", "docs/advantages",
+                "docs/trainers",
                 "docs/check",
                 "docs/vocab_parallel", "docs/design", "docs/performance", "PERF"]),
     ("API reference", ["docs/reference/torch", "docs/reference/jax", "docs/reference/spec",

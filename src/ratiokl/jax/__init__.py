@@ -1,12 +1,12 @@
-"""JAX front end of ratiokl: ``from ratiokl.jax import loss``.
+"""JAX front end of ratiokl: ``from ratiokl.jax import loss`` (and ``advantages``).
 
-``loss`` holds the public functions; every other module here is private.
+``loss`` and ``advantages`` hold the public functions; every other module here is private.
 """
 
 from ratiokl._requirements import import_framework
 
 import_framework("jax", needed_by="ratiokl.jax")  # says which extra to install
 
-from ratiokl.jax import loss  # noqa: E402
+from ratiokl.jax import advantages, loss  # noqa: E402
 
-__all__ = ["loss"]
+__all__ = ["advantages", "loss"]

@@ -80,6 +80,34 @@ class _Jax:
     def take(x, index):
         return jnp.take_along_axis(x, index, axis=-1)
 
+    # --- groups of samples (ratiokl._core.advantages) -------------------------------------
+
+    @staticmethod
+    def argsort(x):
+        return jnp.argsort(x, stable=True)
+
+    @staticmethod
+    def cumsum(x):
+        return jnp.cumsum(x, axis=-1)
+
+    @staticmethod
+    def unpermute(values, order):
+        """``out[order] = values``."""
+        return jnp.zeros_like(values).at[order].set(values)
+
+    @staticmethod
+    def segment_sum(values, segment, count: int):
+        return jax.ops.segment_sum(values, segment, num_segments=count)
+
+    @staticmethod
+    def segment_max(values, segment, count: int):
+        return jax.ops.segment_max(values, segment, num_segments=count)
+
+    @staticmethod
+    def gather(table, index):
+        """``table[index]`` along the first axis."""
+        return table[index]
+
     @staticmethod
     def flat(values):
         """A float32 ``[N]`` copy of a per-token array (None passes through)."""

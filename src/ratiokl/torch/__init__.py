@@ -1,12 +1,12 @@
-"""PyTorch front end of ratiokl: ``from ratiokl.torch import loss``.
+"""PyTorch front end of ratiokl: ``from ratiokl.torch import loss`` (and ``advantages``).
 
-``loss`` holds the public functions; every other module here is private.
+``loss`` and ``advantages`` hold the public functions; every other module here is private.
 """
 
 from ratiokl._requirements import import_framework
 
 import_framework("torch", needed_by="ratiokl.torch")  # says which extra to install
 
-from ratiokl.torch import loss  # noqa: E402
+from ratiokl.torch import advantages, loss  # noqa: E402
 
-__all__ = ["loss"]
+__all__ = ["advantages", "loss"]

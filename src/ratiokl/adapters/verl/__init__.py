@@ -31,6 +31,7 @@ import_framework("verl", needed_by="ratiokl.adapters.verl")
 
 from verl.trainer.ppo import core_algos  # noqa: E402
 
+from ratiokl.adapters.verl import _advantages  # noqa: E402,F401 (ratiokl_* estimators)
 from ratiokl.adapters.verl._forward import (  # noqa: E402
     BACKEND, forward, install, use_ratiokl_forward)
 from ratiokl.adapters.verl._loss import (  # noqa: E402
