@@ -129,6 +129,8 @@ def _providers(x, chunks=()):
     yield "ratiokl (default: fp32 logits)", ratiokl(wb), (hb, wb), "bf16"
     yield "ratiokl logits_dtype='input' (bf16 head)", ratiokl(wb, logits_dtype="input"), \
         (hb, wb), "bf16"
+    yield "ratiokl logits_dtype='input', chunk_rows=2048 (the former default)", \
+        ratiokl(wb, logits_dtype="input", chunk_rows=2048), (hb, wb), "bf16"
     for rows in chunks:
         yield f"ratiokl chunk_rows={rows}", ratiokl(wb, chunk_rows=rows), (hb, wb), "bf16"
     yield "ratiokl fp32 weight (bf16x3)", ratiokl(w32), (hb, w32), "fp32"
@@ -161,7 +163,7 @@ def _providers(x, chunks=()):
         from cut_cross_entropy import linear_cross_entropy as cce_lce
 
         yield "cut-cross-entropy (NLL; no entropy)", \
-            lambda: (-cce_lce(hb, wb, x.ids, reduction="none"), None), (hb, wb), "bf16"
+            lambda: (-cce_lce(hb, wb, x.ids, reduction="none"), None), (hb, wb), "bf16-logp"
     except Exception as e:  # noqa: BLE001
         print("CCE skipped:", type(e).__name__, e)
 
@@ -280,6 +282,10 @@ def main() -> None:
         return
     x = _inputs(args.n, args.h, args.v, args.logit_std)
     refs = {"bf16": _reference(x.hidden, x.weight, x), "fp32": _reference(x.hidden, x.w32, x)}
+    # A provider without the entropy: its gradients are the log-prob's alone.
+    g_ent, x.g_ent = x.g_ent, torch.zeros_like(x.g_ent)
+    refs["bf16-logp"] = _reference(x.hidden, x.weight, x)
+    x.g_ent = g_ent
     logits = torch.cat([(x.hidden[i:i + 1024].float() @ x.weight.float().T).flatten()[:10 ** 6]
                         for i in range(0, args.n, 1024)])
     records = [_gemms(x)]

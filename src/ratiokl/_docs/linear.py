@@ -133,7 +133,7 @@ PIECES = {
     half-precision dtype on a GPU) and adds the chunk's share to the three gradients: four
     GEMMs per chunk in all.""",
         "chunk_rows": """rows per chunk; None (default): as many as keep the chunk's logits
-        and their gradient within 256 MiB (``ratiokl.spec.CHUNK_BYTES``; 320 rows at V =
+        and their gradient within 1 GiB (``ratiokl.spec.CHUNK_BYTES``; 1152 rows at V =
         151,936 with float32 logits and a bf16 gradient), a multiple of 64. Memory beyond
         the inputs and gradients is that buffer plus O(N).""",
         "backend": """``"auto"``, ``"native"``, ``"triton"`` or ``"interpret"``. ``"triton"`` (what
@@ -180,8 +180,8 @@ PIECES = {
         "metrics_pass": " (one metrics pass over all rows after the chunks)",
         "static_head": "",
         "loss_chunk_rows": """rows per chunk; None (default): sized by bytes, as in
-        :func:`linear_selected_logprobs` (the float32 logits and their gradient within 256
-        MiB). Memory beyond the gradients is that buffer plus O(N).""",
+        :func:`linear_selected_logprobs` (the float32 logits and their gradient within 1
+        GiB). Memory beyond the gradients is that buffer plus O(N).""",
         "loss_backend": """``"auto"`` / ``"triton"`` on CUDA tensors, ``"interpret"`` on CPU tensors
         (Triton's interpreter): the chunks. ``"native"`` (what ``"auto"`` picks for CPU
         tensors)""",

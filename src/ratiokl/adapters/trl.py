@@ -119,7 +119,7 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     Args (besides TRL's, all keyword):
       ratiokl_chunk_rows: completion tokens per chunk (``linear_policy_loss``'s
-        ``chunk_rows``); None (default): sized by bytes (float32 logits, 256 MiB at most).
+        ``chunk_rows``); None (default): sized by bytes (float32 logits, 1 GiB at most).
       ratiokl_backend: ``"auto"`` (Triton on CUDA, else the native path), ``"native"``,
         ``"triton"`` or ``"interpret"``; checked against the trainer's device when built
         (``ValueError``: ``"triton"`` off CUDA, ``"interpret"`` off the CPU, either

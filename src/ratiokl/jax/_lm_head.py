@@ -63,12 +63,18 @@ def chunk_size(chunk_rows: Optional[int], hidden: jax.Array, weight: jax.Array,
                           logits.itemsize + grad.itemsize)
 
 
+def _to_bf16(x: jax.Array) -> jax.Array:
+    """``x`` rounded to bfloat16 for certain: XLA may drop a float32 -> bfloat16 -> float32
+    round trip inside a fusion (excess precision), which would leave a split's remainder 0;
+    ``reduce_precision`` rounds whatever the fusion."""
+    return lax.reduce_precision(x, exponent_bits=8, mantissa_bits=7).astype(jnp.bfloat16)
+
+
 def _split(x: jax.Array, pieces: int) -> Tuple[jax.Array, ...]:
     """``x`` as bfloat16 pieces (``ratiokl.spec.split_bf16``; a bfloat16 ``x`` itself)."""
     if x.dtype == jnp.bfloat16:
         return (x,)
-    return split_bf16(x, pieces, lambda t: t.astype(jnp.bfloat16),
-                      lambda t: t.astype(jnp.float32))
+    return split_bf16(x, pieces, _to_bf16, lambda t: t.astype(jnp.float32))
 
 
 def _split_mode(kept: jax.Array, weight: jax.Array, transform: LogitTransform) -> bool:
