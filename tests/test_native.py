@@ -92,8 +92,9 @@ def _both(message: str) -> dict:
 #: wording is the framework's own.
 BAD_ARGS = [pytest.param(change, error, message if isinstance(message, dict) else
                          _both(message), id=name) for name, change, error, message in [
-    ("policy-float64", {"policy": np.zeros((4, 6, V), np.float64)}, TypeError,
-     "`policy_logits` must be float32, float16 or bfloat16"),
+    ("policy-int32", {"policy": np.zeros((4, 6, V), np.int32)}, TypeError,
+     "`policy_logits` must be float32, float16 or bfloat16 (or float64, on "
+     "backend='native')"),
     ("policy-no-vocab", {"policy": np.zeros((4, 6, 0), np.float32)}, ValueError,
      "`policy_logits` must have shape"),
     ("ids-float", {"ids": np.zeros((4, 6), np.float32)}, TypeError,

@@ -31,10 +31,13 @@ def _data():
 
 
 def _counting(monkeypatch, framework: str) -> dict:
-    """Wrap the validators of ``ratiokl.<framework>._checks``; their call counts."""
-    checks = importlib.import_module(f"ratiokl.{framework}._checks")
+    """Wrap the validators (the mask's in ``ratiokl.<framework>._checks``, the per-token
+    inputs' in ``ratiokl._core.checks``, which takes the call's compute dtype); their call
+    counts."""
     counts = dict.fromkeys(VALIDATORS, 0)
     for name in VALIDATORS:
+        checks = importlib.import_module("ratiokl._core.checks" if name == "token_inputs"
+                                         else f"ratiokl.{framework}._checks")
         real = getattr(checks, name)
 
         def counted(*args, _real=real, _name=name, **kwargs):

@@ -2,11 +2,12 @@
 gradients, as ``torch.autograd.gradcheck`` requires (``check_undefined_grad=True``, its
 default), and backpropagates through any one of several outputs alone.
 
-The logits and linear ops refuse float64 today, so gradcheck itself cannot run on them:
-its undefined-gradient check is run directly (:func:`_undefined_grads`, the same two steps:
+gradcheck needs float64, which only the native logits ops take (``tests/torch/
+test_float64.py`` runs it there); for every backend and the linear ops (float32) its
+undefined-gradient check is run directly (:func:`_undefined_grads`, the same two steps:
 every output's gradient undefined, then each output's in turn), and the gradient through one
 output alone is compared with a float64 autograd reference. ``policy_objective`` (plain
-autograd ops, no Function of its own) takes float64 and runs the whole gradcheck.
+autograd ops, no Function of its own) runs the whole gradcheck here.
 
 Reached through the public functions, on ``native`` and ``interpret``: ``_native``'s two
 Functions, the Triton binding's generated ones (``_launch``: log-probs, entropy, the fused
@@ -176,9 +177,8 @@ def test_backward_through_one_output_alone(name, output, backend):
 
 
 def test_policy_objective_passes_gradcheck():
-    """float64 log-probs: the whole gradcheck, undefined-gradient check included. It computes
-    in float32 today (issue 47, item 14), hence the finite-difference step and tolerance
-    that a float32 objective allows."""
+    """float64 log-probs: the whole gradcheck at its default tolerances, undefined-gradient
+    check included (float64 log-probs are computed in float64)."""
     logps = (OLD.double() + 0.1 * ADV.double()).requires_grad_()
     entropy = torch.rand(B, T, generator=_GEN, dtype=torch.float64).requires_grad_()
 
@@ -186,5 +186,4 @@ def test_policy_objective_passes_gradcheck():
         return loss.policy_objective(lp, OLD.double(), ADV.double(), MASK, entropy=ent,
                                      entropy_coef=0.1)[0]
 
-    assert torch.autograd.gradcheck(objective, (logps, entropy), eps=1e-3, atol=1e-3,
-                                    check_undefined_grad=True)
+    assert torch.autograd.gradcheck(objective, (logps, entropy), check_undefined_grad=True)

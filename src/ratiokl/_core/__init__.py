@@ -11,8 +11,9 @@ light. An adapter offers, with the array API's names and meaning where it has th
   NaN);
 * reductions and layout: ``sum(x, axis=None, keepdims=False)``, ``max(x, axis)``, ``count(mask)`` (an
   integer 0-d array), ``stack(arrays)``, ``broadcast_to(x, shape)``, ``zeros_like``,
-  ``ones_like``, ``as_float(x)`` (float32), ``as_index(x)`` (the framework's index
-  integer);
+  ``ones_like``, ``as_float(x)`` (the adapter's compute dtype ``float_dtype``: float32,
+  or float64 in the adapter ``for_dtype(float64)`` gives, which float64 logits or log-probs
+  select), ``as_index(x)`` (the framework's index integer);
 * what the array API lacks: ``stop_gradient(x)``, and along the last axis
   ``positions(like)`` (``0 .. T-1`` broadcast to ``like``'s shape), ``cummax(x)``,
   ``reverse_cummin(x)``, ``shift(x, step, fill)`` (right by ``step > 0``, left by

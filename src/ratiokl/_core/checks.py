@@ -9,7 +9,8 @@ framework's own (``ratiokl.<framework>._checks``).
 ``xp`` is the framework's array adapter (:mod:`ratiokl._core`); for validation it also
 answers what kind of array a value is: ``is_array(value)`` (JAX also takes NumPy arrays and
 tracers), ``as_array(x)`` (the framework's own array), ``is_floating`` / ``is_integer``
-(bool excluded) / ``is_bool`` of a dtype, ``logit_dtypes``, ``id_dtypes`` and their names
+(bool excluded) / ``is_bool`` of a dtype, ``logit_dtypes`` (and ``wide_dtype``, float64,
+which only the native backend takes), ``id_dtypes`` and their names
 ``id_dtype_names``; and the words: ``array_type`` (``"torch.Tensor"``), ``any_array`` (how
 the "must be" error says it), ``noun`` (``"tensor"`` / ``"array"``) and ``casts``, the
 fix's format for ``"float"``, ``"ids"`` and ``"bool"`` (``"{}.bool()"``).
@@ -26,8 +27,8 @@ from ratiokl._core.rows import bad_ids
 from ratiokl._core.sequences import as_rows
 
 __all__ = ["Rules", "TokenInputs", "bad_rows", "bind", "check_ids", "check_logits", "check_mask",
-           "check_ref", "check_row_values", "check_temperature", "poison_bad_temperature",
-           "token_inputs", "valid_temperature"]
+           "check_ref", "check_row_values", "check_temperature", "float64_backend",
+           "poison_bad_temperature", "token_inputs", "valid_temperature"]
 
 Shape = Tuple[int, ...]
 
@@ -50,12 +51,15 @@ def _check_lead_shape(name: str, value, lead: Shape) -> None:
         )
 
 
-def check_logits(xp, name: str, logits: Any):
-    """``logits`` is a float32/float16/bfloat16 array ``[..., V]`` with ``V >= 1``."""
+def check_logits(xp, name: str, logits: Any, float64: bool = False):
+    """``logits`` is a float32/float16/bfloat16 array ``[..., V]`` with ``V >= 1``; with
+    ``float64`` (the logits ops) float64 too, which :func:`float64_backend` then keeps to
+    the native backend."""
     logits = _require(xp, name, logits)
-    if logits.dtype not in xp.logit_dtypes:
+    if logits.dtype not in xp.logit_dtypes and not (float64 and logits.dtype == xp.wide_dtype):
+        also = " (or float64, on backend='native')" if float64 else ""
         raise TypeError(
-            f"`{name}` must be float32, float16 or bfloat16; got {logits.dtype}. "
+            f"`{name}` must be float32, float16 or bfloat16{also}; got {logits.dtype}. "
             f"Cast it, e.g. `{xp.casts['float'].format(name)}`"
         )
     if logits.ndim < 1 or logits.shape[-1] < 1:
@@ -112,13 +116,41 @@ def check_ref(xp, ref_logits: Any, ref_logps: Any, policy_shape: Shape):
         )
     if ref_logps is not None:
         return None, check_row_values(xp, "ref_logps", ref_logps, tuple(policy_shape[:-1]))
-    ref = check_logits(xp, "ref_logits", ref_logits)
+    ref = check_logits(xp, "ref_logits", ref_logits, float64=True)
     if tuple(ref.shape) != tuple(policy_shape):
         raise ValueError(
             f"`ref_logits` must have the shape of `policy_logits` {list(policy_shape)}; "
             f"got {list(ref.shape)}"
         )
     return ref, None
+
+
+def float64_backend(xp, name: str, requested: str, sharded: Optional[str] = None,
+                    **logits: Any) -> str:
+    """The concrete backend for ``logits`` (by argument name; None skipped) given ``name``,
+    the one ``requested`` resolved to: float64 logits run on ``"native"`` (in float64),
+    which ``"auto"`` picks for them; an explicit Triton backend, or sharded logits
+    (``sharded``: the call's ``vocab_group`` / ``vocab_axis`` keyword, None when not
+    sharded), raise ``TypeError`` naming the argument (both compute in float32)."""
+    wide = [arg for arg, x in logits.items() if x is not None and x.dtype == xp.wide_dtype]
+    if not wide:
+        return name
+    cast = xp.casts["float"].format(wide[0])
+    if sharded is not None:
+        raise TypeError(
+            f"`{wide[0]}` is float64, which `{sharded}` does not take: the vocabulary-"
+            f"parallel path computes in float32. Cast it, e.g. `{cast}`, or pass the "
+            f"unsharded logits with backend='native' (float64 math)"
+        )
+    if name == "native":
+        return name
+    if requested == "auto":
+        return "native"
+    raise TypeError(
+        f"`{wide[0]}` is float64, which backend={name!r} does not take: its Triton kernels "
+        f"compute in float32. Pass backend='native' (float64 math, e.g. for gradcheck) or "
+        f"cast it, e.g. `{cast}`"
+    )
 
 
 def _positive_finite(name: str, value) -> None:
@@ -185,7 +217,8 @@ def bad_rows(xp, ids, mask, vocab_size: Optional[int], temperature) -> Dict[str,
 @dataclass(frozen=True)
 class TokenInputs:
     """``policy_loss``'s per-token inputs, validated, outside the gradient (detached /
-    under stop-gradient), laid out ``[R, T]``."""
+    under stop-gradient), laid out ``[R, T]``; "float32" below is the compute dtype
+    (float64 for float64 logits or log-probs)."""
 
     old_logps: Optional[Any]  # float32; None: on-policy
     advantages: Any  # float32, broadcast over tokens
@@ -198,7 +231,8 @@ class TokenInputs:
 
 
 def _floats(xp, x):
-    """``x`` as float32 outside the gradient."""
+    """``x`` in the compute dtype (``xp.as_float``: float32, or float64) outside the
+    gradient."""
     return xp.stop_gradient(xp.as_float(xp.as_array(x)))
 
 
@@ -251,7 +285,8 @@ def _check_segments(xp, segment_ids: Any, lead: Shape):
 
 
 def _row_floats(xp, name: str, values: Any, lead: Shape):
-    """A per-token argument checked, as float32 ``[R, T]`` outside the gradient; None stays."""
+    """A per-token argument checked, as ``[R, T]`` in the compute dtype outside the gradient;
+    None stays."""
     if values is None:
         return None
     return as_rows(_floats(xp, check_row_values(xp, name, values, lead)), lead)
@@ -287,6 +322,7 @@ class Rules(NamedTuple):
     check_row_values: Callable
     check_ref: Callable
     check_temperature: Callable
+    float64_backend: Callable
     poison_bad_temperature: Callable
     token_inputs: Callable
     bad_rows: Callable

@@ -6,11 +6,12 @@ Validate (shapes, dtypes and, in PyTorch, devices; no host sync), lay the tokens
 policy_objective` on the framework's array adapter ``xp``, which the two-pass
 ``policy_loss`` runs too: ``[N]``-sized framework ops, no kernel and no backend. The
 framework's autodiff differentiates the result through ``logps`` and (with an entropy
-bonus) ``entropy``.
+bonus) ``entropy``. The compute dtype follows ``logps``: float64 log-probs are computed in
+float64 (``xp.for_dtype``), every other input cast to it; otherwise float32.
 
-``checks`` is the framework's ``_checks`` module (``check_row_values``, ``check_mask``,
-``token_inputs``); ``xp`` also offers ``same_device(**arrays)`` (PyTorch: one device;
-JAX: nothing to check).
+``checks`` is the framework's ``_checks`` module (``check_row_values``, ``check_mask``);
+``xp`` also offers ``same_device(**arrays)`` (PyTorch: one device; JAX: nothing to
+check).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ __all__ = ["policy_objective"]
 
 
 def _values(xp, checks, name: str, values: Any, lead: Tuple[int, ...]):
-    """A floating per-token array of ``lead`` as float32 ``[R, T]`` (differentiable)."""
+    """A floating per-token array of ``lead`` as ``[R, T]`` in ``xp``'s compute dtype
+    (differentiable)."""
     return as_rows(xp.as_float(checks.check_row_values(name, values, lead)), lead)
 
 
@@ -44,7 +46,9 @@ def policy_objective(xp, checks, opts: PolicyLossOptions, logps, old_logps, adva
     """``ratiokl.<framework>.loss.policy_objective`` (documented there), its options in
     ``opts``."""
     lead = tuple(getattr(logps, "shape", ()))  # not an array: check_row_values names it
-    logp = _values(xp, checks, "logps", logps, lead)
+    logps = checks.check_row_values("logps", logps, lead)
+    xp = xp.for_dtype(logps.dtype)  # float64 log-probs: float64 math, float64 results
+    logp = as_rows(xp.as_float(logps), lead)
     if ref_logps is None and opts.uses_kl:
         raise _missing("ref_logps", "kl_coef")
     if entropy is None and opts.uses_entropy:
@@ -54,7 +58,7 @@ def policy_objective(xp, checks, opts: PolicyLossOptions, logps, old_logps, adva
     ent = None if entropy is None else _values(xp, checks, "entropy", entropy, lead)
     mask = (xp.ones_like(logp) > 0 if mask is None  # None: every row active
             else checks.check_mask(mask, lead))
-    inputs = loss_inputs(checks, opts, lead, old_logps, advantages, segment_ids,
+    inputs = loss_inputs(xp, opts, lead, old_logps, advantages, segment_ids,
                          importance_weights, loss_normalizer, kl_entropy_normalizer,
                          rollout_logps)
     xp.same_device(logps=logps, mask=mask, old_logps=old_logps, advantages=advantages,

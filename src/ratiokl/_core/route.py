@@ -8,7 +8,8 @@ layout (``sequences.as_rows``), the loss as the caller gets it (``loss_agg="none
 token in the leading shape, else 0-d).
 
 ``xp`` is the framework's array adapter (see :mod:`ratiokl._core`); for the route it also
-offers ``flat(x)`` (a float32 ``[N]`` copy outside the gradient, None passing through),
+offers ``flat(x)`` (an ``[N]`` copy in the compute dtype outside the gradient, None passing
+through),
 ``no_grad()`` (a context), ``compiling()``, ``compiled_backward(logits)`` (whether to
 leave the fused kernel to the two passes), ``check_before_inplace`` and ``once(loss, op)``
 (the framework's guard against a second backward).
@@ -20,6 +21,7 @@ import dataclasses
 from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
 from ratiokl._backend import Backend, inplace_grad_error
+from ratiokl._core import checks as _checks
 from ratiokl._core.objective import kernel_weights, objective_rows
 from ratiokl._core.rollout import weights as rollout_weights
 from ratiokl._core.sequences import as_rows, log_weights
@@ -49,15 +51,16 @@ class Rows(NamedTuple):
         return result
 
 
-def loss_inputs(checks, opts: PolicyLossOptions, lead: Tuple[int, ...], old_logps, advantages,
+def loss_inputs(xp, opts: PolicyLossOptions, lead: Tuple[int, ...], old_logps, advantages,
                 segment_ids, importance_weights, loss_normalizer, kl_entropy_normalizer,
                 rollout_logps=None):
     """The normalisers checked against ``opts``, then the per-token inputs validated
-    (``checks``: the framework's ``_checks``; its ``TokenInputs``)."""
+    (:func:`ratiokl._core.checks.token_inputs`, in ``xp``'s compute dtype)."""
     check_loss_normalizer(opts.loss_agg, loss_normalizer)
     check_term_normalizer(opts, kl_entropy_normalizer)
-    return checks.token_inputs(lead, old_logps, advantages, segment_ids, importance_weights,
-                               loss_normalizer, kl_entropy_normalizer, rollout_logps)
+    return _checks.token_inputs(xp, lead, old_logps, advantages, segment_ids,
+                                importance_weights, loss_normalizer, kl_entropy_normalizer,
+                                rollout_logps)
 
 
 def rollout_step(xp, mask, lead: Tuple[int, ...], inputs, opts: RolloutOptions,

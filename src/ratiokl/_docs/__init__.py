@@ -30,12 +30,14 @@ COMMON: Dict[str, Dict[str, str]] = {
         "group": "vocab_group",
         "strides": ", any strides",
         "static": "",
+        "wide_backend": ' (``"auto"`` picks it; e.g. for ``torch.autograd.gradcheck``)',
     },
     "jax": {
         "array": "array",
         "group": "vocab_axis",
         "strides": "",
         "static": " (static)",
+        "wide_backend": ' under ``jax_enable_x64`` (``"auto"`` picks it)',
     },
 }
 

@@ -3,8 +3,8 @@
 SELECTED_LOGPROBS = r"""
     Log-probability of the sampled action per token: ``logp = z[a] - logsumexp(z)``.
 
-    With :math:`z = \mathrm{logits} / T` (row by row), computed in float32 whatever the
-    logits' dtype:
+    With :math:`z = \mathrm{logits} / T` (row by row), computed in float32 for float32,
+    float16 and bfloat16 logits, whatever the other inputs' dtypes:
 
     .. math::
 
@@ -19,8 +19,14 @@ SELECTED_LOGPROBS = r"""
         H = -\sum_v p_v \log p_v = \log \sum_v e^{z_v} - \sum_v p_v z_v, \qquad
         \frac{\partial H}{\partial\, \mathrm{logits}_v} = -\frac{p_v (\log p_v + H)}{T}
 
+    Float64 logits are computed in float64 on the native backend$wide_backend:
+    every output and the gradient are then float64, and the other floating inputs are read
+    in float64. ``"triton"`` and ``"interpret"`` (float32 kernels) and ``$group`` refuse
+    them with a ``TypeError`` naming the argument.
+
     Args:
-      logits: ``[..., V]`` float32, float16 or bfloat16$strides.
+      logits: ``[..., V]`` float32, float16 or bfloat16$strides; float64 on the native
+        backend.
       action_ids: ``[...]`` int64 or int32 sampled token ids, in ``[0, V)`` on active rows.
       mask: ``[...]`` bool (or integer 0/1), True for active tokens; None: all active.
       temperature: a positive Python float, or a floating ``[...]`` (or 0-d) $array,
@@ -32,13 +38,14 @@ SELECTED_LOGPROBS = r"""
       return_entropy: also return the entropy (with ``$group`` too).
 
     Returns:
-      ``logp``: float32 ``[...]``; exactly 0 on inactive rows. The gradient
+      ``logp``: float32 ``[...]`` (float64 for float64 logits); exactly 0 on inactive
+      rows. The gradient
       ``g * (onehot(a) - softmax(z)) / T`` reaches ``logits`` in its dtype, and
       is exactly 0 on inactive rows whatever they hold (NaN, inf, any id).
       A NaN logit on an active row makes that row NaN only; ``-inf`` logits at
       other tokens (vocabulary masking) are valid.
 
-      With ``return_entropy``: ``(logp, entropy)``, ``entropy`` float32 ``[...]``, 0 on
+      With ``return_entropy``: ``(logp, entropy)``, ``entropy`` as ``logp``, 0 on
       inactive rows (its gradient there exactly 0 too); a ``-inf`` logit contributes 0
       to it and to its gradient (never ``0 * -inf``); a NaN logit makes the row NaN.
 
@@ -48,8 +55,9 @@ SELECTED_LOGPROBS = r"""
 RATIO_KL = r"""
     Per-token importance ratio and KL penalty of the policy against a reference.
 
-    With ``logp`` from :func:`selected_logprobs` (float32 math) and ``logp_ref`` the same
-    on ``ref_logits`` (or the given ``ref_logps``):
+    With ``logp`` from :func:`selected_logprobs` (float32 math; float64 for float64
+    ``policy_logits``, on the native backend only, as there) and ``logp_ref`` the same on
+    ``ref_logits`` (or the given ``ref_logps``):
 
     .. math::
 
@@ -59,7 +67,8 @@ RATIO_KL = r"""
                       e^{d} - d - 1 & \text{k3 (the default)} \end{cases}
 
     Args:
-      policy_logits: ``[..., V]`` float32, float16 or bfloat16$strides.
+      policy_logits: ``[..., V]`` float32, float16 or bfloat16$strides; float64 on the
+        native backend.
       ref_logits: reference-model logits of the same shape (any of those dtypes),
         or None when ``ref_logps`` is given. Evaluated $no_grad.
       action_ids: ``[...]`` int64 or int32 sampled token ids, in ``[0, V)`` on active rows.
@@ -75,10 +84,10 @@ RATIO_KL = r"""
         ``ref_logits`` are both sharded that way.
 
     Returns:
-      ``(ratio, kl)``, float32 ``[...]`` each. Inactive rows give ``ratio = 1``
-      and ``kl = 0`` whatever they hold (NaN/inf logits, NaN ``old_logps``, any
-      id). The gradient reaches ``policy_logits`` only, in its dtype
-      (per row ``c * (onehot(a) - softmax(z)) / T`` with
+      ``(ratio, kl)``, float32 ``[...]`` each (float64 for float64 ``policy_logits``).
+      Inactive rows give ``ratio = 1`` and ``kl = 0`` whatever they hold (NaN/inf
+      logits, NaN ``old_logps``, any id). The gradient reaches ``policy_logits`` only, in
+      its dtype (per row ``c * (onehot(a) - softmax(z)) / T`` with
       ``c = g_ratio * ratio + g_kl * dkl/dlogp``), exactly 0 on inactive rows;
       $no_grad_inputs get none.
 

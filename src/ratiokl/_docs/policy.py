@@ -126,8 +126,10 @@ POLICY_LOSS = r"""
       inplace_grad: $inplace_grad
 
     Returns:
-      ``(loss, metrics)``: a float32 0-d $array (``loss_agg="none"``: float32 ``[...]``,
-      exactly ``+0.0`` on inactive tokens, each token's gradient scaled by its own upstream
+      ``(loss, metrics)``: a float32 0-d $array (``loss_agg="none"``: float32 ``[...]``;
+      float64 loss and metrics for float64 ``policy_logits``, on the native backend only,
+      every other floating input then read in float64), exactly ``+0.0`` on inactive
+      tokens, each token's gradient scaled by its own upstream
       value; a NaN upstream on an inactive token stays out), and $metrics
       ``clip_fraction`` (= ``_low`` + ``_high``), ``clip_fraction_low``,
       ``clip_fraction_high``, ``dual_clip_fraction``, ``ratio_mean``, ``kl_mean``
@@ -167,7 +169,8 @@ POLICY_OBJECTIVE = r"""
 
     Args:
       logps: ``[...]`` floating (float32, bfloat16, ...) log-probs of the sampled tokens
-        under the policy being trained$differentiated; computed in float32.
+        under the policy being trained$differentiated; computed in float32, or in float64
+        for float64 ``logps`` (every other floating input then read in float64).
       old_logps: ``[...]`` floating behaviour log-probs, or None (on-policy:
         ``old_logp = sg(logp)``, as in :func:`policy_loss`).
       advantages: floating, per token ``[..., T]`` or per sequence ``[...]`` / ``[..., 1]``.
@@ -182,7 +185,8 @@ POLICY_OBJECTIVE = r"""
 
     Returns:
       ``(loss, metrics)``: the float32 0-d loss (``loss_agg="none"``: the per-token loss,
-      float32 ``[...]``, exactly 0 on inactive tokens), and $objective_metrics
+      float32 ``[...]``, exactly 0 on inactive tokens; float64 loss and metrics for
+      float64 ``logps``), and $objective_metrics
       (``entropy_mean`` only when ``entropy`` is given). The gradient
       reaches ``logps`` and, where the entropy bonus weighs in, ``entropy``, in their
       dtypes; never ``old_logps``, ``ref_logps``, ``advantages``, ``rollout_logps`` or
@@ -211,7 +215,9 @@ PIECES = {
         "backprop_once": """
       The loss backpropagates once per call on every backend (the one-kernel path
       scales its stored gradient in place): a second backward through it
-      (``retain_graph=True``) raises ``RuntimeError``; call ``policy_loss`` again.""",
+      (``retain_graph=True``) raises ``RuntimeError``; call ``policy_loss`` again. Float64
+      logits, which run on the native backend only, are the exception: their loss
+      backpropagates any number of times, as ``torch.autograd.gradcheck`` needs.""",
         "runs": """framework ops on ``[...]``-sized tensors (no kernel, so no ``backend`` or
     ``temperature``: the log-probs carry the temperature they were computed with), under
     autograd and ``torch.compile``; being plain autograd, its loss may be backpropagated

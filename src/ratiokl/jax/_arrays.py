@@ -16,11 +16,22 @@ from jax import lax
 
 from ratiokl.spec import LOGIT_DTYPE_NAMES
 
-__all__ = ["XP"]
+__all__ = ["XP", "XP64"]
 
 
 class _Jax:
-    """The adapter (static methods only: one shared instance, :data:`XP`)."""
+    """The adapter, one instance per compute dtype: :data:`XP` (float32, every logits dtype
+    but float64) and :data:`XP64` (float64 logits or log-probs under ``jax_enable_x64``, the
+    native backend); :meth:`for_dtype` picks one from an input's dtype."""
+
+    def __init__(self, float_dtype) -> None:
+        #: The dtype ``as_float`` and ``flat`` give: the op's compute dtype.
+        self.float_dtype = float_dtype
+
+    @staticmethod
+    def for_dtype(dtype) -> "_Jax":
+        """:data:`XP64` for float64 inputs, else :data:`XP` (float32 math)."""
+        return XP64 if dtype == jnp.float64 else XP
 
     where = staticmethod(jnp.where)
     exp = staticmethod(jnp.exp)
@@ -49,9 +60,8 @@ class _Jax:
     def count(mask):
         return jnp.sum(mask, dtype=jnp.int32)
 
-    @staticmethod
-    def as_float(x):
-        return jnp.asarray(x, jnp.float32)
+    def as_float(self, x):
+        return jnp.asarray(x, self.float_dtype)
 
     @staticmethod
     def as_index(x):
@@ -108,10 +118,9 @@ class _Jax:
         """``table[index]`` along the first axis."""
         return table[index]
 
-    @staticmethod
-    def flat(values):
-        """A float32 ``[N]`` copy of a per-token array (None passes through)."""
-        return None if values is None else values.reshape(-1).astype(jnp.float32)
+    def flat(self, values):
+        """An ``[N]`` copy in the compute dtype of a per-token array (None passes through)."""
+        return None if values is None else values.reshape(-1).astype(self.float_dtype)
 
     # --- the route's hooks (ratiokl._core.route.loss_step) ---------------------------------
 
@@ -146,6 +155,8 @@ class _Jax:
 
     array_type, any_array, noun = "jax.Array", "a jax.Array (or a NumPy array)", "array"
     logit_dtypes = tuple(jnp.dtype(name) for name in LOGIT_DTYPE_NAMES)
+    #: The logits dtype only the native backend takes (computed in float64; needs x64).
+    wide_dtype = jnp.dtype("float64")
     id_dtype_names = ("int32", "int64")
     id_dtypes = (jnp.int32, jnp.int64)
     casts = {"float": "{}.astype(jnp.float32)", "ids": "{}.astype(jnp.int32)",
@@ -174,4 +185,5 @@ class _Jax:
         """Nothing to check: JAX places the arrays of one computation itself."""
 
 
-XP = _Jax()
+XP = _Jax(jnp.dtype("float32"))
+XP64 = _Jax(jnp.dtype("float64"))

@@ -22,9 +22,9 @@ from ratiokl.jax._arrays import XP
 from ratiokl.spec import check_action_ids, check_temperatures
 
 __all__ = ["ActiveCheck", "check_ids", "check_logits", "check_mask",
-           "check_ref", "check_row_values", "check_temperature", "kernel_rows",
-           "LOGIT_DTYPES", "Normalizer", "poison_bad_temperature", "Temperature",
-           "token_inputs", "TokenInputs"]
+           "check_ref", "check_row_values", "check_temperature", "float64_backend",
+           "kernel_rows", "LOGIT_DTYPES", "Normalizer", "poison_bad_temperature",
+           "Temperature", "token_inputs", "TokenInputs"]
 
 #: ``spec.LOGIT_DTYPE_NAMES`` as JAX dtypes.
 LOGIT_DTYPES = XP.logit_dtypes
@@ -34,7 +34,7 @@ Normalizer = Union[None, float, jax.Array]
 
 # The shape and dtype rules, in JAX's words: NumPy arrays in, jax.Arrays out.
 (check_logits, check_ids, check_mask, check_row_values, check_ref, check_temperature,
- poison_bad_temperature, token_inputs, _bad_rows) = checks.bind(XP)
+ float64_backend, poison_bad_temperature, token_inputs, _bad_rows) = checks.bind(XP)
 
 
 def _is_concrete(*arrays: jax.Array) -> bool:

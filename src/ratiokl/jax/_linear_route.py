@@ -61,7 +61,7 @@ def linear_policy_loss(hidden, weight, action_ids, mask, old_logps, advantages,
     hidden, weight, bias, ids, lead = _head(hidden, weight, bias, action_ids)
     if ref_logps is not None or opts.uses_kl:
         _, ref_logps = _checks.check_ref(None, ref_logps, hidden.shape)
-    inputs = _tail.loss_inputs(_checks, opts, lead, old_logps, advantages, segment_ids,
+    inputs = _tail.loss_inputs(XP, opts, lead, old_logps, advantages, segment_ids,
                                importance_weights, loss_normalizer, kl_entropy_normalizer,
                                rollout_logps)
     rows = _rows(hidden, lead, ids, mask, temperature, backend, check_ids, vocab_axis,

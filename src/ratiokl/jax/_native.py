@@ -13,8 +13,9 @@ are replaced with ``jnp.where`` (never a multiplication) before any
 arithmetic, their ids are clamped before the gather, and their gradient is
 selected to exactly 0. An active row whose id is outside ``[0, V)`` reads
 the clamped id and is poisoned, checked or not: its ``lse`` is NaN, so its
-outputs and its gradient are NaN. All
-math is float32; the gradient is cast to the logits' dtype.
+outputs and its gradient are NaN. All math is float32, except for float64
+logits (under ``jax_enable_x64``), which are computed in float64; the
+gradient is cast to the logits' dtype.
 """
 
 from __future__ import annotations
@@ -31,24 +32,31 @@ from ratiokl.jax._arrays import XP
 from ratiokl.jax._checks import Temperature
 
 __all__ = [
-    "entropy_grad", "finite_or_zero", "logprobs_entropy", "ratio_kl", "row_temperature",
-    "rows_backward", "rows_forward", "scaled_logits", "selected_logprobs",
+    "compute_dtype", "entropy_grad", "finite_or_zero", "logprobs_entropy", "ratio_kl",
+    "row_temperature", "rows_backward", "rows_forward", "scaled_logits", "selected_logprobs",
 ]
 
 
-def row_temperature(temperature: Temperature, rows: int) -> jax.Array:
-    """Temperature as float32 ``[N]`` (a Python float is broadcast)."""
+def compute_dtype(logits: jax.Array):
+    """The dtype the rows are computed in: float64 for float64 logits, else float32."""
+    return XP.for_dtype(logits.dtype).float_dtype
+
+
+def row_temperature(temperature: Temperature, rows: int, dtype=jnp.float32) -> jax.Array:
+    """Temperature as ``[N]`` of ``dtype`` (the compute dtype; a Python float is
+    broadcast)."""
     if isinstance(temperature, float):
-        return jnp.full((rows,), temperature, dtype=jnp.float32)
-    return temperature.astype(jnp.float32)
+        return jnp.full((rows,), temperature, dtype=dtype)
+    return temperature.astype(dtype)
 
 
 def scaled_logits(
     logits: jax.Array, mask: jax.Array, temperature: jax.Array
 ) -> Tuple[jax.Array, jax.Array]:
-    """``(z = logits / T, T)`` in float32; inactive rows hold ``z = 0``, ``T = 1``."""
+    """``(z = logits / T, T)`` in the compute dtype (:func:`compute_dtype`); inactive rows
+    hold ``z = 0``, ``T = 1``."""
     t = jnp.where(mask, temperature, 1.0)
-    x = jnp.where(mask[:, None], logits.astype(jnp.float32), 0.0)
+    x = jnp.where(mask[:, None], logits.astype(compute_dtype(logits)), 0.0)
     return x / t[:, None], t
 
 
@@ -59,8 +67,8 @@ def finite_or_zero(m: jax.Array) -> jax.Array:
 
 def _forward(logits: jax.Array, ids: jax.Array, mask: jax.Array, temperature: jax.Array,
              entropy: bool = False) -> Tuple[jax.Array, jax.Array, Optional[jax.Array]]:
-    """``(logp, lse, entropy | None)`` float32 ``[N]``; ``logp`` (and the entropy) 0 on
-    inactive rows, NaN on poisoned rows."""
+    """``(logp, lse, entropy | None)`` ``[N]`` in the compute dtype; ``logp`` (and the
+    entropy) 0 on inactive rows, NaN on poisoned rows."""
     safe, bad = _rows.safe_ids(XP, ids, mask, logits.shape[-1])
     z, _ = scaled_logits(logits, mask, temperature)
     return _rows.finish(XP, mask, bad, *_rows.row_values(XP, z, safe, entropy))
@@ -96,12 +104,13 @@ _logp.defvjp(_logp_fwd, _logp_bwd)
 def selected_logprobs(
     logits: jax.Array, ids: jax.Array, mask: jax.Array, temperature: Temperature
 ) -> jax.Array:
-    """``logp`` float32 ``[N]`` from logits ``[N, V]``, ids ``[N]``, bool mask ``[N]``.
+    """``logp`` ``[N]`` (float32; float64 for float64 logits) from logits ``[N, V]``, ids
+    ``[N]``, bool mask ``[N]``.
 
     Differentiable with respect to ``logits`` (gradient in its dtype).
     Inactive rows: ``logp = 0`` and exactly zero gradient.
     """
-    t = row_temperature(temperature, logits.shape[0])
+    t = row_temperature(temperature, logits.shape[0], compute_dtype(logits))
     return _logp(logits, ids, mask, t)
 
 
@@ -161,11 +170,12 @@ _logp_entropy.defvjp(_logp_entropy_fwd, _logp_entropy_bwd, symbolic_zeros=True)
 def logprobs_entropy(
     logits: jax.Array, ids: jax.Array, mask: jax.Array, temperature: Temperature
 ) -> Tuple[jax.Array, jax.Array]:
-    """``(logp, entropy)`` float32 ``[N]`` each; differentiable w.r.t. ``logits`` through both.
+    """``(logp, entropy)`` ``[N]`` each (float32; float64 for float64 logits);
+    differentiable w.r.t. ``logits`` through both.
 
     Inactive rows: 0 and exactly zero gradient; ``-inf`` logits contribute 0 to both.
     """
-    t = row_temperature(temperature, logits.shape[0])
+    t = row_temperature(temperature, logits.shape[0], compute_dtype(logits))
     return _logp_entropy(logits, ids, mask, t)
 
 
@@ -194,13 +204,15 @@ def ratio_kl(
     old_logps: jax.Array, ref_logps: Optional[jax.Array], kl_code: int,
     temperature: Temperature,
 ) -> Tuple[jax.Array, jax.Array]:
-    """``(ratio, kl)`` float32 ``[N]``; differentiable with respect to ``policy`` only.
+    """``(ratio, kl)`` ``[N]`` (float32; float64 for float64 ``policy``); differentiable
+    with respect to ``policy`` only.
 
     The reference log-prob comes from ``ref`` logits ``[N, V]`` or is given
     as ``ref_logps`` ``[N]`` (exactly one is not None).
     """
-    t = row_temperature(temperature, policy.shape[0])
+    t = row_temperature(temperature, policy.shape[0], compute_dtype(policy))
     logp = _logp(policy, ids, mask, t)
     return _rows.ratio_kl(
-        XP, logp, lambda: _forward(lax.stop_gradient(ref), ids, mask, lax.stop_gradient(t))[0],
+        XP.for_dtype(policy.dtype), logp,
+        lambda: _forward(lax.stop_gradient(ref), ids, mask, lax.stop_gradient(t))[0],
         ref_logps, old_logps, mask, kl_code)

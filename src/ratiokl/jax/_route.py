@@ -159,23 +159,27 @@ def _lead(logits: jax.Array, action_ids: jax.Array,
           name: str = "policy_logits") -> Tuple[jax.Array, jax.Array, Tuple[int, ...]]:
     """Check the logits (the op's argument ``name``), then the ids (first: a flattened
     ``[N, V]`` names the ids)."""
-    logits = _checks.check_logits(name, logits)
+    logits = _checks.check_logits(name, logits, float64=True)
     lead = tuple(logits.shape[:-1])
     return logits, _checks.check_ids(action_ids, lead), lead
 
 
 def _rows(logits: jax.Array, lead: Tuple[int, ...], ids: jax.Array, mask, temperature,
           backend: str, check_ids: bool, vocab_axis: Optional[str],
-          vocab: Optional[int] = None) -> Rows:
+          vocab: Optional[int] = None, logits_name: str = "policy_logits",
+          ref_logits: Optional[jax.Array] = None) -> Rows:
     """Steps 1-3 for the inputs every op shares (``logits`` and ``ids`` already checked).
 
     ``vocab``: the ids' range where ``logits`` is not ``[..., V]`` (hidden states: the
-    lm_head weight's rows; None: ``logits.shape[-1]``).
+    lm_head weight's rows; None: ``logits.shape[-1]``); ``logits_name``: the op's name for
+    ``logits``; ``ref_logits``: the reference logits, if any (float64 keeps to native).
     """
     mask = jnp.ones(lead, dtype=bool) if mask is None else _checks.check_mask(mask, lead)
     temperature = _checks.check_temperature(temperature, lead)
     check_ids = check_bool_option("check_ids", check_ids)
-    name = backend_name(backend)
+    name = _checks.float64_backend(backend_name(backend), backend,
+                                   None if vocab_axis is None else "vocab_axis",
+                                   **{logits_name: logits, "ref_logits": ref_logits})
     if vocab_axis is None:
         vocab, run = vocab or logits.shape[-1], resolve(name)
     else:
@@ -186,7 +190,8 @@ def _rows(logits: jax.Array, lead: Tuple[int, ...], ids: jax.Array, mask, temper
         run = _vocab_parallel.backend(resolve(name), vocab_axis, explicit=backend != "auto")
     check = _checks.ActiveCheck(ids, mask, vocab, check_ids, temperature)
     if not isinstance(temperature, float):
-        temperature = _checks.poison_bad_temperature(XP.flat(temperature))
+        temperature = _checks.poison_bad_temperature(
+            XP.for_dtype(logits.dtype).flat(temperature))  # float64 logits: float64
     return Rows(lead, logits.reshape(-1, logits.shape[-1]), ids.reshape(-1), mask.reshape(-1),
                  temperature, run, check)
 
@@ -195,7 +200,8 @@ def selected_logprobs(logits, action_ids, mask, *, temperature, backend, check_i
                       vocab_axis, return_entropy=False):
     """``ratiokl.jax.loss.selected_logprobs`` (documented there)."""
     logits, ids, lead = _lead(logits, action_ids, "logits")
-    rows = _rows(logits, lead, ids, mask, temperature, backend, check_ids, vocab_axis)
+    rows = _rows(logits, lead, ids, mask, temperature, backend, check_ids, vocab_axis,
+                 logits_name="logits")
     return _tail.logprobs_step(rows, return_entropy)
 
 
@@ -207,9 +213,11 @@ def ratio_kl(policy_logits, ref_logits, action_ids, mask, old_logps, *, ref_logp
     ref_logits, ref_logps = _checks.check_ref(ref_logits, ref_logps, tuple(policy_logits.shape))
     old_logps = _checks.check_row_values("old_logps", old_logps, lead)
     kl_code = kl_estimator_code(kl_estimator)
-    rows = _rows(policy_logits, lead, ids, mask, temperature, backend, check_ids, vocab_axis)
+    rows = _rows(policy_logits, lead, ids, mask, temperature, backend, check_ids, vocab_axis,
+                 ref_logits=ref_logits)
     ref = None if ref_logits is None else ref_logits.reshape(rows.logits.shape)
-    return _tail.ratio_kl_step(XP, rows, ref, old_logps, ref_logps, kl_code)
+    return _tail.ratio_kl_step(XP.for_dtype(policy_logits.dtype), rows, ref, old_logps,
+                               ref_logps, kl_code)
 
 
 def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantages,
@@ -221,14 +229,16 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
     policy_logits, ids, lead = _lead(policy_logits, action_ids)
     if ref_logits is not None or ref_logps is not None or opts.uses_kl:
         ref_logits, ref_logps = _checks.check_ref(ref_logits, ref_logps, policy_logits.shape)
-    inputs = _tail.loss_inputs(_checks, opts, lead, old_logps, advantages, segment_ids,
+    xp = XP.for_dtype(policy_logits.dtype)  # float64 logits: float64 math (native)
+    inputs = _tail.loss_inputs(xp, opts, lead, old_logps, advantages, segment_ids,
                                importance_weights, loss_normalizer, kl_entropy_normalizer,
                                rollout_logps)
-    rows = _rows(policy_logits, lead, ids, mask, temperature, backend, check_ids, vocab_axis)
+    rows = _rows(policy_logits, lead, ids, mask, temperature, backend, check_ids, vocab_axis,
+                 ref_logits=ref_logits)
     ref = None if ref_logits is None else ref_logits.reshape(rows.logits.shape)
     # The rollout options are checked on every call; only a call with rollout_logps
     # visits the correction (its weights, folded into importance_weights, and metrics).
     rollout = rollout_options(rollout_correction, rollout_bounds, rollout_logps is not None,
                               old_given=old_logps is not None)
-    return _tail.loss_step(XP, rows, ref, ref_logps, inputs, opts, rollout,
+    return _tail.loss_step(xp, rows, ref, ref_logps, inputs, opts, rollout,
                            inplace_grad, "policy_loss")

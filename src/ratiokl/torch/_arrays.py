@@ -13,11 +13,22 @@ import torch.nn.functional as F
 
 from ratiokl.spec import LOGIT_DTYPE_NAMES
 
-__all__ = ["XP"]
+__all__ = ["XP", "XP64"]
 
 
 class _Torch:
-    """The adapter (static methods only: one shared instance, :data:`XP`)."""
+    """The adapter, one instance per compute dtype: :data:`XP` (float32, every logits dtype
+    but float64) and :data:`XP64` (float64 logits or log-probs, the native backend);
+    :meth:`for_dtype` picks one from an input's dtype."""
+
+    def __init__(self, float_dtype: torch.dtype) -> None:
+        #: The dtype ``as_float`` and ``flat`` give: the op's compute dtype.
+        self.float_dtype = float_dtype
+
+    @staticmethod
+    def for_dtype(dtype) -> "_Torch":
+        """:data:`XP64` for float64 inputs, else :data:`XP` (float32 math)."""
+        return XP64 if dtype == torch.float64 else XP
 
     where = staticmethod(torch.where)
     exp = staticmethod(torch.exp)
@@ -53,9 +64,8 @@ class _Torch:
     def count(mask):
         return mask.sum()
 
-    @staticmethod
-    def as_float(x):
-        return x.float()
+    def as_float(self, x):
+        return x.to(self.float_dtype)
 
     @staticmethod
     def as_index(x):
@@ -116,12 +126,14 @@ class _Torch:
         """``table[index]`` along the first axis."""
         return table[index]
 
-    @staticmethod
-    def flat(values):
-        """A detached, contiguous float32 ``[N]`` view (or copy) of a per-token tensor; None
-        passes through. Contiguous: the kernels read row ``i`` at ``i`` (an expanded input,
-        such as per-sequence advantages broadcast over one sequence, flattens to stride 0)."""
-        return None if values is None else values.detach().reshape(-1).float().contiguous()
+    def flat(self, values):
+        """A detached, contiguous ``[N]`` view (or copy) in the compute dtype of a per-token
+        tensor; None passes through. Contiguous: the kernels read row ``i`` at ``i`` (an
+        expanded input, such as per-sequence advantages broadcast over one sequence,
+        flattens to stride 0)."""
+        if values is None:
+            return None
+        return values.detach().reshape(-1).to(self.float_dtype).contiguous()
 
     # --- the route's hooks (ratiokl._core.route.loss_step) ---------------------------------
 
@@ -153,10 +165,13 @@ class _Torch:
                            torch.zeros((), dtype=hidden.dtype, device=hidden.device))
         return head_logits(kept, weight, bias, transform)
 
-    @staticmethod
-    def once(loss: torch.Tensor, op: str) -> torch.Tensor:
+    def once(self, loss: torch.Tensor, op: str) -> torch.Tensor:
         """``loss``, whose graph refuses a second backward (``ratiokl.torch._once``), as the
-        one-kernel loss does."""
+        one-kernel loss does; in float64 ``loss`` itself: float64 runs on the native backend
+        only, whose two passes backpropagate any number of times (``gradcheck`` runs
+        several backwards through one graph)."""
+        if self.float_dtype == torch.float64:
+            return loss
         from ratiokl.torch import _once
 
         return _once.backward_once(loss, op)
@@ -165,6 +180,8 @@ class _Torch:
 
     array_type, any_array, noun = "torch.Tensor", "a torch.Tensor", "tensor"
     logit_dtypes = tuple(getattr(torch, name) for name in LOGIT_DTYPE_NAMES)
+    #: The logits dtype only the native backend takes (computed in float64).
+    wide_dtype = torch.float64
     id_dtype_names = ("int64", "int32")
     id_dtypes = (torch.int64, torch.int32)
     casts = {"float": "{}.float()", "ids": "{}.long()", "bool": "{}.bool()"}
@@ -198,4 +215,5 @@ class _Torch:
         _checks.check_same_device(**tensors)
 
 
-XP = _Torch()
+XP = _Torch(torch.float32)
+XP64 = _Torch(torch.float64)

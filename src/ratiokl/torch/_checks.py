@@ -23,8 +23,8 @@ from ratiokl.torch._arrays import XP
 
 __all__ = ["ActiveCheck", "check_active_ids", "check_ids", "check_logits", "check_mask",
            "check_no_transforms", "check_ref", "check_row_values", "check_same_device",
-           "check_temperature", "check_transform_backend", "LOGIT_DTYPES", "Normalizer",
-           "poison_bad_temperature", "token_inputs", "TokenInputs"]
+           "check_temperature", "check_transform_backend", "float64_backend", "LOGIT_DTYPES",
+           "Normalizer", "poison_bad_temperature", "token_inputs", "TokenInputs"]
 
 #: ``spec.LOGIT_DTYPE_NAMES`` as torch dtypes.
 LOGIT_DTYPES = XP.logit_dtypes
@@ -34,7 +34,7 @@ Normalizer = Union[None, float, torch.Tensor]
 
 # The shape and dtype rules, in PyTorch's words.
 (check_logits, check_ids, check_mask, check_row_values, check_ref, check_temperature,
- poison_bad_temperature, token_inputs, _bad_rows) = checks.bind(XP)
+ float64_backend, poison_bad_temperature, token_inputs, _bad_rows) = checks.bind(XP)
 
 
 def _in_transform() -> bool:

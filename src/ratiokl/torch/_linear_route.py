@@ -109,7 +109,7 @@ def linear_policy_loss(hidden, weight, action_ids, mask, old_logps, advantages,
                                                backend, vocab_group)
     if ref_logps is not None or opts.uses_kl:
         _checks.check_ref(None, ref_logps, tuple(hidden.shape))
-    inputs = _tail.loss_inputs(_checks, opts, lead, old_logps, advantages, segment_ids,
+    inputs = _tail.loss_inputs(XP, opts, lead, old_logps, advantages, segment_ids,
                                importance_weights, loss_normalizer, kl_entropy_normalizer,
                                rollout_logps)
     rows = _rows(

@@ -1,5 +1,8 @@
 """The native PyTorch backend: framework ops only, any device, any logits dtype.
 
+Float64 logits are computed in float64 (outputs, ``lse`` and gradient float64: what
+``torch.autograd.gradcheck`` needs); every other dtype in float32, as below.
+
 Implements the backend interface of ``ratiokl.torch._route`` on flattened
 inputs (logits ``[N, V]``, per-row tensors ``[N]``).
 
@@ -39,8 +42,8 @@ from ratiokl._core import rows as _rows
 from ratiokl.torch._arrays import XP
 from ratiokl.torch._checks import Temperature
 
-__all__ = ["logprobs_entropy", "ratio_kl", "row_chunks", "rows_backward", "rows_forward",
-           "scaled_logits", "selected_logprobs"]
+__all__ = ["compute_dtype", "logprobs_entropy", "ratio_kl", "row_chunks", "rows_backward",
+           "rows_forward", "scaled_logits", "selected_logprobs"]
 
 #: Bytes of one float32 chunk temporary, by device type (``"cpu"``, else the default). On
 #: a CPU the chunk's passes should hit its caches: selected_logprobs, N=1024, V=32768 fp32,
@@ -49,8 +52,15 @@ __all__ = ["logprobs_entropy", "ratio_kl", "row_chunks", "rows_backward", "rows_
 _CHUNK_BYTES = {"cpu": 2 * 2**20, "default": 512 * 2**20}
 
 
-def row_chunks(n_rows: int, vocab: int, device: torch.device) -> List[slice]:
-    """Row chunks such that one float32 ``[rows, V]`` temporary fits ``_CHUNK_BYTES``.
+def compute_dtype(logits: torch.Tensor) -> torch.dtype:
+    """The dtype the rows are computed in: float64 for float64 logits, else float32."""
+    return torch.float64 if logits.dtype == torch.float64 else torch.float32
+
+
+def row_chunks(n_rows: int, vocab: int, device: torch.device, itemsize: int = 4
+               ) -> List[slice]:
+    """Row chunks such that one ``[rows, V]`` temporary of ``itemsize``-byte elements (the
+    compute dtype's) fits ``_CHUNK_BYTES``.
 
     Under ``torch.compile`` one chunk, all rows: the compiler fuses the passes
     (no ``[N, V]`` temporary) and a Python loop over ``N`` would guard on it,
@@ -59,17 +69,18 @@ def row_chunks(n_rows: int, vocab: int, device: torch.device) -> List[slice]:
     if torch.compiler.is_compiling():
         return [slice(None)]
     budget = _CHUNK_BYTES.get(device.type, _CHUNK_BYTES["default"])
-    step = max(1, min(n_rows, budget // (4 * vocab)))
+    step = max(1, min(n_rows, budget // (itemsize * vocab)))
     return [slice(start, start + step) for start in range(0, n_rows, step)]
 
 
 def scaled_logits(
     logits: torch.Tensor, mask: torch.Tensor, temperature: Temperature
 ) -> torch.Tensor:
-    """Float32 ``z = logits / T`` of a chunk, with inactive rows zeroed first."""
+    """``z = logits / T`` of a chunk in the compute dtype (:func:`compute_dtype`), with
+    inactive rows zeroed first."""
     zero = torch.zeros((), dtype=logits.dtype, device=logits.device)
     # Select, never multiply: a NaN/inf on an inactive row must not survive.
-    z = torch.where(mask[:, None], logits, zero).float()
+    z = torch.where(mask[:, None], logits, zero).to(compute_dtype(logits))
     if isinstance(temperature, torch.Tensor):
         return z.div_(temperature[:, None])
     return z if temperature == 1.0 else z.div_(temperature)
@@ -83,17 +94,18 @@ def _forward(
     bad: torch.Tensor,
     entropy: bool = False,
 ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """``(logp, lse, entropy)``, float32 ``[N]`` each (``entropy`` None unless asked for).
+    """``(logp, lse, entropy)``, ``[N]`` each in the compute dtype (``entropy`` None unless
+    asked for).
 
     ``logp`` and ``entropy`` are 0 on inactive rows; ``lse`` is NaN on ``bad`` rows (so
     are their ``logp``, ``entropy`` and, through the saved ``lse``, their gradient). The
     entropy comes from each chunk while it is at hand: one read of the logits.
     """
     n_rows, vocab = logits.shape
-    lse = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
+    lse = torch.empty(n_rows, dtype=compute_dtype(logits), device=logits.device)
     z_sel = torch.empty_like(lse)
     ent = torch.empty_like(lse) if entropy else None
-    for rows in row_chunks(n_rows, vocab, logits.device):
+    for rows in row_chunks(n_rows, vocab, logits.device, lse.element_size()):
         t = temperature[rows] if isinstance(temperature, torch.Tensor) else temperature
         z = scaled_logits(logits[rows], mask[rows], t)
         lse[rows], z_sel[rows], chunk_ent = _rows.row_values(XP, z, ids[rows], entropy)
@@ -114,7 +126,7 @@ def _backward(
     n_rows, vocab = logits.shape
     grad = torch.empty((n_rows, vocab), dtype=logits.dtype, device=logits.device)
     coef = torch.where(mask, grad_logp, torch.zeros_like(grad_logp)) / temperature
-    for rows in row_chunks(n_rows, vocab, logits.device):
+    for rows in row_chunks(n_rows, vocab, logits.device, lse.element_size()):
         t = temperature[rows] if isinstance(temperature, torch.Tensor) else temperature
         # -softmax(z), then +1 at the action: exactly onehot - softmax.
         d = (scaled_logits(logits[rows], mask[rows], t) - lse[rows, None]).exp_().neg_()
@@ -130,13 +142,13 @@ def _entropy_backward(logits, ids, mask, temperature, lse, ent, grad_logp,
     ``[N, V]`` (one rounding); an absent upstream term (None) is 0; 0 on inactive rows."""
     n_rows, vocab = logits.shape
     grad = torch.empty((n_rows, vocab), dtype=logits.dtype, device=logits.device)
-    zero = torch.zeros((), dtype=torch.float32, device=logits.device)
+    zero = torch.zeros((), dtype=lse.dtype, device=logits.device)
 
     def coef(g):
         return zero.expand(n_rows) if g is None else torch.where(mask, g, zero) / temperature
 
     c_logp, c_ent = coef(grad_logp), coef(grad_ent)
-    for rows in row_chunks(n_rows, vocab, logits.device):
+    for rows in row_chunks(n_rows, vocab, logits.device, lse.element_size()):
         t = temperature[rows] if isinstance(temperature, torch.Tensor) else temperature
         p, p_log_p = _rows.entropy_terms(XP, scaled_logits(logits[rows], mask[rows], t),
                                          lse[rows])
@@ -287,7 +299,8 @@ def selected_logprobs(
     mask: torch.Tensor,
     temperature: Temperature,
 ) -> torch.Tensor:
-    """Float32 ``logp[N]`` of ``logits[N, V]``; differentiable w.r.t. ``logits``."""
+    """``logp[N]`` (float32; float64 for float64 logits) of ``logits[N, V]``;
+    differentiable w.r.t. ``logits``."""
     safe_ids, temp, bad = _prepare_rows(ids, mask, temperature, logits.shape[1])
     return _SelectedLogprob.apply(logits, safe_ids, mask, temp, bad)[0]
 
@@ -298,7 +311,8 @@ def logprobs_entropy(
     mask: torch.Tensor,
     temperature: Temperature,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Float32 ``(logp[N], entropy[N])`` of ``logits[N, V]``; differentiable w.r.t. ``logits``."""
+    """``(logp[N], entropy[N])`` (float32; float64 for float64 logits) of ``logits[N, V]``;
+    differentiable w.r.t. ``logits``."""
     safe_ids, temp, bad = _prepare_rows(ids, mask, temperature, logits.shape[1])
     return _LogprobEntropy.apply(logits, safe_ids, mask, temp, bad)[:2]
 
@@ -333,9 +347,11 @@ def ratio_kl(
     old_logps: torch.Tensor, ref_logps: Optional[torch.Tensor], kl_code: int,
     temperature: Temperature,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Float32 ``(ratio[N], kl[N])``; differentiable w.r.t. ``policy`` only."""
+    """``(ratio[N], kl[N])`` (float32; float64 for float64 policy logits); differentiable
+    w.r.t. ``policy`` only."""
     safe_ids, temp, bad = _prepare_rows(ids, mask, temperature, policy.shape[1])
     logp = _SelectedLogprob.apply(policy, safe_ids, mask, temp, bad)[0]
-    return _rows.ratio_kl(XP, logp, lambda: _SelectedLogprob.apply(ref.detach(), safe_ids, mask,
-                                                                   temp, bad)[0],
+    return _rows.ratio_kl(XP.for_dtype(policy.dtype), logp,
+                          lambda: _SelectedLogprob.apply(ref.detach(), safe_ids, mask, temp,
+                                                         bad)[0],
                           ref_logps, old_logps, mask, kl_code)

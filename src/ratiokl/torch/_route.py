@@ -133,9 +133,9 @@ def _rows(logits: torch.Tensor, lead: Tuple[int, ...], ids: torch.Tensor, mask, 
     mask = _checks.check_mask(mask, lead)
     temperature = _checks.check_temperature(temperature, lead)
     check_ids = check_bool_option("check_ids", check_ids)
-    first = {"hidden" if vocab else logits_name: logits}
+    first_name = "hidden" if vocab else logits_name
     device = _checks.check_same_device(
-        **first, action_ids=ids, mask=mask,
+        **{first_name: logits}, action_ids=ids, mask=mask,
         temperature=temperature if isinstance(temperature, torch.Tensor) else None, **per_token,
     )
     if check_ids and vocab_group is not None and torch.compiler.is_compiling():
@@ -144,7 +144,9 @@ def _rows(logits: torch.Tensor, lead: Tuple[int, ...], ids: torch.Tensor, mask, 
             "on the host, which torch.compile cannot trace; pass check_ids=False under "
             "torch.compile (a bad id or temperature then makes its row NaN)"
         )
-    name = backend_name(backend, device)
+    name = _checks.float64_backend(
+        backend_name(backend, device), backend, None if vocab_group is None else "vocab_group",
+        **{first_name: logits, "ref_logits": per_token.get("ref_logits")})
     _checks.check_transform_backend(name, vocab_group, inplace_grad)
     check = None
     if check_ids:  # sharded logits: their ids are checked against the global V later
@@ -159,7 +161,8 @@ def _rows(logits: torch.Tensor, lead: Tuple[int, ...], ids: torch.Tensor, mask, 
 
         run = _vocab_parallel.backend(vocab_group, lead, name != "native", check_ids)
     if isinstance(temperature, torch.Tensor):
-        temperature = _checks.poison_bad_temperature(XP.flat(temperature))
+        temperature = XP.for_dtype(logits.dtype).flat(temperature)  # float64 logits: float64
+        temperature = _checks.poison_bad_temperature(temperature)
     return Rows(lead, logits.reshape(-1, logits.shape[-1]), ids.reshape(-1).contiguous(),
                  mask.reshape(-1).contiguous(), temperature, run, check)
 
@@ -168,7 +171,7 @@ def _lead(logits: torch.Tensor, action_ids: torch.Tensor,
           name: str = "policy_logits") -> Tuple[int, ...]:
     """Check the logits (the op's argument ``name``), then the ids (first: a flattened
     ``[N, V]`` names the ids)."""
-    _checks.check_logits(name, logits)
+    _checks.check_logits(name, logits, float64=True)
     lead = tuple(logits.shape[:-1])
     _checks.check_ids(action_ids, lead)
     return lead
@@ -194,7 +197,8 @@ def ratio_kl(policy_logits, ref_logits, action_ids, mask, old_logps, *, ref_logp
     rows = _rows(policy_logits, lead, action_ids, mask, temperature, backend, check_ids,
                  vocab_group, ref_logits=ref_logits, old_logps=old_logps, ref_logps=ref_logps)
     ref = None if ref_logits is None else ref_logits.detach().reshape(rows.logits.shape)
-    return _tail.ratio_kl_step(XP, rows, ref, old_logps, ref_logps, kl_code)
+    return _tail.ratio_kl_step(XP.for_dtype(policy_logits.dtype), rows, ref, old_logps,
+                               ref_logps, kl_code)
 
 
 def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantages,
@@ -211,7 +215,8 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
         )
     if ref_logits is not None or ref_logps is not None or opts.uses_kl:
         _checks.check_ref(ref_logits, ref_logps, tuple(policy_logits.shape))
-    inputs = _tail.loss_inputs(_checks, opts, lead, old_logps, advantages, segment_ids,
+    xp = XP.for_dtype(policy_logits.dtype)  # float64 logits: float64 math (native)
+    inputs = _tail.loss_inputs(xp, opts, lead, old_logps, advantages, segment_ids,
                                importance_weights, loss_normalizer, kl_entropy_normalizer,
                                rollout_logps)
     rows = _rows(
@@ -227,5 +232,5 @@ def policy_loss(policy_logits, ref_logits, action_ids, mask, old_logps, advantag
     rollout = rollout_options(rollout_correction, rollout_bounds, rollout_logps is not None,
                               old_given=old_logps is not None,
                               cached=not torch.compiler.is_compiling())
-    return _tail.loss_step(XP, rows, ref, ref_logps, inputs, opts, rollout,
+    return _tail.loss_step(xp, rows, ref, ref_logps, inputs, opts, rollout,
                            inplace_grad, "policy_loss")
