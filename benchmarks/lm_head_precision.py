@@ -24,7 +24,13 @@ from types import SimpleNamespace
 from typing import Callable, Dict, Optional
 
 import torch
-import triton.testing
+
+
+def _bench(fn) -> float:
+    """``triton.testing.do_bench(fn)`` with its defaults (user timing), ms."""
+    import triton.testing
+
+    return triton.testing.do_bench(fn)
 
 
 def _inputs(n: int, h: int, v: int, std: float, seed: int = 0) -> SimpleNamespace:
@@ -102,16 +108,16 @@ def _torch_provider(name: str, fn: Callable, leaves, x, ref, reps: Dict) -> Dict
     fwd_bwd()
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 30
-    t_fwd = triton.testing.do_bench(fwd)
-    t_fb = triton.testing.do_bench(lambda: fwd_bwd())
+    t_fwd = _bench(fwd)
+    t_fb = _bench(lambda: fwd_bwd())
     return {"provider": name, "fwd_ms": t_fwd, "fwd_bwd_ms": t_fb, "peak_gib": peak, **errors}
 
 
 def _gemms(x) -> Dict:
     h, w = x.hidden, x.weight
     g = torch.randn(h.shape[0], w.shape[0], device="cuda", dtype=torch.bfloat16)
-    t1 = triton.testing.do_bench(lambda: h @ w.T)
-    t3 = triton.testing.do_bench(lambda: (h @ w.T, g @ w, g.T @ h))
+    t1 = _bench(lambda: h @ w.T)
+    t3 = _bench(lambda: (h @ w.T, g @ w, g.T @ h))
     del g
     return {"provider": "bf16-gemms (one / three)", "fwd_ms": t1, "fwd_bwd_ms": t3}
 
@@ -234,7 +240,7 @@ def _policy_loss(x, chunks=()) -> Dict:
         torch.cuda.reset_peak_memory_stats()
         step(**kw)
         torch.cuda.synchronize()
-        out[name] = {"provider": name, "fwd_bwd_ms": triton.testing.do_bench(lambda: step(**kw)),
+        out[name] = {"provider": name, "fwd_bwd_ms": _bench(lambda: step(**kw)),
                      "peak_gib": (torch.cuda.max_memory_allocated() - base) / 2 ** 30}
     return out
 

@@ -244,3 +244,20 @@ def test_readme_install_commands_use_the_venvs_tools():
     steps = [step.strip() for command in commands for step in command.split("&&")]
     bare = [s for s in steps if not s.startswith((".venv/bin/", "python3 -m venv .venv"))]
     assert bare == []
+
+
+def test_api_md_lm_head_table_is_the_results_file():
+    """docs/api.md's table of the lm_head's precision and speed is the one
+    ``benchmarks/lm_head_precision.py --markdown`` draws from the results file it names: a
+    figure there is read from a run, never typed."""
+    text = (ROOT / "docs" / "api.md").read_text()
+    match = re.search(r"<!-- lm_head table: (\S+) -->\n(.*?)<!-- end lm_head table -->", text,
+                      re.S)
+    assert match, "docs/api.md lost its lm_head table markers"
+    import json
+
+    module = runpy.run_path(str(ROOT / "benchmarks" / "lm_head_precision.py"),
+                            run_name="lm_head_precision")
+    result = json.loads((ROOT / match.group(1)).read_text())
+    assert match.group(2).strip() == module["markdown"](result).strip(), (
+        f"regenerate: python benchmarks/lm_head_precision.py --markdown {match.group(1)}")
