@@ -4,13 +4,13 @@ Implements the backend interface of ``ratiokl.torch._route`` on flattened
 inputs (logits ``[N, V]``, per-row tensors ``[N]``).
 
 How it works. Rows are processed in chunks whose size depends only on
-``(N, V)`` (never on values, so no host sync). Per chunk, inactive rows are
-replaced with zeros by ``torch.where`` *before* any arithmetic, the logits are
-upcast to float32 and scaled by ``1/T``, and the row statistics and their
-combine (``lse``, ``logp``, the entropy) are :mod:`ratiokl._core.rows`'s. The
-backward recomputes the softmax chunk by chunk from the saved ``lse`` and
-writes ``g * (onehot(a) - softmax(z)) / T`` directly in the logits' dtype,
-selected (never multiplied) to exactly 0 on inactive rows.
+``(N, V)`` (never on values, so no host sync). Per chunk, the logits are copied
+to float32, inactive rows are replaced with zeros (:func:`keep_rows`) *before*
+any arithmetic, the rest is scaled by ``1/T``, and the row statistics and their
+combine (``lse``, ``logp``, the entropy, from one exponential per logit) are
+:mod:`ratiokl._core.rows`'s. The backward recomputes the softmax chunk by chunk
+from the saved ``lse`` and writes ``g * (onehot(a) - softmax(z)) / T`` directly
+in the logits' dtype, selected (never multiplied) to exactly 0 on inactive rows.
 
 Memory beyond the inputs and outputs:
   * saved for backward: ``lse`` (float32 ``[N]``) plus the clamped ids and
@@ -39,8 +39,8 @@ from ratiokl._core import rows as _rows
 from ratiokl.torch._arrays import XP
 from ratiokl.torch._checks import Temperature
 
-__all__ = ["logprobs_entropy", "ratio_kl", "row_chunks", "rows_backward", "rows_forward",
-           "scaled_logits", "selected_logprobs"]
+__all__ = ["keep_rows", "logprobs_entropy", "ratio_kl", "row_chunks", "rows_backward",
+           "rows_forward", "scaled_logits", "selected_logprobs"]
 
 #: Bytes of one float32 chunk temporary, by device type (``"cpu"``, else the default). On
 #: a CPU the chunk's passes should hit its caches: selected_logprobs, N=1024, V=32768 fp32,
@@ -63,13 +63,26 @@ def row_chunks(n_rows: int, vocab: int, device: torch.device) -> List[slice]:
     return [slice(start, start + step) for start in range(0, n_rows, step)]
 
 
+def keep_rows(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``x`` (float32 ``[rows, V]``, a temporary) with the rows where ``mask`` is false set to
+    +0, in place: a select, never a multiplication (a NaN/inf there must not survive).
+
+    Each row's bits are ANDed with all ones (kept) or all zeros: one vectorised pass, where
+    ``torch.where`` / ``masked_fill_`` with a per-row condition run element by element on
+    the CPU (as slow as an ``exp`` there). Under ``torch.compile``, ``torch.where``: fused.
+    """
+    if torch.compiler.is_compiling():
+        return torch.where(mask[:, None], x, torch.zeros((), dtype=x.dtype, device=x.device))
+    bits = mask.to(torch.int32).neg_()  # -1: all 32 bits set
+    x.view(torch.int32).bitwise_and_(bits[:, None])
+    return x
+
+
 def scaled_logits(
     logits: torch.Tensor, mask: torch.Tensor, temperature: Temperature
 ) -> torch.Tensor:
-    """Float32 ``z = logits / T`` of a chunk, with inactive rows zeroed first."""
-    zero = torch.zeros((), dtype=logits.dtype, device=logits.device)
-    # Select, never multiply: a NaN/inf on an inactive row must not survive.
-    z = torch.where(mask[:, None], logits, zero).float()
+    """Float32 ``z = logits / T`` of a chunk (a new tensor), with inactive rows zeroed first."""
+    z = keep_rows(logits.to(torch.float32, copy=True), mask)
     if isinstance(temperature, torch.Tensor):
         return z.div_(temperature[:, None])
     return z if temperature == 1.0 else z.div_(temperature)
@@ -114,13 +127,13 @@ def _backward(
     n_rows, vocab = logits.shape
     grad = torch.empty((n_rows, vocab), dtype=logits.dtype, device=logits.device)
     coef = torch.where(mask, grad_logp, torch.zeros_like(grad_logp)) / temperature
+    neg_coef = coef.neg()
     for rows in row_chunks(n_rows, vocab, logits.device):
         t = temperature[rows] if isinstance(temperature, torch.Tensor) else temperature
-        # -softmax(z), then +1 at the action: exactly onehot - softmax.
-        d = (scaled_logits(logits[rows], mask[rows], t) - lse[rows, None]).exp_().neg_()
-        d.scatter_add_(1, ids[rows, None], torch.ones_like(d[:, :1]))
-        d.mul_(coef[rows, None]).masked_fill_(~mask[rows, None], 0.0)
-        grad[rows] = d
+        # -c * softmax(z), then +c at the action: c * (onehot - softmax).
+        d = scaled_logits(logits[rows], mask[rows], t).sub_(lse[rows, None]).exp_()
+        d.mul_(neg_coef[rows, None]).scatter_add_(1, ids[rows, None], coef[rows, None])
+        grad[rows] = keep_rows(d, mask[rows])
     return grad
 
 
@@ -143,7 +156,7 @@ def _entropy_backward(logits, ids, mask, temperature, lse, ent, grad_logp,
         d = (p_log_p + p * ent[rows, None]).mul_(-c_ent[rows, None])
         d.sub_(p * c_logp[rows, None])
         d.scatter_add_(1, ids[rows, None], c_logp[rows, None].contiguous())
-        grad[rows] = d.masked_fill_(~mask[rows, None], 0.0)
+        grad[rows] = keep_rows(d, mask[rows])
     return grad
 
 
