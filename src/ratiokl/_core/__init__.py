@@ -6,10 +6,12 @@ small array adapter ``xp`` that each framework supplies (``ratiokl.torch._arrays
 light. An adapter offers, with the array API's names and meaning where it has them:
 
 * elementwise: ``where(cond, x, y)`` (``x`` / ``y`` arrays or Python numbers), ``exp``,
-  ``exp_temporary`` (``exp`` that may write into its argument, a temporary), ``expm1``,
-  ``log``, ``isinf``, ``isfinite``, ``maximum(x, number)``, ``clip(x, lo, hi)`` (NaN stays
-  NaN);
-* reductions and layout: ``sum(x, axis=None, keepdims=False)``, ``max(x, axis)``, ``count(mask)`` (an
+  ``expm1``, ``log``, ``isinf``, ``isfinite``, ``maximum(x, number)``, ``clip(x, lo, hi)``
+  (NaN stays NaN); ``exp_temporary(x)``, ``sub_temporary(x, y)`` and
+  ``maximum_temporary(x, number)``: the same, but they may write into ``x``, a temporary;
+* reductions and layout: ``sum(x, axis=None, keepdims=False)``, ``max(x, axis)``,
+  ``exp_sums(d)`` (``(sum(exp(d)), sum(exp(d) * d))`` over the last axis, one ``exp``
+  per element), ``count(mask)`` (an
   integer 0-d array), ``stack(arrays)``, ``broadcast_to(x, shape)``, ``zeros_like``,
   ``ones_like``, ``as_float(x)`` (the adapter's compute dtype ``float_dtype``: float32,
   or float64 in the adapter ``for_dtype(float64)`` gives, which float64 logits or log-probs

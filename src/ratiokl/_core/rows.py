@@ -51,15 +51,29 @@ def entropy_terms(xp, z, lse) -> Tuple[Any, Any]:
     return p, xp.where(p == 0.0, xp.zeros_like(p), p * log_p)
 
 
+#: The lowest float32: a ``-inf`` shifted logit is raised to it before ``e * (z - shift)``,
+#: so that its term is ``0 * lowest = 0``, never ``0 * -inf = NaN``.
+_LOWEST = -3.4028234663852886e38
+
+
 def row_values(xp, z, ids, entropy: bool) -> Tuple[Any, Any, Optional[Any]]:
     """``(lse, z_a, H | None)`` float32 ``[N]`` of scaled rows ``z`` ``[N, V]`` and in-range
-    ``ids`` ``[N]`` (``H`` with ``entropy``): the statistics and their combine."""
+    ``ids`` ``[N]`` (``H`` with ``entropy``): the statistics and their combine.
+
+    ``z`` is a temporary: it may be overwritten. One exponential per logit serves both the
+    normaliser and the entropy: with ``d = z - shift(m)`` and ``e = exp(d)``,
+    ``s = sum e`` and ``H = log s - sum(e d) / s`` (``= lse - E_p[z]``, as
+    :func:`shard_entropy`). A ``-inf`` logit adds 0 to both sums; a NaN or ``+inf`` one
+    makes ``s`` (so ``lse``) or ``H`` NaN, as the spec's ``-sum p log p`` does.
+    """
     m = xp.max(z, axis=-1)
-    s = xp.sum(xp.exp_temporary(z - finite_shift(xp, m)[:, None]), axis=-1)
     z_a = xp.take(z, ids[:, None])[:, 0]
-    lse = log_sum_exp(xp, m, s)
-    ent = -xp.sum(entropy_terms(xp, z, lse)[1], axis=-1) if entropy else None
-    return lse, z_a, ent
+    shift = finite_shift(xp, m)
+    d = xp.sub_temporary(z, shift[:, None])
+    if not entropy:
+        return log_sum_exp(xp, m, xp.sum(xp.exp_temporary(d), axis=-1)), z_a, None
+    s, h = xp.exp_sums(xp.maximum_temporary(d, _LOWEST))  # NaN stays NaN
+    return log_sum_exp(xp, m, s), z_a, shard_entropy(xp, s, h)
 
 
 def bad_ids(ids, mask, vocab: int):

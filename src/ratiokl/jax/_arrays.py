@@ -37,12 +37,14 @@ class _Jax:
     exp = staticmethod(jnp.exp)
     expm1 = staticmethod(jnp.expm1)
     exp_temporary = staticmethod(jnp.exp)  # XLA reuses the buffer itself
+    sub_temporary = staticmethod(jnp.subtract)
     isinf = staticmethod(jnp.isinf)
     stack = staticmethod(jnp.stack)
     zeros_like = staticmethod(jnp.zeros_like)
     ones_like = staticmethod(jnp.ones_like)
     broadcast_to = staticmethod(jnp.broadcast_to)
     maximum = staticmethod(jnp.maximum)
+    maximum_temporary = staticmethod(jnp.maximum)
     clip = staticmethod(jnp.clip)
     stop_gradient = staticmethod(lax.stop_gradient)
     isfinite = staticmethod(jnp.isfinite)
@@ -51,6 +53,14 @@ class _Jax:
     @staticmethod
     def max(x, axis):
         return jnp.max(x, axis=axis)
+
+    @staticmethod
+    def exp_sums(d):
+        # Two passes, the second over p = exp(d - log s): in a whole jitted policy_loss
+        # XLA's CPU backend ran one pass (sibling or variadic sums of one exp) slower.
+        s = jnp.sum(jnp.exp(d), axis=-1)
+        p = jnp.exp(d - jnp.log(s)[..., None])
+        return s, s * jnp.sum(p * d, axis=-1)
 
     @staticmethod
     def sum(x, axis=None, keepdims=False):

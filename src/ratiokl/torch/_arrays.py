@@ -36,6 +36,8 @@ class _Torch:
     #: ``exp`` of a temporary nobody reads afterwards: in place (one ``[rows, V]`` float32
     #: buffer fewer at the native path's peak).
     exp_temporary = staticmethod(torch.Tensor.exp_)
+    #: ``x - y`` and ``maximum(x, floor)`` of a temporary ``x``: in place, likewise.
+    sub_temporary = staticmethod(torch.Tensor.sub_)
     isinf = staticmethod(torch.isinf)
     stack = staticmethod(torch.stack)
     zeros_like = staticmethod(torch.zeros_like)
@@ -55,6 +57,15 @@ class _Torch:
     @staticmethod
     def maximum(x, floor):
         return x.clamp(min=floor)
+
+    @staticmethod
+    def maximum_temporary(x, floor):
+        return x.clamp_(min=floor)
+
+    @staticmethod
+    def exp_sums(d):
+        e = torch.exp(d)
+        return e.sum(dim=-1), torch.linalg.vecdot(e, d)
 
     @staticmethod
     def clip(x, low, high):

@@ -7,13 +7,13 @@ Implements the backend interface of ``ratiokl.torch._route`` on flattened
 inputs (logits ``[N, V]``, per-row tensors ``[N]``).
 
 How it works. Rows are processed in chunks whose size depends only on
-``(N, V)`` (never on values, so no host sync). Per chunk, inactive rows are
-replaced with zeros by ``torch.where`` *before* any arithmetic, the logits are
-upcast to float32 and scaled by ``1/T``, and the row statistics and their
-combine (``lse``, ``logp``, the entropy) are :mod:`ratiokl._core.rows`'s. The
-backward recomputes the softmax chunk by chunk from the saved ``lse`` and
-writes ``g * (onehot(a) - softmax(z)) / T`` directly in the logits' dtype,
-selected (never multiplied) to exactly 0 on inactive rows.
+``(N, V)`` (never on values, so no host sync). Per chunk, the logits are copied
+to float32, inactive rows are replaced with zeros (:func:`keep_rows`) *before*
+any arithmetic, the rest is scaled by ``1/T``, and the row statistics and their
+combine (``lse``, ``logp``, the entropy, from one exponential per logit) are
+:mod:`ratiokl._core.rows`'s. The backward recomputes the softmax chunk by chunk
+from the saved ``lse`` and writes ``g * (onehot(a) - softmax(z)) / T`` directly
+in the logits' dtype, selected (never multiplied) to exactly 0 on inactive rows.
 
 Memory beyond the inputs and outputs:
   * saved for backward: ``lse`` (float32 ``[N]``) plus the clamped ids and
@@ -42,7 +42,8 @@ from ratiokl._core import rows as _rows
 from ratiokl.torch._arrays import XP
 from ratiokl.torch._checks import Temperature
 
-__all__ = ["compute_dtype", "logprobs_entropy", "ratio_kl", "row_chunks", "rows_backward",
+__all__ = ["compute_dtype", "keep_rows", "logprobs_entropy", "ratio_kl", "row_chunks",
+           "rows_backward",
            "rows_forward", "scaled_logits", "selected_logprobs"]
 
 #: Bytes of one float32 chunk temporary, by device type (``"cpu"``, else the default). On
@@ -73,14 +74,29 @@ def row_chunks(n_rows: int, vocab: int, device: torch.device, itemsize: int = 4
     return [slice(start, start + step) for start in range(0, n_rows, step)]
 
 
+def keep_rows(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``x`` (float32 or float64 ``[rows, V]``, a temporary) with the rows where ``mask`` is
+    false set to +0, in place: a select, never a multiplication (a NaN/inf there must not
+    survive).
+
+    Each row's bits are ANDed with all ones (kept) or all zeros: one vectorised pass, where
+    ``torch.where`` / ``masked_fill_`` with a per-row condition run element by element on
+    the CPU (as slow as an ``exp`` there). Under ``torch.compile``, ``torch.where``: fused.
+    """
+    if torch.compiler.is_compiling():
+        return torch.where(mask[:, None], x, torch.zeros((), dtype=x.dtype, device=x.device))
+    ints = torch.int64 if x.dtype == torch.float64 else torch.int32  # the same width
+    bits = mask.to(ints).neg_()  # -1: every bit set
+    x.view(ints).bitwise_and_(bits[:, None])
+    return x
+
+
 def scaled_logits(
     logits: torch.Tensor, mask: torch.Tensor, temperature: Temperature
 ) -> torch.Tensor:
-    """``z = logits / T`` of a chunk in the compute dtype (:func:`compute_dtype`), with
-    inactive rows zeroed first."""
-    zero = torch.zeros((), dtype=logits.dtype, device=logits.device)
-    # Select, never multiply: a NaN/inf on an inactive row must not survive.
-    z = torch.where(mask[:, None], logits, zero).to(compute_dtype(logits))
+    """``z = logits / T`` of a chunk in the compute dtype (:func:`compute_dtype`; a new
+    tensor), with inactive rows zeroed first."""
+    z = keep_rows(logits.to(compute_dtype(logits), copy=True), mask)
     if isinstance(temperature, torch.Tensor):
         return z.div_(temperature[:, None])
     return z if temperature == 1.0 else z.div_(temperature)
@@ -126,13 +142,13 @@ def _backward(
     n_rows, vocab = logits.shape
     grad = torch.empty((n_rows, vocab), dtype=logits.dtype, device=logits.device)
     coef = torch.where(mask, grad_logp, torch.zeros_like(grad_logp)) / temperature
+    neg_coef = coef.neg()
     for rows in row_chunks(n_rows, vocab, logits.device, lse.element_size()):
         t = temperature[rows] if isinstance(temperature, torch.Tensor) else temperature
-        # -softmax(z), then +1 at the action: exactly onehot - softmax.
-        d = (scaled_logits(logits[rows], mask[rows], t) - lse[rows, None]).exp_().neg_()
-        d.scatter_add_(1, ids[rows, None], torch.ones_like(d[:, :1]))
-        d.mul_(coef[rows, None]).masked_fill_(~mask[rows, None], 0.0)
-        grad[rows] = d
+        # -c * softmax(z), then +c at the action: c * (onehot - softmax).
+        d = scaled_logits(logits[rows], mask[rows], t).sub_(lse[rows, None]).exp_()
+        d.mul_(neg_coef[rows, None]).scatter_add_(1, ids[rows, None], coef[rows, None])
+        grad[rows] = keep_rows(d, mask[rows])
     return grad
 
 
@@ -155,7 +171,7 @@ def _entropy_backward(logits, ids, mask, temperature, lse, ent, grad_logp,
         d = (p_log_p + p * ent[rows, None]).mul_(-c_ent[rows, None])
         d.sub_(p * c_logp[rows, None])
         d.scatter_add_(1, ids[rows, None], c_logp[rows, None].contiguous())
-        grad[rows] = d.masked_fill_(~mask[rows, None], 0.0)
+        grad[rows] = keep_rows(d, mask[rows])
     return grad
 
 
