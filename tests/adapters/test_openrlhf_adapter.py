@@ -345,6 +345,9 @@ HEADS = {
         **_SMALL, logit_scale=4.0)),
     "granite_logits_scaling": lambda: transformers.GraniteForCausalLM(
         transformers.GraniteConfig(**_SMALL, logits_scaling=0.25)),
+    # HyperCLOVA X multiplies by its logits_scaling, where Granite divides
+    "hyperclovax_logits_scaling": lambda: transformers.HyperCLOVAXForCausalLM(
+        transformers.HyperCLOVAXConfig(**_SMALL, logits_scaling=3.0)),
     "llama_head_bias": lambda: _with_head_bias(transformers.LlamaForCausalLM(
         transformers.LlamaConfig(**_SMALL))),
 }

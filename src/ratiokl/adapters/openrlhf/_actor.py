@@ -10,13 +10,12 @@ import torch
 from transformers.modeling_outputs import ModelOutput
 
 from ratiokl.adapters import refuse
+from ratiokl.adapters._hf_head import head_transform
 from ratiokl.spec import BackendName
 from ratiokl.torch.loss import linear_selected_logprobs
 
 __all__ = ["ActorOutput", "actor_forward"]
 
-#: Model config fields that scale the logits in ways ratiokl is not told how to read.
-_UNKNOWN_HEAD_FIELDS = ("output_multiplier", "lm_head_multiplier")
 
 def _refuse(field: str, value: Any, why: str) -> NoReturn:
     refuse("ratiokl.adapters.openrlhf.actor_forward", "openrlhf.models.Actor.forward", field,
@@ -41,24 +40,17 @@ class ActorOutput(ModelOutput):
 
 def _head(model: torch.nn.Module) -> Tuple[torch.nn.Linear, Dict[str, Any]]:
     """The lm_head module and the ``linear_selected_logprobs`` options that make its logits
-    the model's own (with its ``bias``): ``logit_scale`` (Cohere's ``logit_scale``,
-    Granite's ``1 / logits_scaling``) and ``logit_softcap`` (Gemma's
-    ``final_logit_softcapping``). A ``ValueError`` naming what it cannot read: another
-    multiplier, LoRA on the head."""
-    config = model.config.get_text_config()
-    for name in _UNKNOWN_HEAD_FIELDS:
-        value = getattr(config, name, None)
-        if value is not None and value != 1.0:
-            _refuse(f"model.config.{name}", value, "ratiokl reads the logit multipliers of "
-                    "Cohere, Granite and Gemma only")
+    the model's own (with its ``bias``): the config's logit scale and soft cap, read as the
+    ``transformers`` model classes apply them (:func:`ratiokl.adapters._hf_head.
+    head_transform`: Cohere, Falcon-H1, Granite, HyperCLOVA X, Gemma 2 and later). A
+    ``ValueError`` naming what it cannot read: a field no known class applies, LoRA on the
+    head."""
+    options = head_transform(model.config, _refuse)
     head = model.get_output_embeddings()
     if not isinstance(head, torch.nn.Linear) or hasattr(head, "base_layer"):
         _refuse("lm_head", type(head).__name__, "the head must be a plain torch.nn.Linear "
                 "(no LoRA on lm_head)")
-    scale = float(getattr(config, "logit_scale", None) or 1.0)
-    scale /= float(getattr(config, "logits_scaling", None) or 1.0)
-    return head, dict(logit_scale=scale,
-                      logit_softcap=getattr(config, "final_logit_softcapping", None))
+    return head, options
 
 
 def _call_head(head: torch.nn.Linear, rows: torch.Tensor, score: Callable) -> Any:
