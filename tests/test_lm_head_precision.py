@@ -119,3 +119,35 @@ def test_half_weight_with_other_half_hidden_is_refused():
     h, w = torch.randn(2, 8, dtype=torch.float16), torch.randn(16, 8, dtype=torch.bfloat16)
     with pytest.raises(TypeError, match="hidden"):
         loss.linear_selected_logprobs(h, w, torch.zeros(2, dtype=torch.long))
+
+
+@pytest.mark.parametrize("hidden_dtype", [torch.float32, torch.bfloat16])
+def test_gpu_split_route_runs_on_the_cpu(hidden_dtype):
+    """The GPU's ``fp32_matmul="bf16x3"`` route (``head_operands(..., gpu=True)``): the
+    float32 weight (and float32 hidden states) as bf16 pieces, the logits summed over
+    ``piece_pairs``, the gradients over two pieces a side; here each product runs on the
+    CPU in float32 (exact for bf16 pieces), so the route's logic meets float64 to float32's
+    error and the gradients to the two pieces' (``GRAD_ROUNDOFF["bf16x2"]``)."""
+    from ratiokl.torch._lm_head import chunk_grads, chunk_logits, head_operands
+
+    g = torch.Generator().manual_seed(4)
+    hidden = torch.randn(16, 64, generator=g).to(hidden_dtype)
+    weight = torch.randn(96, 64, generator=g) * 0.5
+    transform = spec.logit_transform()
+    head = head_operands(hidden.dtype, weight, transform, gpu=True)
+    assert head.split_grads and len(head.pieces) == 3
+    assert len(head.pairs) == (6 if hidden_dtype == torch.float32 else 3)
+    x = chunk_logits(hidden, head, None, transform, torch.empty(16, 96))
+    exact = hidden.double() @ weight.double().T
+    assert float((x.double() - exact).abs().max()) <= 64 * 2.0 ** -24 * float(
+        (hidden.double().abs() @ weight.double().abs().T).max())
+    du = torch.randn(16, 96, generator=g)
+    dh = torch.empty(16, 64, dtype=hidden_dtype)
+    dw = torch.empty(96, 64)
+    chunk_grads(du, hidden, head, transform, dh, dw, True, None)
+    for got, want, other in ((dh, du.double() @ weight.double(), weight),
+                             (dw, du.double().T @ hidden.double(), hidden)):
+        err = float((got.double() - want).abs().max())
+        assert err <= 8 * spec.GRAD_ROUNDOFF["bf16x2"] * float(want.abs().max()) + (
+            spec.GRAD_ROUNDOFF[str(hidden_dtype).removeprefix("torch.")]
+            * float(want.abs().max()) * (got is dh)), err

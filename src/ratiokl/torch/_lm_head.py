@@ -108,19 +108,22 @@ def _name(dtype: torch.dtype) -> str:
 
 
 def head_operands(hidden_dtype: torch.dtype, weight: torch.Tensor,
-                  transform: LogitTransform) -> Head:
+                  transform: LogitTransform, gpu: Optional[bool] = None) -> Head:
     """The :class:`Head` of ``weight [V, H]`` for hidden states of ``hidden_dtype`` (module
-    docstring): the weight split (``"bf16x3"`` on CUDA) or upcast (CPU) once here."""
-    gpu = weight.is_cuda
+    docstring): the weight split (``"bf16x3"`` on CUDA) or upcast (CPU) once here. ``gpu``:
+    the GPU's rules (default: whether ``weight`` is on CUDA; a test may ask for them on the
+    CPU, where the split products run as float32 products of the pieces)."""
+    gpu = weight.is_cuda if gpu is None else gpu
     logits_name, grad_name = head_dtypes(_name(hidden_dtype), _name(weight.dtype), transform,
                                          gpu)
     logits, grad = getattr(torch, logits_name), getattr(torch, grad_name)
     tf32 = transform.fp32_matmul == "tf32"
-    if not gpu or logits == hidden_dtype == weight.dtype:  # one dtype for every GEMM
+    split = gpu and grad == torch.float32 and transform.fp32_matmul == "bf16x3"
+    if not gpu or (logits == hidden_dtype == weight.dtype and not split):  # one dtype
         op = weight.to(logits)
         return Head((op,), None, 0, logits, logits, logits, False,
                     torch.float32 if weight.dtype != logits else weight.dtype, tf32)
-    if grad == torch.float32 and transform.fp32_matmul == "bf16x3":  # split products
+    if split:  # a float32 operand: the bfloat16 pieces' products
         n_h, n_w = split_pieces(_name(hidden_dtype)), split_pieces(_name(weight.dtype))
         return Head(_split(weight, n_w), piece_pairs(n_h, n_w), n_h, hidden_dtype, logits,
                     grad, True, torch.float32, False)
