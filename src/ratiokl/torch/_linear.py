@@ -107,11 +107,10 @@ def _forward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
         return (torch.zeros((), dtype=torch.float32, device=device),
                 torch.zeros(len(METRIC_NAMES), dtype=torch.float32, device=device),
                 grad_hidden, _as(grad_weight, weight), _as(grad_bias, bias))
-    # The kernel writes g over the logits, except where g has another dtype or a softcap's
-    # slope needs the logits: then into a second buffer.
-    second = write_grad and (head.grad != head.logits or transform.softcap is not None)
+    # The kernel writes g over the logits unless it needs a buffer of its own.
+    second = write_grad and head.separate_grad(transform)
     chunk = chunk_rows_for(chunk_rows, n_rows, vocab,
-                           head.logits.itemsize + (head.grad.itemsize if second else 0))
+                           head.chunk_bytes(transform) if write_grad else head.logits.itemsize)
     temp = kernel_temperature(temperature, device)
     per_row_temp = isinstance(temperature, torch.Tensor)
     coefs = kernel_coefficients(opts, device)

@@ -105,18 +105,9 @@ class _Inputs(NamedTuple):
 
 
 def _chunk(inputs: _Inputs, head: Head, n_rows: int, vocab: int) -> int:
-    """Rows per chunk: ``chunk_rows``, or sized so that the logits and their gradient (a
-    second buffer where their dtypes differ or a softcap keeps the logits) fit
-    ``ratiokl.spec.CHUNK_BYTES``."""
-    size = head.logits.itemsize
-    if _second_buffer(head, inputs.transform):
-        size += head.grad.itemsize
-    return chunk_rows_for(inputs.chunk, n_rows, vocab, size)
-
-
-def _second_buffer(head: Head, transform: LogitTransform) -> bool:
-    """Whether the row gradient needs its own ``[C, V]`` buffer (else it overwrites x)."""
-    return head.grad != head.logits or transform.softcap is not None
+    """Rows per chunk: ``chunk_rows``, or sized so that the logits and their gradient's own
+    buffer (``Head.separate_grad``) fit ``ratiokl.spec.CHUNK_BYTES``."""
+    return chunk_rows_for(inputs.chunk, n_rows, vocab, head.chunk_bytes(inputs.transform))
 
 
 def _forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
@@ -158,7 +149,7 @@ def _backward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], lse: Tenso
         chunk = _chunk(inputs, head, n_rows, vocab)
         buffer = torch.empty((chunk, vocab), dtype=head.logits, device=weight.device)
         second = torch.empty((chunk, vocab), dtype=head.grad, device=weight.device) \
-            if _second_buffer(head, inputs.transform) else buffer
+            if head.separate_grad(inputs.transform) else buffer
         with ieee_fp32(head.tf32):
             for i, part in enumerate(_parts(n_rows, chunk)):
                 mask, rows = inputs.mask[part], part.stop - part.start

@@ -88,6 +88,17 @@ class Head(NamedTuple):
     accumulate: torch.dtype  # d weight's accumulator across chunks
     tf32: bool  # float32 GEMMs in TF32 (fp32_matmul="tf32")
 
+    def separate_grad(self, transform: LogitTransform) -> bool:
+        """Whether the kernels write ``d loss / d x`` into a ``[C, V]`` buffer of its own
+        (its dtype is not the logits', or a softcap's slope reads the logits after);
+        else over the logits."""
+        return self.grad != self.logits or transform.softcap is not None
+
+    def chunk_bytes(self, transform: LogitTransform) -> int:
+        """Bytes per logit of a chunk's buffers: the logits, and the gradient's own."""
+        separate = self.grad.itemsize if self.separate_grad(transform) else 0
+        return self.logits.itemsize + separate
+
     def hidden_ops(self, kept: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         """A chunk's hidden rows as the logits' GEMMs take them (split or cast)."""
         if self.hidden_pieces:
