@@ -64,8 +64,9 @@ class _Torch:
 
     @staticmethod
     def exp_sums(d):
+        # Products and sums, never ``linalg.vecdot``: autocast would run that in bfloat16.
         e = torch.exp(d)
-        return e.sum(dim=-1), torch.linalg.vecdot(e, d)
+        return e.sum(dim=-1), e.mul_(d).sum(dim=-1)
 
     @staticmethod
     def clip(x, low, high):
