@@ -55,6 +55,12 @@ LINEAR_SELECTED_LOGPROBS = r"""
         operands); ``"ieee"``: float32 GEMMs; ``"tf32"``: TF32 ones (10-bit mantissas). The
         gradient GEMMs take ``d loss / d logits`` in bfloat16 with the first piece, as the
         fused heads do. On a CPU every float32 GEMM is a float32 one$static.
+      grad_weight_accum: how ``d weight`` sums over the row chunks. ``"float32"``
+        (default): in a float32 ``[V, H]`` buffer, rounded once to the weight's dtype at
+        the end (``V * H * 4`` bytes, 2.3 GiB at V = 151,936, H = 4,096: that much more at
+        the peak than ``"weight"``). ``"weight"``: in the weight's dtype, each chunk's share
+        added with one rounding (a bf16 weight: one bf16 rounding per chunk). Errors and
+        memory: docs/api.md, "The lm_head's precision"$static.
       return_entropy: also return the entropy of each row's distribution$static.
       chunk_rows: $chunk_rows
       backend: $backend
@@ -87,8 +93,9 @@ LINEAR_POLICY_LOSS = r"""
       weight: ``[V, H]`` lm_head weight on ``hidden``'s device, in ``hidden``'s dtype or
         float32 (a float32 head over half-precision hidden states), or half precision
         under float32 hidden states (a tied embedding works: it is the same ``[V, H]``).
-      bias, logit_scale, logit_softcap, logits_dtype, fp32_matmul: the head's bias ``[V]``,
-        logit options and precision, as in :func:`linear_selected_logprobs`$static_head.
+      bias, logit_scale, logit_softcap, logits_dtype, fp32_matmul, grad_weight_accum: the
+        head's bias ``[V]``, logit options and precision, as in
+        :func:`linear_selected_logprobs`$static_head.
       action_ids, mask, old_logps, advantages, ref_logps: as in :func:`policy_loss`, of the
         leading shape ``[...]`` (``mask`` None: all active); the reference enters as
         log-probs only (reference logits would need the reference model's own hidden
@@ -114,7 +121,8 @@ LINEAR_POLICY_LOSS = r"""
       row: a weight gradient sums every row's share, so it cannot be scaled afterwards) the
       chunks run :func:`linear_selected_logprobs` and the objective instead: two passes,
       the same gradients.
-      ``d weight`` accumulates over chunks in ``weight``'s dtype$loss_accumulation.
+      ``d weight`` accumulates over the chunks as ``grad_weight_accum`` says (float32 by
+      default, rounded once)$loss_accumulation.
       Inactive rows get exactly zero ``d hidden`` and add nothing to ``d weight`` or
       ``d bias``, whatever their hidden states hold$nan_included. $loss_precision
     """
@@ -161,8 +169,8 @@ PIECES = {
       through Megatron's ``copy_to_tensor_model_parallel_region``, which would sum it
       again). Inactive rows keep every guarantee below on every rank.""",
         "accumulation": """
-      ``d weight`` accumulates over the chunks in the weight's dtype (in float32 on a CPU,
-      rounded once), ``d bias`` in float32. On the Triton backends a row's values are those of
+      ``d weight`` accumulates over the chunks as ``grad_weight_accum`` says, ``d bias``
+      in float32. On the Triton backends a row's values are those of
       :func:`selected_logprobs` on its logits: deterministic and independent of the other
       rows, given the GEMM's bits (which are the BLAS library's, chosen per chunk shape).""",
         "precision": """the logits are float32 (``logits_dtype``); the GEMMs of float32
@@ -197,9 +205,8 @@ PIECES = {
         "which": " (whichever requires a gradient)",
         "once": """, so the loss
       backpropagates once, on every backend (a second backward raises ``RuntimeError``)""",
-        "loss_accumulation": """ (one
-      rounding per chunk in bf16, as the materialised step rounds its one GEMM once; in
-      float32 on a CPU, rounded once), ``d bias`` in float32""",
+        "loss_accumulation": """ (``"native"``'s one GEMM over every row
+      rounds once either way), ``d bias`` in float32""",
         "nan_included": " (NaN included)",
         "loss_precision": """The
       logits are float32 and the float32 operands' GEMMs run as ``fp32_matmul`` says,

@@ -26,7 +26,8 @@ from ratiokl._kernels.loss_rows import METRIC_NAMES
 from ratiokl.jax import _launch
 from ratiokl.jax._checks import Temperature, kernel_rows
 from ratiokl.jax._launch import Static, TritonCall
-from ratiokl.jax._lm_head import chunk_size, head_grads, head_logits, vary_alike
+from ratiokl.jax._lm_head import (add_grad_weight, chunk_size, grad_weight_zeros, head_grads,
+                                  head_logits, vary_alike)
 from ratiokl.jax._triton_loss import fused_static, kernel_coefficients
 from ratiokl.spec import LogitTransform, PolicyLossOptions
 
@@ -42,11 +43,11 @@ def _chunks(call: TritonCall, static: Static, transform: LogitTransform, chunk: 
     # zeros_like: typed as the inputs are inside shard_map (the loop's carries must be).
     rows = tuple(jnp.zeros_like(hidden, jnp.int32 if i == 5 else jnp.float32, shape=(n_rows,))
                  for i in range(6))
-    grads = (jnp.zeros_like(hidden), jnp.zeros_like(weight),
+    grads = (jnp.zeros_like(hidden), grad_weight_zeros(weight, transform),
              jnp.zeros_like(weight, jnp.float32, shape=(vocab,))) if want_grad else None
     if n_rows == 0:
         return (jnp.zeros((), jnp.float32), jnp.zeros((len(METRIC_NAMES),), jnp.float32),
-                _bias_grad(grads, bias))
+                _in_dtypes(grads, weight, bias))
     # In place (g aliases the logits) unless the softcap's slope needs the logits after.
     fused = _launch.fused_op(call, static, want_grad,
                              want_grad and transform.softcap is None)
@@ -69,7 +70,7 @@ def _chunks(call: TritonCall, static: Static, transform: LogitTransform, chunk: 
             dh, dw, db = head_grads(outs[6], logits, kept, weight, transform)
             grads = (lax.dynamic_update_slice_in_dim(grads[0], dh.astype(hidden.dtype), start,
                                                      0),
-                     grads[1] + dw.astype(weight.dtype), grads[2] + db)
+                     add_grad_weight(grads[1], dw), grads[2] + db)
         return rows, grads
 
     full, rest = divmod(n_rows, chunk)
@@ -84,14 +85,16 @@ def _chunks(call: TritonCall, static: Static, transform: LogitTransform, chunk: 
     means, total = _launch.metrics_op(call)(
         *(stop(x) for x in (mask, logp, ratio, kl, ent, bits, logp if on_policy else old,
                             loss_rows)))
-    return total, means, _bias_grad(grads, bias)
+    return total, means, _in_dtypes(grads, weight, bias)
 
 
-def _bias_grad(grads, bias):
-    """``grads`` with ``d bias`` in the bias's dtype (None without a bias)."""
+def _in_dtypes(grads, weight, bias):
+    """``grads`` with ``d weight`` and ``d bias`` in their inputs' dtypes (``d bias`` None
+    without a bias)."""
     if grads is None:
         return None
-    return grads[0], grads[1], None if bias is None else grads[2].astype(bias.dtype)
+    return (grads[0], grads[1].astype(weight.dtype),
+            None if bias is None else grads[2].astype(bias.dtype))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 13, 14, 15))

@@ -33,7 +33,8 @@ from jax.custom_derivatives import SymbolicZero
 from ratiokl._codes import KL
 from ratiokl.jax import _native
 from ratiokl.jax._checks import Temperature, kernel_rows
-from ratiokl.jax._lm_head import chunk_size, head_grads, head_logits, vary_alike
+from ratiokl.jax._lm_head import (add_grad_weight, chunk_size, grad_weight_zeros, head_grads,
+                                  head_logits, vary_alike)
 from ratiokl.spec import LogitTransform
 
 if TYPE_CHECKING:
@@ -139,7 +140,7 @@ def _backward(static: _Static, hidden, weight, bias, ids, mask, temp, lse, ent, 
     per_row_temp = temp.shape[0] == n_rows and n_rows > 1
     # zeros_like: typed as the inputs are inside shard_map (a vocabulary-sharded weight's
     # gradient varies over the axis).
-    carry = (jnp.zeros_like(hidden), jnp.zeros_like(weight),
+    carry = (jnp.zeros_like(hidden), grad_weight_zeros(weight, static.transform),
              jnp.zeros_like(weight, jnp.float32, shape=weight.shape[:1]))
 
     def step(start, size: int, carry):
@@ -155,12 +156,13 @@ def _backward(static: _Static, hidden, weight, bias, ids, mask, temp, lse, ent, 
                                  part(lse), part(ent), part(g_logp), part(g_ent))
         dh, dw, db = head_grads(dx, x, kept, weight, static.transform)
         return (lax.dynamic_update_slice_in_dim(grad_hidden, dh.astype(hidden.dtype), start, 0),
-                grad_weight + dw.astype(weight.dtype), grad_bias + db)
+                add_grad_weight(grad_weight, dw), grad_bias + db)
 
     if g_logp is not None or g_ent is not None:
         carry = _loop(n_rows, static.chunk, step, carry)
     grad_hidden, grad_weight, grad_bias = carry
-    return grad_hidden, grad_weight, None if bias is None else grad_bias.astype(bias.dtype)
+    return (grad_hidden, grad_weight.astype(weight.dtype),
+            None if bias is None else grad_bias.astype(bias.dtype))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

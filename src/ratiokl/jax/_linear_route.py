@@ -39,10 +39,12 @@ def _head(hidden, weight, bias, action_ids):
 
 def linear_selected_logprobs(hidden, weight, action_ids, mask, *, bias, temperature,
                              logit_scale, logit_softcap, logits_dtype, fp32_matmul,
-                             return_entropy, chunk_rows, backend, check_ids, vocab_axis):
+                             grad_weight_accum, return_entropy, chunk_rows, backend, check_ids,
+                             vocab_axis):
     """``ratiokl.jax.loss.linear_selected_logprobs`` (documented there)."""
     chunk_rows = check_chunk_rows(chunk_rows)
-    transform = logit_transform(logit_scale, logit_softcap, logits_dtype, fp32_matmul)
+    transform = logit_transform(logit_scale, logit_softcap, logits_dtype, fp32_matmul,
+                                grad_weight_accum)
     hidden, weight, bias, ids, lead = _head(hidden, weight, bias, action_ids)
     rows = _rows(hidden, lead, ids, mask, temperature, backend, check_ids, vocab_axis,
                  vocab=weight.shape[0])

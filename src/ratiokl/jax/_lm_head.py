@@ -27,11 +27,12 @@ import jax.numpy as jnp
 from jax import lax
 
 from ratiokl.jax._vocab_parallel import varying_axes
-from ratiokl.spec import (GRAD_PIECES, LogitTransform, chunk_rows_for, head_dtypes,
-                          piece_pairs, split_bf16, split_pieces, transform_logits,
+from ratiokl.spec import (GRAD_PIECES, LogitTransform, chunk_rows_for, grad_weight_accumulator,
+                          head_dtypes, piece_pairs, split_bf16, split_pieces, transform_logits,
                           transform_slope)
 
-__all__ = ["chunk_size", "head_dtypes_of", "head_grads", "head_logits", "matmul", "vary_alike"]
+__all__ = ["add_grad_weight", "chunk_size", "grad_weight_zeros", "head_dtypes_of", "head_grads",
+           "head_logits", "matmul", "vary_alike"]
 
 
 def matmul(a: jax.Array, b: jax.Array, contract: Tuple[int, int],
@@ -61,6 +62,20 @@ def chunk_size(chunk_rows: Optional[int], hidden: jax.Array, weight: jax.Array,
     logits, grad = head_dtypes_of(hidden, weight, transform)
     return chunk_rows_for(chunk_rows, hidden.shape[0], weight.shape[0],
                           logits.itemsize + grad.itemsize)
+
+
+def grad_weight_zeros(weight: jax.Array, transform: LogitTransform) -> jax.Array:
+    """``d weight``'s running sum over the chunks, zeros ``[V, H]`` in
+    :func:`~ratiokl.spec.linear.grad_weight_accumulator`'s dtype (float32 with
+    ``grad_weight_accum="float32"``, else the weight's), typed as ``weight`` inside
+    ``shard_map``."""
+    return jnp.zeros_like(weight, grad_weight_accumulator(str(weight.dtype), transform))
+
+
+def add_grad_weight(total: jax.Array, dw: jax.Array) -> jax.Array:
+    """``total + dw`` (a chunk's float32 share) in float32, rounded once to ``total``'s
+    dtype, as a GEMM's epilogue adds into a narrower output (PyTorch's ``addmm_``)."""
+    return (total.astype(jnp.float32) + dw).astype(total.dtype)
 
 
 def _to_bf16(x: jax.Array) -> jax.Array:

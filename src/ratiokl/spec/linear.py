@@ -44,12 +44,14 @@ __all__ = [
     "CHUNK_BYTES",
     "Fp32Matmul",
     "GRAD_PIECES",
+    "GradWeightAccum",
     "LogitTransform",
     "LogitsDtype",
     "check_chunk_rows",
     "chunk_rows_for",
     "head_dtypes",
     "check_head_shapes",
+    "grad_weight_accumulator",
     "linear_grad_magnitudes",
     "linear_logits",
     "linear_selected_logprobs",
@@ -78,6 +80,15 @@ LogitsDtype = Literal["float32", "input"]
 #: CPU every float32 GEMM is a float32 one.
 Fp32Matmul = Literal["bf16x3", "ieee", "tf32"]
 
+#: ``grad_weight_accum``: the dtype in which ``d weight [V, H]`` is summed over the row chunks.
+#: ``"float32"`` (default): a float32 ``[V, H]`` running sum, rounded once to the weight's
+#: dtype at the end (``V * H * 4`` bytes: 2.3 GiB at V = 151,936, H = 4,096; with the rounded
+#: copy beside it at the end, that much more at the peak than ``"weight"``); ``"weight"``: the
+#: running sum in the weight's dtype, each chunk's GEMM adding its share with one rounding (a
+#: bf16 weight: one bf16 rounding per chunk, ~57 at N = 65,536 with 1,152-row chunks).
+#: Chosen by measurement (docs/performance.md, decision log).
+GradWeightAccum = Literal["float32", "weight"]
+
 #: The byte budget of one row chunk's logits and their gradient (``chunk_rows=None``):
 #: float32 logits [C, V] plus the gradient [C, V] in the inputs' dtype, at most 1 GiB (1152
 #: rows at V = 151,936). Chosen by measurement (H100, N = 8192, H = 4096, docs/api.md):
@@ -100,6 +111,7 @@ class LogitTransform:
     softcap: Optional[float] = None  # logit_softcap, positive and finite, or None (off)
     logits_dtype: str = "float32"  # LogitsDtype
     fp32_matmul: str = "bf16x3"  # Fp32Matmul
+    grad_weight_accum: str = "float32"  # GradWeightAccum
 
     @property
     def identity(self) -> bool:
@@ -125,16 +137,17 @@ def _choice(name: str, value: object, options: Any) -> str:
 
 
 def logit_transform(logit_scale: object = 1.0, logit_softcap: object = None,
-                    logits_dtype: object = "float32",
-                    fp32_matmul: object = "bf16x3") -> LogitTransform:
-    """The checked ``logit_scale``, ``logit_softcap``, ``logits_dtype`` and
-    ``fp32_matmul`` (``ValueError`` / ``TypeError`` naming the argument): static Python
-    values, as a model's config holds them."""
+                    logits_dtype: object = "float32", fp32_matmul: object = "bf16x3",
+                    grad_weight_accum: object = "float32") -> LogitTransform:
+    """The checked ``logit_scale``, ``logit_softcap``, ``logits_dtype``, ``fp32_matmul``
+    and ``grad_weight_accum`` (``ValueError`` / ``TypeError`` naming the argument): static
+    Python values, as a model's config holds them."""
     scale = _positive("logit_scale", logit_scale, "the model's logit multiplier, e.g. 0.0625")
     softcap = None if logit_softcap is None else _positive(
         "logit_softcap", logit_softcap, "e.g. Gemma 2's final_logit_softcapping 30.0; None: off")
     return LogitTransform(scale, softcap, _choice("logits_dtype", logits_dtype, LogitsDtype),
-                          _choice("fp32_matmul", fp32_matmul, Fp32Matmul))
+                          _choice("fp32_matmul", fp32_matmul, Fp32Matmul),
+                          _choice("grad_weight_accum", grad_weight_accum, GradWeightAccum))
 
 
 def check_chunk_rows(chunk_rows: object) -> Optional[int]:
@@ -164,6 +177,13 @@ def head_dtypes(hidden_dtype: str, weight_dtype: str, transform: LogitTransform,
     if not gpu:
         return logits, logits
     return logits, hidden_dtype if same and hidden_dtype != "float32" else "float32"
+
+
+def grad_weight_accumulator(weight_dtype: str, transform: LogitTransform) -> str:
+    """The dtype name of ``d weight``'s running sum over the row chunks (weight dtype by
+    name): float32 with ``grad_weight_accum="float32"`` (or a float32 weight), else the
+    weight's own. The same on every backend and device."""
+    return "float32" if transform.grad_weight_accum == "float32" else weight_dtype
 
 
 def chunk_rows_for(chunk_rows: Optional[int], n_rows: int, vocab: int,

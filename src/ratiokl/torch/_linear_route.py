@@ -83,10 +83,12 @@ def _eager_only(op: str, logits_op: str, hidden: torch.Tensor, backend: str,
 
 def linear_selected_logprobs(hidden, weight, action_ids, mask, *, bias, temperature,
                              logit_scale, logit_softcap, logits_dtype, fp32_matmul,
-                             return_entropy, chunk_rows, backend, check_ids, vocab_group):
+                             grad_weight_accum, return_entropy, chunk_rows, backend, check_ids,
+                             vocab_group):
     """``ratiokl.torch.loss.linear_selected_logprobs`` (documented there)."""
     chunk_rows = check_chunk_rows(chunk_rows)
-    transform = logit_transform(logit_scale, logit_softcap, logits_dtype, fp32_matmul)
+    transform = logit_transform(logit_scale, logit_softcap, logits_dtype, fp32_matmul,
+                                grad_weight_accum)
     lead = _head(hidden, weight, bias, action_ids)
     hidden, backend, vocab_group = _eager_only("linear_selected_logprobs",
                                                "selected_logprobs", hidden, backend, vocab_group)

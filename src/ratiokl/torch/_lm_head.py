@@ -12,7 +12,13 @@ The precision is the spec's (``ratiokl.spec.linear``: ``logits_dtype``, ``fp32_m
   weight's (and hidden states') first piece, as every fused head does, and accumulate in
   float32;
 * on a CPU: every GEMM in float32 on the operands' values (the weight upcast once per
-  call, ``d weight`` accumulated in float32 and rounded once at the end).
+  call).
+
+``d weight`` sums over the chunks in :func:`~ratiokl.spec.linear.grad_weight_accumulator`'s
+dtype (``Head.accumulate``) on every device: float32, rounded once at the end
+(``grad_weight_accum="float32"``), or the weight's, each chunk's GEMM adding its share with
+one rounding (``"weight"``: cuBLAS's ``addmm`` epilogue; bf16 ``addmm_`` on a CPU rounds once
+too).
 
 The transform is ``ratiokl.spec.linear``'s (``x = softcap((h @ W.T + b) * scale)``, its
 slope ``scale * (1 - (x / softcap)^2)``), applied in place on the chunk's buffer so that no
@@ -35,8 +41,8 @@ from typing import Iterator, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from ratiokl.spec import (GRAD_PIECES, LogitTransform, head_dtypes, piece_pairs, split_bf16,
-                          split_pieces, transform_slope)
+from ratiokl.spec import (GRAD_PIECES, LogitTransform, grad_weight_accumulator, head_dtypes,
+                          piece_pairs, split_bf16, split_pieces, transform_slope)
 
 __all__ = ["Head", "chunk_grads", "chunk_logits", "head_logits", "head_operands", "ieee_fp32",
            "softcap_slope_"]
@@ -128,31 +134,34 @@ def head_operands(hidden_dtype: torch.dtype, weight: torch.Tensor,
     logits_name, grad_name = head_dtypes(_name(hidden_dtype), _name(weight.dtype), transform,
                                          gpu)
     logits, grad = getattr(torch, logits_name), getattr(torch, grad_name)
+    accumulate = getattr(torch, grad_weight_accumulator(_name(weight.dtype), transform))
     tf32 = transform.fp32_matmul == "tf32"
     split = gpu and grad == torch.float32 and transform.fp32_matmul == "bf16x3"
     if not gpu or (logits == hidden_dtype == weight.dtype and not split):  # one dtype
-        op = weight.to(logits)
-        return Head((op,), None, 0, logits, logits, logits, False,
-                    torch.float32 if weight.dtype != logits else weight.dtype, tf32)
+        return Head((weight.to(logits),), None, 0, logits, logits, logits, False, accumulate,
+                    tf32)
     if split:  # a float32 operand: the bfloat16 pieces' products
         n_h, n_w = split_pieces(_name(hidden_dtype)), split_pieces(_name(weight.dtype))
         return Head(_split(weight, n_w), piece_pairs(n_h, n_w), n_h, hidden_dtype, logits,
-                    grad, True, torch.float32, False)
+                    grad, True, accumulate, False)
     if grad == torch.float32:  # float32 operands, "ieee" / "tf32": float32 GEMMs
-        return Head((weight.to(grad),), None, 0, grad, logits, grad, False, weight.dtype,
-                    tf32)
+        return Head((weight.to(grad),), None, 0, grad, logits, grad, False, accumulate, tf32)
     # half-precision inputs of one dtype, float32 logits from the accumulator
-    return Head((weight,), ((0, 0),), 0, weight.dtype, logits, grad, False, weight.dtype,
-                False)
+    return Head((weight,), ((0, 0),), 0, weight.dtype, logits, grad, False, accumulate, False)
 
 
 def _gemm(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float,
           beta: float) -> None:
-    """``out = alpha * a @ b + beta * out`` (beta 0: ``out`` unread) with ``out`` in its own
-    dtype: the float32 accumulator written as it is when the operands are narrower
-    (CUDA's ``out_dtype``; elsewhere the operands upcast)."""
+    """``out = alpha * a @ b + beta * out`` (beta 0: ``out`` unread; ``a`` and ``b`` of one
+    dtype) with ``out`` in its own dtype, rounded once: the float32 accumulator written as
+    it is when the operands are narrower (CUDA's ``out_dtype``; elsewhere the operands
+    upcast); a narrower ``out`` (``d weight`` in a half-precision weight's dtype,
+    ``grad_weight_accum="weight"``, beside float32 operands) takes the float32 sum rounded
+    once, as a GEMM's epilogue writes it."""
     if out.dtype == a.dtype == b.dtype:
         out.addmm_(a, b, beta=beta, alpha=alpha)
+    elif out.dtype != torch.float32:  # a [V, H] float32 temporary; one rounding
+        out.copy_(torch.addmm(out.float(), a.float(), b.float(), beta=beta, alpha=alpha))
     elif out.is_cuda:
         torch.addmm(out, a, b, beta=beta, alpha=alpha, out_dtype=out.dtype, out=out)
     else:

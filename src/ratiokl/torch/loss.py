@@ -31,6 +31,7 @@ from ratiokl.spec import (
     DEFAULT_ROLLOUT_BOUNDS,
     BackendName,
     Fp32Matmul,
+    GradWeightAccum,
     KLEstimator,
     LogitsDtype,
     LossAgg,
@@ -210,6 +211,7 @@ def linear_selected_logprobs(
     logit_softcap: Optional[float] = None,
     logits_dtype: LogitsDtype = "float32",
     fp32_matmul: Fp32Matmul = "bf16x3",
+    grad_weight_accum: GradWeightAccum = "float32",
     return_entropy: bool = False,
     chunk_rows: Optional[int] = None,
     backend: BackendName = "auto",
@@ -219,7 +221,8 @@ def linear_selected_logprobs(
     return _linear_route.linear_selected_logprobs(
         hidden, weight, action_ids, mask, bias=bias, temperature=temperature,
         logit_scale=logit_scale, logit_softcap=logit_softcap, logits_dtype=logits_dtype,
-        fp32_matmul=fp32_matmul, return_entropy=return_entropy,
+        fp32_matmul=fp32_matmul, grad_weight_accum=grad_weight_accum,
+        return_entropy=return_entropy,
         chunk_rows=chunk_rows, backend=backend, check_ids=check_ids, vocab_group=vocab_group,
     )
 
@@ -239,6 +242,7 @@ def linear_policy_loss(
     logit_softcap: Optional[float] = None,
     logits_dtype: LogitsDtype = "float32",
     fp32_matmul: Fp32Matmul = "bf16x3",
+    grad_weight_accum: GradWeightAccum = "float32",
     chunk_rows: Optional[int] = None,
     clip_eps: Coefficient = 0.2,
     clip_eps_high: Optional[Coefficient] = None,
@@ -267,7 +271,8 @@ def linear_policy_loss(
 ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     return _linear_route.linear_policy_loss(
         hidden, weight, action_ids, mask, old_logps, advantages, check_chunk_rows(chunk_rows),
-        logit_transform(logit_scale, logit_softcap, logits_dtype, fp32_matmul),
+        logit_transform(logit_scale, logit_softcap, logits_dtype, fp32_matmul,
+                        grad_weight_accum),
         policy_loss_options(
             clip_eps=clip_eps, clip_eps_high=clip_eps_high, dual_clip=dual_clip,
             ratio_cap=ratio_cap, kl_coef=kl_coef, kl_estimator=kl_estimator, loss_agg=loss_agg,
