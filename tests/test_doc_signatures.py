@@ -196,7 +196,8 @@ def test_readme_partial_calls_say_which():
     policy = _keywords("policy_loss")
     assert [k for k in policy if k not in logits_only] == \
         [k for k in _keywords("policy_objective") if k not in ("entropy", "mask")]
-    head = {"bias", "logit_scale", "logit_softcap", "logits_dtype", "fp32_matmul", "chunk_rows"}
+    head = {"bias", "logit_scale", "logit_softcap", "logits_dtype", "fp32_matmul",
+            "grad_weight_accum", "chunk_rows"}
     assert [k for k in policy if k not in {"ratio_level", "inplace_grad"}] == \
         [k for k in _keywords("linear_policy_loss") if k not in head]
 

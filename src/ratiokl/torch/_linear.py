@@ -16,8 +16,8 @@ applied there: ``_lm_head.chunk_logits``), one launch of the fused policy-loss k
 the call's ``[N]`` arrays and ``g`` over the buffer (its in-place mode; with a softcap into a
 second buffer, as the slope needs the capped logits), then, when gradients are wanted,
 ``du @ weight`` into the chunk's rows of ``d hidden``, ``du.T @ hidden`` added to ``d weight``
-(accumulated in the weight's dtype, as a materialised step's one GEMM would round once; a
-chunk rounds once more) and ``du``'s column sums to ``d bias`` (in float32). One metrics
+(in ``Head.accumulate``: float32, rounded once at the end, or with
+``grad_weight_accum="weight"`` the weight's dtype, one rounding per chunk) and ``du``'s column sums to ``d bias`` (in float32). One metrics
 launch over all ``N`` rows closes the forward, so the loss and metrics are those of
 ``policy_loss`` on the same logits. Inactive rows' hidden states are zeroed before the
 GEMMs (``0 * NaN`` would be NaN): whatever they hold stays out of every gradient. The
