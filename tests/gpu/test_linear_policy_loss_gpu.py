@@ -94,7 +94,11 @@ def test_nan_hidden_states_on_inactive_rows_stay_out():
         assert torch.equal(a, b)
 
 
-def test_peak_memory_is_one_chunk_beyond_the_gradients():
+@pytest.mark.parametrize("accum", ["float32", "weight"])
+def test_peak_memory_is_one_chunk_beyond_the_gradients(accum):
+    """Beyond the gradients: one chunk's buffers, and with ``grad_weight_accum="float32"``
+    the float32 ``d weight`` sum (its bf16 copy beside it at the end: ``V * H * 4`` bytes
+    more than ``"weight"``)."""
     hidden, weight, ids, mask, old, ref, adv = _data(torch.bfloat16, seed=2)
     h = hidden.clone().requires_grad_()
     w = weight.clone().requires_grad_()
@@ -103,13 +107,14 @@ def test_peak_memory_is_one_chunk_beyond_the_gradients():
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     value, _ = loss.linear_policy_loss(h, w, ids, mask, old, adv, chunk_rows=chunk,
-                                       check_ids=False)
+                                       check_ids=False, grad_weight_accum=accum)
     value.backward()
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base
     grads = h.numel() * 2 + w.numel() * 2
     buffer = chunk * V * (4 + 2)  # float32 logits and the bf16 gradient
-    assert extra <= grads + buffer + 64 * 2**20, (extra, grads, buffer)
+    accumulator = w.numel() * 4 if accum == "float32" else 0
+    assert extra <= grads + buffer + accumulator + 64 * 2**20, (extra, grads, buffer)
 
 
 def test_jax_matches_torch_under_jit():
