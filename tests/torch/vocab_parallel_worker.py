@@ -256,7 +256,6 @@ def _conformance_call(case, start: int, stop: int, group, backend: str):
     ``bias``) instead of the logits' columns: ``d hidden`` is every rank's whole gradient,
     ``d weight`` / ``d bias`` are gathered from the ranks' row blocks."""
     op = case.spec
-    dtype = DTYPES[case.dtype]
     rows = op.vocab_arg is not None
     args = {}
     for key, value in case.arguments().items():
@@ -265,7 +264,7 @@ def _conformance_call(case, start: int, stop: int, group, backend: str):
                 value = value[start:stop]
             elif not rows:
                 value = value[..., start:stop]
-            value = torch.from_numpy(value.copy()).to(dtype)
+            value = torch.from_numpy(value.copy()).to(DTYPES[case.dtype_of(key)])
         elif isinstance(value, np.ndarray):
             kind = {"b": bool, "i": np.int64, "u": np.int64}.get(value.dtype.kind, np.float32)
             value = torch.from_numpy(value.astype(kind))
