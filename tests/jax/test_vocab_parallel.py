@@ -61,9 +61,10 @@ def test_linear_ops_sharded_head_native() -> None:
     """Both linear ops with the lm_head's rows on ``tp`` (native): values and gradients vs
     the spec and the unsharded call, grad inside the body, a dp x tp mesh (and the
     replicated head with rows on dp), rows on dp alone (the loss's psum), the refusals, bad
-    ids, the compiled collectives."""
+    ids, the compiled collectives; linear fixtures over 2 devices (a mixed-dtype head too),
+    judged against their expectations and tolerances."""
     _run("logprobs", "grad_inside_body", "data_and_tensor_parallel", "policy_loss",
-         "data_parallel", "refusals", "bad_ids", "collectives", worker=LINEAR,
+         "data_parallel", "refusals", "bad_ids", "collectives", "fixtures", worker=LINEAR,
          backend=("native",))
 
 

@@ -8,7 +8,9 @@ without the entropy) and ``linear_policy_loss`` are compared with the unsharded 
 the float64 spec: values, ``d hidden`` (whole on every device), ``d weight`` / ``d bias``
 (the devices' blocks, assembled by ``out_specs``); inactive rows hold NaN / inf hidden
 states and out-of-range ids. Also: gradients taken inside the body, the refusals
-(``check_vma=False``, a replicated weight), bad ids, and the compiled collectives.
+(``check_vma=False``, a replicated weight), bad ids, the compiled collectives, and linear
+conformance fixtures with the head's rows over 2 devices (``fixtures``, ``fixtures_all``),
+judged by ``ratiokl.harness``.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from jax import lax  # noqa: E402
 from jax.experimental import checkify  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from ratiokl import spec  # noqa: E402
+from ratiokl import harness, spec  # noqa: E402
 from ratiokl.jax import loss  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "helpers"))
@@ -293,6 +295,98 @@ def check_collectives() -> None:
     per_chunk = {k * c for k in (1, 2, 3) for c in (chunk, n_rows % chunk)}
     assert n_rows * WIDTH in sizes and sizes - {n_rows * WIDTH} <= per_chunk, sizes
 
+
+#: Linear fixtures run with the head's rows over 2 devices, one per behaviour (each case
+#: compiles its own program; ``fixtures_all`` runs every one the padding can take).
+FIXTURES = ("linear_masked_vocab_bf16", "linear_large_logits_argmax_fp32",
+            "linear_bf16_weight_fp32")
+SHARDS = 2
+#: Fixtures the sharded linear ops miss: bfloat16 hidden states beside a float32 head, whose
+#: ``d hidden`` is judged as one float32 sum rounded once to bfloat16, while each rank's
+#: partial ``d hidden`` is rounded to bfloat16 before the all-reduce (1.8x the tolerance).
+PARTIALS_ROUNDED = ("linear_fp32_weight_bf16", "linear_fp32_weight_logprobs_bf16")
+
+
+def _padded_head(case, rows: int) -> Dict[str, np.ndarray]:
+    """The case's ``hidden``, ``weight`` and ``bias`` (zeros where it has none) with the head
+    padded to ``rows``: zero weight rows whose bias is ``-inf`` add ``exp(-inf) = 0`` to every
+    sum, are never an action and get a zero gradient (not under a softcap, which maps
+    ``-inf`` to ``-softcap``)."""
+    weight, vocab = case.arrays["weight"], case.vocab
+    bias = case.arrays.get("bias", np.zeros(vocab, np.float32))
+    return {"hidden": case.arrays["hidden"],
+            "weight": np.concatenate([weight, np.zeros((rows - vocab, weight.shape[1]),
+                                                       np.float32)]),
+            "bias": np.concatenate([bias, np.full(rows - vocab, -np.inf, np.float32)])}
+
+
+def run_fixture(name: str) -> None:
+    """One linear conformance case with the head's rows over ``SHARDS`` devices, judged by
+    ``ratiokl.harness`` against the fixture's float64 expectations and tolerances."""
+    case = harness.load_case(name)
+    op = case.spec
+    assert case.expect_error is None and case.options.get("logit_softcap") is None, name
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:SHARDS]), ("tp",))
+    rows = -(-case.vocab // SHARDS) * SHARDS
+    head = {k: jnp.asarray(v).astype(jnp.dtype(case.dtype_of(k if k in case.arrays
+                                                             else "weight")))
+            for k, v in _padded_head(case, rows).items()}
+    arrays, static = {}, {}
+    for key, value in case.arguments().items():
+        if key in head:
+            continue
+        if isinstance(value, np.ndarray):  # mask bool, ids int32, the rest float32
+            kind = {"b": np.bool_, "i": np.int32, "u": np.int32}.get(value.dtype.kind,
+                                                                    np.float32)
+            arrays[key] = jnp.asarray(value.astype(kind))
+        else:
+            static[key] = value
+
+    def body(head, x):
+        call = dict(static, **x, **head)
+        return op.unpack(getattr(loss, op.name)(
+            *[call.get(k) for k in op.positional],
+            **{k: call[k] for k in op.keywords if k in call}, **op.fixed, backend=BACKEND,
+            vocab_axis="tp"))
+
+    sharded = jax.shard_map(body, mesh=mesh, in_specs=(SPECS, P()), out_specs=P())
+    cot = case.cotangents()
+
+    def objective(head):
+        out = sharded(head, arrays)
+        return sum(jnp.sum(out[o] * cot[o]) for o in op.cotangents), out
+
+    (_, outputs), grads = jax.jit(jax.value_and_grad(objective, has_aux=True))(head)
+    to_np = lambda x: np.asarray(x.astype(jnp.float32))  # noqa: E731
+    extra = case.also_differentiated
+    outcome = harness.Outcome(
+        outputs={o: to_np(v) for o, v in outputs.items()},
+        output_dtypes={o: str(v.dtype) for o, v in outputs.items()},
+        grad=to_np(grads["hidden"]), grad_dtype=str(grads["hidden"].dtype),
+        extra_grads={k: to_np(grads[k])[:case.vocab] for k in extra},
+        extra_grad_dtypes={k: str(grads[k].dtype) for k in extra})
+    check = harness.judge(case, outcome)
+    assert check.passed, (name, check.failures)
+    for key in ("weight", "bias"):
+        assert not np.any(to_np(grads[key])[case.vocab:]), (name, f"padded rows' d {key}")
+
+
+def check_fixtures() -> None:
+    """The linear fixtures of ``FIXTURES`` on 2 devices (V = 257 padded to 258)."""
+    for name in FIXTURES:
+        run_fixture(name)
+
+
+def check_fixtures_all() -> None:
+    """Every linear fixture the padding can take (no softcap, no expected error), but
+    ``PARTIALS_ROUNDED``."""
+    for name in harness.list_cases("linear_*"):
+        case = harness.load_case(name)
+        if (case.expect_error is None and case.options.get("logit_softcap") is None
+                and name not in PARTIALS_ROUNDED):
+            run_fixture(name)
+
+
 CHECKS: Dict[str, Callable[[], None]] = {
     "logprobs": check_logprobs,
     "grad_inside_body": check_grad_inside_body,
@@ -302,6 +396,8 @@ CHECKS: Dict[str, Callable[[], None]] = {
     "refusals": check_refusals,
     "bad_ids": check_bad_ids,
     "collectives": check_collectives,
+    "fixtures": check_fixtures,
+    "fixtures_all": check_fixtures_all,
 }
 
 

@@ -1,8 +1,8 @@
 """Conformance cases: building one from inputs, and its on-disk form.
 
 A case is one call of one operator: its inputs (logits stored as float32
-values already rounded to the case's dtype, so every framework casts them
-exactly), scalar options, upstream cotangents, float64 expected outputs and
+values already rounded to the case's dtype, or to an input's own dtype where
+``input_dtypes`` names one, so every framework casts them exactly), scalar options, upstream cotangents, float64 expected outputs and
 the float64 expected gradient w.r.t. the policy logits, and per-output
 tolerances -- or an expected error instead of expectations.
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import io
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 import numpy as np
@@ -46,7 +46,12 @@ def round_to_dtype(x: np.ndarray, dtype: str) -> np.ndarray:
 
 @dataclass(frozen=True)
 class Case:
-    """One conformance case; ``arrays`` holds inputs, ``cotangent_*``, ``expected_*``."""
+    """One conformance case; ``arrays`` holds inputs, ``cotangent_*``, ``expected_*``.
+
+    ``dtype`` is the dtype of every logits argument (``Op.logit_args``) except those
+    ``input_dtypes`` gives their own (an lm_head's float32 ``weight`` beside bfloat16
+    ``hidden``): :meth:`dtype_of` reads it. Each gradient has its argument's dtype.
+    """
 
     name: str
     group: str
@@ -57,10 +62,16 @@ class Case:
     tolerances: Mapping[str, Tolerance]
     expect_error: Optional[str] = None
     description: str = ""
+    input_dtypes: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def spec(self) -> Op:
         return OPS[self.op]
+
+    def dtype_of(self, argument: str) -> str:
+        """The dtype a logits argument is cast to: its own in ``input_dtypes``, else the
+        case's."""
+        return self.input_dtypes.get(argument, self.dtype)
 
     def arguments(self) -> Dict[str, Any]:
         """The operator's arguments present in the case: arrays, then scalar options (a
@@ -112,7 +123,10 @@ class Case:
         return "temperature" if "temperature" in self.group else "action_ids"
 
     def manifest_entry(self) -> Dict[str, Any]:
-        """The JSON-serialisable description of this case (without file and hash)."""
+        """The JSON-serialisable description of this case (without file and hash);
+        ``input_dtypes`` only where an input has its own dtype."""
+        own = {"input_dtypes": dict(sorted(self.input_dtypes.items()))} \
+            if self.input_dtypes else {}
         return {
             "group": self.group,
             "op": self.op,
@@ -123,6 +137,7 @@ class Case:
             "tolerances": {k: t.as_dict() for k, t in sorted(self.tolerances.items())},
             "expect_error": self.expect_error,
             "description": self.description,
+            **own,
         }
 
 
@@ -150,21 +165,25 @@ def build_case(
     cotangents: Optional[Mapping[str, np.ndarray]] = None,
     expect_error: Optional[str] = None,
     description: str = "",
+    input_dtypes: Optional[Mapping[str, str]] = None,
 ) -> Case:
     """A case with float64 expectations from ``ratiokl.spec`` and tolerances from its table.
 
-    ``inputs`` are arrays (logits arguments are rounded to ``dtype`` here);
+    ``inputs`` are arrays (logits arguments are rounded to ``dtype`` here, or to their own
+    dtype in ``input_dtypes``: ``{"weight": "float32"}`` beside bfloat16 hidden states);
     ``options`` are scalars (``kl_estimator``, a scalar ``temperature``);
     ``cotangents`` maps each of the op's differentiable outputs to ``[...]``.
     With ``expect_error`` the call must raise that exception type instead.
     """
     op = OPS[op_name]
     options = dict(options or {})
+    own = _input_dtypes(op, dtype, input_dtypes)
+    dtypes = {key: own.get(key, dtype) for key in op.logit_args}
     arrays: Dict[str, np.ndarray] = {}
     for key, value in inputs.items():
         value = np.asarray(value)
         if key in op.logit_args:
-            value = round_to_dtype(value, dtype)
+            value = round_to_dtype(value, dtypes[key])
         elif value.dtype.kind == "f":
             value = value.astype(np.float32)
         arrays[key] = np.ascontiguousarray(value)
@@ -183,14 +202,32 @@ def build_case(
             suffix = "" if key == op.differentiate else f"_{key}"
             arrays[f"expected_grad{suffix}"] = np.asarray(grad, dtype=np.float64)
         if op.case_tolerances is not None:
-            tolerances = op.case_tolerances(args, cot, dtype)
+            tolerances = op.case_tolerances(args, cot, dtypes)
         else:
             grad = arrays["expected_grad"]
             mask = Case(name, group, op_name, dtype, arrays, options, {}).row_mask
             finite = np.abs(grad[np.isfinite(grad)])
             grad_scale = float(finite.max()) if finite.size else 0.0
-            tolerances = op.tolerances(op, dtype, _logit_scale(op, args, mask), grad_scale)
-    return Case(name, group, op_name, dtype, arrays, options, tolerances, expect_error, description)
+            tolerances = op.tolerances(op, dtypes[op.differentiate],
+                                       _logit_scale(op, args, mask), grad_scale)
+    return Case(name, group, op_name, dtype, arrays, options, tolerances, expect_error, description,
+                own)
+
+
+def _input_dtypes(op: Op, dtype: str, given: Optional[Mapping[str, str]]) -> Dict[str, str]:
+    """``given`` checked (logits arguments of ``op``, known dtypes), without the entries that
+    repeat ``dtype``."""
+    own: Dict[str, str] = {}
+    for key, value in (given or {}).items():
+        if key not in op.logit_args:
+            raise ValueError(f"`input_dtypes` names {key!r}, which {op.name} does not cast; "
+                             f"name one of {op.logit_args}")
+        if value not in LOGIT_DTYPES:
+            raise ValueError(f"`input_dtypes[{key!r}]` must be one of {LOGIT_DTYPES}; "
+                             f"got {value!r}")
+        if value != dtype:
+            own[key] = value
+    return own
 
 
 def write_npz(arrays: Mapping[str, np.ndarray]) -> bytes:

@@ -76,6 +76,7 @@ def load_case(name: str, root: Optional[Path] = None) -> Case:
         tolerances={k: Tolerance(**t) for k, t in entry["tolerances"].items()},
         expect_error=entry["expect_error"],
         description=entry["description"],
+        input_dtypes=entry.get("input_dtypes", {}),
     )
 
 

@@ -150,7 +150,7 @@ def _call_torch(call: TargetCall, backend: str, strided: bool) -> Outcome:
         if not isinstance(value, np.ndarray):
             return value
         if key in op.logit_args:
-            t = torch.tensor(value, device=device).to(dtypes[call.dtype])
+            t = torch.tensor(value, device=device).to(dtypes[call.dtype_of(key)])
             if key in call.grads[1:]:
                 extra_leaves[key] = t.requires_grad_(True)
             if key == op.differentiate:
@@ -237,7 +237,7 @@ def _call_jax(call: TargetCall, backend: str, strided: bool) -> Outcome:
         if not isinstance(value, np.ndarray):
             return value
         if key in op.logit_args:  # cast on the host: no XLA compilation per shape
-            return jnp.asarray(value.astype(jnp.dtype(call.dtype)))
+            return jnp.asarray(value.astype(jnp.dtype(call.dtype_of(key))))
         if value.dtype == np.bool_:
             return jnp.asarray(value)
         if value.dtype.kind in "iu":

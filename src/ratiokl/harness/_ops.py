@@ -42,7 +42,8 @@ class Op:
             missing from the case is passed as ``None``.
         keywords: argument names passed by keyword when the case has them
             (as an array, or as a scalar in the case's options).
-        logit_args: arguments cast to the case's logits dtype.
+        logit_args: arguments cast to the case's logits dtype (or to their own, where the
+            case's ``input_dtypes`` names one).
         differentiate: the argument whose gradient is compared.
         outputs: output names, in the order ``unpack`` returns them.
         cotangents: outputs that receive an upstream cotangent
@@ -60,9 +61,10 @@ class Op:
             ``{argument: gradient}`` for ``differentiate`` and these, the case stores
             ``expected_grad_<argument>`` beside ``expected_grad`` and its tolerances
             ``grad_<argument>``. An argument absent from a case (no ``bias``) is skipped.
-        case_tolerances: ``(arguments, cotangents, dtype) -> {output|"grad"|"grad_<arg>":
-            Tolerance}``, replacing ``tolerances`` where the bounds need the inputs (the ops
-            from hidden states: their gradients are GEMM sums).
+        case_tolerances: ``(arguments, cotangents, dtypes) -> {output|"grad"|"grad_<arg>":
+            Tolerance}`` (``dtypes``: each of ``logit_args``' dtype in the case), replacing
+            ``tolerances`` where the bounds need the inputs (the ops from hidden states:
+            their gradients are GEMM sums).
         vocab_arg: the argument whose first axis is the vocabulary (``weight``); None: the
             last axis of ``differentiate``.
         token_values: ``differentiate`` holds one value per token ``[...]`` (the log-probs
@@ -93,7 +95,8 @@ class Op:
     )
     fixed: Mapping[str, Any] = field(default_factory=dict)
     also_differentiate: Tuple[str, ...] = ()
-    case_tolerances: Optional[Callable[[Arrays, Arrays, str], Dict[str, Tolerance]]] = None
+    case_tolerances: Optional[Callable[[Arrays, Arrays, Mapping[str, str]],
+                                       Dict[str, Tolerance]]] = None
     vocab_arg: Optional[str] = None
     token_values: bool = False
     takes_backend: bool = True

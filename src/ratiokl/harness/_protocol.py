@@ -39,7 +39,8 @@ class TargetCall:
             the entropy, ``*_rollout`` ones take the rollout correction.
         dtype: the dtype of the logits (or log-probs, hidden states) arguments:
             ``"float32"``, ``"float16"`` or ``"bfloat16"``. Those arrays arrive as float32
-            holding values exactly representable in ``dtype``: cast them to it.
+            holding values exactly representable in ``dtype``: cast them to it, or to their
+            own dtype where ``input_dtypes`` names one (:meth:`dtype_of`).
         arguments: the function's arguments present in the case, by name: NumPy arrays
             (``mask`` boolean ``[...]``; ids integer; others float32) and scalar options
             (``kl_estimator="k3"``, ``clip_eps=0.2``; ``rollout_bounds`` a tuple). An option
@@ -57,6 +58,8 @@ class TargetCall:
             exactly-zero gradient, whatever their inputs hold (NaN, inf, bad ids).
         expect_error: an exception type name (``"ValueError"``) the call must raise instead,
             its message naming the bad argument; None for an ordinary case.
+        input_dtypes: the arguments whose dtype is not ``dtype`` (``{"weight": "float32"}``
+            beside bfloat16 hidden states); each gradient has its argument's dtype.
     """
 
     case: str
@@ -70,6 +73,7 @@ class TargetCall:
     row_mask: Optional[str]
     expect_error: Optional[str] = None
     description: str = ""
+    input_dtypes: Mapping[str, str] = field(default_factory=dict)
     #: The case's operator-table entry when it is not ``OPS[op]`` (a test's variant).
     _spec: Optional[Op] = field(default=None, repr=False, compare=False)
 
@@ -83,13 +87,17 @@ class TargetCall:
                                if f"cotangent_{o}" in case.arrays},  # none: expect_error
                    outputs=op.outputs, grads=(op.differentiate, *case.also_differentiated),
                    row_mask=op.row_mask, expect_error=case.expect_error,
-                   description=case.description,
+                   description=case.description, input_dtypes=dict(case.input_dtypes),
                    _spec=None if op is OPS.get(case.op) else op)
 
     @property
     def spec(self) -> Op:
         """The operator table's entry for :attr:`op` (argument lists, outputs)."""
         return OPS[self.op] if self._spec is None else self._spec
+
+    def dtype_of(self, argument: str) -> str:
+        """The dtype to cast a logits (hidden-state, weight) argument to."""
+        return self.input_dtypes.get(argument, self.dtype)
 
     def option(self, name: str, default: Any = None) -> Any:
         """A scalar option or array argument of the case, or ``default`` when absent."""

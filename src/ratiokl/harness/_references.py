@@ -127,10 +127,12 @@ def objective_grad(args: Arrays, cot: Arrays) -> Dict[str, np.ndarray]:
     return {"logps": dlogps, "entropy": dentropy}
 
 
-def objective_tolerances(args: Arrays, cot: Arrays, dtype: str) -> Dict[str, Tolerance]:
+def objective_tolerances(args: Arrays, cot: Arrays,
+                         dtypes: Mapping[str, str]) -> Dict[str, Tolerance]:
     """:func:`default_tolerances` with the log-probs' magnitude as the scale: the float32
     forward loses a few ulps of the largest active ``|logp|`` (of the policy, the behaviour
-    policy, the reference and the engine), and the gradients are stored in ``dtype``."""
+    policy, the reference and the engine), and each gradient is stored in its argument's
+    dtype (``dtypes``)."""
     mask = np.asarray(args["mask"], bool)
     scale = 0.0
     for key in ("logps", "old_logps", "ref_logps", "rollout_logps", "entropy"):
@@ -139,9 +141,9 @@ def objective_tolerances(args: Arrays, cot: Arrays, dtype: str) -> Dict[str, Tol
             scale = max(scale, float(values[np.isfinite(values)].max(initial=0.0)))
     grads = objective_grad(args, cot)
     tols = {out: spec.forward_tolerance(scale) for out in OBJECTIVE_OUTPUTS}
-    for key, grad in (("grad", grads["logps"]), ("grad_entropy", grads["entropy"])):
-        finite = np.abs(grad[np.isfinite(grad)])
-        tols[key] = spec.grad_tolerance(dtype, scale, float(finite.max(initial=0.0)))
+    for key, arg in (("grad", "logps"), ("grad_entropy", "entropy")):
+        finite = np.abs(grads[arg][np.isfinite(grads[arg])])
+        tols[key] = spec.grad_tolerance(dtypes[arg], scale, float(finite.max(initial=0.0)))
     return tols
 
 
@@ -166,9 +168,12 @@ def linear_grad(args: Arrays, cot: Arrays) -> Dict[str, np.ndarray]:
     return {k: g for k, g in zip(("hidden", "weight", "bias"), grads) if g is not None}
 
 
-def linear_tolerances(args: Arrays, cot: Arrays, dtype: str) -> Dict[str, Tolerance]:
+def linear_tolerances(args: Arrays, cot: Arrays,
+                      dtypes: Mapping[str, str]) -> Dict[str, Tolerance]:
     """``ratiokl.spec.linear_forward_tolerance`` / ``linear_grad_tolerance``: the logits are
-    the case's GEMM, rounded to ``dtype`` in the chunk, and the gradients GEMM sums."""
+    the case's GEMM (float32 in the chunk), and the gradients GEMM sums of ``du`` as
+    ``ratiokl.spec.linear_grad_operand`` names it for the head's dtypes (``dtypes``: of
+    ``hidden``, ``weight`` and ``bias``), each stored in its argument's dtype."""
     positional, kw = _linear_args(args)
     mask = np.ones(np.shape(args["hidden"])[:-1], bool) if args.get("mask") is None \
         else np.asarray(args["mask"], bool)
@@ -180,11 +185,14 @@ def linear_tolerances(args: Arrays, cot: Arrays, dtype: str) -> Dict[str, Tolera
         z = np.abs(logits[mask] / temp[mask][:, None])
     scale = float(z[np.isfinite(z)].max(initial=0.0))
     vocab = np.shape(args["weight"])[0]
-    tols = {"logp": spec.linear_forward_tolerance(dtype, scale, vocab),
-            "entropy": spec.linear_forward_tolerance(dtype, scale, vocab, entropy=True)}
+    hidden, weight = dtypes["hidden"], dtypes["weight"]
+    tols = {"logp": spec.linear_forward_tolerance(hidden, scale, vocab),
+            "entropy": spec.linear_forward_tolerance(hidden, scale, vocab, entropy=True)}
     magnitudes = spec.linear_grad_magnitudes(*positional, cot["logp"], cot.get("entropy"),
                                              **kw)
-    for key, magnitude in zip(("grad", "grad_weight", "grad_bias"), magnitudes):
+    du = spec.linear_grad_operand(hidden, weight)
+    for (key, arg), magnitude in zip((("grad", "hidden"), ("grad_weight", "weight"),
+                                      ("grad_bias", "bias")), magnitudes):
         if magnitude is not None:
-            tols[key] = spec.linear_grad_tolerance(dtype, scale, magnitude)
+            tols[key] = spec.linear_grad_tolerance(du, scale, magnitude, stored=dtypes[arg])
     return tols

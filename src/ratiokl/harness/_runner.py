@@ -74,8 +74,9 @@ def judge(case: Case, outcome: Outcome) -> Check:
     if outcome.grad is None:
         check.fail(f"grad: the gradient w.r.t. `{op.differentiate}` is missing")
         return check
-    if outcome.grad_dtype not in (None, case.dtype):
-        check.fail(f"grad: dtype {outcome.grad_dtype}, expected {case.dtype}")
+    main_dtype = case.dtype_of(op.differentiate)
+    if outcome.grad_dtype not in (None, main_dtype):
+        check.fail(f"grad: dtype {outcome.grad_dtype}, expected {main_dtype}")
     compare_close(check, "grad", outcome.grad, case.arrays["expected_grad"], case.tolerances["grad"])
     if outcome.grad.shape[:-1] == inactive.shape or op.token_values:
         compare_neutral(check, "grad", outcome.grad, inactive, 0.0, signed_zero_ok=True)
@@ -84,8 +85,9 @@ def judge(case: Case, outcome: Outcome) -> Check:
         if key not in outcome.extra_grads:
             check.fail(f"{name}: missing")
             continue
-        if outcome.extra_grad_dtypes.get(key, case.dtype) != case.dtype:
-            check.fail(f"{name}: dtype {outcome.extra_grad_dtypes[key]}, expected {case.dtype}")
+        want = case.dtype_of(key)
+        if outcome.extra_grad_dtypes.get(key, want) != want:
+            check.fail(f"{name}: dtype {outcome.extra_grad_dtypes[key]}, expected {want}")
         compare_close(check, name, outcome.extra_grads[key], case.arrays[f"expected_{name}"],
                       case.tolerances[name])
         if op.token_values:

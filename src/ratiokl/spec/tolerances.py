@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict
+from typing import Dict, Optional
 
 __all__ = ["GRAD_ROUNDOFF", "Tolerance", "forward_tolerance", "grad_tolerance",
-           "linear_forward_tolerance", "linear_grad_tolerance", "paths_tolerance",
+           "linear_forward_tolerance", "linear_grad_operand", "linear_grad_tolerance",
+           "paths_tolerance",
            "autocast_tolerance", "reduction_tolerance", "rounding_tolerance",
            "trainer_tolerance", "update_tolerance"]
 
@@ -101,20 +102,34 @@ def linear_forward_tolerance(dtype: str, logit_scale: float, vocab: int,
 
 
 def linear_grad_tolerance(dtype: str, logit_scale: float, magnitude: float,
-                          logits_dtype: str = "float32") -> Tolerance:
+                          logits_dtype: str = "float32",
+                          stored: Optional[str] = None) -> Tolerance:
     """Tolerance of ``d hidden``, ``d weight`` or ``d bias`` of the ops from hidden states.
 
     Each is a sum of products ``du * other`` (over the vocabulary or the rows), so its error
     is relative to ``magnitude``, the largest entry of the same sum of ``|du| * |other|``
     (``ratiokl.spec.linear_grad_magnitudes``): ``du`` is rounded to ``dtype`` (the inputs'
-    half-precision dtype, as the gradient GEMMs take it: 2 u, with the result's rounding),
-    and the logits' rounding to ``logits_dtype`` moves each softmax term by up to twice the
-    :func:`linear_forward_tolerance` shift, on top of the float32 forward's error.
+    half-precision dtype, as the gradient GEMMs take it: 2 u, with the result's rounding;
+    :func:`linear_grad_operand` names it), and the logits' rounding to ``logits_dtype`` moves
+    each softmax term by up to twice the :func:`linear_forward_tolerance` shift, on top of the
+    float32 forward's error. ``stored``: the dtype the gradient is returned in, its
+    argument's, when not ``dtype`` (a mixed head: ``du`` in float32, ``d hidden`` in
+    bfloat16): its rounding, ``2 u`` of ``stored`` relative to the entry.
     """
     u = GRAD_ROUNDOFF[dtype]
     shift = _LOGIT_ROUNDINGS * GRAD_ROUNDOFF[logits_dtype] * max(1.0, float(logit_scale))
     relative = 2.0 * u + 2.0 * shift + forward_tolerance(logit_scale).rtol
-    return Tolerance(rtol=2.0 * u, atol=relative * float(magnitude) + 1e-30)
+    return Tolerance(rtol=2.0 * GRAD_ROUNDOFF[stored or dtype],
+                     atol=relative * float(magnitude) + 1e-30)
+
+
+def linear_grad_operand(hidden_dtype: str, weight_dtype: str) -> str:
+    """The :data:`GRAD_ROUNDOFF` key of ``du = d loss / d x`` as the gradient GEMMs of the
+    ops from hidden states take it (``ratiokl.spec.head_dtypes``): the inputs' dtype when they
+    share one; for a mixed head (bfloat16 hidden states with a float32 weight, or the
+    reverse) float32, which the default ``fp32_matmul="bf16x3"`` takes on a GPU as two
+    bfloat16 pieces, ``"bf16x2"`` (the CPU's float32 GEMMs are finer)."""
+    return hidden_dtype if hidden_dtype == weight_dtype else "bf16x2"
 
 
 #: Unit roundoff of the dtype a whole computation runs in (float64: the spec's own paths).

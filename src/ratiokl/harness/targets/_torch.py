@@ -150,15 +150,16 @@ def token_batch(call: TargetCall, logprobs: Callable[[Any, Any], Any],
     else:
         temperature = float(args.get("temperature", 1.0))
         ids = torch.where(mask, torch.as_tensor(args["action_ids"]).long(), 0)
-        dtype = getattr(torch, call.dtype)
-        leaves[main] = torch.as_tensor(args[main]).to(dtype).requires_grad_(True)
+        leaves[main] = torch.as_tensor(args[main]).to(
+            getattr(torch, call.dtype_of(main))).requires_grad_(True)
         z = leaves[main].float() / temperature
         logps = logprobs(z, ids)
         ent = entropy(z) if need_entropy else None
         ref = as_float("ref_logps")
         if args.get("ref_logits") is not None:
             with torch.no_grad():
-                ref = logprobs(torch.as_tensor(args["ref_logits"]).to(dtype).float()
+                ref_dtype = getattr(torch, call.dtype_of("ref_logits"))
+                ref = logprobs(torch.as_tensor(args["ref_logits"]).to(ref_dtype).float()
                                / temperature, ids)
     advantages = None
     if args.get("advantages") is not None:
