@@ -261,3 +261,15 @@ def test_api_md_lm_head_table_is_the_results_file():
     result = json.loads((ROOT / match.group(1)).read_text())
     assert match.group(2).strip() == module["markdown"](result).strip(), (
         f"regenerate: python benchmarks/lm_head_precision.py --markdown {match.group(1)}")
+
+
+def test_policy_loss_md_rollout_parity_table_is_the_examples_output():
+    """docs/policy_loss.md's table of the head's precision against the parity fractions is
+    what ``examples/rollout_parity.py`` prints: a figure there is computed, never typed."""
+    text = (ROOT / "docs" / "policy_loss.md").read_text()
+    match = re.search(r"<!-- rollout parity table: (\S+) -->\n(.*?)<!-- end rollout parity "
+                      r"table -->", text, re.S)
+    assert match, "docs/policy_loss.md lost its rollout parity table markers"
+    module = runpy.run_path(str(ROOT / match.group(1)), run_name="rollout_parity")
+    assert match.group(2).strip() == module["markdown"](module["fractions"]()).strip(), (
+        f"regenerate: python {match.group(1)}")

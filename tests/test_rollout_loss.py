@@ -136,3 +136,25 @@ def test_all_inactive_and_empty_batches(cpu_target) -> None:
                                     dict(rollout_correction="sequence-mask"))
         assert value == 0.0 and not grad.any()
         assert all(metrics[k] == 0.0 for k in spec.ROLLOUT_METRIC_NAMES)
+
+
+def test_parity_fractions_compare_the_calls_logp_with_the_engines(cpu_target) -> None:
+    """``rollout_logp_off_{1,5}pct_fraction`` count active tokens whose exp(logp -
+    rollout_logp) leaves [0.99, 1.01] / [0.95, 1.05]: against the call's own log-probs (not
+    ``old_logps``, set far off here), a NaN engine log-prob counting as off."""
+    x = make_inputs(seed=11)
+    mask = x["mask"]
+    logp = spec.selected_logprobs(x["policy_logits"].astype(np.float32), x["action_ids"], mask)
+    # Per active token in turn: within 1 %, between 1 % and 5 %, beyond 5 %, NaN.
+    shifts = np.resize([0.002, -0.003, 0.03, -0.02, 0.2, -0.5, np.nan], mask.shape)
+    x["rollout_logps"] = np.where(mask, logp - shifts, np.nan)
+    x["old_logps"] = np.where(mask, logp - 3.0, np.nan)
+    _, metrics, _ = _run(cpu_target, x, {"rollout_logps": x["rollout_logps"]}, {})
+    kinds = shifts[mask]
+    n = kinds.size
+    off_5 = np.sum(np.isnan(kinds) | (np.abs(np.nan_to_num(kinds)) > 0.1)) / n
+    off_1 = off_5 + np.sum(np.isin(kinds, (0.03, -0.02))) / n
+    assert 0.0 < off_5 < off_1 < 1.0
+    tol = spec.rounding_tolerance(1)
+    assert_close(metrics["rollout_logp_off_1pct_fraction"], off_1, tol, "off 1 %")
+    assert_close(metrics["rollout_logp_off_5pct_fraction"], off_5, tol, "off 5 %")

@@ -19,7 +19,8 @@ from __future__ import annotations
 from typing import Any, Dict, Tuple
 
 from ratiokl._core import objective as _objective
-from ratiokl._core.route import loss_inputs, rollout_step
+from ratiokl._core.rollout import parity as rollout_parity
+from ratiokl._core.route import loss_inputs, rollout_step, with_rollout
 from ratiokl._core.sequences import as_rows
 from ratiokl.spec import PolicyLossOptions, rollout_options
 
@@ -68,11 +69,13 @@ def policy_objective(xp, checks, opts: PolicyLossOptions, logps, old_logps, adva
                               old_given=old_logps is not None,
                               cached=not xp.compiling())
     rollout_metrics: Dict[str, Any] = {}
+    parity = None
     if rollout is not None:
         inputs, rollout_metrics = rollout_step(xp, mask.reshape(-1), lead, inputs, rollout,
                                                opts.log_ratio_bound)
+        parity = rollout_parity(xp, as_rows(mask, lead), logp, inputs.rollout_logps)
     loss, metrics = _objective.policy_objective(xp, logp, ref, as_rows(mask, lead), inputs,
                                                 opts, ent)
     if opts.loss_agg == "none":
         loss = loss.reshape(lead)
-    return loss, {**metrics, **rollout_metrics}
+    return loss, with_rollout(metrics, rollout_metrics, parity)

@@ -12,6 +12,10 @@ launch (``Backend.rollout_weights``: the Triton backends of both frameworks); el
 per sequence (a row sum, or with ``segment_ids`` a segmented sum), come from
 :func:`ratiokl._core.sequences.log_weights`.
 
+:func:`parity` gives the trainer/sampler parity metrics, which read the call's own log-probs
+``logp`` (so the route computes them after the loss; the fused kernels' metrics launch
+computes them there).
+
 Inactive tokens are selected out before any arithmetic (a NaN ``rollout_logps`` or
 ``old_logps`` there reaches nothing); everything here is detached and never synchronises
 with the host. ``xp`` is the framework's array adapter (:mod:`ratiokl._core`).
@@ -22,9 +26,10 @@ from __future__ import annotations
 from typing import Any, Dict, Optional, Tuple
 
 from ratiokl._core.objective import masked_means
-from ratiokl.spec import ROLLOUT_METRIC_NAMES, RolloutOptions
+from ratiokl.spec import (ROLLOUT_METRIC_NAMES, ROLLOUT_PARITY_NAMES, ROLLOUT_PARITY_TOLERANCES,
+                          RolloutOptions)
 
-__all__ = ["weights"]
+__all__ = ["parity", "weights"]
 
 Metrics = Dict[str, Any]
 
@@ -61,3 +66,14 @@ def weights(xp, mask, lw_tok, seq: Optional[Any], iw: Optional[Any], opts: Rollo
         w = w * xp.where(mask, iw, 0.0)
     weights = xp.as_float(xp.where(mask, w, 0.0))
     return weights, {name: means[i] for i, name in enumerate(ROLLOUT_METRIC_NAMES)}
+
+
+def parity(xp, mask, logp, rollout) -> Metrics:
+    """``ROLLOUT_PARITY_NAMES`` (``ratiokl.spec.rollout_parity``): the detached fraction of
+    active tokens whose ``exp(logp - rollout)`` lies outside ``[1 - tol, 1 + tol]`` (NaN:
+    outside), one per ``ROLLOUT_PARITY_TOLERANCES``; ``mask``, ``logp`` and ``rollout`` of
+    one shape."""
+    e = xp.exp(xp.where(mask, xp.stop_gradient(logp), 0.0) - xp.where(mask, rollout, 0.0))
+    means = masked_means(xp, mask, tuple(~((e >= 1.0 - tol) & (e <= 1.0 + tol))
+                                         for tol in ROLLOUT_PARITY_TOLERANCES))
+    return {name: means[i] for i, name in enumerate(ROLLOUT_PARITY_NAMES)}

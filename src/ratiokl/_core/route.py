@@ -23,14 +23,15 @@ from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 from ratiokl._backend import Backend, inplace_grad_error
 from ratiokl._core import checks as _checks
 from ratiokl._core.objective import kernel_weights, objective_rows
+from ratiokl._core.rollout import parity as rollout_parity
 from ratiokl._core.rollout import weights as rollout_weights
 from ratiokl._core.sequences import as_rows, log_weights
-from ratiokl.spec import (PolicyLossOptions, RolloutOptions, check_loss_normalizer,
-                          check_term_normalizer)
+from ratiokl.spec import (ROLLOUT_PARITY_NAMES, PolicyLossOptions, RolloutOptions,
+                          check_loss_normalizer, check_term_normalizer)
 
 __all__ = ["Rows", "fused_advantages", "linear_logprobs_step", "linear_loss_step",
            "logprobs_step", "loss_inputs", "loss_step", "ratio_kl_step", "rollout_step",
-           "uniform_weights"]
+           "uniform_weights", "with_rollout"]
 
 
 class Rows(NamedTuple):
@@ -88,6 +89,15 @@ def rollout_step(xp, mask, lead: Tuple[int, ...], inputs, opts: RolloutOptions,
     if opts.corrects:
         inputs = dataclasses.replace(inputs, importance_weights=w)
     return inputs, metrics
+
+
+def with_rollout(metrics: Dict[str, Any], rollout_metrics: Dict[str, Any],
+                 parity: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """The metrics in the spec's order: the policy's, the rollout weight's, then the
+    trainer/sampler parity (``parity``, or those a fused kernel put in ``metrics``)."""
+    if parity is None:
+        parity = {name: metrics.pop(name) for name in ROLLOUT_PARITY_NAMES if name in metrics}
+    return {**metrics, **rollout_metrics, **parity}
 
 
 def logprobs_step(rows: Rows, return_entropy: bool):
@@ -164,10 +174,11 @@ def loss_step(xp, rows, ref, ref_logps, inputs, opts: PolicyLossOptions, rollout
     native route of ``linear_policy_loss``, on the lm_head's logits.
     """
     lead, run = rows.lead, rows.run
-    rollout_metrics = {}
+    rollout_metrics, engine = {}, None
     if rollout is not None:
         inputs, rollout_metrics = rollout_step(xp, rows.mask, lead, inputs, rollout,
                                                opts.log_ratio_bound, run.rollout_weights)
+        engine = xp.flat(inputs.rollout_logps)  # [N], for the parity metrics
     if run.policy_loss is not None and opts.fuses and not opts.sequence_ratio \
             and not xp.compiled_backward(rows.logits):
         # One kernel: the loss, the metrics' row values and the gradient.
@@ -178,10 +189,10 @@ def loss_step(xp, rows, ref, ref_logps, inputs, opts: PolicyLossOptions, rollout
         loss, metrics = run.policy_loss(
             rows.logits, ref, rows.ids, rows.mask, xp.flat(inputs.old_logps),
             xp.flat(ref_logps), adv, xp.flat(inputs.importance_weights), weights,
-            rows.temperature, opts, inplace_grad, adv_rows=adv_rows,
+            rows.temperature, opts, inplace_grad, adv_rows=adv_rows, rollout=engine,
         )
         loss = loss.reshape(lead) if opts.loss_agg == "none" else loss
-        return rows.checked((loss, {**metrics, **rollout_metrics}))
+        return rows.checked((loss, with_rollout(metrics, rollout_metrics)))
     if inplace_grad:  # the two-pass route writes a new gradient: the opt-in cannot apply
         raise inplace_grad_error(opts.sequence_ratio, xp.compiling(), fuses=opts.fuses)
     # The entropy from the same read of the logits (entropy_mean always; in the loss with
@@ -194,7 +205,8 @@ def loss_step(xp, rows, ref, ref_logps, inputs, opts: PolicyLossOptions, rollout
                                              rows.temperature)
     logp_ref = None if logp_ref is None else xp.stop_gradient(logp_ref)
     loss, metrics = objective_rows(xp, logp, logp_ref, rows.mask, lead, inputs, opts, entropy)
-    return rows.checked((xp.once(loss, op), {**metrics, **rollout_metrics}))
+    parity = None if engine is None else rollout_parity(xp, rows.mask, logp, engine)
+    return rows.checked((xp.once(loss, op), with_rollout(metrics, rollout_metrics, parity)))
 
 
 def linear_loss_step(xp, rows, weight, bias, transform, chunk_rows: int, ref_logps, inputs,
@@ -217,10 +229,11 @@ def linear_loss_step(xp, rows, weight, bias, transform, chunk_rows: int, ref_log
         logits = xp.head_logits(rows.logits, rows.mask, weight, bias, transform)
         return loss_step(xp, rows._replace(logits=logits), None, ref_logps, inputs, opts,
                          rollout, False, "linear_policy_loss")
-    rollout_metrics = {}
+    rollout_metrics, engine = {}, None
     if rollout is not None:
         inputs, rollout_metrics = rollout_step(xp, rows.mask, lead, inputs, rollout,
                                                opts.log_ratio_bound, run.rollout_weights)
+        engine = xp.flat(inputs.rollout_logps)  # [N], for the parity metrics
     if sharded or opts.loss_agg == "none" or not opts.fuses:
         logp, ent = run.linear_selected_logprobs(rows.logits, weight, bias, rows.ids,
                                                  rows.mask, rows.temperature, transform,
@@ -229,11 +242,12 @@ def linear_loss_step(xp, rows, weight, bias, transform, chunk_rows: int, ref_log
         loss, metrics = objective_rows(xp, logp, ref, rows.mask, lead, inputs, opts, ent)
         if sharded:  # the vocab-parallel loss refuses a second backward, as policy_loss
             loss = xp.once(loss, "linear_policy_loss")
-        return rows.checked((loss, {**metrics, **rollout_metrics}))
+        parity = None if engine is None else rollout_parity(xp, rows.mask, logp, engine)
+        return rows.checked((loss, with_rollout(metrics, rollout_metrics, parity)))
     weights = kernel_weights(xp, run.token_weights, rows.mask, lead, inputs, opts)
     loss, metrics = run.linear_policy_loss(
         rows.logits, weight, bias, transform, rows.ids, rows.mask, xp.flat(inputs.old_logps),
         xp.flat(ref_logps), xp.flat(inputs.advantages), xp.flat(inputs.importance_weights),
-        weights, rows.temperature, opts, chunk_rows,
+        weights, rows.temperature, opts, chunk_rows, rollout=engine,
     )
-    return rows.checked((loss, {**metrics, **rollout_metrics}))
+    return rows.checked((loss, with_rollout(metrics, rollout_metrics)))

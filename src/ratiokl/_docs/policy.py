@@ -105,7 +105,11 @@ POLICY_LOSS = r"""
       rollout_logps: floating ``[...]``, the sampled tokens' log-probs under the inference
         engine that generated them (anything on inactive tokens, NaN included: never
         read). Given, the metrics gain ``rollout_weight_mean``, ``rollout_masked_fraction``
-        and ``rollout_k3`` (the k3 estimate of KL(engine || old) over active tokens).
+        and ``rollout_k3`` (the k3 estimate of KL(engine || old) over active tokens), and the
+        trainer/sampler parity ``rollout_logp_off_1pct_fraction`` /
+        ``rollout_logp_off_5pct_fraction``: the fraction of active tokens whose
+        ``exp(logp - rollout_logp)`` (this call's log-prob against the engine's) lies
+        outside ``[0.99, 1.01]`` / ``[0.95, 1.05]``, NaN counting as outside.
       rollout_correction: ``None`` (no weight: the metrics only), ``"token-truncate"``,
         ``"token-mask"``, ``"sequence-truncate"``, ``"sequence-mask"``, ``"token-clip"``
         (``clip(e, lo, hi)``: TIS with a floor, OpenRLHF's ``is_correction_mode="clip"``) or
@@ -134,7 +138,7 @@ POLICY_LOSS = r"""
       ``clip_fraction`` (= ``_low`` + ``_high``), ``clip_fraction_low``,
       ``clip_fraction_high``, ``dual_clip_fraction``, ``ratio_mean``, ``kl_mean``
       ``approx_kl`` (mean of ``old_logp - logp``) and ``entropy_mean`` (mean ``H``),
-      means over active tokens; with ``rollout_logps``, also the three rollout metrics
+      means over active tokens; with ``rollout_logps``, also the five rollout metrics
       above.
       Inactive tokens contribute nothing and get exactly zero gradient whatever
       they hold; no active token gives loss 0 and zero metrics, never NaN.$backprop_once

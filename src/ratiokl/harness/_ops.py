@@ -207,9 +207,10 @@ OPS: Dict[str, Op] = {
     # The same call with the rollout correction: its arguments and metrics on top.
     "policy_loss_rollout": replace(
         _POLICY_LOSS, keywords=_refs.ROLLOUT_KW,
-        outputs=_POLICY_LOSS.outputs + spec.ROLLOUT_METRIC_NAMES),
+        outputs=_POLICY_LOSS.outputs + spec.ROLLOUT_METRIC_NAMES + spec.ROLLOUT_PARITY_NAMES),
     # On the trainer's own per-token log-probs and entropies: gradients to both.
     "policy_objective": _POLICY_OBJECTIVE,
     "policy_objective_rollout": replace(
-        _POLICY_OBJECTIVE, outputs=_POLICY_OBJECTIVE.outputs + spec.ROLLOUT_METRIC_NAMES),
+        _POLICY_OBJECTIVE,
+        outputs=_POLICY_OBJECTIVE.outputs + spec.ROLLOUT_METRIC_NAMES + spec.ROLLOUT_PARITY_NAMES),
 }

@@ -76,7 +76,8 @@ POLICY_METRICS = (
 #: ``policy_loss`` with the rollout correction: its arguments and metrics on top.
 ROLLOUT_KW = POLICY_KW + ("rollout_logps", "rollout_correction", "rollout_bounds")
 #: ``policy_objective``'s outputs, its rollout metrics included.
-OBJECTIVE_OUTPUTS = ("loss",) + POLICY_METRICS + spec.ROLLOUT_METRIC_NAMES
+OBJECTIVE_OUTPUTS = ("loss",) + POLICY_METRICS + spec.ROLLOUT_METRIC_NAMES + \
+    spec.ROLLOUT_PARITY_NAMES
 
 
 def entropy_reference(args: Arrays) -> Dict[str, np.ndarray]:

@@ -22,22 +22,23 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ratiokl._kernels.loss_rows import METRIC_NAMES
+from ratiokl._kernels.loss_rows import METRIC_NAMES, PARITY_METRICS
 from ratiokl.jax import _launch
 from ratiokl.jax._checks import Temperature, kernel_rows
 from ratiokl.jax._launch import Static, TritonCall
 from ratiokl.jax._lm_head import (add_grad_weight, chunk_size, grad_weight_zeros, head_grads,
                                   head_logits, vary_alike)
 from ratiokl.jax._triton_loss import fused_static, kernel_coefficients
-from ratiokl.spec import LogitTransform, PolicyLossOptions
+from ratiokl.spec import ROLLOUT_PARITY_NAMES, LogitTransform, PolicyLossOptions
 
 __all__ = ["policy_loss"]
 
 
 def _chunks(call: TritonCall, static: Static, transform: LogitTransform, chunk: int,
             want_grad: bool, hidden, weight, bias, ids, mask, old, ref_lp, temp, adv, iw, w,
-            coefs):
-    """``(loss, means, (d hidden, d weight, d bias | None) | None)`` from the chunk loop."""
+            coefs, rollout):
+    """``(loss, means, (d hidden, d weight, d bias | None) | None)`` from the chunk loop
+    (``rollout``: the engine's log-probs ``[N]``, which add the parity fractions, or None)."""
     n_rows, width = hidden.shape
     vocab = weight.shape[0]
     # zeros_like: typed as the inputs are inside shard_map (the loop's carries must be).
@@ -46,7 +47,8 @@ def _chunks(call: TritonCall, static: Static, transform: LogitTransform, chunk: 
     grads = (jnp.zeros_like(hidden), grad_weight_zeros(weight, transform),
              jnp.zeros_like(weight, jnp.float32, shape=(vocab,))) if want_grad else None
     if n_rows == 0:
-        return (jnp.zeros((), jnp.float32), jnp.zeros((len(METRIC_NAMES),), jnp.float32),
+        n_metrics = len(METRIC_NAMES) + (0 if rollout is None else PARITY_METRICS)
+        return (jnp.zeros((), jnp.float32), jnp.zeros((n_metrics,), jnp.float32),
                 _in_dtypes(grads, weight, bias))
     # In place (g aliases the logits) unless the softcap's slope needs the logits after.
     fused = _launch.fused_op(call, static, want_grad,
@@ -84,7 +86,7 @@ def _chunks(call: TritonCall, static: Static, transform: LogitTransform, chunk: 
     on_policy = static[7]  # old is a placeholder: the metrics' old log-probs are logp
     means, total = _launch.metrics_op(call)(
         *(stop(x) for x in (mask, logp, ratio, kl, ent, bits, logp if on_policy else old,
-                            loss_rows)))
+                            loss_rows) + (() if rollout is None else (rollout,))))
     return total, means, _in_dtypes(grads, weight, bias)
 
 
@@ -99,16 +101,16 @@ def _in_dtypes(grads, weight, bias):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 13, 14, 15))
 def _linear(call, hidden, weight, bias, ids, mask, old, ref_lp, temp, adv, iw, w, coefs,
-            static: Static, transform: LogitTransform, chunk: int):
+            static: Static, transform: LogitTransform, chunk: int, rollout):
     loss, means, _ = _chunks(call, static, transform, chunk, False, hidden, weight, bias, ids,
-                             mask, old, ref_lp, temp, adv, iw, w, coefs)
+                             mask, old, ref_lp, temp, adv, iw, w, coefs, rollout)
     return loss, means
 
 
 def _linear_fwd(call, hidden, weight, bias, ids, mask, old, ref_lp, temp, adv, iw, w, coefs,
-                static, transform, chunk):
+                static, transform, chunk, rollout):
     loss, means, grads = _chunks(call, static, transform, chunk, True, hidden, weight, bias,
-                                 ids, mask, old, ref_lp, temp, adv, iw, w, coefs)
+                                 ids, mask, old, ref_lp, temp, adv, iw, w, coefs, rollout)
     return (loss, means), (grads, mask)
 
 
@@ -124,7 +126,7 @@ def _linear_bwd(call, static, transform, chunk, residuals, cotangents):
 
     bias_grad = None if grad_bias is None else every_row(grad_bias[None])[0]
     return (scale(grad_hidden, jnp.broadcast_to(g, mask.shape), mask), every_row(grad_weight),
-            bias_grad) + (None,) * 9
+            bias_grad) + (None,) * 10
 
 
 _linear.defvjp(_linear_fwd, _linear_bwd)
@@ -135,10 +137,12 @@ def policy_loss(call: TritonCall, hidden: jax.Array, weight: jax.Array,
                 mask: jax.Array, old: Optional[jax.Array], ref_logps: Optional[jax.Array],
                 adv: jax.Array, iw: Optional[jax.Array], weights: jax.Array,
                 temperature: Temperature, opts: PolicyLossOptions,
-                chunk_rows: int) -> Tuple[jax.Array, Dict[str, jax.Array]]:
+                chunk_rows: int, rollout: Optional[jax.Array] = None,
+                ) -> Tuple[jax.Array, Dict[str, jax.Array]]:
     """``(loss, metrics)`` of ``hidden [N, H]``, ``weight [V, H]`` and ``bias [V]`` (or None;
     one dtype) through ``transform``, ``chunk_rows`` rows at a time; the other inputs as the
-    backends' fused ``policy_loss`` takes them, all ``[N]`` (``old`` None: on-policy).
+    backends' fused ``policy_loss`` takes them, all ``[N]`` (``old`` None: on-policy;
+    ``rollout``, the engine's log-probs, or None: see :func:`_chunks`).
     Differentiable w.r.t. ``hidden``, ``weight`` and ``bias``."""
     ids, mask_k, temp = kernel_rows(ids, mask, temperature)
     hidden, weight, bias = vary_alike(hidden, weight, bias, ids, mask_k, temp, adv, weights)
@@ -151,5 +155,7 @@ def policy_loss(call: TritonCall, hidden: jax.Array, weight: jax.Array,
         call, hidden, weight, bias, ids, mask_k, old, ref_lp, temp, adv,
         weights if iw is None else stop(iw), weights, kernel_coefficients(opts), static,
         transform, chunk_size(chunk_rows, hidden, weight, transform),
+        None if rollout is None else stop(rollout),
     )
-    return loss, {name: means[i] for i, name in enumerate(METRIC_NAMES)}
+    names = METRIC_NAMES + (() if rollout is None else ROLLOUT_PARITY_NAMES)
+    return loss, {name: means[i] for i, name in enumerate(names)}

@@ -24,7 +24,8 @@ from ratiokl._kernels.loss_rows import METRIC_NAMES
 from ratiokl.jax import _launch
 from ratiokl.jax._checks import Temperature, kernel_rows
 from ratiokl.jax._launch import Static, TritonCall
-from ratiokl.spec import ROLLOUT_METRIC_NAMES, PolicyLossOptions, RolloutOptions
+from ratiokl.spec import (ROLLOUT_METRIC_NAMES, ROLLOUT_PARITY_NAMES, PolicyLossOptions,
+                          RolloutOptions)
 
 __all__ = ["fused_static", "kernel_coefficients", "policy_loss", "rollout_weights",
            "token_weights"]
@@ -129,6 +130,7 @@ def policy_loss(
     old: Optional[jax.Array], ref_logps: Optional[jax.Array], adv: jax.Array,
     iw: Optional[jax.Array], weights: jax.Array, temperature: Temperature,
     opts: PolicyLossOptions, inplace_grad: bool, *, adv_rows: int = 1,
+    rollout: Optional[jax.Array] = None,
 ) -> Tuple[jax.Array, Dict[str, jax.Array]]:
     """The fused ``(loss, metrics)`` of flattened rows: one kernel for the loss, the
     metrics' row values and the policy-logit gradient, one for the means.
@@ -136,7 +138,9 @@ def policy_loss(
     ``old``, ``iw`` (or None), ``ref_logps`` (or None) and the aggregation ``weights``
     are float32 ``[N]`` (``old`` None: on-policy, the kernel's ``ON_POLICY``); ``adv``
     float32 ``[N // adv_rows]`` (one advantage per ``adv_rows`` rows: per-sequence
-    advantages reach the kernel as given); ``policy`` ``[N, V]`` is the only
+    advantages reach the kernel as given); ``rollout`` (the engine's log-probs ``[N]``, or
+    None) adds the parity fractions (``ROLLOUT_PARITY_NAMES``) to the metrics; ``policy``
+    ``[N, V]`` is the only
     differentiable input. ``inplace_grad``: the gradient's buffer aliases
     ``policy``'s (``input_output_aliases``; without a copy where XLA may, e.g.
     ``policy`` donated to ``jit``). Returns the float32 0-d loss (``loss_agg="none"``: the
@@ -158,9 +162,11 @@ def policy_loss(
         call, policy, ref_in, ids, mask_k, old_in, ref_lp, temp, adv,
         weights if iw is None else stop(iw), weights, coefs, static, inplace_grad, adv_rows,
     )
-    rows = (mask_k, logp, ratio, kl, ent, bits, logp if old is None else old_in, loss_rows)
+    rows = (mask_k, logp, ratio, kl, ent, bits, logp if old is None else old_in, loss_rows) + (
+        () if rollout is None else (rollout,))
     means, total = _launch.metrics_op(call)(*(stop(x) for x in rows))  # no derivative: none asked
     # "none" (weights 1): the rows' losses themselves, whose [N] cotangent scales each row.
     loss = loss_rows if opts.loss_agg == "none" else _rows_total(loss_rows.shape[0], loss_rows,
                                                                  total)
-    return loss, {name: means[i] for i, name in enumerate(METRIC_NAMES)}
+    return loss, {name: means[i] for i, name in enumerate(
+        METRIC_NAMES + (() if rollout is None else ROLLOUT_PARITY_NAMES))}

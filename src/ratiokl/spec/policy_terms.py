@@ -21,7 +21,8 @@ from ratiokl.spec.loss_options import (PolicyLossOptions, check_loss_normalizer,
 from ratiokl.spec.option_checks import policy_loss_options
 from ratiokl.spec.options import DEFAULT_LOG_RATIO_BOUND
 from ratiokl.spec.reference import ArrayLike
-from ratiokl.spec.rollout import DEFAULT_ROLLOUT_BOUNDS, rollout_options, rollout_weights
+from ratiokl.spec.rollout import (DEFAULT_ROLLOUT_BOUNDS, rollout_options, rollout_parity,
+                                  rollout_weights)
 
 __all__ = ["POLICY_LOSS_DEFAULTS", "policy_loss_from_logps", "policy_loss_terms", "sequence_index"]
 
@@ -120,7 +121,8 @@ def policy_loss_from_logps(
     ``entropy_mean``). Metrics are means over active tokens (0 when there is none):
     ``clip_fraction`` (= ``_low`` + ``_high``), ``dual_clip_fraction``, ``ratio_mean``,
     ``kl_mean``, ``approx_kl``, given ``entropy`` ``entropy_mean``, and with
-    ``rollout_logps`` ``ratiokl.spec.rollout.ROLLOUT_METRIC_NAMES``.
+    ``rollout_logps`` ``ratiokl.spec.rollout.ROLLOUT_METRIC_NAMES`` and
+    ``ROLLOUT_PARITY_NAMES``.
     """
     loss, dlogp, _, metrics = policy_loss_terms(
         logp, logp_ref, old_logps, advantages, mask, entropy, loss_normalizer=loss_normalizer,
@@ -162,6 +164,7 @@ def policy_loss_terms(logp, logp_ref, old_logps, advantages, mask, entropy, *,
             w_rollout, rollout_metrics = rollout_weights(
                 old, rollout_logps, mask, (seq, n_seq), rollout, opts.log_ratio_bound)
             w = w * w_rollout
+            rollout_metrics.update(rollout_parity(logp, rollout_logps, mask))
         lr = logp - old
         if opts.sequence_ratio:
             counts = np.bincount(seq[mask], minlength=n_seq)

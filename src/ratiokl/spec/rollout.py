@@ -46,6 +46,19 @@ and reports the metrics only. Metrics, means over active tokens (0 when there is
     rollout_k3                exp(d) - d - 1 with d = clip(lw_t, -b, b): Schulman's k3
                               estimate of KL(engine || old) from the engine's samples
 
+and the trainer/sampler parity (:func:`rollout_parity`), which compares the log-probs this
+call computes, ``logp`` (the trainer's current policy; on-policy, or on the first step
+after a rollout, the weights the engine sampled with), with the engine's, unclipped:
+
+    rollout_logp_off_1pct_fraction   tokens whose exp(logp - rollout_logp) lies outside
+                                     [0.99, 1.01]
+    rollout_logp_off_5pct_fraction   the same outside [0.95, 1.05]
+
+A NaN ratio (an invalid log-prob on either side) counts as outside: a mismatch stays
+visible. verl's actor reports its ``rollout_corr/*`` diagnostics on the same pair (the
+current log-probs against the rollout's); the three metrics above read ``old_logps``, as
+the weight does.
+
 References:
     Yao et al., "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training"
     (2025, truncated importance sampling, TIS); Liu, Li et al., "When Speed Kills
@@ -70,8 +83,11 @@ from ratiokl.spec.options import ROLLOUT_CORRECTIONS, option_code
 __all__ = [
     "DEFAULT_ROLLOUT_BOUNDS",
     "ROLLOUT_METRIC_NAMES",
+    "ROLLOUT_PARITY_NAMES",
+    "ROLLOUT_PARITY_TOLERANCES",
     "RolloutOptions",
     "rollout_options",
+    "rollout_parity",
     "rollout_weights",
 ]
 
@@ -81,6 +97,14 @@ DEFAULT_ROLLOUT_BOUNDS: Tuple[float, float] = (0.0, 2.0)
 #: The metrics ``policy_loss`` adds when ``rollout_logps`` is given, in this order.
 ROLLOUT_METRIC_NAMES: Tuple[str, ...] = (
     "rollout_weight_mean", "rollout_masked_fraction", "rollout_k3",
+)
+
+#: The parity metrics' relative tolerances: a token is off when ``exp(logp - rollout_logp)``
+#: lies outside ``[1 - tol, 1 + tol]``.
+ROLLOUT_PARITY_TOLERANCES: Tuple[float, ...] = (0.01, 0.05)
+#: The parity metrics ``policy_loss`` adds after ``ROLLOUT_METRIC_NAMES``, one per tolerance.
+ROLLOUT_PARITY_NAMES: Tuple[str, ...] = (
+    "rollout_logp_off_1pct_fraction", "rollout_logp_off_5pct_fraction",
 )
 
 
@@ -264,3 +288,21 @@ def rollout_weights(
     metrics = {"rollout_weight_mean": mean(w), "rollout_masked_fraction": mean(outside),
                "rollout_k3": mean(k3)}
     return np.where(mask, w, 0.0), metrics
+
+
+def rollout_parity(logp: np.ndarray, rollout_logps: np.ndarray,
+                   mask: np.ndarray) -> Dict[str, float]:
+    """Float64 ``ROLLOUT_PARITY_NAMES``: the fraction of active tokens (0 when there is none)
+    whose ``exp(logp - rollout_logps)`` lies outside ``[1 - tol, 1 + tol]`` for each of
+    ``ROLLOUT_PARITY_TOLERANCES`` (NaN counts as outside); inactive tokens are never read.
+
+    ``logp``: the trainer's log-probs of the sampled tokens (the call's own, not
+    ``old_logps``), ``rollout_logps`` the engine's, both ``[...]`` like ``mask``.
+    """
+    mask = np.asarray(mask, dtype=bool)
+    with np.errstate(invalid="ignore", over="ignore"):
+        e = np.exp(np.where(mask, np.asarray(logp, np.float64), 0.0)
+                   - np.where(mask, np.asarray(rollout_logps, np.float64), 0.0))
+    n_tok = max(int(mask.sum()), 1)
+    return {name: float((mask & ~((e >= 1.0 - tol) & (e <= 1.0 + tol))).sum() / n_tok)
+            for name, tol in zip(ROLLOUT_PARITY_NAMES, ROLLOUT_PARITY_TOLERANCES)}

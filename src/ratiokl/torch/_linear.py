@@ -39,12 +39,12 @@ import torch
 from ratiokl._codes import KL
 from ratiokl._kernels.heuristics import launch_plan
 from ratiokl._kernels.loss_rows import METRIC_NAMES
-from ratiokl.spec import LogitTransform, PolicyLossOptions, chunk_rows_for
+from ratiokl.spec import ROLLOUT_PARITY_NAMES, LogitTransform, PolicyLossOptions, chunk_rows_for
 from ratiokl.torch._checks import Temperature
 from ratiokl.torch._lm_head import chunk_grads, chunk_logits, head_operands, ieee_fp32, \
     softcap_slope_
-from ratiokl.torch._launch import SCALE_ROWS, kernels_for, policy_loss_rows, policy_metrics, \
-    row_scratch
+from ratiokl.torch._launch import SCALE_ROWS, kernels_for, metrics_size, policy_loss_rows, \
+    policy_metrics, row_scratch
 from ratiokl.torch._once import spend
 from ratiokl.torch._triton import kernel_coefficients, kernel_temperature
 
@@ -88,7 +88,7 @@ def _forward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
              transform: LogitTransform, ids: torch.Tensor, mask: torch.Tensor,
              old: Optional[torch.Tensor], ref_logps: Optional[torch.Tensor], adv: torch.Tensor,
              iw: Optional[torch.Tensor], w: torch.Tensor, temperature: Temperature,
-             opts: PolicyLossOptions, chunk_rows: int):
+             opts: PolicyLossOptions, chunk_rows: int, rollout: Optional[torch.Tensor]):
     """The chunk loop (module docstring): ``(loss, metrics, d hidden | None, d weight | None,
     d bias | None)``."""
     n_rows, width = hidden.shape
@@ -105,7 +105,7 @@ def _forward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     grad_bias = torch.zeros(vocab, dtype=torch.float32, device=device) if want_bias else None
     if n_rows == 0:
         return (torch.zeros((), dtype=torch.float32, device=device),
-                torch.zeros(len(METRIC_NAMES), dtype=torch.float32, device=device),
+                torch.zeros(metrics_size(rollout), dtype=torch.float32, device=device),
                 grad_hidden, _as(grad_weight, weight), _as(grad_bias, bias))
     # The kernel writes g over the logits unless it needs a buffer of its own.
     second = write_grad and head.separate_grad(transform)
@@ -144,7 +144,7 @@ def _forward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
                 chunk_grads(g, kept, head, transform,
                             grad_hidden[part] if want_hidden else None, grad_weight,
                             start == 0, grad_bias)
-        loss, metrics = policy_metrics(kernels, mask, rows, old)
+        loss, metrics = policy_metrics(kernels, mask, rows, old, rollout)
     return loss, metrics, grad_hidden, _as(grad_weight, weight), _as(grad_bias, bias)
 
 
@@ -158,21 +158,22 @@ def policy_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
                 old: Optional[torch.Tensor], ref_logps: Optional[torch.Tensor],
                 adv: torch.Tensor, iw: Optional[torch.Tensor], weights: torch.Tensor,
                 temperature: Temperature, opts: PolicyLossOptions,
-                chunk_rows: int) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+                chunk_rows: int, rollout: Optional[torch.Tensor] = None,
+                ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """``(loss, metrics)`` of ``hidden [N, H]``, ``weight [V, H]`` and ``bias [V]`` (or None;
     one dtype and device) through ``transform``, ``chunk_rows`` rows at a time; the other
     inputs as the backends' fused ``policy_loss`` takes them, all ``[N]`` (``adv`` per
-    token; ``old`` None: on-policy). Differentiable w.r.t. ``hidden``, ``weight`` and
+    token; ``old`` None: on-policy; ``rollout``, the engine's log-probs, or None). Differentiable w.r.t. ``hidden``, ``weight`` and
     ``bias`` (whichever requires a gradient, in grad mode)."""
     grad_on = torch.is_grad_enabled()
     wants = (grad_on and hidden.requires_grad, grad_on and weight.requires_grad,
              grad_on and bias is not None and bias.requires_grad)
     inputs = (transform, ids, mask, old, ref_logps, adv, iw, weights, temperature, opts,
-              chunk_rows)
+              chunk_rows, rollout)
     if any(wants):
         loss, metrics = _LinearLoss.apply(hidden, weight, bias, (wants, inputs))
     else:
         loss, metrics, *_ = _forward(hidden.detach(), weight.detach(),
                                      None if bias is None else bias.detach(), False, False,
                                      False, *inputs)
-    return loss, dict(zip(METRIC_NAMES, metrics.unbind()))
+    return loss, dict(zip(METRIC_NAMES + ROLLOUT_PARITY_NAMES, metrics.unbind()))

@@ -27,7 +27,8 @@ import torch
 from ratiokl._codes import KL
 from ratiokl._core.route import uniform_weights
 from ratiokl._kernels.loss_rows import METRIC_NAMES
-from ratiokl.spec import ROLLOUT_METRIC_NAMES, PolicyLossOptions, RolloutOptions
+from ratiokl.spec import (ROLLOUT_METRIC_NAMES, ROLLOUT_PARITY_NAMES, PolicyLossOptions,
+                          RolloutOptions)
 from ratiokl.torch._launch import (
     BACKWARD,
     ENTROPY_FORWARD,
@@ -178,15 +179,17 @@ def policy_loss(policy: torch.Tensor, ref: Optional[torch.Tensor], ids: torch.Te
                 mask: torch.Tensor, old: Optional[torch.Tensor],
                 ref_logps: Optional[torch.Tensor], adv: torch.Tensor,
                 iw: Optional[torch.Tensor], weights: torch.Tensor, temperature: Temperature,
-                opts: PolicyLossOptions, inplace_grad: bool, *,
-                adv_rows: int = 1) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+                opts: PolicyLossOptions, inplace_grad: bool, *, adv_rows: int = 1,
+                rollout: Optional[torch.Tensor] = None,
+                ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """The fused ``(loss, metrics)`` of flattened rows: one kernel for the loss, the
     metrics' row values and the policy-logit gradient, one for the means.
 
     ``old``, ``iw`` (or None), ``ref_logps`` (or None) and the aggregation
     ``weights`` are float32 ``[N]``, detached; ``adv`` float32 ``[N // adv_rows]``
     (one advantage per ``adv_rows`` rows: per-sequence advantages reach the kernel as
-    given); ``old`` None: on-policy. ``loss_agg="none"`` (weights 1 on active rows): the
+    given); ``old`` None: on-policy; ``rollout`` (the engine's log-probs ``[N]``, or None)
+    adds the parity fractions (``ROLLOUT_PARITY_NAMES``) to the metrics. ``loss_agg="none"`` (weights 1 on active rows): the
     loss is the rows' losses, float32 ``[N]``, and the backward scales each row's stored
     gradient by its own upstream value. The gradient is
     computed in the forward only when one is wanted (grad mode on, the logits
@@ -199,12 +202,12 @@ def policy_loss(policy: torch.Tensor, ref: Optional[torch.Tensor], ids: torch.Te
             adv, adv_rows, iw, weights, kernel_coefficients(opts, policy.device), write_grad,
             opts.kl_code if has_ref else KL.NONE.value, opts.neg_cap is not None,
             opts.log_ratio_bound or 0.0, opts.objective_code, opts.uses_entropy,
-            opts.loss_agg == "none")
+            opts.loss_agg == "none", rollout)
     if inplace_grad and write_grad and binding_for(policy.device) != "compiled":
         loss, metrics = _InplaceLoss.apply(policy, args)
     else:
         loss, metrics, _ = POLICY_LOSS(policy, *args)
-    return loss, dict(zip(METRIC_NAMES, metrics.unbind()))
+    return loss, dict(zip(METRIC_NAMES + ROLLOUT_PARITY_NAMES, metrics.unbind()))
 
 
 def shard_lse(policy: torch.Tensor, ref: Optional[torch.Tensor], mask: torch.Tensor,

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from ratiokl._core import objective as _objective
+from ratiokl._core import rollout as _rollout
 from ratiokl._kernels import loss_rows as row_kernels
 from ratiokl._kernels.fused_loss import policy_loss_kernel, scale_rows_kernel
 from ratiokl._kernels.heuristics import SCALE_WARPS, launch_plan, scale_block
@@ -18,6 +19,7 @@ from ratiokl._kernels.meeting import PARTIAL_FIELDS
 from ratiokl._kernels.objective import CLIP_CAPPED, CLIP_HIGH, CLIP_LOW
 from ratiokl.jax._arrays import XP
 from ratiokl.jax._launch.vmap import TritonCall, mapped, row_op
+from ratiokl.spec import ROLLOUT_PARITY_NAMES, ROLLOUT_PARITY_TOLERANCES
 
 __all__ = ["Static", "fused_op", "metrics_op", "scale_op"]
 
@@ -97,37 +99,43 @@ def scale_op(call: TritonCall) -> Callable:
     return row_op(functools.partial(_scale_call, call), temp_index=-1)
 
 
-def _native_metrics(mask, logp, ratio, kl, ent, bits, old,
-                    loss_rows) -> Tuple[jax.Array, jax.Array]:
-    """``policy_metrics_kernel``'s outputs (the ``[8]`` means, the loss) from
-    ``_objective.token_metrics``."""
+def _native_metrics(mask, logp, ratio, kl, ent, bits, old, loss_rows,
+                    *rollout) -> Tuple[jax.Array, jax.Array]:
+    """``policy_metrics_kernel``'s outputs (the means, the loss) from
+    ``_objective.token_metrics`` (and with ``rollout``, ``_rollout.parity``)."""
     metrics = _objective.token_metrics(
         XP, mask, jnp.sum(mask, dtype=jnp.int32), (bits & CLIP_LOW.value) != 0,
         (bits & CLIP_HIGH.value) != 0, (bits & CLIP_CAPPED.value) != 0, ratio, kl,
         jnp.where(mask, old, 0.0) - logp, ent,
     )
+    names = row_kernels.METRIC_NAMES
+    if rollout:
+        metrics.update(_rollout.parity(XP, mask, logp, rollout[0]))
+        names = names + ROLLOUT_PARITY_NAMES
     total = jnp.sum(jnp.where(mask, loss_rows, 0.0))
-    return jnp.stack([metrics[name] for name in row_kernels.METRIC_NAMES]), total
+    return jnp.stack([metrics[name] for name in names]), total
 
 
-def _metrics_call(call: TritonCall, mask, logp, ratio, kl, ent, bits, old,
-                  loss_rows) -> Tuple[jax.Array, jax.Array]:
-    n_metrics = len(row_kernels.METRIC_NAMES)
+def _metrics_call(call: TritonCall, mask, logp, ratio, kl, ent, bits, old, loss_rows,
+                  *rollout) -> Tuple[jax.Array, jax.Array]:
+    n_metrics = len(row_kernels.METRIC_NAMES) + (row_kernels.PARITY_METRICS if rollout else 0)
     if not mask.shape[0]:
         return jnp.zeros((n_metrics,), jnp.float32), jnp.zeros((), jnp.float32)
     means, total = call(
-        mask, logp, ratio, kl, ent, bits, old, loss_rows,
+        mask, logp, ratio, kl, ent, bits, old, loss_rows, rollout[0] if rollout else logp,
         kernel=row_kernels.policy_metrics_kernel,
         out_shape=[jax.ShapeDtypeStruct((n_metrics,), jnp.float32),
                    jax.ShapeDtypeStruct((), jnp.float32)], grid=(1,),
-        num_warps=row_kernels.ROWS_WARPS, N=mask.shape[0], BLOCK=row_kernels.ROWS_BLOCK,
+        num_warps=row_kernels.ROWS_WARPS, N=mask.shape[0], HAS_ROLLOUT=bool(rollout),
+        **row_kernels.parity_constexprs(ROLLOUT_PARITY_TOLERANCES), BLOCK=row_kernels.ROWS_BLOCK,
     )
     return means, total
 
 
 @functools.lru_cache(maxsize=None)
 def metrics_op(call: TritonCall) -> Callable:
-    """The metrics' means and the loss through ``call``; vmapped: the framework ops."""
+    """The metrics' means and the loss through ``call`` (a ninth argument, the engine's
+    log-probs ``[N]``, adds the parity fractions); vmapped: the framework ops."""
     op = jax.custom_batching.custom_vmap(functools.partial(_metrics_call, call))
     op.def_vmap(functools.partial(mapped, _native_metrics))
     return op

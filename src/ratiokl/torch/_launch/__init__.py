@@ -25,6 +25,7 @@ from ratiokl.torch._launch.loss import (
     POLICY_LOSS,
     SCALE_ROWS,
     fused_policy_loss,
+    metrics_size,
     policy_loss_rows,
     policy_metrics,
     row_scratch,
@@ -42,7 +43,7 @@ from ratiokl.torch._launch.weights import (
 __all__ = [
     "BACKWARD", "ENTROPY_FORWARD", "FORWARD", "KernelOp", "POLICY_LOSS", "ROLLOUT_WEIGHTS",
     "SCALE_ROWS", "SHARD_STATS", "TOKEN_WEIGHTS", "active_flags", "binding_for",
-    "entropy_forward", "fused_policy_loss", "kernels_for", "policy_loss_rows", "policy_metrics",
-    "rollout_weights", "row_backward", "row_forward", "row_scratch", "scale_rows_",
+    "entropy_forward", "fused_policy_loss", "kernels_for", "metrics_size", "policy_loss_rows",
+    "policy_metrics", "rollout_weights", "row_backward", "row_forward", "row_scratch", "scale_rows_",
     "shard_stats", "token_weights",
 ]

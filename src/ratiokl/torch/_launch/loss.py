@@ -17,13 +17,15 @@ import torch
 from ratiokl._kernels.fused_loss import policy_loss_kernel, scale_rows_kernel
 from ratiokl._kernels.heuristics import SCALE_WARPS, launch_plan, scale_block
 from ratiokl._kernels.meeting import PARTIAL_FIELDS
-from ratiokl._kernels.loss_rows import METRIC_NAMES, ROWS_BLOCK, ROWS_WARPS, policy_metrics_kernel
+from ratiokl._kernels.loss_rows import (METRIC_NAMES, PARITY_METRICS, ROWS_BLOCK, ROWS_WARPS,
+                                        parity_constexprs, policy_metrics_kernel)
+from ratiokl.spec import ROLLOUT_PARITY_TOLERANCES
 from ratiokl.torch._launch.op import KernelOp, row_stride
 from ratiokl.torch._once import spend
 
 __all__ = [
-    "POLICY_LOSS", "SCALE_ROWS", "fused_policy_loss", "policy_loss_rows", "policy_metrics",
-    "row_scratch", "scale_rows_",
+    "POLICY_LOSS", "SCALE_ROWS", "fused_policy_loss", "metrics_size", "policy_loss_rows",
+    "policy_metrics", "row_scratch", "scale_rows_",
 ]
 
 Tensor = torch.Tensor
@@ -34,11 +36,12 @@ def fused_policy_loss(
     old: Optional[Tensor], ref_logps: Optional[Tensor], temp: Tensor, adv: Tensor, adv_rows: int,
     iw: Optional[Tensor], w: Tensor, coefs: Tensor, write_grad: bool, kl_code: int,
     has_neg_cap: bool, bound: float, objective: int, entropy_grad: bool, per_token: bool,
-    *, grad_out: Optional[Tensor] = None,
+    rollout: Optional[Tensor], *, grad_out: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """``(loss, metrics, grad)``: float32 ``[]`` (with ``per_token``: the rows' weighted
     losses ``w_t * loss_t``, float32 ``[N]``, 0 on inactive rows), float32 ``[8]``
-    (``METRIC_NAMES``), and ``d sum_t w_t loss_t / d policy`` ``[N, V]`` in the logits'
+    (``METRIC_NAMES``; ``rollout``, the engine's log-probs ``[N]``, adds the parity
+    fractions: :func:`metrics_size`), and ``d sum_t w_t loss_t / d policy`` ``[N, V]`` in the logits'
     dtype (``[0, V]`` without ``write_grad``), which the backward scales row by row by the
     upstream value (``[]``, or ``[N]`` with ``per_token``).
 
@@ -62,7 +65,8 @@ def fused_policy_loss(
                                device=device)
     if n_rows == 0:
         return (torch.zeros((0,) if per_token else (), dtype=torch.float32, device=device),
-                torch.zeros(len(METRIC_NAMES), dtype=torch.float32, device=device), grad_out)
+                torch.zeros(metrics_size(rollout), dtype=torch.float32, device=device),
+                grad_out)
     plan = launch_plan(vocab, policy.element_size(), n_rows, write_grad)
     # One scratch allocation (host time: one allocator call, not eight): the six row
     # values, then the spans' partials.
@@ -70,7 +74,7 @@ def fused_policy_loss(
     policy_loss_rows(kernels, policy, ref, ids, mask, old, ref_logps, temp, adv, adv_rows, iw,
                      w, coefs, write_grad, kl_code, has_neg_cap, bound, objective,
                      entropy_grad, rows, parts[0], grad_out)
-    loss, metrics = policy_metrics(kernels, mask, rows, old)
+    loss, metrics = policy_metrics(kernels, mask, rows, old, rollout)
     if per_token:  # a fresh [N] array: an op's output may not be a view of its scratch
         loss = rows[0][:n_rows].clone()
     return loss, metrics, grad_out
@@ -128,17 +132,26 @@ def policy_loss_rows(
     )
 
 
+def metrics_size(rollout: Optional[Tensor]) -> int:
+    """The metrics' count: ``METRIC_NAMES``, then with ``rollout`` the parity fractions."""
+    return len(METRIC_NAMES) + (0 if rollout is None else PARITY_METRICS)
+
+
 def policy_metrics(kernels: Callable, mask: Tensor, rows: Sequence[Tensor],
-                   old: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
-    """``(loss, metrics)``, float32 ``[]`` and ``[8]`` (``METRIC_NAMES``), from the row values
-    :func:`policy_loss_rows` wrote for all ``N = mask.numel()`` rows (``N >= 1``): one launch
-    of ``policy_metrics_kernel``. ``old`` None (on-policy): the rows' own log-probs."""
+                   old: Optional[Tensor], rollout: Optional[Tensor] = None,
+                   ) -> Tuple[Tensor, Tensor]:
+    """``(loss, metrics)``, float32 ``[]`` and ``[8]`` (``METRIC_NAMES``; with ``rollout``,
+    the engine's log-probs ``[N]``, then the parity fractions of
+    ``ratiokl.spec.ROLLOUT_PARITY_NAMES``), from the row values :func:`policy_loss_rows`
+    wrote for all ``N = mask.numel()`` rows (``N >= 1``): one launch of
+    ``policy_metrics_kernel``. ``old`` None (on-policy): the rows' own log-probs."""
     loss = torch.empty((), dtype=torch.float32, device=mask.device)
-    metrics = torch.empty(len(METRIC_NAMES), dtype=torch.float32, device=mask.device)
+    metrics = torch.empty(metrics_size(rollout), dtype=torch.float32, device=mask.device)
     loss_rows, logp, ratio, kl, ent, bits = rows
     kernels(policy_metrics_kernel)[(1,)](
-        mask, logp, ratio, kl, ent, bits, logp if old is None else old, loss_rows, metrics,
-        loss, mask.numel(),
+        mask, logp, ratio, kl, ent, bits, logp if old is None else old, loss_rows,
+        logp if rollout is None else rollout, metrics, loss, mask.numel(),
+        HAS_ROLLOUT=rollout is not None, **parity_constexprs(ROLLOUT_PARITY_TOLERANCES),
         BLOCK=ROWS_BLOCK, num_warps=ROWS_WARPS,
     )
     return loss, metrics
@@ -185,10 +198,11 @@ def _fused_backward(ctx, g_loss, *_unused):
 
 
 def _fused_fake(policy, ref, ids, mask, old, ref_logps, temp, adv, adv_rows, iw, w, coefs,
-                write_grad, kl_code, has_neg_cap, bound, objective, entropy_grad, per_token):
+                write_grad, kl_code, has_neg_cap, bound, objective, entropy_grad, per_token,
+                rollout):
     grad = policy.new_empty((policy.shape[0] if write_grad else 0, policy.shape[1]))
     return (policy.new_empty(policy.shape[:1] if per_token else (), dtype=torch.float32),
-            policy.new_empty(len(METRIC_NAMES), dtype=torch.float32), grad)
+            policy.new_empty(metrics_size(rollout), dtype=torch.float32), grad)
 
 
 POLICY_LOSS = KernelOp(fused_policy_loss, fake=_fused_fake, setup_context=_fused_context,
