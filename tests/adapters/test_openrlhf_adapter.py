@@ -83,6 +83,18 @@ LOSS_CASES = {
     "icepop_token_mask": dict(kw=TOKEN),
     "icepop_sequence_dual_clip_dp": dict(info=DP, kw=dict(
         token_level_loss=False, dual_clip=3.0, is_correction_threshold=[0.5, 2.0], **TOKEN)),
+    # The divergence gates (an upper bound only), each dropping some units and keeping some.
+    "binary_kl_token_mask": dict(kw=dict(is_correction_gating="binary_kl",
+                                         is_correction_threshold=[0.0, 0.01], **TOKEN)),
+    "tv_token_mask_sequence_dp": dict(info=DP, kw=dict(
+        token_level_loss=False, is_correction_gating="tv", is_correction_threshold=[0.0, 0.05],
+        **TOKEN)),
+    "binary_kl_sequence_gate": dict(kw=dict(is_correction_level="seq",
+                                            is_correction_gating="binary_kl",
+                                            is_correction_threshold=[0.0, 0.012])),
+    "tv_sequence_gate_dual_clip_local_counts": dict(info=LOCAL, kw=dict(
+        is_correction_level="seq", is_correction_gating="tv", dual_clip=3.0,
+        is_correction_threshold=[0.0, 0.1])),
 }
 
 
@@ -124,20 +136,6 @@ def test_policy_loss_matches_openrlhf(name):
 
 
 @pytest.mark.parametrize("kw, field", [
-    (dict(is_correction_level="token", is_correction_gating="tv",
-          is_correction_threshold=[0.0, 0.1]), "is_correction_gating"),
-    (dict(is_correction_level="seq", is_correction_gating="binary_kl",
-          is_correction_threshold=[0.0, 0.1]), "is_correction_gating"),
-])
-def test_policy_loss_refuses_at_construction(kw, field):
-    """What OpenRLHF accepts and ratiokl computes otherwise is refused when built, naming
-    the argument."""
-    OpenRLHFPolicyLoss(**kw)
-    with pytest.raises(ValueError, match=f"`{field}="):
-        adapter.PolicyLoss(**kw)
-
-
-@pytest.mark.parametrize("kw, field", [
     (dict(is_correction_level="seq", is_correction_mode="clip"), "is_correction_mode"),
     (dict(is_correction_level="token", is_correction_mode="clip",
           is_correction_gating="tv", is_correction_threshold=[0.0, 0.1]),
@@ -165,6 +163,8 @@ def test_policy_loss_refuses_what_openrlhf_refuses(kw, field):
     (dict(), "old_log_probs"),
     (dict(policy_loss_type="gspo"), "old_log_probs"),
     (dict(policy_loss_type="gspo", is_correction_level="token"), "rollout_log_probs"),
+    (dict(is_correction_level="token", is_correction_gating="tv",
+          is_correction_threshold=[0.0, 0.1]), "rollout_log_probs"),
 ])
 def test_policy_loss_refuses_a_missing_ratio_reference(kw, missing):
     """The log-probs OpenRLHF takes its ratio against, None: OpenRLHF's forward fails on
@@ -521,6 +521,9 @@ STEP_CASES = {
         kl=dict(use_loss=True, init_coef=0.2, estimator="k3", unbiased_gradient=True)),
     "tis_token_clip_floor": dict(advantage=dict(is_correction_level="token",
                                                 is_correction_mode="clip")),  # (0.5, 5)
+    "binary_kl_sequence_gate": dict(advantage=dict(
+        is_correction_level="seq", is_correction_gating="binary_kl",
+        is_correction_threshold=[0.0, 0.012])),
     "geomean_sequence_mask": dict(advantage=dict(is_correction_level="seq",
                                                  is_correction_threshold=[0.6, 1.6])),
     "gspo": dict(seq_adv=True, actor=dict(policy_loss_type="gspo", entropy_coef=-0.01)),
