@@ -24,7 +24,8 @@ pytest.importorskip("openrlhf", reason="OpenRLHF is not installed (see .ci/run b
 transformers = pytest.importorskip("transformers")
 
 from assertions import assert_close, two_paths  # noqa: E402
-from openrlhf_stubs import build_trainer, import_openrlhf, trainer_args  # noqa: E402
+from openrlhf_stubs import (build_trainer, import_openrlhf, packing_functions,  # noqa: E402
+                            trainer_args)
 from trainer_batch import B, T, make_batch, token_logps, tolerances  # noqa: E402
 
 from ratiokl.spec.tolerances import (linear_forward_tolerance,  # noqa: E402
@@ -82,6 +83,18 @@ LOSS_CASES = {
     "icepop_token_mask": dict(kw=TOKEN),
     "icepop_sequence_dual_clip_dp": dict(info=DP, kw=dict(
         token_level_loss=False, dual_clip=3.0, is_correction_threshold=[0.5, 2.0], **TOKEN)),
+    # The divergence gates (an upper bound only), each dropping some units and keeping some.
+    "binary_kl_token_mask": dict(kw=dict(is_correction_gating="binary_kl",
+                                         is_correction_threshold=[0.0, 0.01], **TOKEN)),
+    "tv_token_mask_sequence_dp": dict(info=DP, kw=dict(
+        token_level_loss=False, is_correction_gating="tv", is_correction_threshold=[0.0, 0.05],
+        **TOKEN)),
+    "binary_kl_sequence_gate": dict(kw=dict(is_correction_level="seq",
+                                            is_correction_gating="binary_kl",
+                                            is_correction_threshold=[0.0, 0.012])),
+    "tv_sequence_gate_dual_clip_local_counts": dict(info=LOCAL, kw=dict(
+        is_correction_level="seq", is_correction_gating="tv", dual_clip=3.0,
+        is_correction_threshold=[0.0, 0.1])),
 }
 
 
@@ -123,20 +136,6 @@ def test_policy_loss_matches_openrlhf(name):
 
 
 @pytest.mark.parametrize("kw, field", [
-    (dict(is_correction_level="token", is_correction_gating="tv",
-          is_correction_threshold=[0.0, 0.1]), "is_correction_gating"),
-    (dict(is_correction_level="seq", is_correction_gating="binary_kl",
-          is_correction_threshold=[0.0, 0.1]), "is_correction_gating"),
-])
-def test_policy_loss_refuses_at_construction(kw, field):
-    """What OpenRLHF accepts and ratiokl computes otherwise is refused when built, naming
-    the argument."""
-    OpenRLHFPolicyLoss(**kw)
-    with pytest.raises(ValueError, match=f"`{field}="):
-        adapter.PolicyLoss(**kw)
-
-
-@pytest.mark.parametrize("kw, field", [
     (dict(is_correction_level="seq", is_correction_mode="clip"), "is_correction_mode"),
     (dict(is_correction_level="token", is_correction_mode="clip",
           is_correction_gating="tv", is_correction_threshold=[0.0, 0.1]),
@@ -164,6 +163,8 @@ def test_policy_loss_refuses_what_openrlhf_refuses(kw, field):
     (dict(), "old_log_probs"),
     (dict(policy_loss_type="gspo"), "old_log_probs"),
     (dict(policy_loss_type="gspo", is_correction_level="token"), "rollout_log_probs"),
+    (dict(is_correction_level="token", is_correction_gating="tv",
+          is_correction_threshold=[0.0, 0.1]), "rollout_log_probs"),
 ])
 def test_policy_loss_refuses_a_missing_ratio_reference(kw, missing):
     """The log-probs OpenRLHF takes its ratio against, None: OpenRLHF's forward fails on
@@ -223,21 +224,31 @@ def _sequences(batch):
     return sequences, torch.cat([prompt_mask, batch.mask], 1).long()
 
 
-def _actor_pair(temperature=0.8, dtype=torch.float32):
-    """Two ``Actor``s on equal copies of one tiny model: OpenRLHF's and the adapter's."""
+def _actor_pair(temperature=0.8, dtype=torch.float32, packed=False):
+    """Two ``Actor``s on equal copies of one tiny model: OpenRLHF's and the adapter's;
+    ``packed``: with ``--ds.packing_samples``."""
     model = _model().to(dtype)
+    # Actor.__init__ sets these only when it loads a checkpoint; without use_cache=False
+    # transformers would not read the packed positions as separate sequences.
+    model.config.use_cache = False
     actors = [Actor(copy.deepcopy(model), temperature=temperature) for _ in range(2)]
     for actor in actors:
-        actor.packing_samples = False  # set by Actor.__init__ only when it loads a checkpoint
+        actor.packing_samples = packed
     return actors
 
 
-def _poison_padded_hidden_states(actor, attention):
-    """NaN in the adapter's last hidden states wherever the attention mask is 0 (a hook on
-    the final norm): they must reach neither a value nor a gradient."""
-    keep = attention.bool()[..., None]
+def _poison_padded_hidden_states(actor, attention, packed=False):
+    """NaN in the adapter's last hidden states wherever the attention mask is 0, or (packed:
+    the padding is never run) on the packed tokens that predict no attended token, each
+    sequence's last (a hook on the final norm): they must reach neither a value nor a
+    gradient."""
+    keep = attention.bool()
+    if packed:
+        predicts = torch.zeros_like(keep)
+        predicts[:, :-1] = keep[:, 1:]
+        keep = predicts[keep][None]
     actor.model.model.norm.register_forward_hook(
-        lambda module, args, out: torch.where(keep, out, float("nan")))
+        lambda module, args, out: torch.where(keep[..., None], out, float("nan")))
 
 
 def _logit_scale(actor, sequences, attention):
@@ -256,27 +267,45 @@ def _assert_grads(got_model, want_model, scale, dtype="float32"):
         assert_close(got.grad, want.grad, two_paths(tol), name)
 
 
+MODES = ["entropy", "action_only", "all_logprobs"]
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("mode", ["entropy", "action_only", "all_logprobs"])
+@pytest.mark.parametrize("mode", MODES)
 def test_actor_forward_matches_openrlhf(mode, backend, dtype):
     """Log-probs, entropies and every parameter's gradient (of a loss weighing both) of the
     adapter's forward are ``Actor.forward``'s (a bfloat16 model too: OpenRLHF's logits
     and the adapter's differ by their rounding to it: the adapter's are float32); 0 where
     inactive."""
+    _forward_matches(mode, backend, dtype, packed=False)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mode", MODES)
+def test_packed_actor_forward_matches_openrlhf(mode, backend):
+    """``--ds.packing_samples``: the attended tokens of all rows in one row, each sequence's
+    positions from 0, no attention mask; the log-probs and entropies unpacked to
+    ``[B, S - 1]``. Values and every parameter's gradient are ``Actor.forward``'s with
+    packing (whose own numbers are its padded forward's, which this checks too)."""
+    _forward_matches(mode, backend, "float32", packed=True)
+
+
+def _forward_matches(mode, backend, dtype, packed):
     if backend == "interpret":
         pytest.importorskip("triton")
     batch = make_batch()
     sequences, attention = _sequences(batch)
-    theirs, ours = _actor_pair(dtype=getattr(torch, dtype))
+    theirs, ours = _actor_pair(dtype=getattr(torch, dtype), packed=packed)
     forward = adapter.actor_forward(backend)
     kwargs = dict(attention_mask=attention, return_output=True,
                   return_entropy=mode == "entropy")
     if mode == "all_logprobs":
         kwargs["return_logprobs"] = True
     mask = None if mode == "all_logprobs" else batch.mask
-    want, want_out = theirs(sequences, mask, **kwargs)
-    _poison_padded_hidden_states(ours, attention)
+    with packing_functions():
+        want, want_out = theirs(sequences, mask, **kwargs)
+    _poison_padded_hidden_states(ours, attention, packed)
     got, got_out = forward(ours, sequences, mask, **kwargs)
     active = attention[:, :-1].bool() & attention[:, 1:].bool()
     rows = active if mask is None else batch.mask
@@ -284,6 +313,10 @@ def test_actor_forward_matches_openrlhf(mode, backend, dtype):
     w_logp = torch.randn(got.shape, generator=g) * rows
     scale = _logit_scale(theirs, sequences, attention)
     tol = linear_forward_tolerance(dtype, scale, VOCAB, logits_dtype=dtype)
+    if packed:  # the packing keeps the sequences apart: OpenRLHF's padded numbers
+        with torch.no_grad():
+            padded = _actor_pair(dtype=getattr(torch, dtype))[0](sequences, mask, **kwargs)
+        assert_close(want[rows].detach(), padded[0][rows], tol, "OpenRLHF packed / padded")
     assert_close(got[rows], want[rows].detach(), two_paths(tol), "log-probs")
     assert torch.all(got[~rows] == 0)
     objective = [(got * w_logp).sum(), (want * w_logp).sum()]
@@ -313,6 +346,16 @@ def test_actor_forward_wanting_logits_runs_openrlhfs():
     got = adapter.actor_forward("native")(ours, sequences, attention_mask=attention,
                                           return_output=True)
     assert torch.equal(got["logits"], want["logits"])
+
+
+def test_actor_forward_refuses_ring_attention():
+    """Ring attention splits the packed tokens over ranks: refused, naming the argument."""
+    batch = make_batch()
+    sequences, attention = _sequences(batch)
+    _, ours = _actor_pair(packed=True)
+    with pytest.raises(ValueError, match="`ds.ring_attn_size="):
+        adapter.actor_forward("native")(ours, sequences, batch.mask, attention_mask=attention,
+                                        ring_attn_group=object())
 
 
 def test_actor_forward_refuses_a_head_it_would_compute_otherwise():
@@ -478,12 +521,20 @@ STEP_CASES = {
         kl=dict(use_loss=True, init_coef=0.2, estimator="k3", unbiased_gradient=True)),
     "tis_token_clip_floor": dict(advantage=dict(is_correction_level="token",
                                                 is_correction_mode="clip")),  # (0.5, 5)
+    "binary_kl_sequence_gate": dict(advantage=dict(
+        is_correction_level="seq", is_correction_gating="binary_kl",
+        is_correction_threshold=[0.0, 0.012])),
     "geomean_sequence_mask": dict(advantage=dict(is_correction_level="seq",
                                                  is_correction_threshold=[0.6, 1.6])),
     "gspo": dict(seq_adv=True, actor=dict(policy_loss_type="gspo", entropy_coef=-0.01)),
     "gspo_per_token_advantages_kl_k3": dict(
         actor=dict(policy_loss_type="gspo"), kl=dict(use_loss=True, init_coef=0.1,
                                                      estimator="k3")),
+    # --ds.packing_samples: the forward packs; the loss gets the unpacked [B, T] tensors.
+    "packed_ppo_sequence_icepop_kl_k3_entropy": dict(
+        packed=True, actor=dict(loss_agg_mode="seq-mean-token-mean", entropy_coef=0.01),
+        advantage=dict(is_correction_level="token", is_correction_threshold=[0.5, 2.0]),
+        kl=dict(use_loss=True, init_coef=0.1, estimator="k3")),
 }
 
 
@@ -510,6 +561,7 @@ def _experience(actor, batch, seq_adv: bool, poisoned: bool, finite_old: bool):
 
 def _step(actor, case, batch, poisoned: bool):
     args = trainer_args(case.get("actor"), case.get("advantage"), case.get("kl"))
+    args.ds.packing_samples = actor.packing_samples
     trainer, strategy = build_trainer(ppo_actor, args, actor, B)
     experience = _experience(actor, batch, case.get("seq_adv", False), poisoned,
                              case.get("finite_old", False))
@@ -526,9 +578,10 @@ def test_training_step_with_install_matches_openrlhf(name, backend):
     if backend == "interpret":
         pytest.importorskip("triton")
     case, batch = STEP_CASES[name], make_batch()
-    theirs, ours = _actor_pair(temperature=0.9)
+    theirs, ours = _actor_pair(temperature=0.9, packed=case.get("packed", False))
     own_forward, own_loss = Actor.forward, ppo_actor.PolicyLoss
-    _, want = _step(theirs, case, batch, poisoned=False)
+    with packing_functions():
+        _, want = _step(theirs, case, batch, poisoned=False)
     restore = adapter.install(backend)
     try:
         assert Actor.forward.ratiokl_original is own_forward

@@ -3,8 +3,8 @@ and its actor trainer built without DeepSpeed, Ray or vLLM.
 
 OpenRLHF's wheel needs CUDA-only packages this machine cannot install; they are stubbed
 while OpenRLHF is imported (:func:`import_openrlhf`), and only where absent:
-``flash_attn`` (``bert_padding``, ``utils.distributed``: the sample-packing path, never run
-here) and ``vllm`` (``SamplingParams``, ``inputs.TokensPrompt``, ``utils.random_uuid``: the
+``flash_attn`` (``bert_padding``, ``utils.distributed``: the sample-packing path, which
+:func:`packing_functions` makes runnable) and ``vllm`` (``SamplingParams``, ``inputs.TokensPrompt``, ``utils.random_uuid``: the
 rollout engines); each stub raises if called. While the trainer is built
 (:func:`build_trainer`), its two CUDA calls are replaced: ``torch_dist_barrier_and_cuda_sync``
 (a barrier and ``torch.cuda.synchronize``) by a no-op and ``torch.cuda.current_device``
@@ -14,6 +14,8 @@ test_openrlhf_parity.py`` and ``test_openrlhf_adapter.py`` (``.ci/run`` block (d
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 from types import SimpleNamespace as NS
 from unittest import mock
 
@@ -33,6 +35,42 @@ def import_openrlhf():
     with stubbed_if_absent(STUBS):
         from openrlhf.trainer.ray import ppo_actor
     return ppo_actor
+
+
+def _unpad_input(hidden, attention_mask, unused_mask=None):
+    """flash-attn's ``bert_padding.unpad_input`` (2.7): the rows ``[B, S, ...]`` where the
+    mask is non-zero, flattened row-major, with their flat indices, the cumulative
+    sequence lengths, the longest and the lengths."""
+    lengths = attention_mask.sum(-1, dtype=torch.int32)
+    indices = attention_mask.flatten().nonzero().flatten()
+    cu_seqlens = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+    return (hidden.flatten(0, 1)[indices], indices, cu_seqlens, int(lengths.max()), lengths)
+
+
+def _pad_input(hidden, indices, batch, seqlen):
+    """flash-attn's ``bert_padding.pad_input``: ``hidden [N, ...]`` scattered to the flat
+    ``indices`` of zeros ``[batch, seqlen, ...]``."""
+    out = hidden.new_zeros(batch * seqlen, *hidden.shape[1:]).index_put((indices,), hidden)
+    return out.view(batch, seqlen, *hidden.shape[1:])
+
+
+@contextlib.contextmanager
+def packing_functions():
+    """Inside, OpenRLHF's sample packing (``openrlhf.models.ring_attn_utils``, without ring
+    attention) runs on the CPU: where ``flash_attn`` is absent, the ``bert_padding``
+    functions it bound are replaced by their documented semantics (``index_first_axis``,
+    ``pad_input``, ``unpad_input``; ``rearrange`` is einops')."""
+    from openrlhf.models import ring_attn_utils
+
+    if importlib.util.find_spec("flash_attn") is not None:
+        yield
+        return
+    import einops
+
+    with mock.patch.multiple(ring_attn_utils, unpad_input=_unpad_input, pad_input=_pad_input,
+                             index_first_axis=lambda x, indices: x[indices],
+                             rearrange=einops.rearrange):
+        yield
 
 
 class Strategy:

@@ -69,6 +69,28 @@ def _call_head(head: torch.nn.Linear, rows: torch.Tensor, score: Callable) -> An
             head.forward = own
 
 
+def _decoder_hidden(model: torch.nn.Module, sequences: torch.Tensor,
+                    attention_mask: torch.Tensor, packed: bool) -> torch.Tensor:
+    """The decoder's last hidden states ``[B, S, H]`` on OpenRLHF's inputs: the padded
+    batch with its attention mask and position ids, or with ``packed`` (OpenRLHF's
+    ``--ds.packing_samples``, ``unpad_and_slice_tensor`` without ring attention) the
+    attended tokens of all rows in one row ``[1, N]``, row-major, with each sequence's
+    positions from 0 and no attention mask (the attention keeps the sequences apart by
+    their positions: flash-attn's varlen path, or ``transformers``' packed-sequence mask),
+    scattered back to ``[B, S, H]`` (0 where the attention mask is 0)."""
+    positions = attention_mask.long().cumsum(-1) - 1
+    if not packed:
+        positions.masked_fill_(attention_mask == 0, 1)
+        return model.base_model(sequences, attention_mask=attention_mask,
+                                position_ids=positions, use_cache=False).last_hidden_state
+    kept = attention_mask.flatten().nonzero().squeeze(1)  # a host sync, as OpenRLHF's
+    hidden = model.base_model(sequences.flatten()[kept][None], attention_mask=None,
+                              position_ids=positions.flatten()[kept][None],
+                              use_cache=False).last_hidden_state[0]
+    return hidden.new_zeros(sequences.numel(), hidden.shape[-1]).index_copy(
+        0, kept, hidden).view(*sequences.shape, -1)
+
+
 def actor_forward(backend: BackendName = "auto",
                   chunk_rows: Optional[int] = None) -> Callable:
     """A replacement for ``openrlhf.models.Actor.forward`` (OpenRLHF 0.11): same arguments,
@@ -76,10 +98,12 @@ def actor_forward(backend: BackendName = "auto",
     :func:`ratiokl.torch.loss.linear_selected_logprobs` (``backend``, ``chunk_rows``).
 
     Per call it runs the model's decoder (``model.base_model``; through PEFT's
-    ``get_base_model()``) on OpenRLHF's ``sequences``, ``attention_mask`` and position ids,
-    and gives ``linear_selected_logprobs`` the hidden states of positions ``0 .. S-2``,
-    the lm_head weight (with its bias, and the model's logit scale or soft cap: Cohere,
-    Granite, Gemma), ``sequences[:, 1:]`` and the actor's ``temperature``. With an
+    ``get_base_model()``) on OpenRLHF's ``sequences``, ``attention_mask`` and position ids
+    (with the actor's ``packing_samples``, on the tokens packed as OpenRLHF packs them:
+    :func:`_decoder_hidden`), and gives ``linear_selected_logprobs`` the hidden states of
+    positions ``0 .. S-2``, the lm_head weight (with its bias, and the model's logit scale
+    or soft cap: Cohere, Granite, Gemma), ``sequences[:, 1:]`` and the actor's
+    ``temperature``. With an
     ``action_mask [B, T]`` and neither ``return_entropy`` nor ``return_logprobs`` only the
     last ``T`` positions are computed. Returns as OpenRLHF's: ``action_log_probs [B, T]``
     float32 (0 where ``action_mask`` is false), ``[B, S - 1]`` log-probs with
@@ -89,8 +113,8 @@ def actor_forward(backend: BackendName = "auto",
     0, exactly zero gradient, whatever their hidden states hold. A call that wants the
     logits (no ``action_mask``, no ``return_logprobs``) runs OpenRLHF's own forward.
 
-    ``ValueError`` (naming the field) for packed samples, ring attention, multimodal
-    inputs, a logit multiplier it cannot read and LoRA on the lm_head; reading
+    ``ValueError`` (naming the field) for ring attention (``ds.ring_attn_size > 1``),
+    multimodal inputs, a logit multiplier it cannot read and LoRA on the lm_head; reading
     ``output.aux_loss`` (MoE) raises one too. The head's GEMMs run inside the head
     module's own call (:func:`_call_head`), so DeepSpeed ZeRO-3 gathers its weight.
     """
@@ -107,9 +131,10 @@ def actor_forward(backend: BackendName = "auto",
             return original(self, sequences, action_mask, attention_mask, return_output,
                             allgather_logits, return_logprobs, ring_attn_group,
                             packed_seq_lens, return_entropy, **mm_inputs)
-        if getattr(self, "packing_samples", False) or ring_attn_group is not None:
-            _refuse("ds.packing_samples", True, "packed samples and ring attention go "
-                    "through flash-attn's varlen path")
+        if ring_attn_group is not None:
+            _refuse("ds.ring_attn_size", "> 1", "ring attention splits the packed tokens "
+                    "over ranks (ring-flash-attn's CUDA kernels); the adapter packs them "
+                    "on one rank only")
         if mm_inputs or getattr(self, "is_vlm", False):
             _refuse("mm_inputs", sorted(mm_inputs), "the adapter scores text models only")
         model = self.model.get_base_model() if hasattr(self.model, "get_base_model") \
@@ -117,10 +142,8 @@ def actor_forward(backend: BackendName = "auto",
         head, options = _head(model)
         if attention_mask is None:
             attention_mask = torch.ones_like(sequences)
-        position_ids = attention_mask.long().cumsum(-1) - 1
-        position_ids.masked_fill_(attention_mask == 0, 1)
-        hidden = model.base_model(sequences, attention_mask=attention_mask,
-                                  position_ids=position_ids, use_cache=False).last_hidden_state
+        hidden = _decoder_hidden(model, sequences, attention_mask,
+                                 getattr(self, "packing_samples", False))
         active = attention_mask[:, :-1].bool() & attention_mask[:, 1:].bool()
         window = 0 if return_entropy or return_logprobs else -action_mask.shape[1]
         if window:

@@ -44,6 +44,8 @@ class LossOptions:
     with a correction level on takes its ratio against ``rollout_log_probs``.
     ``corrects``: the rollout correction is on (``vllm_kl`` and ``is_filter_ratio`` are
     returned); ``sequence_gate``: at the sequence level. ``bounds``: its ``(low, high)``.
+    ``divergence``: the PPO correction's gate, ``"binary_kl"`` or ``"tv"`` (the forward
+    computes its weight and passes it as ``importance_weights``), else None.
     """
 
     options: Dict[str, Any]
@@ -52,6 +54,7 @@ class LossOptions:
     corrects: bool
     sequence_gate: bool
     bounds: tuple
+    divergence: Optional[str] = None
 
 
 def _refuse_as_openrlhf(dual_clip: Optional[float], level: str, mode: str, gating: str,
@@ -86,6 +89,9 @@ def loss_options(clip_eps_low: float = 0.2, clip_eps_high: float = 0.2,
         _refuse("is_correction_level", is_correction_level, "OpenRLHF 0.11 has off/token/seq")
     if is_correction_mode not in ("mask", "clip"):
         _refuse("is_correction_mode", is_correction_mode, "OpenRLHF 0.11 has mask/clip")
+    if is_correction_gating not in ("ratio", "binary_kl", "tv"):
+        _refuse("is_correction_gating", is_correction_gating,
+                "OpenRLHF 0.11 has ratio/binary_kl/tv")
     _refuse_as_openrlhf(dual_clip, is_correction_level, is_correction_mode,
                         is_correction_gating, is_correction_threshold)
     gspo = policy_loss_type == "gspo"
@@ -98,20 +104,21 @@ def loss_options(clip_eps_low: float = 0.2, clip_eps_high: float = 0.2,
         log_ratio_bound=None if gspo else 20.0)
     low, high = (float(x) for x in is_correction_threshold)
     on = is_correction_level != "off"
+    divergence = None
     if on and not gspo:  # GSPO applies no correction weight, only the ratio's reference
         if is_correction_gating != "ratio":
-            _refuse("is_correction_gating", is_correction_gating,
-                    "ratiokl gates on the importance ratio only (no binary-KL / TV gate)")
-        if is_correction_level == "seq":
-            options["rollout_correction"] = "sequence-geomean-mask"
-        elif is_correction_mode == "clip":
-            options["rollout_correction"] = "token-clip"
+            # ratiokl's rollout corrections gate on the ratio; a divergence gate's weight is
+            # the forward's (_policy_loss._divergence_weights), given as importance_weights.
+            divergence = is_correction_gating
         else:
-            options["rollout_correction"] = "token-mask"
-        options["rollout_bounds"] = (low, high)
+            options["rollout_correction"] = (
+                "sequence-geomean-mask" if is_correction_level == "seq"
+                else "token-clip" if is_correction_mode == "clip" else "token-mask")
+            options["rollout_bounds"] = (low, high)
     return LossOptions(options=options, token_level=options["loss_agg"] == "token-mean",
                        ratio_to_rollout=on and gspo, corrects=on and not gspo,
-                       sequence_gate=is_correction_level == "seq", bounds=(low, high))
+                       sequence_gate=is_correction_level == "seq", bounds=(low, high),
+                       divergence=divergence)
 
 
 def loss_normalizer(opts: LossOptions, dp_size: int, batch_num_tokens: Union[None, float, Any],

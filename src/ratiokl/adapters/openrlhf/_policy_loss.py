@@ -28,8 +28,10 @@ class PolicyLoss(torch.nn.Module):
     as OpenRLHF does, for any advantages: ``ratiokl.adapters._sequence_ratio``), and the
     correction is ``token-mask`` (``is_correction_mode="mask"``, IcePop), ``token-clip``
     (``"clip"``, TIS with its floor) or ``sequence-geomean-mask``
-    (``is_correction_level="seq"``). A ``ValueError`` naming the argument refuses the
-    ``binary_kl`` / ``tv`` gates, and whatever OpenRLHF's own constructor refuses.
+    (``is_correction_level="seq"``); the ``binary_kl`` / ``tv`` gates, which ratiokl's
+    corrections do not compute (they gate on the ratio), give their weight as
+    ``importance_weights`` (:func:`_divergence_weights`). A ``ValueError`` naming the
+    argument refuses whatever OpenRLHF's own constructor refuses.
 
     Inactive tokens (``action_mask`` false) are selected out before any arithmetic:
     whatever they hold, they reach neither the loss, the logged values nor a gradient
@@ -84,6 +86,11 @@ class PolicyLoss(torch.nn.Module):
                 f"ratiokl.adapters.openrlhf.PolicyLoss needs `{name}` (got None): OpenRLHF's "
                 "ratio is taken against it (GSPO with is_correction_level on: the rollout "
                 "log-probs); pass the batch's tensor")
+        if opts.divergence is not None and rollout_log_probs is None:
+            raise ValueError(
+                "ratiokl.adapters.openrlhf.PolicyLoss needs `rollout_log_probs` (got None): "
+                f"the is_correction_gating={opts.divergence!r} gate compares them with "
+                "old_log_probs; pass the batch's tensor")
         normalizer = loss_normalizer(opts, dp_size, batch_num_tokens, global_batch_size)
         if opts.options["ratio_level"] == "sequence":  # GSPO: no rollout correction
             loss, metrics = spread_objective(log_probs, reference, advantages, mask, None,
@@ -92,6 +99,11 @@ class PolicyLoss(torch.nn.Module):
                                       opts.options["clip_eps"], opts.options["clip_eps_high"])
             either = (clipped[0] | clipped[1]).float().reshape(mask.shape[0], -1)
             metrics = dict(metrics, clip_fraction=_mean(either.expand(mask.shape), mask))
+        elif opts.divergence is not None:
+            weights, filtered = _divergence_weights(old_log_probs, rollout_log_probs, mask, opts)
+            loss, metrics = policy_objective(
+                log_probs, reference, advantages, mask, loss_normalizer=normalizer,
+                importance_weights=weights, **opts.options)
         else:
             loss, metrics = policy_objective(
                 log_probs, reference, advantages, mask, loss_normalizer=normalizer,
@@ -103,14 +115,51 @@ class PolicyLoss(torch.nn.Module):
             return loss, metrics["clip_fraction"], ppo_kl, None, None
         old = torch.where(mask, old_log_probs.float(), 0.0)
         rollout = torch.where(mask, rollout_log_probs.float(), 0.0)
-        return (loss, metrics["clip_fraction"], ppo_kl, _mean(rollout - old, mask),
-                _filter_ratio(old - rollout, mask, opts.bounds, opts.sequence_gate))
+        if opts.divergence is None:
+            filtered = _filter_ratio(old - rollout, mask, opts.bounds, opts.sequence_gate)
+        return loss, metrics["clip_fraction"], ppo_kl, _mean(rollout - old, mask), filtered
 
 
 def _mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Detached float32 mean of ``values`` over active tokens (0 without one)."""
     total = torch.where(mask, values.detach().float(), 0.0).sum()
     return total / mask.sum().clamp(min=1)
+
+
+def _divergence_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor,
+                       mask: torch.Tensor, opts) -> Tuple[torch.Tensor, torch.Tensor]:
+    """OpenRLHF's ``is_correction_gating="binary_kl"`` / ``"tv"`` (PPO): ``(weights,
+    is_filter_ratio)``, detached float32.
+
+    Per active token, with the sampled token's probabilities ``p = exp(rollout)`` and
+    ``q = exp(old)``, each clamped to ``[1e-6, 1 - 1e-6]``, the statistic is the binary KL
+    ``p log(p / q) + (1 - p) log((1 - p) / (1 - q))`` or the total variation ``|p - q|``;
+    at the sequence level, its mean over the sequence's active tokens. A unit whose
+    statistic is outside ``[low, high]`` weighs 0, a kept token its ratio
+    ``exp(old - rollout)`` (unbounded, as OpenRLHF's). ``is_filter_ratio``: the fraction of
+    active tokens (sequence level: of rows; an empty row counts) outside. A NaN log-prob on
+    an active token gives a NaN weight (OpenRLHF's gate drops the token: a NaN compares
+    false), as ratiokl's own corrections do; inactive tokens are never read.
+    """
+    low, high = opts.bounds
+    old = torch.where(mask, old_log_probs.detach().float(), 0.0)
+    rollout = torch.where(mask, rollout_log_probs.detach().float(), 0.0)
+    p = rollout.exp().clamp(1e-6, 1 - 1e-6)
+    q = old.exp().clamp(1e-6, 1 - 1e-6)
+    if opts.divergence == "binary_kl":
+        stat = p * (p / q).log() + (1 - p) * ((1 - p) / (1 - q)).log()
+    else:  # "tv"
+        stat = (p - q).abs()
+    stat = torch.where(mask, stat, 0.0)
+    if opts.sequence_gate:
+        count = mask.sum(-1, keepdim=True)
+        stat = stat.sum(-1, keepdim=True) / count.clamp(min=1)
+        outside = (stat < low) | (stat > high)
+        filtered = (outside | (count == 0)).float().mean()
+    else:
+        outside = (stat < low) | (stat > high)
+        filtered = _mean(outside.float(), mask)
+    return torch.where(mask & ~outside, (old - rollout).exp(), 0.0), filtered
 
 
 def _filter_ratio(log_weight: torch.Tensor, mask: torch.Tensor, bounds, sequence: bool):
