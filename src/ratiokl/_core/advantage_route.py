@@ -147,7 +147,8 @@ def gdpo(xp, scores, group_ids, *, group_size, valid, weights: Optional[Sequence
     bad = valid & ~xp.isfinite(total)
     lens = _lengths(xp, lengths, x.shape[0])
     lens = xp.as_float(xp.ones_like(total)) if lens is None else lens
-    out = math.whiten(xp, xp.where(bad, 0.0, total), xp.where(valid & ~bad, lens, 0.0), whiten)
+    out = math.whiten_groups(xp, xp.where(bad, 0.0, total), xp.where(valid & ~bad, lens, 0.0),
+                             whiten, seg)
     return xp.where(bad, float("nan"), out)
 
 

@@ -107,21 +107,9 @@ class _Jax:
         return jnp.argsort(x, stable=True)
 
     @staticmethod
-    def cumsum(x):
-        return jnp.cumsum(x, axis=-1)
-
-    @staticmethod
     def unpermute(values, order):
         """``out[order] = values``."""
         return jnp.zeros_like(values).at[order].set(values)
-
-    @staticmethod
-    def segment_sum(values, segment, count: int):
-        return jax.ops.segment_sum(values, segment, num_segments=count)
-
-    @staticmethod
-    def segment_max(values, segment, count: int):
-        return jax.ops.segment_max(values, segment, num_segments=count)
 
     @staticmethod
     def gather(table, index):

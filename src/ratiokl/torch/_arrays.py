@@ -116,22 +116,9 @@ class _Torch:
         return torch.argsort(x, stable=True)
 
     @staticmethod
-    def cumsum(x):
-        return torch.cumsum(x, dim=-1)
-
-    @staticmethod
     def unpermute(values, order):
         """``out[order] = values``."""
         return torch.empty_like(values).scatter_(0, order, values)
-
-    @staticmethod
-    def segment_sum(values, segment, count: int):
-        return values.new_zeros(count).index_add_(0, segment, values)
-
-    @staticmethod
-    def segment_max(values, segment, count: int):
-        out = values.new_full((count,), -float("inf"))
-        return out.scatter_reduce_(0, segment, values, "amax", include_self=True)
 
     @staticmethod
     def gather(table, index):
