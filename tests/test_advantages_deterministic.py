@@ -164,3 +164,27 @@ def test_jax_lowers_to_no_scatter_add():
         found |= set(primitives(jax.make_jaxpr(estimate)(x, ids, valid).jaxpr))
     atomic = sorted(p for p in found if p.startswith("scatter") and p != "scatter")
     assert atomic == [], f"primitives that add through GPU atomics: {atomic}"
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize("align", ["position", "active"])
+def test_optimal_token_baseline_same_bits_in_any_group_keeping_order(framework, align):
+    """The per-step group sums of ``[B, T]`` too."""
+    module, to_array = _module(framework)
+    ids, _, valid, _ = _batch(5, size=24)
+    rng = np.random.default_rng(6)
+    shape = (ids.size, 11)
+    mask = rng.random(shape) > 0.3
+    arrays = [rng.normal(size=shape).astype(np.float32),
+              -rng.random(shape).astype(np.float32), rng.random(shape).astype(np.float32)]
+
+    def run(order):
+        rewards, logps, spi = (a[order] for a in arrays)
+        adv, _ = module.optimal_token_baseline(
+            to_array(rewards), to_array(mask[order]), to_array(logps), to_array(spi),
+            to_array(ids[order]), valid=to_array(valid[order]), align=align)
+        return np.asarray(adv)
+
+    expected = run(np.arange(ids.size))
+    order = _keeping_group_order(ids, np.random.default_rng(7))
+    np.testing.assert_array_equal(run(order), expected[order])

@@ -30,7 +30,8 @@ from ratiokl.spec.advantages import WHITEN_EPS
 
 __all__ = ["Groups", "GroupStats", "gae_elements", "group_max", "group_stats", "group_sum",
            "groups", "grpo", "grpo_passk", "gpg", "opo", "reinforce_pp_baseline",
-           "reverse_scan", "rloo", "scan_combine", "whiten", "whiten_groups", "whiten_tokens"]
+           "optimal_token_baseline", "reverse_scan", "rloo", "scan_combine", "whiten",
+           "whiten_groups", "whiten_tokens"]
 
 
 @dataclass(frozen=True)
@@ -64,19 +65,22 @@ def groups(xp, ids, group_size: Optional[int], n: int, like) -> Groups:
 
 
 def _group_scan(xp, values, seg: Groups, combine, fill: float):
-    """The inclusive scan of ``combine`` within each group, in the group layout: after
-    the step of width ``w`` each position holds its group's last ``2w`` values combined."""
-    x = xp.gather(values, seg.order)
+    """The inclusive scan of ``combine`` within each group over the first axis of
+    ``values [B, ...]``, in the group layout: after the step of width ``w`` each position
+    holds its group's last ``2w`` values combined."""
+    flip = (lambda a: a) if values.ndim == 1 else (lambda a: a.T)  # noqa: E731 (B last)
+    x = flip(xp.gather(values, seg.order))
     pos = xp.as_index(xp.positions(x))
     width = 1
-    while width < x.shape[0]:
+    while width < pos.shape[-1]:
         x = xp.where(pos - width >= seg.start, combine(x, xp.shift(x, width, fill)), x)
         width *= 2
-    return x
+    return flip(x)
 
 
 def group_sum(xp, values, seg: Groups):
-    """Each sample's group's sum of ``values [B]`` (deterministic: see the module)."""
+    """Each sample's group's sum of ``values [B]`` or ``[B, T]`` (per position)
+    (deterministic: see the module)."""
     return xp.gather(_group_scan(xp, values, seg, lambda a, b: a + b, 0.0), seg.last)
 
 
@@ -285,3 +289,42 @@ def whiten_tokens(xp, x, mask, whitening: str):
     """:func:`whiten` of ``[B, T]`` values over the unmasked tokens (0 where masked)."""
     flat = whiten(xp, x.reshape(-1), xp.as_float(mask).reshape(-1), whitening)
     return flat.reshape(x.shape)
+
+
+# --- The optimal token baseline ----------------------------------------------------------
+
+
+def _packing(xp, m):
+    """Per row, the order that puts the unmasked positions first (in their order), and
+    its inverse: ``take(x, order)`` packs a row, ``take(packed, inverse)`` unpacks it."""
+    order = xp.argsort(xp.as_index(~m))
+    return order, xp.argsort(order)
+
+
+def optimal_token_baseline(xp, returns, w, m, valid, seg: Groups, align: str,
+                           zero_tail: bool, eps: float):
+    """``ratiokl.spec.token_baselines``' advantages ``[B, T]`` from the float32 returns
+    and per-token weights ``w`` (0 where masked), the mask ``m`` and ``valid [B]``."""
+    if align == "active":
+        order, inverse = _packing(xp, m)
+        returns, w, m = (xp.take(a, order) for a in (returns, w, m))
+    lengths = xp.sum(xp.as_float(m), axis=-1)
+    member = valid & (lengths > 0) if align == "active" else valid
+    on = m & member[:, None]
+    big_w = xp.where(on, xp.cumsum(w), 0.0)
+    g = xp.where(on, returns, 0.0)
+    members = group_sum(xp, xp.as_float(member), seg)
+    base = group_sum(xp, g * big_w, seg) / (group_sum(xp, big_w, seg) + eps)
+    cut = members < 2.0
+    if zero_tail:
+        size = xp.where(member, lengths, -1.0)
+        longest = group_max(xp, size, seg)
+        top = member & (size == longest)
+        single = top & (group_sum(xp, xp.as_float(top), seg) == 1.0)
+        second = group_max(xp, xp.where(top, -1.0, size), seg)
+        tail = single[:, None] & (xp.as_float(xp.positions(m)) >= second[:, None])
+        cut = cut[:, None] | tail
+    else:
+        cut = cut[:, None]
+    adv = xp.where(on, g - xp.where(cut, 0.0, base), 0.0)
+    return xp.take(adv, inverse) if align == "active" else adv

@@ -35,6 +35,7 @@ __all__ = ["AdvantageCase", "list_advantage_cases", "load_advantage_case",
 _TOKEN_FUNCTIONS: Dict[str, Tuple[Tuple[str, ...], Tuple[str, ...]]] = {
     "gae": (("rewards", "values", "mask"), ("gamma", "lam")),
     "reinforce_pp": (("rewards", "mask"), ("gamma",)),
+    "optimal_token_baseline": (("rewards", "mask", "old_logps", "sum_pi_squared"), ()),
 }
 #: Why a group estimator's case is skipped on a target other than ``*-native``.
 NO_BACKEND = "the group estimators take no backend (the *-native targets run them)"

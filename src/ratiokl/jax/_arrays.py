@@ -107,6 +107,10 @@ class _Jax:
         return jnp.argsort(x, stable=True)
 
     @staticmethod
+    def cumsum(x):
+        return jnp.cumsum(x, axis=-1)
+
+    @staticmethod
     def unpermute(values, order):
         """``out[order] = values``."""
         return jnp.zeros_like(values).at[order].set(values)

@@ -116,6 +116,10 @@ class _Torch:
         return torch.argsort(x, stable=True)
 
     @staticmethod
+    def cumsum(x):
+        return torch.cumsum(x, dim=-1)
+
+    @staticmethod
     def unpermute(values, order):
         """``out[order] = values``."""
         return torch.empty_like(values).scatter_(0, order, values)
