@@ -90,6 +90,35 @@ def _token_case(name: str, function: str, options: Dict[str, Any], description: 
     return name, function, inputs, options, {"advantages": adv, "returns": ret}, description
 
 
+def _baseline_case(name: str, options: Dict[str, Any], description: str, gaps: bool):
+    """The optimal token baseline on ``[12, 20]``: unsorted ids, a singleton, a unique
+    longest response, an empty one, an invalid sample, NaN on masked positions."""
+    rng = _rng(name)
+    shape = (12, 20)
+    ids = np.array([3, 0, 3, 1, 0, 3, 2, 2, 2, 4, 0, 1], np.int64)
+    lengths = rng.integers(1, shape[1], size=shape[0])
+    lengths[[0, 5, 7]] = [shape[1], 6, 0]  # group 3's longest alone; an empty response
+    mask = np.arange(shape[1])[None, :] < lengths[:, None]
+    if gaps:
+        mask &= rng.random(shape) > 0.3  # tool output between the turns
+    rewards = rng.normal(size=shape).astype(np.float32)
+    old_logps = -rng.random(shape).astype(np.float32) * 3.0
+    sum_pi_squared = rng.random(shape).astype(np.float32)
+    is_weights = (rng.random(shape) + 0.5).astype(np.float32)
+    valid = np.ones(shape[0], bool)
+    valid[10] = False
+    rewards[~mask], old_logps[~mask] = np.nan, np.nan
+    rewards[10] = np.inf  # the invalid sample's
+    inputs = dict(rewards=rewards, mask=mask, old_logps=old_logps,
+                  sum_pi_squared=sum_pi_squared, group_ids=ids, valid=valid,
+                  is_weights=is_weights)
+    adv, ret = spec.reference_optimal_token_baseline(
+        rewards, mask, old_logps, sum_pi_squared, ids, valid=valid, is_weights=is_weights,
+        **options)
+    return (name, "optimal_token_baseline", inputs, options,
+            {"advantages": adv, "returns": ret}, description)
+
+
 def build_cases() -> Iterator[Tuple[str, str, Dict[str, Any], Dict[str, Any],
                                     Dict[str, np.ndarray], str]]:
     """``(name, function, inputs, options, expected, description)`` per case, in order."""
@@ -131,3 +160,11 @@ def build_cases() -> Iterator[Tuple[str, str, Dict[str, Any], Dict[str, Any],
                       {"gamma": 0.9, "lam": 1.0, "whiten": "none"}, "raw advantages")
     yield _token_case("reinforce_pp_discounted", "reinforce_pp", {"gamma": 0.97},
                       "verl's REINFORCE++: discounted returns over gaps, whitened")
+    yield _baseline_case("optimal_token_baseline_zero_tail", {},
+                         "verl's optimal_token_baseline: per position, rollout IS weights, "
+                         "the longest's tail 0, a singleton, an empty and an invalid row",
+                         gaps=False)
+    yield _baseline_case("optimal_token_baseline_active_gaps", {"align": "active",
+                                                                "zero_tail": False},
+                         "verl's tir_optimal_token_baseline: per unmasked token over gaps",
+                         gaps=True)

@@ -1,5 +1,5 @@
 """The advantage fixtures (``conformance/advantages/``) on every (framework, backend) pair:
-one test body, ``from_numpy -> advantages.<function> -> to_numpy``.
+one test body, ``ratiokl.harness.run_advantage_case`` (as ``ratiokl check`` runs them).
 
 A case passes when each output is float32 of the expected shape, NaN exactly where
 expected, and elsewhere within the manifest's tolerance of the float64 expectation. The
@@ -16,14 +16,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ratiokl import harness
+
 ROOT = Path(__file__).resolve().parents[1] / "conformance"
 FIXTURES = ROOT / "advantages"
 MANIFEST = json.loads((FIXTURES / "manifest.json").read_text())["cases"]
-#: (framework, backend): GAE's backends; the group estimators take none.
-TARGETS = (("torch", "native"), ("torch", "interpret"), ("jax", "native"))
-TOKEN_FUNCTIONS = ("gae", "reinforce_pp")
-POSITIONAL = {"gae": ("rewards", "values", "mask"), "reinforce_pp": ("rewards", "mask")}
-SCALARS = {"gae": ("gamma", "lam"), "reinforce_pp": ("gamma",)}
+#: GAE's backends; the group estimators take none (the harness skips them elsewhere).
+TARGETS = ("torch-native", "torch-interpret", "jax-native")
 
 
 def _load(name: str):
@@ -31,46 +30,14 @@ def _load(name: str):
         return {k: data[k] for k in data.files}
 
 
-def _module(framework: str):
-    if framework == "torch":
-        torch = pytest.importorskip("torch")
-        from ratiokl.torch import advantages
-        return advantages, torch.from_numpy
-    jnp = pytest.importorskip("jax.numpy")
-    from ratiokl.jax import advantages
-    return advantages, jnp.asarray
-
-
-def _call(framework: str, backend: str, name: str):
-    entry, arrays = MANIFEST[name], _load(name)
-    module, to_array = _module(framework)
-    function, options = entry["function"], dict(entry["options"])
-    inputs = {k: to_array(v) for k, v in arrays.items() if not k.startswith("expected_")}
-    if function in TOKEN_FUNCTIONS:
-        args = [inputs.pop(k) for k in POSITIONAL[function]]
-        args += [options.pop(k) for k in SCALARS[function]]
-        out = getattr(module, function)(*args, backend=backend, **options)
-        outputs = dict(zip(("advantages", "returns"), out))
-    else:
-        args = (inputs.pop("scores"), inputs.pop("group_ids"))
-        outputs = {"advantages": getattr(module, function)(*args, **inputs, **options)}
-    return {k: np.asarray(v) for k, v in outputs.items()}, arrays, entry
-
-
-@pytest.mark.parametrize("pair", TARGETS, ids=lambda t: f"{t[0]}-{t[1]}")
+@pytest.mark.parametrize("pair", TARGETS)
 @pytest.mark.parametrize("name", sorted(MANIFEST))
 def test_fixture(pair, name):
-    framework, backend = pair
-    if backend != "native" and MANIFEST[name]["function"] not in TOKEN_FUNCTIONS:
-        pytest.skip("the group estimators take no backend")
-    outputs, arrays, entry = _call(framework, backend, name)
-    assert sorted(outputs) == entry["outputs"]
-    for key, actual in outputs.items():
-        expected = arrays[f"expected_{key}"]
-        assert actual.dtype == np.float32 and actual.shape == expected.shape, key
-        np.testing.assert_array_equal(np.isnan(actual), np.isnan(expected), err_msg=key)
-        np.testing.assert_allclose(actual, expected, equal_nan=True, err_msg=key,
-                                   **entry["tolerance"])
+    pytest.importorskip(pair.split("-")[0])
+    result = harness.run_advantage_case(harness.load_advantage_case(name, ROOT), pair)
+    if result.skipped is not None:
+        pytest.skip(result.skipped)
+    assert result.passed, "\n".join(result.failures)
 
 
 def test_fixtures_reproduce(tmp_path):

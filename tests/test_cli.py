@@ -206,3 +206,33 @@ def test_openrlhf_launcher_without_openrlhf_prints_one_line(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert "needs openrlhf" in lines[0] and "pip install 'ratiokl[openrlhf]'" in lines[0]
+
+
+def test_check_runs_the_advantage_fixtures(tmp_path, capsys):
+    """``ratiokl check`` runs the advantage estimators' fixtures on a built-in target, as
+    case groups ``advantages.<function>``."""
+    if harness.target_status("torch-native") is not None:
+        pytest.skip(harness.target_status("torch-native"))
+    names = harness.list_advantage_cases()
+    report = tmp_path / "report.json"
+    assert main(["check", "--backend", "torch-native", "--case", "advantages.*",
+                 "--no-progress", "--json", str(report)]) == 0
+    out = capsys.readouterr().out
+    assert f"0 cases and {len(names)} advantage cases from" in out
+    assert f"({len(names)} advantage cases)" in out
+    results = json.loads(report.read_text())["results"]
+    assert sorted(r["case"] for r in results) == names
+    assert all(r["status"] == "passed" for r in results)
+
+
+def test_check_fails_a_wrong_advantage(monkeypatch, capsys):
+    """An estimator that disagrees with the spec is a failed case, with the output named."""
+    if harness.target_status("torch-native") is not None:
+        pytest.skip(harness.target_status("torch-native"))
+    from ratiokl.torch import advantages
+
+    monkeypatch.setattr(advantages, "rloo", lambda scores, *_, **__: scores * 0.0)
+    assert main(["check", "--backend", "torch-native", "--case", "advantages.rloo",
+                 "--no-progress"]) == 1
+    out = capsys.readouterr().out
+    assert "rloo_singleton_score [contiguous]: advantages:" in out

@@ -91,19 +91,28 @@ def test_cli_check_writes_a_report(tmp_path: Path, capsys) -> None:
 
 
 def test_fixtures_found_in_wheel_layout(tmp_path: Path) -> None:
-    """A wheel carries the fixtures as ratiokl/_fixtures (see pyproject's force-include)."""
-    source = Path(harness.fixtures_root())
+    """A wheel carries the fixtures, the advantage ones too, as ratiokl/_fixtures: laid out
+    here by pyproject's force-include table, as hatchling lays out the wheel."""
+    import tomllib
+
+    checkout = Path(__file__).resolve().parents[1]
+    pyproject = tomllib.loads((checkout / "pyproject.toml").read_text())
+    included = pyproject["tool"]["hatch"]["build"]["targets"]["wheel"]["force-include"]
     package = Path(ratiokl.__file__).resolve().parent
     shutil.copytree(package, tmp_path / "ratiokl", ignore=shutil.ignore_patterns("__pycache__"))
-    data = tmp_path / "ratiokl" / "_fixtures"
-    shutil.copytree(source / "cases", data / "cases")
-    shutil.copy(source / "manifest.json", data / "manifest.json")
-    code = ("from ratiokl import harness as c; "
-            "print(c.fixtures_root()); print(len(c.list_cases()))")
+    for source, destination in included.items():
+        if (checkout / source).is_dir():
+            shutil.copytree(checkout / source, tmp_path / destination)
+        else:
+            (tmp_path / destination).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(checkout / source, tmp_path / destination)
+    code = ("from ratiokl import harness as c; print(c.fixtures_root()); "
+            "print(len(c.list_cases())); print(len(c.list_advantage_cases()))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env=dict(os.environ, PYTHONPATH=str(tmp_path)), cwd=tmp_path)
-    root, count = out.stdout.split()
-    assert Path(root) == data and int(count) == len(CASES)
+    root, count, advantage_count = out.stdout.split()
+    assert Path(root) == tmp_path / "ratiokl" / "_fixtures" and int(count) == len(CASES)
+    assert int(advantage_count) == len(harness.list_advantage_cases())
 
 
 def _perfect_outcome(case: harness.Case) -> harness.Outcome:

@@ -163,3 +163,58 @@ def test_registered_estimators_equal_verl(name):
     expected = verl(name, rewards, mask, index, config=config(gamma=0.95))
     actual = verl(f"ratiokl_{name}", rewards, mask, index, config=config(gamma=0.95))
     close(actual, expected)
+
+
+def token_batch(seed: int, gaps: bool):
+    """verl's inputs for the optimal token baseline: ``batch``'s groups (a singleton, a
+    unique longest response, an empty one), old log-probs, ``sum_pi_squared`` and rollout
+    IS weights ``[B, 12]``; with ``gaps``, multi-turn masks (tool output between turns)."""
+    rng = np.random.default_rng(seed)
+    _, _, index, _, ids = batch(seed)
+    width = 12
+    lengths = rng.integers(1, width, size=ids.numel())
+    lengths[[0, 5, 7]] = [width, 4, 0]
+    mask = np.arange(width)[None, :] < lengths[:, None]
+    if gaps:
+        mask &= rng.random(mask.shape) > 0.3
+    mask = mask.astype(np.float32)
+    rewards = rng.normal(size=mask.shape).astype(np.float32) * mask
+    logps = -rng.random(mask.shape).astype(np.float32) * 3.0
+    spi = rng.random(mask.shape).astype(np.float32)
+    rho = (rng.random(mask.shape) + 0.5).astype(np.float32)
+    return (*(torch.from_numpy(a) for a in (rewards, mask, logps, spi, rho)), index, ids)
+
+
+@pytest.mark.parametrize("zero_tail", [True, False])
+@pytest.mark.parametrize("weights", [False, True], ids=["no-is", "is-weights"])
+@pytest.mark.parametrize("name,align,gaps", [
+    ("optimal_token_baseline", "position", False),
+    ("optimal_token_baseline", "position", True),
+    ("tir_optimal_token_baseline", "active", True),
+    ("tir_optimal_token_baseline", "active", False)])
+def test_optimal_token_baseline_equals_verl(name, align, gaps, weights, zero_tail):
+    rewards, mask, logps, spi, rho, index, ids = token_batch(7, gaps)
+    rho = rho if weights else None
+    expected_adv, expected_ret = core_algos.get_adv_estimator_fn(name)(
+        token_level_rewards=rewards.clone(), response_mask=mask, index=index,
+        old_log_probs=logps, sum_pi_squared=spi, rollout_is_weights=rho,
+        handle_zero_tail=zero_tail)
+    adv, ret = advantages.optimal_token_baseline(
+        rewards, mask, logps, spi, ids, is_weights=rho, align=align, zero_tail=zero_tail)
+    close(adv, expected_adv)
+    on = mask.bool()
+    close(ret[on], expected_ret[on])
+
+
+def test_optimal_token_baseline_failed_samples_equal_verl_without_them():
+    rewards, mask, logps, spi, rho, index, ids = token_batch(8, gaps=False)
+    valid = torch.ones(ids.shape, dtype=torch.bool)
+    valid[[2, 9]] = False
+    expected, _ = core_algos.get_adv_estimator_fn("optimal_token_baseline")(
+        token_level_rewards=rewards[valid], response_mask=mask[valid],
+        index=index[valid.numpy()], old_log_probs=logps[valid], sum_pi_squared=spi[valid])
+    rewards = rewards.clone()
+    rewards[~valid] = float("nan")
+    adv, _ = advantages.optimal_token_baseline(rewards, mask, logps, spi, ids, valid=valid)
+    close(adv[valid], expected)
+    assert (adv[~valid] == 0).all()

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 import ratiokl
 from ratiokl import harness
-from ratiokl.harness import Case, CaseResult, CheckTarget
+from ratiokl.harness import AdvantageCase, Case, CaseResult, CheckTarget
 
 __all__ = ["DESCRIPTION", "SUMMARY", "add_arguments", "run"]
 
@@ -38,6 +38,8 @@ PyTorch targets run every case twice: once on contiguous logits and once on a st
 view of them (every other column of a wider buffer whose gaps hold NaN, which the
 backend must never read nor write a gradient to), so their counts are twice the number
 of cases. JAX arrays carry no strides: JAX targets run each case once.
+The built-in targets also run the advantage estimators' fixtures (case groups
+advantages.<function>, once each; the group estimators on the *-native targets only).
 
 --target package.module:object runs the same fixtures on any other implementation (a
 port of a loss to another framework, a trainer's own loss code) instead of the built-in
@@ -121,11 +123,15 @@ def _label(target: Union[str, CheckTarget]) -> str:
 
 
 def _run_target(target: Union[str, CheckTarget], cases: Sequence[Case],
-                variants: Tuple[bool, ...], progress: bool) -> List[CaseResult]:
-    """Every case on ``target`` (each variant in turn), with a progress bar on stderr."""
+                variants: Tuple[bool, ...], advantage_cases: Sequence[AdvantageCase],
+                progress: bool) -> List[CaseResult]:
+    """Every case on ``target`` (each variant in turn), then the advantage cases (on a
+    built-in target only), with a progress bar on stderr."""
     results = []
     label = _label(target)
-    with tqdm(total=len(cases) * len(variants), desc=f"{label:<16}", unit="case",
+    advantage_cases = advantage_cases if isinstance(target, str) else ()
+    with tqdm(total=len(cases) * len(variants) + len(advantage_cases), desc=f"{label:<16}",
+              unit="case",
               file=sys.stderr, disable=not progress, leave=False, mininterval=0.5,
               bar_format="{desc} {bar:24} {n_fmt}/{total_fmt} cases "
                          "[{elapsed}<{remaining}]") as bar:
@@ -134,6 +140,10 @@ def _run_target(target: Union[str, CheckTarget], cases: Sequence[Case],
             for case in cases:
                 results.append(harness.run_case(case, target, strided=strided))
                 bar.update()
+        bar.set_description(f"{label:<16}")
+        for advantage_case in advantage_cases:
+            results.append(harness.run_advantage_case(advantage_case, target))
+            bar.update()
     return results
 
 
@@ -164,8 +174,24 @@ def _print_rows(results: List[CaseResult], out: TextIO) -> None:
     out.flush()
 
 
+def _counts(rs: List[CaseResult], n_cases: int, advantage_names: Sequence[str]) -> str:
+    """``251 cases x 2: contiguous + strided, 17 advantage cases, 14 skipped``."""
+    advantage = sum(r.case in set(advantage_names) for r in rs)
+    parts = []
+    if n_cases:
+        passes = (len(rs) - advantage) // n_cases
+        how = ": contiguous + strided" if passes == 2 else ""
+        parts.append(f"{n_cases} cases x {passes}{how}")
+    if advantage:
+        parts.append(f"{advantage} advantage cases")
+    skipped = sum(r.skipped is not None for r in rs)
+    if skipped:
+        parts.append(f"{skipped} skipped")
+    return ", ".join(parts)
+
+
 def _print_summary(results: List[CaseResult], unavailable: Dict[str, str], n_cases: int,
-                   seconds: float, out: TextIO) -> None:
+                   advantage_names: Sequence[str], seconds: float, out: TextIO) -> None:
     by_target: Dict[str, List[CaseResult]] = defaultdict(list)
     for r in results:
         by_target[r.target].append(r)
@@ -173,11 +199,8 @@ def _print_summary(results: List[CaseResult], unavailable: Dict[str, str], n_cas
     for target, rs in by_target.items():
         ran = [r for r in rs if r.skipped is None]
         passed = sum(r.passed for r in ran)
-        passes = len(rs) // max(n_cases, 1)
-        how = {2: ": contiguous + strided"}.get(passes, "")
-        skipped = f", {len(rs) - len(ran)} skipped" if len(ran) < len(rs) else ""
         print(f"  {target:<17} {passed:>5}/{len(ran):<5} passed   worst/tol {_worst(ran):<8} "
-              f"({n_cases} cases x {passes}{how}{skipped})", file=out)
+              f"({_counts(rs, n_cases, advantage_names)})", file=out)
     for target, reason in unavailable.items():
         print(f"  {target:<18}unavailable: {reason}", file=out)
     _print_skips(results, out)
@@ -232,29 +255,33 @@ def run(args: argparse.Namespace) -> int:
     root = harness.fixtures_root()
     globs = args.case or ["*"]
     names = sorted({name for glob in globs for name in harness.list_cases(glob, root)})
-    if not names:
+    advantage_names = sorted({name for glob in globs
+                              for name in harness.list_advantage_cases(glob, root)})
+    if not names and not advantage_names:
         print(f"ratiokl check: no case matches --case {', '.join(map(repr, globs))} (neither "
               "a case name nor a case group)", file=sys.stderr)
         return 2
     builtins, unavailable = _targets(patterns)
     targets: List[Union[str, CheckTarget]] = [*builtins, *external]
-    print(f"ratiokl {ratiokl.__version__}: {len(names)} cases from {root}", file=out)
+    print(f"ratiokl {ratiokl.__version__}: {len(names)} cases and {len(advantage_names)} "
+          f"advantage cases from {root}", file=out)
     if not args.contiguous_only and any(harness.TARGETS[t].framework == "torch"
                                         for t in builtins):
         print(STRIDED_NOTE, file=out)
     start = time.perf_counter()
     cases = [harness.load_case(n, root) for n in names]
+    advantage_cases = [harness.load_advantage_case(n, root) for n in advantage_names]
     what = ("case", "status", "worst/tol or reason") if args.verbose else (
         "case group", "passed", "worst/tol")
     print(f"\n{'target':<18}{what[0]:<44}{what[1]:>9}{what[2]:>11}", file=out)
     results: List[CaseResult] = []
     for target in targets:
         mine = _run_target(target, cases, _variants(target, not args.contiguous_only),
-                           progress=not args.no_progress)
+                           advantage_cases, progress=not args.no_progress)
         (_print_cases if args.verbose else _print_rows)(mine, out)
         results += mine
     seconds = time.perf_counter() - start
-    _print_summary(results, unavailable, len(names), seconds, out)
+    _print_summary(results, unavailable, len(names), advantage_names, seconds, out)
     if args.json is not None:
         report = {"version": ratiokl.__version__, "fixtures": str(root), "seconds": seconds,
                   "unavailable": unavailable, "results": [r.as_dict() for r in results]}

@@ -14,9 +14,10 @@ from typing import Any, Callable, Optional, Sequence
 from ratiokl._core import advantages as math
 from ratiokl.spec.advantages import (GROUP_SCALES, GROUP_STDS, SINGLETONS, WHITENINGS,
                                      check_choice)
+from ratiokl.spec.token_baselines import ALIGNS
 
-__all__ = ["gae", "gdpo", "gpg", "grpo", "grpo_passk", "opo", "reinforce_pp",
-           "reinforce_pp_baseline", "rloo", "spread"]
+__all__ = ["gae", "gdpo", "gpg", "grpo", "grpo_passk", "opo", "optimal_token_baseline",
+           "reinforce_pp", "reinforce_pp_baseline", "rloo", "spread"]
 
 
 def _array(xp, name: str, value: Any, shape, kind: str):
@@ -147,7 +148,8 @@ def gdpo(xp, scores, group_ids, *, group_size, valid, weights: Optional[Sequence
     bad = valid & ~xp.isfinite(total)
     lens = _lengths(xp, lengths, x.shape[0])
     lens = xp.as_float(xp.ones_like(total)) if lens is None else lens
-    out = math.whiten(xp, xp.where(bad, 0.0, total), xp.where(valid & ~bad, lens, 0.0), whiten)
+    out = math.whiten_groups(xp, xp.where(bad, 0.0, total), xp.where(valid & ~bad, lens, 0.0),
+                             whiten, seg)
     return xp.where(bad, float("nan"), out)
 
 
@@ -183,6 +185,28 @@ def reinforce_pp(xp, scan: Callable, rewards, mask, gamma, *, whiten):
     r, _, m = _token_inputs(xp, rewards, None, mask)
     returns, _ = scan(r, xp.zeros_like(xp.as_float(r)), m, gamma, 1.0)
     return math.whiten_tokens(xp, returns, m, whiten), returns
+
+
+def optimal_token_baseline(xp, scan: Callable, rewards, mask, old_logps, sum_pi_squared,
+                           group_ids, *, group_size, valid, is_weights, align, zero_tail,
+                           eps):
+    """``(advantages, returns)`` ``[B, T]``: verl's (TIR) optimal token baseline."""
+    check_choice("align", align, ALIGNS)
+    if not isinstance(zero_tail, bool):
+        raise ValueError(f"`zero_tail` must be True or False; got {zero_tail!r}")
+    _eps("eps", eps)
+    r, _, m = _token_inputs(xp, rewards, None, mask)
+    w = 1.0 - 2.0 * xp.exp(xp.as_float(_array(xp, "old_logps", old_logps, r.shape, "float")))
+    w = w + xp.as_float(_array(xp, "sum_pi_squared", sum_pi_squared, r.shape, "float"))
+    if is_weights is not None:
+        rho = xp.as_float(_array(xp, "is_weights", is_weights, r.shape, "float"))
+        w = w * rho * rho
+    rows = xp.sum(xp.as_float(r), axis=-1)  # a [B] array for the group checks
+    _, ok, seg = _inputs(xp, rows, group_ids, group_size, valid)
+    returns, _ = scan(r, xp.zeros_like(xp.as_float(r)), m, 1.0, 1.0)
+    adv = math.optimal_token_baseline(xp, returns, xp.where(m, w, 0.0), m, ok, seg, align,
+                                      zero_tail, float(eps))
+    return adv, returns
 
 
 def spread(xp, advantages, mask):

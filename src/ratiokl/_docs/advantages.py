@@ -264,6 +264,49 @@ Returns:
 
 References: Hu 2025 (REINFORCE++, arXiv:2501.03262).
 """,
+    "optimal_token_baseline": r"""verl's optimal token baseline: per step and group, weighted by path variance.
+
+.. math::
+
+    w_t = (1 - 2\pi_t + \textstyle\sum_v \pi_v^2)\,\rho_t^2, \quad
+    W_t = \sum_{j \le t} w_j, \quad
+    b_k = \frac{\sum_i G_{ik} W_{ik}}{\sum_i W_{ik} + \epsilon}, \quad
+    A_{ik} = G_{ik} - b_k
+
+over the unmasked tokens, with :math:`G` the return (the sum of the rewards from the token
+on), :math:`\pi_t = \exp(\text{old\_logp}_t)` and :math:`\rho` the rollout importance
+weights (1 without them); :math:`b_k` sums over the group's members that have a step
+:math:`k`. A step is the position (``align="position"``, verl's
+``optimal_token_baseline``) or the token's rank among its row's unmasked ones
+(``align="active"``, verl's ``tir_optimal_token_baseline``, for multi-turn masks with gaps;
+there a row with no unmasked token is no member). A group of one member has baseline 0.
+``zero_tail``: where one member alone is the longest, its baseline is 0 from the second
+longest member's length on (verl's ``handle_zero_tail``).
+
+Args:
+  rewards: float $array ``[B, T]``: token-level rewards.
+  mask: ``[B, T]`` bool (or 0/1) $array: the response tokens.
+  old_logps: float $array ``[B, T]``: the sampled tokens' log-probs under the policy
+    that generated them.
+  sum_pi_squared: float $array ``[B, T]``: :math:`\sum_v \pi_v^2` of that policy at each
+    token (verl's actor computes it with ``calculate_sum_pi_squared``).
+$groups
+  is_weights: float $array ``[B, T]``: rollout importance weights, or None.
+  align: ``"position"`` or ``"active"``.
+  zero_tail: bool (default True, as verl).
+  eps: added to the denominator (verl: ``1e-8``).
+  backend: $backends (the returns' scan).
+
+Returns:
+  ``(advantages, returns)``: float32 ``[...]`` = ``[B, T]`` each, 0 where masked and on
+  invalid samples' rows (the returns: 0 where masked).
+
+Works under $compiled; no gradient. NaN in an unmasked token of a member reaches its own
+group only.
+
+References: verl's ``compute_optimal_token_baseline_advantage`` (the optimal baseline
+:math:`b^* = E[G W] / E[W]` with the cumulative path variance :math:`W`).
+""",
     "spread": r"""Per-sequence advantages on the tokens: ``where(mask, advantages[:, None], 0)``.
 
 Args:

@@ -25,6 +25,10 @@ cases through the check-target protocol: an object with ``name``, ``supports(cal
 
 ``ratiokl check --target package.module:object`` does this for every case
 (``docs/check.md``); the trainers' own loss codes are in ``ratiokl.harness.targets``.
+
+The advantage estimators' fixtures (no logits, no gradient) have their own case type and
+run on the built-in targets: ``run_advantage_case(load_advantage_case(name), "jax-native")``
+for each name of ``list_advantage_cases()``.
 """
 
 from ratiokl.harness._cases import LOGIT_DTYPES, Case, build_case, round_to_dtype
@@ -42,8 +46,15 @@ from ratiokl.harness._builtin import BuiltinTarget, builtin_target
 from ratiokl.harness._ops import OPS, Op
 from ratiokl.harness._compare import Check, compare_close
 from ratiokl.harness._runner import CaseResult, judge, outcome_of, run_case
+from ratiokl.harness._advantages import (
+    AdvantageCase,
+    list_advantage_cases,
+    load_advantage_case,
+    run_advantage_case,
+)
 
 __all__ = [
+    "AdvantageCase",
     "FORMAT_VERSION",
     "LOGIT_DTYPES",
     "OPS",
@@ -64,12 +75,15 @@ __all__ = [
     "compare_close",
     "fixtures_root",
     "judge",
+    "list_advantage_cases",
     "list_cases",
+    "load_advantage_case",
     "load_case",
     "load_manifest",
     "load_target",
     "outcome_of",
     "round_to_dtype",
+    "run_advantage_case",
     "run_case",
     "target_status",
     "write_fixtures",

@@ -116,14 +116,6 @@ class _Jax:
         return jnp.zeros_like(values).at[order].set(values)
 
     @staticmethod
-    def segment_sum(values, segment, count: int):
-        return jax.ops.segment_sum(values, segment, num_segments=count)
-
-    @staticmethod
-    def segment_max(values, segment, count: int):
-        return jax.ops.segment_max(values, segment, num_segments=count)
-
-    @staticmethod
     def gather(table, index):
         """``table[index]`` along the first axis."""
         return table[index]

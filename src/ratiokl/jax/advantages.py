@@ -22,9 +22,10 @@ from ratiokl.jax._arrays import XP
 from ratiokl.jax._route import backend_name
 from ratiokl.spec import BackendName
 from ratiokl.spec.advantages import GroupScale, GroupStd, Singleton, Whitening
+from ratiokl.spec.token_baselines import Align
 
-__all__ = ["gae", "gdpo", "gpg", "grpo", "grpo_passk", "opo", "reinforce_pp",
-           "reinforce_pp_baseline", "rloo", "spread"]
+__all__ = ["gae", "gdpo", "gpg", "grpo", "grpo_passk", "opo", "optimal_token_baseline",
+           "reinforce_pp", "reinforce_pp_baseline", "rloo", "spread"]
 
 Array = jax.Array
 _documented = documented("jax")
@@ -124,6 +125,19 @@ def reinforce_pp(rewards: Array, mask: Array, gamma: float, *,
                  whiten: Whitening = "unbiased",
                  backend: BackendName = "auto") -> Tuple[Array, Array]:
     return _route.reinforce_pp(XP, _scan(backend), rewards, mask, gamma, whiten=whiten)
+
+
+@_documented
+def optimal_token_baseline(rewards: Array, mask: Array, old_logps: Array,
+                           sum_pi_squared: Array, group_ids: Optional[Array] = None, *,
+                           group_size: Optional[int] = None, valid: Optional[Array] = None,
+                           is_weights: Optional[Array] = None, align: Align = "position",
+                           zero_tail: bool = True, eps: float = 1e-8,
+                           backend: BackendName = "auto") -> Tuple[Array, Array]:
+    return _route.optimal_token_baseline(
+        XP, _scan(backend), rewards, mask, old_logps, sum_pi_squared, group_ids,
+        group_size=group_size, valid=valid, is_weights=is_weights, align=align,
+        zero_tail=zero_tail, eps=eps)
 
 
 @_documented

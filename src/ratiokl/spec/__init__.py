@@ -6,7 +6,7 @@ names are those of its modules, each listed once in that module's ``__all__``.
 
 from ratiokl.spec import (advantages, aggregation, kl, linear, loss_options, objective,
                           option_checks, options, policy_terms, ratio, reference, rollout,
-                          tolerances)
+                          token_baselines, tolerances)
 # Before the star imports: the package's ``policy_loss`` is then the function.
 from ratiokl.spec import policy_loss as _policy_loss
 from ratiokl.spec.advantages import *  # noqa: F401,F403
@@ -22,10 +22,12 @@ from ratiokl.spec.policy_terms import *  # noqa: F401,F403
 from ratiokl.spec.ratio import *  # noqa: F401,F403
 from ratiokl.spec.reference import *  # noqa: F401,F403
 from ratiokl.spec.rollout import *  # noqa: F401,F403
+from ratiokl.spec.token_baselines import *  # noqa: F401,F403
 from ratiokl.spec.tolerances import *  # noqa: F401,F403
 
 __all__ = [*advantages.__all__, *aggregation.__all__, *kl.__all__, *linear.__all__,
            *loss_options.__all__,
            *objective.__all__, *option_checks.__all__, *options.__all__,
            *_policy_loss.__all__, *policy_terms.__all__, *ratio.__all__,
-           *reference.__all__, *rollout.__all__, *tolerances.__all__]
+           *reference.__all__, *rollout.__all__, *token_baselines.__all__,
+           *tolerances.__all__]

@@ -125,15 +125,6 @@ class _Torch:
         return torch.empty_like(values).scatter_(0, order, values)
 
     @staticmethod
-    def segment_sum(values, segment, count: int):
-        return values.new_zeros(count).index_add_(0, segment, values)
-
-    @staticmethod
-    def segment_max(values, segment, count: int):
-        out = values.new_full((count,), -float("inf"))
-        return out.scatter_reduce_(0, segment, values, "amax", include_self=True)
-
-    @staticmethod
     def gather(table, index):
         """``table[index]`` along the first axis."""
         return table[index]

@@ -17,11 +17,12 @@ from ratiokl._core import advantages as _math
 from ratiokl._docs.advantages import documented
 from ratiokl.spec import BackendName
 from ratiokl.spec.advantages import GroupScale, GroupStd, Singleton, Whitening
+from ratiokl.spec.token_baselines import Align
 from ratiokl.torch._arrays import XP
 from ratiokl.torch._route import backend_name
 
-__all__ = ["gae", "gdpo", "gpg", "grpo", "grpo_passk", "opo", "reinforce_pp",
-           "reinforce_pp_baseline", "rloo", "spread"]
+__all__ = ["gae", "gdpo", "gpg", "grpo", "grpo_passk", "opo", "optimal_token_baseline",
+           "reinforce_pp", "reinforce_pp_baseline", "rloo", "spread"]
 
 Tensor = torch.Tensor
 _documented = documented("torch")
@@ -125,6 +126,20 @@ def reinforce_pp(rewards: Tensor, mask: Tensor, gamma: float, *,
                  backend: BackendName = "auto") -> Tuple[Tensor, Tensor]:
     with torch.no_grad():
         return _route.reinforce_pp(XP, _scan(backend), rewards, mask, gamma, whiten=whiten)
+
+
+@_documented
+def optimal_token_baseline(rewards: Tensor, mask: Tensor, old_logps: Tensor,
+                           sum_pi_squared: Tensor, group_ids: Optional[Tensor] = None, *,
+                           group_size: Optional[int] = None, valid: Optional[Tensor] = None,
+                           is_weights: Optional[Tensor] = None, align: Align = "position",
+                           zero_tail: bool = True, eps: float = 1e-8,
+                           backend: BackendName = "auto") -> Tuple[Tensor, Tensor]:
+    with torch.no_grad():
+        return _route.optimal_token_baseline(
+            XP, _scan(backend), rewards, mask, old_logps, sum_pi_squared, group_ids,
+            group_size=group_size, valid=valid, is_weights=is_weights, align=align,
+            zero_tail=zero_tail, eps=eps)
 
 
 @_documented

@@ -12,8 +12,9 @@ Not registered: ``gae`` (verl's trainer passes a registered estimator neither th
 nor ``gamma`` / ``lam`` apart from the config, so a plug-in cannot replace it: call
 :func:`ratiokl.torch.advantages.gae` where the trainer calls
 ``compute_gae_advantage_return``), ``remax`` (no group statistic: verl's own is already
-one vectorised line) and the optimal-token-baseline pair (they need the actor's
-``sum_pi_squared``; not built).
+one vectorised line) and the optimal-token-baseline pair (verl's trainer hands
+``sum_pi_squared`` and ``old_log_probs`` to its own two names only: call
+:func:`ratiokl.torch.advantages.optimal_token_baseline` where it calls them).
 """
 
 from __future__ import annotations
