@@ -164,6 +164,11 @@ CONFIGS = {
         {"loss_type": "dr_grpo", "beta": 0.1, "use_bias_correction_kl": False}, True, True),
     "dapo_clip_higher_delta": (
         {"loss_type": "dapo", "epsilon_high": 0.28, "delta": 1.5}, True, False),
+    # delta at or below the clip 1 + epsilon_high: TRL caps a positive advantage's ratio
+    # at delta and a negative one's at 1 + epsilon_high (the fourth sequence's ratios, about
+    # 1.06, sit on both sides of delta), and counts no high clip.
+    "dapo_delta_below_clip": ({"loss_type": "dapo", "epsilon_high": 0.1, "delta": 1.03},
+                              True, False),
     "cispo": ({"loss_type": "cispo", "epsilon_high": 1.2}, True, False),
     # LUSPO: the PPO term summed over each sequence, then the mean over sequences.
     "luspo_gspo": ({"loss_type": "luspo", "importance_sampling_level": "sequence",
@@ -178,6 +183,9 @@ CONFIGS = {
     "gspo_dapo_kl_delta": ({"loss_type": "dapo", "importance_sampling_level": "sequence",
                             "epsilon": 0.05, "epsilon_high": 0.01, "delta": 1.02,
                             "beta": 0.04, "use_bias_correction_kl": False}, True, True),
+    "gspo_grpo_delta_below_clip": ({"loss_type": "grpo", "importance_sampling_level":
+                                    "sequence", "epsilon": 0.05, "epsilon_high": 0.1,
+                                    "delta": 1.03}, True, False),
     "gspo_cispo": ({"loss_type": "cispo", "importance_sampling_level": "sequence",
                     "epsilon_high": 1.02}, True, False),
     # TRL's high-entropy token mask on the policy term, from the same pass's entropies.
@@ -501,7 +509,8 @@ def test_train_runs_and_logs(tiny, tmp_path, config):
     ({"entropy_coef": 0.01, "top_entropy_quantile": 0.5}, "entropy_coef"),
     ({"importance_sampling_level": "sequence", "beta": 0.04}, "use_bias_correction_kl"),
     ({"loss_type": "cispo", "epsilon_high": 0.28}, "epsilon_high"),
-    ({"epsilon_high": 0.28, "delta": 1.2}, "delta"),
+    ({"epsilon_high": 0.28, "delta": 0.9}, "delta"),
+    ({"epsilon_high": 0.0, "delta": 1.0}, "delta"),
 ])
 def test_refused_configurations_name_the_field(config, field):
     args = trl.GRPOConfig(output_dir="unused", report_to="none", use_cpu=True, **config)

@@ -83,9 +83,23 @@ def loss_options(args: Any) -> Dict[str, Any]:
                        "5.0) and must be above 1")
         options.update(objective="cispo", clip_eps=1.0, clip_eps_high=eps_high - 1.0)
     else:
-        if args.delta is not None and not args.delta > 1.0 + eps_high:
-            refuse_trl("delta", args.delta, f"TRL then caps the ratio of positive advantages "
-                       f"below the clip 1 + epsilon_high = {1.0 + eps_high}; ratiokl's "
-                       "ratio_cap is above it (INTELLECT-2's delta, e.g. 4.0)")
-        options.update(clip_eps=eps_low, clip_eps_high=eps_high, ratio_cap=args.delta)
+        options.update(_clip_options(eps_low, eps_high, args.delta))
     return options
+
+
+def _clip_options(eps_low: float, eps_high: float, delta: Any) -> Dict[str, Any]:
+    """TRL's PPO clip with ``delta``: ``-min(min(r, delta) A, clip(r, 1 - epsilon, 1 +
+    epsilon_high) A)``, whose ratio is capped at ``min(delta, 1 + epsilon_high)`` beside a
+    positive advantage and at ``max(delta, 1 + epsilon_high)`` beside a negative one.
+    ``delta > 1 + epsilon_high``: ratiokl's ``ratio_cap`` (the second cap); else the
+    first cap is the clip ``1 + clip_eps_high = delta`` and the second the dual clip
+    ``1 + epsilon_high``. Refused below 1 (ratiokl's ceiling is at least 1)."""
+    if delta is None or delta > 1.0 + eps_high:
+        return {"clip_eps": eps_low, "clip_eps_high": eps_high, "ratio_cap": delta}
+    if not delta >= 1.0 or eps_high == 0.0:
+        refuse_trl("delta", delta, "TRL then caps the ratio of positive advantages at "
+                   f"min(delta, 1 + epsilon_high) = {min(delta, 1.0 + eps_high)}, and "
+                   "ratiokl's clip ceiling 1 + clip_eps_high is above 1 (or equal to it with "
+                   "a dual clip above 1). Set delta >= 1 with epsilon_high > 0, or delta "
+                   "above 1 + epsilon_high (INTELLECT-2's delta, e.g. 4.0)")
+    return {"clip_eps": eps_low, "clip_eps_high": delta - 1.0, "dual_clip": 1.0 + eps_high}

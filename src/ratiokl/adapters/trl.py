@@ -35,7 +35,8 @@ gradient-accumulation steps in training, 1 in evaluation):
   num_processes * GA / steps_per_generation`` (in evaluation without the last factor).
 
 ``beta`` is ``kl_coef`` on TRL's k3 (``"k3-is"``, times the ratio, with
-``use_bias_correction_kl``), ``delta`` is ``ratio_cap``, CISPO's ratio cap
+``use_bias_correction_kl``), ``delta`` is ``ratio_cap`` (from 1 to ``1 +
+epsilon_high``: ``clip_eps_high = delta - 1`` and ``dual_clip = 1 + epsilon_high``), CISPO's ratio cap
 ``epsilon_high`` is ``clip_eps_high = epsilon_high - 1`` with ``clip_eps = 1``,
 ``importance_sampling_level`` is ``ratio_level``. TRL's high-entropy mask and
 off-policy sequence mask (its own ``get_high_entropy_mask`` and ``get_off_policy_mask``
@@ -56,7 +57,8 @@ Refused at construction with a ``ValueError`` naming the field (ratiokl would co
 something else): ``loss_type`` ``sapo`` or ``vespo``; an entropy bonus
 (``entropy_coef``, ``use_adaptive_entropy``) with ``top_entropy_quantile < 1`` (TRL
 averages it over the masked tokens); GSPO with a bias-corrected KL
-(``use_bias_correction_kl``, ``beta != 0``); ``delta <= 1 + epsilon_high``; an MoE
+(``use_bias_correction_kl``, ``beta != 0``); ``delta < 1`` (or 1 with ``epsilon_high =
+0``); an MoE
 router loss (``router_aux_loss_coef``); a non-positive logit scale or soft cap.
 Multimodal inputs are refused in the loss step.
 
