@@ -170,6 +170,10 @@ CONFIGS = {
     "dapo_delta_below_clip": ({"loss_type": "dapo", "epsilon_high": 0.1, "delta": 1.03},
                               True, False),
     "cispo": ({"loss_type": "cispo", "epsilon_high": 1.2}, True, False),
+    # CISPO's cap at or below 1: TRL's default epsilon_high (epsilon, 0.2) is a cap of 0.2.
+    "cispo_cap_below_one_kl": ({"loss_type": "cispo", "epsilon_high": 0.9, "beta": 0.04},
+                               True, True),
+    "cispo_default_cap_on_policy": ({"loss_type": "cispo"}, False, False),
     # LUSPO: the PPO term summed over each sequence, then the mean over sequences.
     "luspo_gspo": ({"loss_type": "luspo", "importance_sampling_level": "sequence",
                     "epsilon": 0.05}, True, False),
@@ -508,7 +512,7 @@ def test_train_runs_and_logs(tiny, tmp_path, config):
     ({"use_adaptive_entropy": True, "top_entropy_quantile": 0.5}, "use_adaptive_entropy"),
     ({"entropy_coef": 0.01, "top_entropy_quantile": 0.5}, "entropy_coef"),
     ({"importance_sampling_level": "sequence", "beta": 0.04}, "use_bias_correction_kl"),
-    ({"loss_type": "cispo", "epsilon_high": 0.28}, "epsilon_high"),
+    ({"loss_type": "cispo", "epsilon_high": 0.0}, "epsilon_high"),
     ({"epsilon_high": 0.28, "delta": 0.9}, "delta"),
     ({"epsilon_high": 0.0, "delta": 1.0}, "delta"),
 ])

@@ -60,7 +60,9 @@ POLICY_LOSS = r"""
         ``clip_eps``, ``clip_eps_high``, ``kl_coef`` and ``entropy_coef`` may be 0-d float
         $coefficients
       dual_clip: ``c > 1`` caps the loss of ``A < 0`` tokens at ``-A*c``; None: off.
-      ratio_cap: INTELLECT-2's ``delta > 1``, an upper cap on the ratio; None: off.
+      ratio_cap: INTELLECT-2's ``delta > 1``, an upper cap on the ratio; with
+        ``objective="cispo"`` the weight's ceiling, any number > 0 (TRL's ``epsilon_high``,
+        which may be below 1); None: off.
       kl_coef, kl_estimator: KL weight and variant: ``"k1"``, ``"k2"``, ``"k3"``,
         ``"k1+"``/``"k3+"`` (value of k1/k3, gradient of k2), ``"k3-is"`` (k3 times r).
       loss_agg: ``"token-mean"``, ``"token-sum"``, ``"seq-mean-token-mean"``,

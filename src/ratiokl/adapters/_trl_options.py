@@ -78,10 +78,12 @@ def loss_options(args: Any) -> Dict[str, Any]:
         **_entropy_options(args, loss_type, quantile),
     }
     if loss_type == "cispo":  # TRL: min(r, epsilon_high), detached, on logp; no floor
-        if not eps_high > 1.0:
-            refuse_trl("epsilon_high", eps_high, "CISPO's epsilon_high is the ratio's cap (e.g. "
-                       "5.0) and must be above 1")
+        if not eps_high > 0.0:
+            refuse_trl("epsilon_high", eps_high, "CISPO's epsilon_high is the cap of the "
+                       "ratio, a weight (e.g. 5.0), and ratiokl's ceiling is positive")
         options.update(objective="cispo", clip_eps=1.0, clip_eps_high=eps_high - 1.0)
+        if eps_high <= 1.0:  # a ceiling at or below 1 (e.g. TRL's default epsilon 0.2)
+            options.update(clip_eps_high=0.0, ratio_cap=eps_high)
     else:
         options.update(_clip_options(eps_low, eps_high, args.delta))
     return options

@@ -37,7 +37,8 @@ gradient-accumulation steps in training, 1 in evaluation):
 ``beta`` is ``kl_coef`` on TRL's k3 (``"k3-is"``, times the ratio, with
 ``use_bias_correction_kl``), ``delta`` is ``ratio_cap`` (from 1 to ``1 +
 epsilon_high``: ``clip_eps_high = delta - 1`` and ``dual_clip = 1 + epsilon_high``), CISPO's ratio cap
-``epsilon_high`` is ``clip_eps_high = epsilon_high - 1`` with ``clip_eps = 1``,
+``epsilon_high`` is ``clip_eps_high = epsilon_high - 1`` with ``clip_eps = 1`` (at or below
+1, ``ratio_cap = epsilon_high``),
 ``importance_sampling_level`` is ``ratio_level``. TRL's high-entropy mask and
 off-policy sequence mask (its own ``get_high_entropy_mask`` and ``get_off_policy_mask``
 on the entropies and log-probs of the same pass) and vLLM's ``importance_sampling_ratio``
@@ -58,7 +59,7 @@ something else): ``loss_type`` ``sapo`` or ``vespo``; an entropy bonus
 (``entropy_coef``, ``use_adaptive_entropy``) with ``top_entropy_quantile < 1`` (TRL
 averages it over the masked tokens); GSPO with a bias-corrected KL
 (``use_bias_correction_kl``, ``beta != 0``); ``delta < 1`` (or 1 with ``epsilon_high =
-0``); an MoE
+0``); ``cispo`` with ``epsilon_high <= 0``; an MoE
 router loss (``router_aux_loss_coef``); a non-positive logit scale or soft cap.
 Multimodal inputs are refused in the loss step.
 

@@ -135,7 +135,11 @@ def _policy_loss_options(clip_eps, clip_eps_high, dual_clip, ratio_cap, kl_coef,
     dual = _number("dual_clip", dual_clip, allow_none=True)
     _above("dual_clip", dual, 1.0, "the dual-clip constant c > 1; None turns it off")
     cap = _number("ratio_cap", ratio_cap, allow_none=True)
-    _above("ratio_cap", cap, 1.0, "INTELLECT-2's delta, e.g. 4.0; None turns it off")
+    if cispo:  # the weight's ceiling, which may be below 1 (TRL's epsilon_high <= 1)
+        _above("ratio_cap", cap, 0.0, "with objective=\"cispo\" the ceiling of the detached "
+               "weight, e.g. 5.0; None turns it off")
+    else:
+        _above("ratio_cap", cap, 1.0, "INTELLECT-2's delta, e.g. 4.0; None turns it off")
     if cap is not None and _is_array(eps_high):
         raise ValueError(
             "`ratio_cap` needs Python-number clip bounds (the ceiling is "
