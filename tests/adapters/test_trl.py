@@ -192,6 +192,16 @@ CONFIGS = {
                                     "delta": 1.03}, True, False),
     "gspo_cispo": ({"loss_type": "cispo", "importance_sampling_level": "sequence",
                     "epsilon_high": 1.02}, True, False),
+    # GSPO with TRL's bias-corrected KL (its default): k3 times the sequence ratio, which
+    # TRL differentiates, so each token's KL reaches every token of its sequence.
+    "gspo_grpo_bias_corrected_kl": ({"loss_type": "grpo", "importance_sampling_level":
+                                     "sequence", "epsilon": 0.05, "beta": 0.1}, True, True),
+    "gspo_bnpo_on_policy_bias_corrected_kl": ({"loss_type": "bnpo", "beta": 0.1,
+                                               "importance_sampling_level": "sequence"},
+                                              False, True),
+    "gspo_cispo_bias_corrected_kl": ({"loss_type": "cispo", "importance_sampling_level":
+                                      "sequence", "epsilon_high": 1.02, "beta": 0.1},
+                                     True, True),
     # TRL's high-entropy token mask on the policy term, from the same pass's entropies.
     "entropy_quantile_dapo_kl": ({"loss_type": "dapo", "top_entropy_quantile": 0.5,
                                   "beta": 0.04}, True, True),
@@ -277,6 +287,7 @@ def _per_token_advantages(batch, seed=1):
 @pytest.mark.parametrize("name", [
     "gspo_grpo", "gspo_dapo_kl_delta", "gspo_bnpo_on_policy", "luspo_gspo",
     "gspo_dr_grpo_entropy_bonus", "off_policy_mask_gspo_entropy_quantile", "gspo_cispo",
+    "gspo_grpo_bias_corrected_kl",
     "dapo_clip_higher_delta", "bnpo_off_policy_kl", "entropy_quantile_dapo_kl"])
 def test_per_token_advantages_match_trl(tiny, tmp_path, name):
     """Advantages ``[B, T]`` of both signs within a sequence, on every route. With GSPO's
@@ -511,7 +522,6 @@ def test_train_runs_and_logs(tiny, tmp_path, config):
     ({"loss_type": "vespo"}, "loss_type"),
     ({"use_adaptive_entropy": True, "top_entropy_quantile": 0.5}, "use_adaptive_entropy"),
     ({"entropy_coef": 0.01, "top_entropy_quantile": 0.5}, "entropy_coef"),
-    ({"importance_sampling_level": "sequence", "beta": 0.04}, "use_bias_correction_kl"),
     ({"loss_type": "cispo", "epsilon_high": 0.0}, "epsilon_high"),
     ({"epsilon_high": 0.28, "delta": 0.9}, "delta"),
     ({"epsilon_high": 0.0, "delta": 1.0}, "delta"),

@@ -63,11 +63,6 @@ def loss_options(args: Any) -> Dict[str, Any]:
         refuse_trl("importance_sampling_level", level, "TRL has 'token' and 'sequence'")
     quantile = float(getattr(args, "top_entropy_quantile", 1.0))
     bias_corrected = bool(getattr(args, "use_bias_correction_kl", False))
-    if level == "sequence" and args.beta != 0.0 and bias_corrected:
-        refuse_trl("use_bias_correction_kl", True, "with importance_sampling_level='sequence' "
-                   "TRL weighs each token's KL by the sequence ratio with its gradient on every "
-                   "token of the sequence; ratiokl's k3-is carries it to the token's own "
-                   "log-prob. Set use_bias_correction_kl=False (or beta=0)")
     eps_low = args.epsilon
     eps_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
     options: Dict[str, Any] = {

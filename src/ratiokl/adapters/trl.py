@@ -47,7 +47,8 @@ token). GSPO's PPO term, whose sequence ratio TRL differentiates (its gradient s
 over the sequence's tokens), with advantages ``[B]`` or ``[B, T]``, is two
 ``policy_objective`` calls on the per-sequence means of the positive and the negative
 parts of ``weights * advantages`` (``ratiokl.adapters._sequence_ratio``, which shows the
-equality). TRL's entropy bonus, a token mean whatever the ``loss_type``,
+equality); its bias-corrected KL, ``k3`` times the sequence ratio TRL differentiates, is
+``"k3-is"`` plus ``sequence_kl_spread`` (a term of value 0 there). TRL's entropy bonus, a token mean whatever the ``loss_type``,
 is ``entropy_coef`` with ``entropy_agg="token-mean"`` over
 ``kl_entropy_normalizer = max(active tokens, 1) * GA`` (for ``bnpo``, ``entropy_coef``
 alone); with ``use_adaptive_entropy`` the coefficient of each step is TRL's controller's
@@ -57,8 +58,7 @@ alone); with ``use_adaptive_entropy`` the coefficient of each step is TRL's cont
 Refused at construction with a ``ValueError`` naming the field (ratiokl would compute
 something else): ``loss_type`` ``sapo`` or ``vespo``; an entropy bonus
 (``entropy_coef``, ``use_adaptive_entropy``) with ``top_entropy_quantile < 1`` (TRL
-averages it over the masked tokens); GSPO with a bias-corrected KL
-(``use_bias_correction_kl``, ``beta != 0``); ``delta < 1`` (or 1 with ``epsilon_high =
+averages it over the masked tokens); ``delta < 1`` (or 1 with ``epsilon_high =
 0``); ``cispo`` with ``epsilon_high <= 0``; an MoE
 router loss (``router_aux_loss_coef``); a non-positive logit scale or soft cap.
 Multimodal inputs are refused in the loss step.
@@ -87,7 +87,10 @@ from ratiokl.adapters._trl_head import head_options, install_head  # noqa: E402
 from ratiokl.adapters._trl_bonus import after_step, applied_coef  # noqa: E402
 from ratiokl.adapters._trl_metrics import log_metrics, sequence_clips  # noqa: E402
 from ratiokl.adapters._trl_options import loss_options, refuse_trl  # noqa: E402
-from ratiokl.adapters._sequence_ratio import spread_objective  # noqa: E402
+from ratiokl.adapters._sequence_ratio import (  # noqa: E402
+    sequence_kl_spread,
+    spread_objective,
+)
 from ratiokl.spec import BACKENDS, BackendName, LogitsDtype  # noqa: E402
 from ratiokl.torch._route import backend_name  # noqa: E402
 from ratiokl.torch.loss import (  # noqa: E402
@@ -163,6 +166,8 @@ class GRPOTrainer(trl.GRPOTrainer):
             self._ratiokl_quantile >= 1.0 and self.off_policy_mask_threshold is None
         self._ratiokl_spread = options["ratio_level"] == "sequence" and \
             options.get("objective", "ppo") == "ppo"
+        self._ratiokl_kl_spread = options["ratio_level"] == "sequence" and \
+            options["kl_estimator"] == "k3-is" and options["kl_coef"] != 0.0
         is_peft = hasattr(self.model, "get_base_model")
         target = self.model.get_base_model() if is_peft else self.model
         self._ratiokl_head = {**head_options(target), "temperature": float(self.args.temperature),
@@ -221,6 +226,9 @@ class GRPOTrainer(trl.GRPOTrainer):
             loss, metrics = policy_objective(
                 logp, batch["old_logps"], batch["advantages"], mask, entropy=entropy,
                 importance_weights=weights, **common, **options)
+        if self._ratiokl_kl_spread:  # TRL's k3 * s also differentiates the sequence ratio
+            loss = loss + sequence_kl_spread(logp, batch["old_logps"], batch["ref_logps"], mask,
+                                             options, batch["normalizer"])
         return loss, metrics, logp.detach()
 
     def _policy_weights(self, logp: torch.Tensor, entropy: torch.Tensor,
