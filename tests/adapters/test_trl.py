@@ -221,6 +221,15 @@ CONFIGS = {
     "grpo_entropy_bonus_kl": ({"loss_type": "grpo", "entropy_coef": 0.05, "beta": 0.04},
                               True, True),
     "dapo_entropy_bonus_on_policy": ({"entropy_coef": -0.02}, False, False),
+    # With the high-entropy token mask TRL's bonus is a mean over those tokens only.
+    "entropy_quantile_bonus_dapo_kl": ({"top_entropy_quantile": 0.5, "entropy_coef": 0.05,
+                                        "beta": 0.04}, True, True),
+    "entropy_quantile_bonus_bnpo": ({"loss_type": "bnpo", "top_entropy_quantile": 0.5,
+                                     "entropy_coef": 0.05}, True, False),
+    "entropy_quantile_bonus_gspo_grpo": ({"loss_type": "grpo", "top_entropy_quantile": 0.5,
+                                          "importance_sampling_level": "sequence",
+                                          "epsilon": 0.05, "entropy_coef": 0.05},
+                                         True, False),
     "cispo_entropy_bonus": ({"loss_type": "cispo", "epsilon_high": 1.2,
                              "entropy_coef": 0.05}, True, False),
     "gspo_dr_grpo_entropy_bonus": ({"loss_type": "dr_grpo", "importance_sampling_level":
@@ -339,18 +348,21 @@ def test_advantages_of_shape_b_1_match_trl(tiny, tmp_path, name):
 _CONTROLLER = ("entropy_coef", "_last_world_entropy", "_entropy_window_stats")
 
 
-@pytest.mark.parametrize("loss_type, backend", [("bnpo", "native"), ("dapo", "native"),
-                                               ("bnpo", "interpret")])
+@pytest.mark.parametrize("loss_type, backend, quantile", [
+    ("bnpo", "native", 1.0), ("dapo", "native", 1.0), ("bnpo", "interpret", 1.0),
+    ("bnpo", "native", 0.5)])
 @pytest.mark.parametrize("entropy_target", [5.0, 1.0], ids=["below_target", "above_target"])
-def test_adaptive_entropy_controller_matches_trl(tiny, tmp_path, loss_type, backend,
+def test_adaptive_entropy_controller_matches_trl(tiny, tmp_path, loss_type, backend, quantile,
                                                  entropy_target):
     """``use_adaptive_entropy``: two optimizer steps of two micro-batches each. No bonus
     in the first window; then the coefficient moves up (entropy below the target, and
     the bonus applies) or down (above it: no bonus). Each micro-batch: TRL's step, the
     controller's state put back, the adapter's step; the loss, gradients, metrics and
-    the controller's state after it agree."""
+    the controller's state after it agree. With ``top_entropy_quantile < 1`` the bonus
+    and the controller read the high-entropy tokens only."""
     config = {"loss_type": loss_type, "use_adaptive_entropy": True, "entropy_coef": 0.05,
-              "entropy_coef_delta": 0.02, "entropy_target": entropy_target}
+              "entropy_coef_delta": 0.02, "entropy_target": entropy_target,
+              "top_entropy_quantile": quantile}
     if backend == "interpret":
         pytest.importorskip("triton")
     trainer = _trainer(tiny, tmp_path, backend=backend, **config)
@@ -520,8 +532,6 @@ def test_train_runs_and_logs(tiny, tmp_path, config):
 @pytest.mark.parametrize("config, field", [
     ({"loss_type": "sapo"}, "loss_type"),
     ({"loss_type": "vespo"}, "loss_type"),
-    ({"use_adaptive_entropy": True, "top_entropy_quantile": 0.5}, "use_adaptive_entropy"),
-    ({"entropy_coef": 0.01, "top_entropy_quantile": 0.5}, "entropy_coef"),
     ({"loss_type": "cispo", "epsilon_high": 0.0}, "epsilon_high"),
     ({"epsilon_high": 0.28, "delta": 0.9}, "delta"),
     ({"epsilon_high": 0.0, "delta": 1.0}, "delta"),

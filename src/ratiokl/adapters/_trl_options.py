@@ -31,17 +31,14 @@ def _entropy_options(args: Any, loss_type: str, quantile: float) -> Dict[str, An
     controller's value for the step: ``ratiokl.adapters._trl_bonus``): ratiokl's
     ``entropy_coef`` with ``entropy_agg="token-mean"`` over ``kl_entropy_normalizer =
     max(active tokens, 1) * GA`` (per step); for ``bnpo``, whose loss is that same token
-    mean, ``entropy_coef`` alone (the one-pass route). With ``top_entropy_quantile`` TRL
-    averages the bonus over the masked tokens only: refused."""
+    mean, ``entropy_coef`` alone (the one-pass route). With ``top_entropy_quantile < 1``
+    TRL averages the bonus over the high-entropy tokens only: the adapter passes the
+    entropy times that mask and their count as the normaliser (every ``loss_type``)."""
     coef = float(getattr(args, "entropy_coef", 0.0))
     adaptive = bool(getattr(args, "use_adaptive_entropy", False))
     if coef == 0.0 and not adaptive:
         return {"entropy_coef": 0.0}
-    if quantile < 1.0:
-        field, value = ("use_adaptive_entropy", True) if adaptive else ("entropy_coef", coef)
-        refuse_trl(field, value, "with top_entropy_quantile < 1 TRL's entropy bonus is a mean "
-                   "over the high-entropy tokens only, and ratiokl's over every active token")
-    if loss_type == "bnpo":
+    if loss_type == "bnpo" and quantile >= 1.0:
         return {"entropy_coef": coef}
     return {"entropy_coef": coef, "entropy_agg": "token-mean"}
 

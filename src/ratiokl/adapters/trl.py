@@ -52,13 +52,13 @@ equality); its bias-corrected KL, ``k3`` times the sequence ratio TRL differenti
 is ``entropy_coef`` with ``entropy_agg="token-mean"`` over
 ``kl_entropy_normalizer = max(active tokens, 1) * GA`` (for ``bnpo``, ``entropy_coef``
 alone); with ``use_adaptive_entropy`` the coefficient of each step is TRL's controller's
-(``_trl_bonus``, on TRL's own state). One difference: ratiokl bounds the log-ratio at
+(``_trl_bonus``, on TRL's own state); with ``top_entropy_quantile < 1`` the bonus is
+TRL's mean over the high-entropy tokens (the entropy times that mask, over their count).
+One difference: ratiokl bounds the log-ratio at
 ``+-20`` before ``exp`` (``log_ratio_bound``), TRL does not.
 
 Refused at construction with a ``ValueError`` naming the field (ratiokl would compute
-something else): ``loss_type`` ``sapo`` or ``vespo``; an entropy bonus
-(``entropy_coef``, ``use_adaptive_entropy``) with ``top_entropy_quantile < 1`` (TRL
-averages it over the masked tokens); ``delta < 1`` (or 1 with ``epsilon_high =
+something else): ``loss_type`` ``sapo`` or ``vespo``; ``delta < 1`` (or 1 with ``epsilon_high =
 0``); ``cispo`` with ``epsilon_high <= 0``; an MoE
 router loss (``router_aux_loss_coef``); a non-positive logit scale or soft cap.
 Multimodal inputs are refused in the loss step.
@@ -202,42 +202,58 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     def _loss_on_head(self, hidden: torch.Tensor, weight: torch.Tensor,
                       bias: Optional[torch.Tensor], batch: Dict[str, Any]):
-        """``(loss, metrics, logp)`` from the head: the fused route (``logp`` None) or the
-        two-pass one (``logp [B, T]`` detached, for the sequence-level clip metrics)."""
+        """``(loss, metrics, logp, bonus)`` from the head: the fused route (``logp`` None)
+        or the two-pass one (``logp [B, T]`` detached, for the sequence-level clip
+        metrics). ``bonus``: the entropy bonus's ``(mean entropy, tokens)`` where it
+        averages over the high-entropy tokens only, else None (every active token)."""
         options = {**self._ratiokl_options, "entropy_coef": batch["entropy_coef"]}
         head = self._ratiokl_head
         ids, mask, weights = batch["completion_ids"], batch["mask"], batch["weights"]
         common = dict(ref_logps=batch["ref_logps"], loss_normalizer=batch["normalizer"])
-        if "entropy_agg" in options:  # TRL's bonus: a token mean, over GA steps
-            common["kl_entropy_normalizer"] = batch["bonus_normalizer"]
+        bonus_on = "entropy_agg" in options  # TRL's bonus: a token mean, over GA steps
+        if bonus_on:
+            common["kl_entropy_normalizer"] = mask.sum().clamp(min=1).float() * batch["steps"]
         if self._ratiokl_fused:  # the token level: linear_policy_loss has no ratio_level
             fused = {k: v for k, v in options.items() if k != "ratio_level"}
             loss, metrics = linear_policy_loss(
                 hidden, weight, ids, mask, batch["old_logps"], batch["advantages"], bias=bias,
                 importance_weights=weights, **common, **fused, **head)
-            return loss, metrics, None
+            return loss, metrics, None, None
         logp, entropy = linear_selected_logprobs(hidden, weight, ids, mask, bias=bias,
                                                  return_entropy=True, **head)
-        weights = self._policy_weights(logp.detach(), entropy.detach(), batch)
+        high = None if self._ratiokl_quantile >= 1.0 else self.get_high_entropy_mask(
+            entropy.detach(), mask, 1.0 - self._ratiokl_quantile).float()
+        weights = self._policy_weights(logp.detach(), high, batch)
+        bonus, bonus_entropy = None, entropy
+        if bonus_on and high is not None:  # TRL's bonus: a mean over the high-entropy tokens
+            tokens = torch.where(mask, high, 0.0).sum()
+            bonus_entropy = entropy * high
+            common["kl_entropy_normalizer"] = tokens.clamp(min=1) * batch["steps"]
+            bonus = (torch.where(mask, bonus_entropy.detach(), 0.0).sum() / tokens.clamp(min=1),
+                     tokens)
         if self._ratiokl_spread:  # GSPO's PPO term: TRL differentiates the sequence ratio
             loss, metrics = spread_objective(logp, batch["old_logps"], batch["advantages"],
-                                             mask, weights, options, entropy=entropy, **common)
+                                             mask, weights, options, entropy=bonus_entropy,
+                                             **common)
         else:
             loss, metrics = policy_objective(
-                logp, batch["old_logps"], batch["advantages"], mask, entropy=entropy,
+                logp, batch["old_logps"], batch["advantages"], mask, entropy=bonus_entropy,
                 importance_weights=weights, **common, **options)
+        if bonus is not None:  # the logged entropy is every active token's
+            metrics = {**metrics, "entropy_mean": torch.where(
+                mask, entropy.detach(), 0.0).sum() / mask.sum().clamp(min=1)}
         if self._ratiokl_kl_spread:  # TRL's k3 * s also differentiates the sequence ratio
             loss = loss + sequence_kl_spread(logp, batch["old_logps"], batch["ref_logps"], mask,
                                              options, batch["normalizer"])
-        return loss, metrics, logp.detach()
+        return loss, metrics, logp.detach(), bonus
 
-    def _policy_weights(self, logp: torch.Tensor, entropy: torch.Tensor,
+    def _policy_weights(self, logp: torch.Tensor, high: Optional[torch.Tensor],
                         batch: Dict[str, Any]) -> Optional[torch.Tensor]:
         """The two-pass route's policy weights ``[B, T]`` (or None): what TRL multiplies
-        its policy term by, from this pass's log-probs and entropies through TRL's own
-        methods. vLLM's ratio, the off-policy mask (``get_off_policy_mask``: ``[B, 1]``,
-        or ``[B, T]`` with per-token advantages) and the high-entropy token mask
-        (``get_high_entropy_mask``)."""
+        its policy term by, from this pass's log-probs through TRL's own methods. vLLM's
+        ratio, the off-policy mask (``get_off_policy_mask``: ``[B, 1]``, or ``[B, T]``
+        with per-token advantages) and ``high``, the high-entropy token mask (TRL's
+        ``get_high_entropy_mask``, float ``[B, T]``) or None."""
         mask, weights = batch["mask"], batch["weights"]
         parts = [] if weights is None else [weights]
         if self.off_policy_mask_threshold is not None:
@@ -248,9 +264,8 @@ class GRPOTrainer(trl.GRPOTrainer):
                 adv.unsqueeze(1) if adv.dim() == 1 else adv, logp,
                 old if sampling is None else sampling, mask.float(),
                 self.off_policy_mask_threshold).expand(mask.shape))
-        if self._ratiokl_quantile < 1.0:
-            parts.append(self.get_high_entropy_mask(
-                entropy, mask, 1.0 - self._ratiokl_quantile).float())
+        if high is not None:
+            parts.append(high)
         if not parts:
             return None
         weights = parts[0]
@@ -282,19 +297,19 @@ class GRPOTrainer(trl.GRPOTrainer):
                  if self._ratiokl_options["kl_coef"] != 0.0 else None,
                  "normalizer": self._normalizer(mask, inputs, train),
                  "entropy_coef": self._bonus_coef(mask.device),
-                 "bonus_normalizer": mask.sum().clamp(min=1).float() * (
-                     self.current_gradient_accumulation_steps if train else 1)}
+                 "steps": self.current_gradient_accumulation_steps if train else 1}
 
         def loss_of(hidden, weight, bias):
             return self._loss_on_head(hidden, weight, bias, batch)
 
         with self.accelerator.autocast():
-            loss, metrics, logp = model(
+            loss, metrics, logp, bonus = model(
                 input_ids=input_ids, attention_mask=attention_mask, ratiokl_loss=loss_of,
                 ratiokl_tokens=completion_ids.size(1))
         mode = "train" if train else "eval"
         log_metrics(self, mode, metrics, mask, sequence_clips(self, logp, batch))
         if self._entropy_bonus_enabled:
-            after_step(self, mode, loss, metrics, mask.sum().float(), batch["entropy_coef"],
-                       train)
+            mean, tokens = (metrics["entropy_mean"], mask.sum().float()) if bonus is None \
+                else bonus
+            after_step(self, mode, loss, mean, tokens, batch["entropy_coef"], train)
         return loss
