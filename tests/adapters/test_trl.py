@@ -192,6 +192,14 @@ CONFIGS = {
                                     "delta": 1.03}, True, False),
     "gspo_cispo": ({"loss_type": "cispo", "importance_sampling_level": "sequence",
                     "epsilon_high": 1.02}, True, False),
+    # SAPO: a soft gate on the ratio (ratiokl's objective="sapo"), aggregated as grpo; at
+    # the sequence level TRL differentiates the sequence ratio, as for GSPO's PPO term.
+    "sapo_kl": ({"loss_type": "sapo", "beta": 0.04}, True, True),
+    "sapo_gspo_temperatures": ({"loss_type": "sapo", "importance_sampling_level": "sequence",
+                                "sapo_temperature_pos": 0.5, "sapo_temperature_neg": 2.0},
+                               True, False),
+    "sapo_on_policy_entropy_bonus": ({"loss_type": "sapo", "entropy_coef": 0.05},
+                                     False, False),
     # GSPO with TRL's bias-corrected KL (its default): k3 times the sequence ratio, which
     # TRL differentiates, so each token's KL reaches every token of its sequence.
     "gspo_grpo_bias_corrected_kl": ({"loss_type": "grpo", "importance_sampling_level":
@@ -258,7 +266,7 @@ def _assert_same_step(trainer, batch, config, ours=None, between=None):
         expected |= {"policy_loss"}
         if trainer.model.training and trainer.accelerator.sync_gradients:
             expected |= {"entropy_coef"}
-    if config.get("loss_type") != "cispo":
+    if config.get("loss_type") not in ("cispo", "sapo"):  # TRL logs no clip ratio for these
         expected |= {"clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"}
     assert expected <= set(got_logged), expected - set(got_logged)
     for key, value in got_logged.items():
@@ -296,7 +304,7 @@ def _per_token_advantages(batch, seed=1):
 @pytest.mark.parametrize("name", [
     "gspo_grpo", "gspo_dapo_kl_delta", "gspo_bnpo_on_policy", "luspo_gspo",
     "gspo_dr_grpo_entropy_bonus", "off_policy_mask_gspo_entropy_quantile", "gspo_cispo",
-    "gspo_grpo_bias_corrected_kl",
+    "gspo_grpo_bias_corrected_kl", "sapo_gspo_temperatures", "sapo_kl",
     "dapo_clip_higher_delta", "bnpo_off_policy_kl", "entropy_quantile_dapo_kl"])
 def test_per_token_advantages_match_trl(tiny, tmp_path, name):
     """Advantages ``[B, T]`` of both signs within a sequence, on every route. With GSPO's
@@ -530,7 +538,6 @@ def test_train_runs_and_logs(tiny, tmp_path, config):
 
 
 @pytest.mark.parametrize("config, field", [
-    ({"loss_type": "sapo"}, "loss_type"),
     ({"loss_type": "vespo"}, "loss_type"),
     ({"loss_type": "cispo", "epsilon_high": 0.0}, "epsilon_high"),
     ({"epsilon_high": 0.28, "delta": 0.9}, "delta"),

@@ -20,7 +20,7 @@ import torch
 __all__ = ["applied_coef", "after_step"]
 
 #: The loss types whose loss TRL logs per micro-batch, before dividing by ``GA``.
-_PER_MICRO_BATCH = ("grpo", "bnpo", "dr_grpo", "luspo")
+_PER_MICRO_BATCH = ("grpo", "bnpo", "dr_grpo", "luspo", "sapo")
 
 
 def applied_coef(trainer: Any) -> float:

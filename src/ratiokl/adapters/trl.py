@@ -27,7 +27,7 @@ construction (the table: docs/trainers.md, "TRL"). With the default
 (``old_logps=None``). Per ``loss_type`` (``B`` completions, ``GA`` the current
 gradient-accumulation steps in training, 1 in evaluation):
 
-- ``grpo``: ``seq-mean-token-mean``, ``loss_normalizer = B * GA``;
+- ``grpo`` and ``sapo``: ``seq-mean-token-mean``, ``loss_normalizer = B * GA``;
 - ``luspo``: ``seq-mean-token-sum``, ``loss_normalizer = B * GA``;
 - ``bnpo``: ``token-mean``, ``loss_normalizer = max(active tokens, 1) * GA``;
 - ``dr_grpo``: ``token-mean``, ``loss_normalizer = B * max_completion_length * GA``;
@@ -58,7 +58,7 @@ One difference: ratiokl bounds the log-ratio at
 ``+-20`` before ``exp`` (``log_ratio_bound``), TRL does not.
 
 Refused at construction with a ``ValueError`` naming the field (ratiokl would compute
-something else): ``loss_type`` ``sapo`` or ``vespo``; ``delta < 1`` (or 1 with ``epsilon_high =
+something else): ``loss_type="vespo"``; ``delta < 1`` (or 1 with ``epsilon_high =
 0``); ``cispo`` with ``epsilon_high <= 0``; an MoE
 router loss (``router_aux_loss_coef``); a non-positive logit scale or soft cap.
 Multimodal inputs are refused in the loss step.
@@ -165,7 +165,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         self._ratiokl_fused = options["ratio_level"] == "token" and \
             self._ratiokl_quantile >= 1.0 and self.off_policy_mask_threshold is None
         self._ratiokl_spread = options["ratio_level"] == "sequence" and \
-            options.get("objective", "ppo") == "ppo"
+            options.get("objective", "ppo") in ("ppo", "sapo")
         self._ratiokl_kl_spread = options["ratio_level"] == "sequence" and \
             options["kl_estimator"] == "k3-is" and options["kl_coef"] != 0.0
         is_peft = hasattr(self.model, "get_base_model")
@@ -181,7 +181,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         """The loss's denominator for TRL's ``loss_type`` (the module docstring)."""
         steps = self.current_gradient_accumulation_steps if train else 1
         loss_type = self.args.loss_type
-        if loss_type in ("grpo", "luspo"):
+        if loss_type in ("grpo", "luspo", "sapo"):
             return mask.shape[0] * steps
         if loss_type == "bnpo":
             return mask.sum().clamp(min=1).float() * steps
