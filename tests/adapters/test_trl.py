@@ -200,6 +200,16 @@ CONFIGS = {
                                True, False),
     "sapo_on_policy_entropy_bonus": ({"loss_type": "sapo", "entropy_coef": 0.05},
                                      False, False),
+    # VESPO: TRL's gamma weight of the sequence ratio (a product: the first two sequences'
+    # weights are far from 1) on CISPO's form; with the bias-corrected KL, the token ratio's.
+    "vespo_kl": ({"loss_type": "vespo", "beta": 0.04}, True, True),
+    "vespo_own_shape_entropy_bonus": ({"loss_type": "vespo", "vespo_k_pos": 1.0,
+                                       "vespo_lambda_pos": 1.5, "vespo_k_neg": 2.0,
+                                       "vespo_lambda_neg": 4.0, "entropy_coef": 0.05,
+                                       "top_entropy_quantile": 0.5}, True, False),
+    "vespo_on_policy_kl_no_bias_correction": ({"loss_type": "vespo", "beta": 0.04,
+                                               "use_bias_correction_kl": False},
+                                              False, True),
     # GSPO with TRL's bias-corrected KL (its default): k3 times the sequence ratio, which
     # TRL differentiates, so each token's KL reaches every token of its sequence.
     "gspo_grpo_bias_corrected_kl": ({"loss_type": "grpo", "importance_sampling_level":
@@ -266,7 +276,9 @@ def _assert_same_step(trainer, batch, config, ours=None, between=None):
         expected |= {"policy_loss"}
         if trainer.model.training and trainer.accelerator.sync_gradients:
             expected |= {"entropy_coef"}
-    if config.get("loss_type") not in ("cispo", "sapo"):  # TRL logs no clip ratio for these
+    if config.get("loss_type") == "vespo":
+        expected |= {"vespo/phi_seq_mean"}
+    elif config.get("loss_type") not in ("cispo", "sapo"):  # TRL logs no clip ratio for these
         expected |= {"clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"}
     assert expected <= set(got_logged), expected - set(got_logged)
     for key, value in got_logged.items():
@@ -451,13 +463,15 @@ def test_padded_positions_may_hold_nan_or_inf(tiny, tmp_path, name):
     {"loss_type": "dapo", "importance_sampling_level": "sequence", "epsilon": 0.05},
     {"loss_type": "cispo", "importance_sampling_level": "sequence", "epsilon_high": 1.02},
     {"loss_type": "dapo", "off_policy_mask_threshold": 0.1},
-], ids=["token", "gspo", "gspo_cispo", "off_policy_mask"])
+    {"loss_type": "vespo"},
+], ids=["token", "gspo", "gspo_cispo", "off_policy_mask", "vespo"])
 @pytest.mark.parametrize("ratio_shape", ["sequence", "token"])
 def test_vllm_importance_sampling_ratio_weighs_the_policy_term(tiny, tmp_path, config,
                                                                ratio_shape):
     """With vLLM's correction on, TRL multiplies the policy term by the batch's
     ``importance_sampling_ratio`` (``[B, 1]`` in its sequence modes, ``[B, T]`` in its
-    token modes, whatever ``importance_sampling_level``); so does the adapter. The
+    token modes, whatever ``importance_sampling_level``; VESPO folds it into its sequence
+    ratio instead); so does the adapter. The
     off-policy mask reads the engine's ``sampling_per_token_logps`` (here they put the
     fourth sequence, not the first, beyond the threshold)."""
     trainer = _trainer(tiny, tmp_path, **config)
@@ -468,6 +482,9 @@ def test_vllm_importance_sampling_ratio_weighs_the_policy_term(tiny, tmp_path, c
     ratio = torch.tensor([[0.5], [1.0], [2.0], [0.0]])
     if ratio_shape == "token":
         ratio = ratio + torch.linspace(0.0, 1.0, T)
+        if config.get("loss_type") == "vespo":  # TRL sums its log over every position:
+            # padded ones hold 1 (exp of a masked difference) in TRL's batches.
+            ratio = torch.where(batch["completion_mask"].bool(), ratio, 1.0)
     batch["importance_sampling_ratio"] = ratio
     batch["sampling_per_token_logps"] = batch["old_per_token_logps"] + torch.tensor(
         [-0.3, 0.0, 0.0, 0.3])[:, None]
@@ -538,7 +555,6 @@ def test_train_runs_and_logs(tiny, tmp_path, config):
 
 
 @pytest.mark.parametrize("config, field", [
-    ({"loss_type": "vespo"}, "loss_type"),
     ({"loss_type": "cispo", "epsilon_high": 0.0}, "epsilon_high"),
     ({"epsilon_high": 0.28, "delta": 0.9}, "delta"),
     ({"epsilon_high": 0.0, "delta": 1.0}, "delta"),

@@ -80,6 +80,15 @@ def log_metrics(trainer: Any, mode: str, metrics: Dict[str, torch.Tensor], mask:
             else:  # per token: the active ones
                 sums.append(torch.where(mask, clips[i], 0.0).sum())
                 counts.append(tokens)
+    if "vespo_phi" in metrics:  # TRL's mean of the gamma weight: per sequence, or token
+        phi = metrics["vespo_phi"].detach()
+        names.append("vespo/phi_seq_mean")
+        if phi.shape[-1] == 1:
+            sums.append(phi.sum())
+            counts.append(torch.tensor(float(mask.shape[0]), device=tokens.device))
+        else:
+            sums.append(torch.where(mask, phi, 0.0).sum())
+            counts.append(tokens)
     totals = trainer.accelerator.reduce(torch.stack(sums + counts), reduction="sum")
     for i, name in enumerate(names):
         mean = totals[i] / totals[len(names) + i].clamp(min=1.0)

@@ -16,7 +16,7 @@ __all__ = ["LOSS_AGG", "PPO_TYPES", "loss_options", "refuse_trl"]
 #: TRL ``loss_type`` -> ratiokl ``loss_agg`` (the denominators: ``GRPOTrainer._normalizer``).
 LOSS_AGG = {"grpo": "seq-mean-token-mean", "bnpo": "token-mean", "dr_grpo": "token-mean",
             "dapo": "token-mean", "cispo": "token-mean", "luspo": "seq-mean-token-sum",
-            "sapo": "seq-mean-token-mean"}
+            "sapo": "seq-mean-token-mean", "vespo": "token-mean"}
 #: The loss types whose clipped ratio TRL logs as ``clip_ratio/*``.
 PPO_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 
@@ -77,6 +77,8 @@ def loss_options(args: Any) -> Dict[str, Any]:
         options.update(objective="cispo", clip_eps=1.0, clip_eps_high=eps_high - 1.0)
         if eps_high <= 1.0:  # a ceiling at or below 1 (e.g. TRL's default epsilon 0.2)
             options.update(clip_eps_high=0.0, ratio_cap=eps_high)
+    elif loss_type == "vespo":  # TRL: -sg(phi) * A * logp; the adapter adds phi (trl.py)
+        options.update(objective="cispo", clip_eps=1.0, clip_eps_high=0.0)
     elif loss_type == "sapo":  # TRL: -A * 4 / tau * sigmoid(tau * (r - 1)); no clip, no delta
         options.update(objective="sapo", sapo_temperatures=(
             float(args.sapo_temperature_pos), float(args.sapo_temperature_neg)))
