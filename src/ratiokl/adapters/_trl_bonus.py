@@ -1,8 +1,9 @@
 """TRL's entropy bonus between steps: the coefficient a step applies, and what it logs.
 
 TRL 1.16 subtracts ``c * mean(H) / GA`` from each micro-batch's loss (the mean over its
-active tokens, or with ``top_entropy_quantile < 1`` its high-entropy ones). ``c`` is ``entropy_coef``, or with ``use_adaptive_entropy`` a controller
-(arXiv:2505.22312): ``c`` applies only while the previous optimizer step's entropy (the
+active tokens, or with ``top_entropy_quantile < 1`` its high-entropy ones). ``c`` is
+``entropy_coef``, or with ``use_adaptive_entropy`` a controller (arXiv:2505.22312): ``c``
+applies only while the previous optimizer step's entropy (the
 token mean over the accumulation window and every process) is at most
 ``entropy_target``, and after each optimizer step ``c`` moves by ``entropy_coef_delta``
 towards more bonus when that entropy is at most the target, less otherwise, within

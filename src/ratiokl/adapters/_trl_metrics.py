@@ -33,13 +33,14 @@ def _counts_high(trainer: Any) -> bool:
 
 def sequence_clips(trainer: Any, logp: Optional[torch.Tensor],
                    batch: Dict[str, Any]) -> Optional[List[torch.Tensor]]:
-    """GSPO's clip indicators (low, high, either), TRL's definition: ``r = exp(masked
-    mean of logp - old)`` per sequence, clipped where it leaves ``[1 - epsilon, 1 +
+    """GSPO's clip indicators (low, high, either), TRL's definition: ``r = exp(masked mean
+    of logp - old)`` per sequence, clipped where it leaves ``[1 - epsilon, 1 +
     epsilon_high]`` on the advantage's side (never high where ``delta``, which caps ``r``
-    first, is not above ``1 + epsilon_high``). Float ``[B]`` each (one per sequence) for advantages ``[B]`` or ``[B, 1]``;
-    float ``[B, T]`` for per-token advantages ``[B, T]``, whose indicators TRL averages
-    over the active tokens (:func:`log_metrics` counts each as it is shaped). None at
-    the token level or for ``cispo`` (``logp`` None: the one-pass route)."""
+    first, is not above ``1 + epsilon_high``). Float ``[B]`` each (one per sequence) for
+    advantages ``[B]`` or ``[B, 1]``; float ``[B, T]`` for per-token advantages ``[B, T]``,
+    whose indicators TRL averages over the active tokens (:func:`log_metrics` counts each
+    as it is shaped). None at the token level or for ``cispo`` (``logp`` None: the one-pass
+    route)."""
     options = trainer._ratiokl_options
     if logp is None or options["ratio_level"] != "sequence" \
             or trainer.args.loss_type not in PPO_TYPES:

@@ -48,6 +48,8 @@ def loss_options(args: Any) -> Dict[str, Any]:
     """The :func:`~ratiokl.torch.loss.policy_objective` options of a ``trl.GRPOConfig``
     (those fixed for the run; the denominator is per step, the entropy mask per batch).
 
+    ``vespo`` maps to CISPO's form, which the adapter runs on-policy with TRL's gamma
+    weight as ``importance_weights`` (``_trl_vespo``); ``sapo`` to ``objective="sapo"``.
     ``ratio_level`` is ``"token"`` or ``"sequence"`` (GSPO: TRL's
     ``exp(masked mean of the log-ratio)`` per sequence; ratiokl's GSPO-token form has its
     value and, with per-sequence advantages, its gradient). ``ValueError`` naming the field

@@ -35,8 +35,8 @@ gradient-accumulation steps in training, 1 in evaluation):
   num_processes * GA / steps_per_generation`` (in evaluation without the last factor).
 
 ``beta`` is ``kl_coef`` on TRL's k3 (``"k3-is"``, times the ratio, with
-``use_bias_correction_kl``), ``delta`` is ``ratio_cap`` (from 1 to ``1 +
-epsilon_high``: ``clip_eps_high = delta - 1`` and ``dual_clip = 1 + epsilon_high``), CISPO's ratio cap
+``use_bias_correction_kl``), ``delta`` is ``ratio_cap`` (from 1 to ``1 + epsilon_high``:
+``clip_eps_high = delta - 1`` and ``dual_clip = 1 + epsilon_high``), CISPO's ratio cap
 ``epsilon_high`` is ``clip_eps_high = epsilon_high - 1`` with ``clip_eps = 1`` (at or below
 1, ``ratio_cap = epsilon_high``),
 ``importance_sampling_level`` is ``ratio_level``. TRL's high-entropy mask and
@@ -48,13 +48,13 @@ over the sequence's tokens), with advantages ``[B]`` or ``[B, T]``, is two
 ``policy_objective`` calls on the per-sequence means of the positive and the negative
 parts of ``weights * advantages`` (``ratiokl.adapters._sequence_ratio``, which shows the
 equality); its bias-corrected KL, ``k3`` times the sequence ratio TRL differentiates, is
-``"k3-is"`` plus ``sequence_kl_spread`` (a term of value 0 there). SAPO is ``objective="sapo"`` (spread as GSPO's PPO term at
-the sequence level). VESPO, ``-sg(phi) * A * logp`` with ``phi`` TRL's own
-``get_gamma_weights`` of the sequence's product of ratios (vLLM's ratio folded in), is
-CISPO's form on-policy with ``phi`` as an importance weight (``_vespo_loss``; TRL sums
-vLLM's log-ratio over every position, padded ones holding 1 in its batches; the adapter
-reads the active ones). TRL's entropy bonus, a token mean whatever the ``loss_type``,
-is ``entropy_coef`` with ``entropy_agg="token-mean"`` over
+``"k3-is"`` plus ``sequence_kl_spread`` (a term of value 0 there). SAPO is
+``objective="sapo"`` (spread as GSPO's PPO term at the sequence level). VESPO, ``-sg(phi) *
+A * logp`` with ``phi`` TRL's own ``get_gamma_weights`` of the sequence's product of ratios
+(vLLM's ratio folded in), is CISPO's form on-policy with ``phi`` as an importance weight
+(``_trl_vespo``; TRL sums vLLM's log-ratio over every position, padded ones holding 1 in
+its batches; the adapter reads the active ones). TRL's entropy bonus, a token mean
+whatever the ``loss_type``, is ``entropy_coef`` with ``entropy_agg="token-mean"`` over
 ``kl_entropy_normalizer = max(active tokens, 1) * GA`` (for ``bnpo``, ``entropy_coef``
 alone); with ``use_adaptive_entropy`` the coefficient of each step is TRL's controller's
 (``_trl_bonus``, on TRL's own state); with ``top_entropy_quantile < 1`` the bonus is
@@ -63,16 +63,15 @@ One difference: ratiokl bounds the log-ratio at
 ``+-20`` before ``exp`` (``log_ratio_bound``), TRL does not.
 
 Refused at construction with a ``ValueError`` naming the field (ratiokl would compute
-something else): ``delta < 1`` (or 1 with ``epsilon_high =
-0``); ``cispo`` with ``epsilon_high <= 0``; an MoE
-router loss (``router_aux_loss_coef``); a non-positive logit scale or soft cap.
+something else): ``delta < 1`` (or 1 with ``epsilon_high = 0``); ``cispo`` with
+``epsilon_high <= 0``; an MoE router loss (``router_aux_loss_coef``); a non-positive logit scale or soft cap.
 Multimodal inputs are refused in the loss step.
 
 Logged (TRL's names and definitions, means over every process's active tokens, or
 sequences for GSPO's clip ratios): ``kl`` (with ``beta``), ``entropy``,
 ``clip_ratio/low_mean``, ``clip_ratio/high_mean``, ``clip_ratio/region_mean``;
-``vespo/phi_seq_mean``; with an entropy bonus ``policy_loss`` and ``entropy_coef``. Not logged: ``clip_ratio/low_min`` /
-``high_max`` and ``cispo_clip_ratio``.
+``vespo/phi_seq_mean``; with an entropy bonus ``policy_loss`` and ``entropy_coef``. Not
+logged: ``clip_ratio/low_min`` / ``high_max`` and ``cispo_clip_ratio``.
 """
 
 from __future__ import annotations
@@ -92,6 +91,7 @@ from ratiokl.adapters._trl_head import head_options, install_head  # noqa: E402
 from ratiokl.adapters._trl_bonus import after_step, applied_coef  # noqa: E402
 from ratiokl.adapters._trl_metrics import log_metrics, sequence_clips  # noqa: E402
 from ratiokl.adapters._trl_options import loss_options, refuse_trl  # noqa: E402
+from ratiokl.adapters._trl_vespo import vespo_loss  # noqa: E402
 from ratiokl.adapters._sequence_ratio import (  # noqa: E402
     sequence_kl_spread,
     spread_objective,
@@ -238,8 +238,8 @@ class GRPOTrainer(trl.GRPOTrainer):
             bonus = (torch.where(mask, bonus_entropy.detach(), 0.0).sum() / tokens.clamp(min=1),
                      tokens)
         if self._ratiokl_vespo:
-            loss, metrics = self._vespo_loss(logp, bonus_entropy, weights, batch, options,
-                                             common)
+            loss, metrics = vespo_loss(self, logp, bonus_entropy, weights, batch, options,
+                                       common)
         elif self._ratiokl_spread:  # GSPO's PPO term: TRL differentiates the sequence ratio
             loss, metrics = spread_objective(logp, batch["old_logps"], batch["advantages"],
                                              mask, weights, options, entropy=bonus_entropy,
@@ -255,41 +255,6 @@ class GRPOTrainer(trl.GRPOTrainer):
             loss = loss + sequence_kl_spread(logp, batch["old_logps"], batch["ref_logps"], mask,
                                              options, batch["normalizer"])
         return loss, metrics, logp.detach(), bonus
-
-    def _vespo_loss(self, logp: torch.Tensor, entropy: torch.Tensor,
-                    weights: Optional[torch.Tensor], batch: Dict[str, Any],
-                    options: Dict[str, Any], common: Dict[str, Any]):
-        """TRL's VESPO, ``-sg(phi) * A * logp`` with ``phi`` TRL's own gamma weight of the
-        sequence's importance ratio (``get_gamma_weights``, vLLM's ratio folded in, read on
-        active tokens): CISPO's form on-policy (its weight ``sg(1)``) with ``phi`` times
-        the masks as ``importance_weights``. TRL's bias-corrected KL weighs by the token
-        ratio: then the KL is a second call on the behaviour log-probs (its policy term 0).
-        ``metrics["vespo_phi"]``: ``phi`` for TRL's ``vespo/phi_seq_mean``."""
-        mask, old, args = batch["mask"], batch["old_logps"], self.args
-        detached = logp.detach()
-        log_ratio = torch.zeros_like(detached) if old is None else torch.where(
-            mask, detached - old, 0.0)
-        ratio = batch["vespo_ratio"]
-        adv = batch["advantages"]
-        phi = self.get_gamma_weights(
-            adv.unsqueeze(1) if adv.dim() == 1 else adv, log_ratio, mask.float(),
-            ratio if ratio is None or ratio.shape[-1] == 1 else torch.where(mask, ratio, 1.0),
-            k_pos=args.vespo_k_pos, lambda_pos=args.vespo_lambda_pos, k_neg=args.vespo_k_neg,
-            lambda_neg=args.vespo_lambda_neg)
-        weights = phi.expand(mask.shape) if weights is None else weights * phi
-        kl_apart = options["kl_coef"] != 0.0 and options["kl_estimator"] == "k3-is" \
-            and old is not None
-        policy = {**options, "kl_coef": 0.0} if kl_apart else options
-        loss, metrics = policy_objective(logp, None, adv, mask, entropy=entropy,
-                                         importance_weights=weights, **common, **policy)
-        if kl_apart:  # the ratio of k3-is is the token's own, off-policy
-            kl_options = {k: v for k, v in options.items()
-                          if k in ("kl_coef", "kl_estimator", "loss_agg", "ratio_level")}
-            kl, kl_metrics = policy_objective(
-                logp, old, torch.zeros_like(detached), mask, ref_logps=batch["ref_logps"],
-                loss_normalizer=batch["normalizer"], **kl_options)
-            loss, metrics = loss + kl, {**metrics, "kl_mean": kl_metrics["kl_mean"]}
-        return loss, {**metrics, "vespo_phi": phi}
 
     def _policy_weights(self, logp: torch.Tensor, high: Optional[torch.Tensor],
                         batch: Dict[str, Any]) -> Optional[torch.Tensor]:
