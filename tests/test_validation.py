@@ -122,8 +122,16 @@ def test_flattened_logits_with_unflattened_ids_name_action_ids(op):
 
 
 @pytest.mark.parametrize("options, match", [
-    ({"objective": "grpo"}, r"`objective` must be one of 'ppo', 'cispo'; got 'grpo'"),
+    ({"objective": "grpo"}, r"`objective` must be one of 'ppo', 'cispo', 'sapo'; got 'grpo'"),
+    ({"sapo_temperatures": (1.0, 1.0)}, r"`sapo_temperatures` has no meaning without"),
+    ({"objective": "sapo", "sapo_temperatures": (1.0, 0.0)},
+     r"`sapo_temperatures` must be > 0.0"),
+    ({"objective": "sapo", "sapo_temperatures": 1.0}, r"`sapo_temperatures` must be a pair"),
+    ({"objective": "sapo", "dual_clip": 3.0}, r"`dual_clip` / `ratio_cap` have no meaning"),
     ({"objective": "cispo", "dual_clip": 3.0}, r"`dual_clip` has no meaning with objective"),
+    # CISPO's ceiling may be below 1 (TRL's epsilon_high <= 1), PPO's ratio cap may not.
+    ({"objective": "cispo", "ratio_cap": 0.0}, r"`ratio_cap` must be > 0.0 \(with objective"),
+    ({"ratio_cap": 0.8}, r"`ratio_cap` must be > 1.0 \(INTELLECT-2"),
 ])
 def test_bad_objective_options_are_rejected_in_both_frameworks(options, match):
     from ratiokl.torch import loss as torch_loss

@@ -79,9 +79,10 @@ def inplace_grad_error(sequence_ratio: bool, compiling: bool = False,
     """The error for ``policy_loss(inplace_grad=True)`` where the two-pass route runs: it
     writes the gradient as a new array, so the opt-in cannot apply; says where it works.
     ``fuses``: the options' ``PolicyLossOptions.fuses`` (False: ``kl_agg`` / ``entropy_agg``
-    / ``kl_clamp`` took the two-pass route)."""
+    / ``kl_clamp`` / ``objective="sapo"`` took the two-pass route)."""
     why = ('`ratio_level="sequence"` (GSPO) takes the two-pass route' if sequence_ratio
-           else "`kl_agg` / `entropy_agg` / `kl_clamp` take the two-pass route" if not fuses
+           else "`kl_agg` / `entropy_agg` / `kl_clamp` / objective='sapo' take the two-pass "
+                "route" if not fuses
            else "torch.compile plans the gradient's buffer itself" if compiling
            else "this backend has no one-kernel policy loss (backend 'native', or "
                 "vocabulary-sharded logits)")
@@ -89,5 +90,6 @@ def inplace_grad_error(sequence_ratio: bool, compiling: bool = False,
         f"`inplace_grad=True` cannot apply here: {why}. It writes the gradient into the "
         "logits' buffer on the one-kernel policy loss only: backend 'triton' (or 'auto' on "
         "a GPU, or 'interpret'), ratio_level='token', no kl_agg / entropy_agg / kl_clamp, "
+        "objective 'ppo' or 'cispo', "
         "logits not vocabulary-sharded, and in "
         "PyTorch outside torch.compile; pass inplace_grad=False here")

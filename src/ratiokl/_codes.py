@@ -32,6 +32,7 @@ class Objective(IntEnum):
 
     PPO = 0  # the clipped surrogate -A * clip(r) * iw
     CISPO = 1  # -sg(clip(r)) * A * iw * logp (MiniMax-M1)
+    SAPO = 2  # -A * iw * 4 / tau * sigmoid(tau * (r - 1)) (Qwen's soft gate)
 
 
 class Denominator(IntEnum):

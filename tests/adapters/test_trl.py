@@ -164,7 +164,16 @@ CONFIGS = {
         {"loss_type": "dr_grpo", "beta": 0.1, "use_bias_correction_kl": False}, True, True),
     "dapo_clip_higher_delta": (
         {"loss_type": "dapo", "epsilon_high": 0.28, "delta": 1.5}, True, False),
+    # delta at or below the clip 1 + epsilon_high: TRL caps a positive advantage's ratio
+    # at delta and a negative one's at 1 + epsilon_high (the fourth sequence's ratios, about
+    # 1.06, sit on both sides of delta), and counts no high clip.
+    "dapo_delta_below_clip": ({"loss_type": "dapo", "epsilon_high": 0.1, "delta": 1.03},
+                              True, False),
     "cispo": ({"loss_type": "cispo", "epsilon_high": 1.2}, True, False),
+    # CISPO's cap at or below 1: TRL's default epsilon_high (epsilon, 0.2) is a cap of 0.2.
+    "cispo_cap_below_one_kl": ({"loss_type": "cispo", "epsilon_high": 0.9, "beta": 0.04},
+                               True, True),
+    "cispo_default_cap_on_policy": ({"loss_type": "cispo"}, False, False),
     # LUSPO: the PPO term summed over each sequence, then the mean over sequences.
     "luspo_gspo": ({"loss_type": "luspo", "importance_sampling_level": "sequence",
                     "epsilon": 0.05}, True, False),
@@ -178,8 +187,39 @@ CONFIGS = {
     "gspo_dapo_kl_delta": ({"loss_type": "dapo", "importance_sampling_level": "sequence",
                             "epsilon": 0.05, "epsilon_high": 0.01, "delta": 1.02,
                             "beta": 0.04, "use_bias_correction_kl": False}, True, True),
+    "gspo_grpo_delta_below_clip": ({"loss_type": "grpo", "importance_sampling_level":
+                                    "sequence", "epsilon": 0.05, "epsilon_high": 0.1,
+                                    "delta": 1.03}, True, False),
     "gspo_cispo": ({"loss_type": "cispo", "importance_sampling_level": "sequence",
                     "epsilon_high": 1.02}, True, False),
+    # SAPO: a soft gate on the ratio (ratiokl's objective="sapo"), aggregated as grpo; at
+    # the sequence level TRL differentiates the sequence ratio, as for GSPO's PPO term.
+    "sapo_kl": ({"loss_type": "sapo", "beta": 0.04}, True, True),
+    "sapo_gspo_temperatures": ({"loss_type": "sapo", "importance_sampling_level": "sequence",
+                                "sapo_temperature_pos": 0.5, "sapo_temperature_neg": 2.0},
+                               True, False),
+    "sapo_on_policy_entropy_bonus": ({"loss_type": "sapo", "entropy_coef": 0.05},
+                                     False, False),
+    # VESPO: TRL's gamma weight of the sequence ratio (a product: the first two sequences'
+    # weights are far from 1) on CISPO's form; with the bias-corrected KL, the token ratio's.
+    "vespo_kl": ({"loss_type": "vespo", "beta": 0.04}, True, True),
+    "vespo_own_shape_entropy_bonus": ({"loss_type": "vespo", "vespo_k_pos": 1.0,
+                                       "vespo_lambda_pos": 1.5, "vespo_k_neg": 2.0,
+                                       "vespo_lambda_neg": 4.0, "entropy_coef": 0.05,
+                                       "top_entropy_quantile": 0.5}, True, False),
+    "vespo_on_policy_kl_no_bias_correction": ({"loss_type": "vespo", "beta": 0.04,
+                                               "use_bias_correction_kl": False},
+                                              False, True),
+    # GSPO with TRL's bias-corrected KL (its default): k3 times the sequence ratio, which
+    # TRL differentiates, so each token's KL reaches every token of its sequence.
+    "gspo_grpo_bias_corrected_kl": ({"loss_type": "grpo", "importance_sampling_level":
+                                     "sequence", "epsilon": 0.05, "beta": 0.1}, True, True),
+    "gspo_bnpo_on_policy_bias_corrected_kl": ({"loss_type": "bnpo", "beta": 0.1,
+                                               "importance_sampling_level": "sequence"},
+                                              False, True),
+    "gspo_cispo_bias_corrected_kl": ({"loss_type": "cispo", "importance_sampling_level":
+                                      "sequence", "epsilon_high": 1.02, "beta": 0.1},
+                                     True, True),
     # TRL's high-entropy token mask on the policy term, from the same pass's entropies.
     "entropy_quantile_dapo_kl": ({"loss_type": "dapo", "top_entropy_quantile": 0.5,
                                   "beta": 0.04}, True, True),
@@ -199,6 +239,15 @@ CONFIGS = {
     "grpo_entropy_bonus_kl": ({"loss_type": "grpo", "entropy_coef": 0.05, "beta": 0.04},
                               True, True),
     "dapo_entropy_bonus_on_policy": ({"entropy_coef": -0.02}, False, False),
+    # With the high-entropy token mask TRL's bonus is a mean over those tokens only.
+    "entropy_quantile_bonus_dapo_kl": ({"top_entropy_quantile": 0.5, "entropy_coef": 0.05,
+                                        "beta": 0.04}, True, True),
+    "entropy_quantile_bonus_bnpo": ({"loss_type": "bnpo", "top_entropy_quantile": 0.5,
+                                     "entropy_coef": 0.05}, True, False),
+    "entropy_quantile_bonus_gspo_grpo": ({"loss_type": "grpo", "top_entropy_quantile": 0.5,
+                                          "importance_sampling_level": "sequence",
+                                          "epsilon": 0.05, "entropy_coef": 0.05},
+                                         True, False),
     "cispo_entropy_bonus": ({"loss_type": "cispo", "epsilon_high": 1.2,
                              "entropy_coef": 0.05}, True, False),
     "gspo_dr_grpo_entropy_bonus": ({"loss_type": "dr_grpo", "importance_sampling_level":
@@ -227,7 +276,9 @@ def _assert_same_step(trainer, batch, config, ours=None, between=None):
         expected |= {"policy_loss"}
         if trainer.model.training and trainer.accelerator.sync_gradients:
             expected |= {"entropy_coef"}
-    if config.get("loss_type") != "cispo":
+    if config.get("loss_type") == "vespo":
+        expected |= {"vespo/phi_seq_mean"}
+    elif config.get("loss_type") not in ("cispo", "sapo"):  # TRL logs no clip ratio for these
         expected |= {"clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"}
     assert expected <= set(got_logged), expected - set(got_logged)
     for key, value in got_logged.items():
@@ -265,6 +316,7 @@ def _per_token_advantages(batch, seed=1):
 @pytest.mark.parametrize("name", [
     "gspo_grpo", "gspo_dapo_kl_delta", "gspo_bnpo_on_policy", "luspo_gspo",
     "gspo_dr_grpo_entropy_bonus", "off_policy_mask_gspo_entropy_quantile", "gspo_cispo",
+    "gspo_grpo_bias_corrected_kl", "sapo_gspo_temperatures", "sapo_kl",
     "dapo_clip_higher_delta", "bnpo_off_policy_kl", "entropy_quantile_dapo_kl"])
 def test_per_token_advantages_match_trl(tiny, tmp_path, name):
     """Advantages ``[B, T]`` of both signs within a sequence, on every route. With GSPO's
@@ -316,18 +368,21 @@ def test_advantages_of_shape_b_1_match_trl(tiny, tmp_path, name):
 _CONTROLLER = ("entropy_coef", "_last_world_entropy", "_entropy_window_stats")
 
 
-@pytest.mark.parametrize("loss_type, backend", [("bnpo", "native"), ("dapo", "native"),
-                                               ("bnpo", "interpret")])
+@pytest.mark.parametrize("loss_type, backend, quantile", [
+    ("bnpo", "native", 1.0), ("dapo", "native", 1.0), ("bnpo", "interpret", 1.0),
+    ("bnpo", "native", 0.5)])
 @pytest.mark.parametrize("entropy_target", [5.0, 1.0], ids=["below_target", "above_target"])
-def test_adaptive_entropy_controller_matches_trl(tiny, tmp_path, loss_type, backend,
+def test_adaptive_entropy_controller_matches_trl(tiny, tmp_path, loss_type, backend, quantile,
                                                  entropy_target):
     """``use_adaptive_entropy``: two optimizer steps of two micro-batches each. No bonus
     in the first window; then the coefficient moves up (entropy below the target, and
     the bonus applies) or down (above it: no bonus). Each micro-batch: TRL's step, the
     controller's state put back, the adapter's step; the loss, gradients, metrics and
-    the controller's state after it agree."""
+    the controller's state after it agree. With ``top_entropy_quantile < 1`` the bonus
+    and the controller read the high-entropy tokens only."""
     config = {"loss_type": loss_type, "use_adaptive_entropy": True, "entropy_coef": 0.05,
-              "entropy_coef_delta": 0.02, "entropy_target": entropy_target}
+              "entropy_coef_delta": 0.02, "entropy_target": entropy_target,
+              "top_entropy_quantile": quantile}
     if backend == "interpret":
         pytest.importorskip("triton")
     trainer = _trainer(tiny, tmp_path, backend=backend, **config)
@@ -408,13 +463,15 @@ def test_padded_positions_may_hold_nan_or_inf(tiny, tmp_path, name):
     {"loss_type": "dapo", "importance_sampling_level": "sequence", "epsilon": 0.05},
     {"loss_type": "cispo", "importance_sampling_level": "sequence", "epsilon_high": 1.02},
     {"loss_type": "dapo", "off_policy_mask_threshold": 0.1},
-], ids=["token", "gspo", "gspo_cispo", "off_policy_mask"])
+    {"loss_type": "vespo"},
+], ids=["token", "gspo", "gspo_cispo", "off_policy_mask", "vespo"])
 @pytest.mark.parametrize("ratio_shape", ["sequence", "token"])
 def test_vllm_importance_sampling_ratio_weighs_the_policy_term(tiny, tmp_path, config,
                                                                ratio_shape):
     """With vLLM's correction on, TRL multiplies the policy term by the batch's
     ``importance_sampling_ratio`` (``[B, 1]`` in its sequence modes, ``[B, T]`` in its
-    token modes, whatever ``importance_sampling_level``); so does the adapter. The
+    token modes, whatever ``importance_sampling_level``; VESPO folds it into its sequence
+    ratio instead); so does the adapter. The
     off-policy mask reads the engine's ``sampling_per_token_logps`` (here they put the
     fourth sequence, not the first, beyond the threshold)."""
     trainer = _trainer(tiny, tmp_path, **config)
@@ -425,6 +482,9 @@ def test_vllm_importance_sampling_ratio_weighs_the_policy_term(tiny, tmp_path, c
     ratio = torch.tensor([[0.5], [1.0], [2.0], [0.0]])
     if ratio_shape == "token":
         ratio = ratio + torch.linspace(0.0, 1.0, T)
+        if config.get("loss_type") == "vespo":  # TRL sums its log over every position:
+            # padded ones hold 1 (exp of a masked difference) in TRL's batches.
+            ratio = torch.where(batch["completion_mask"].bool(), ratio, 1.0)
     batch["importance_sampling_ratio"] = ratio
     batch["sampling_per_token_logps"] = batch["old_per_token_logps"] + torch.tensor(
         [-0.3, 0.0, 0.0, 0.3])[:, None]
@@ -495,13 +555,9 @@ def test_train_runs_and_logs(tiny, tmp_path, config):
 
 
 @pytest.mark.parametrize("config, field", [
-    ({"loss_type": "sapo"}, "loss_type"),
-    ({"loss_type": "vespo"}, "loss_type"),
-    ({"use_adaptive_entropy": True, "top_entropy_quantile": 0.5}, "use_adaptive_entropy"),
-    ({"entropy_coef": 0.01, "top_entropy_quantile": 0.5}, "entropy_coef"),
-    ({"importance_sampling_level": "sequence", "beta": 0.04}, "use_bias_correction_kl"),
-    ({"loss_type": "cispo", "epsilon_high": 0.28}, "epsilon_high"),
-    ({"epsilon_high": 0.28, "delta": 1.2}, "delta"),
+    ({"loss_type": "cispo", "epsilon_high": 0.0}, "epsilon_high"),
+    ({"epsilon_high": 0.28, "delta": 0.9}, "delta"),
+    ({"epsilon_high": 0.0, "delta": 1.0}, "delta"),
 ])
 def test_refused_configurations_name_the_field(config, field):
     args = trl.GRPOConfig(output_dir="unused", report_to="none", use_cpu=True, **config)

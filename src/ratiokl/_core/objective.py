@@ -114,6 +114,16 @@ def _cispo_weight(xp, ratio, opts: PolicyLossOptions):
     return xp.stop_gradient(weight), low, high, xp.zeros_like(high)
 
 
+def _sapo_gate(xp, ratio, adv, opts: PolicyLossOptions):
+    """SAPO's soft gate ``4 / tau * sigmoid(tau * (r - 1))`` (``tau`` by the sign of ``A``;
+    its slope in ``r`` is 1 at ``r = 1``), and its (never) clip indicators."""
+    tau = xp.where(adv > 0, opts.sapo_tau[0], opts.sapo_tau[1])
+    # r >= 0, so the exponent is at most tau: no overflow.
+    gate = 4.0 / tau / (1.0 + xp.exp(tau * (1.0 - ratio)))
+    never = xp.zeros_like(adv > 0)
+    return gate, never, never, never
+
+
 def _with(xp, total, coef, term, uses: bool):
     """``total + coef * term``; a coefficient that is the number 0 adds nothing (``uses``
     False: the term is only logged, and ``0 * inf`` would be NaN), an array one that holds
@@ -216,6 +226,9 @@ def policy_objective(xp, logp, logp_ref: Optional[Any], mask, inputs,
     if opts.cispo:  # the gradient goes through logp only, on every active token
         q, low, high, capped = _cispo_weight(xp, ratio, opts)
         per_token = -adv * q * logp
+    elif opts.sapo:  # a smooth gate in place of the clip: every token keeps a gradient
+        q, low, high, capped = _sapo_gate(xp, ratio, adv, opts)
+        per_token = -adv * q
     else:
         q, low, high, capped = _clipped_ratio(xp, ratio, adv, opts)
         per_token = -adv * q

@@ -218,7 +218,7 @@ def linear_loss_step(xp, rows, weight, bias, transform, chunk_rows: int, ref_log
     Three routes: the backend without a fused linear loss (``"native"``) materialises every
     row's logits (``xp.head_logits``, inactive rows' hidden states zeroed) and takes
     :func:`loss_step`; ``sharded`` (vocab-parallel), ``loss_agg="none"`` and the options
-    the fused chunks lack (``kl_agg``, ``entropy_agg``, ``kl_clamp``) take two passes:
+    the fused chunks lack (``kl_agg``, ``entropy_agg``, ``kl_clamp``, SAPO) take two passes:
     the backend's chunked log-probs and entropies, then ``objective.objective_rows`` (with
     ``"none"`` the per-token loss's upstream gradient is ``[...]`` and ``d weight`` sums
     every row's share, so it cannot be scaled after the fact as the fused chunks' scalar

@@ -60,7 +60,9 @@ POLICY_LOSS = r"""
         ``clip_eps``, ``clip_eps_high``, ``kl_coef`` and ``entropy_coef`` may be 0-d float
         $coefficients
       dual_clip: ``c > 1`` caps the loss of ``A < 0`` tokens at ``-A*c``; None: off.
-      ratio_cap: INTELLECT-2's ``delta > 1``, an upper cap on the ratio; None: off.
+      ratio_cap: INTELLECT-2's ``delta > 1``, an upper cap on the ratio; with
+        ``objective="cispo"`` the weight's ceiling, any number > 0 (TRL's ``epsilon_high``,
+        which may be below 1); None: off.
       kl_coef, kl_estimator: KL weight and variant: ``"k1"``, ``"k2"``, ``"k3"``,
         ``"k1+"``/``"k3+"`` (value of k1/k3, gradient of k2), ``"k3-is"`` (k3 times r).
       loss_agg: ``"token-mean"``, ``"token-sum"``, ``"seq-mean-token-mean"``,
@@ -70,9 +72,16 @@ POLICY_LOSS = r"""
       loss_normalizer: replaces the aggregation's denominator (a global token or
         sequence count, or a constant): a positive number or a 0-d $array.
       ratio_level: ``"token"`` or ``"sequence"`` (GSPO).
-      objective: ``"ppo"`` (the clipped surrogate above) or ``"cispo"`` (clipped
-        importance-sampling weight on the log-prob); composes with every ``loss_agg``,
-        KL variant and ``ratio_level`` (``"sequence"``: the weight clips ``s``).
+      objective: ``"ppo"`` (the clipped surrogate above), ``"cispo"`` (clipped
+        importance-sampling weight on the log-prob) or ``"sapo"`` (SAPO's soft gate in
+        place of the clip: ``pg = -A * 4 / tau * sigmoid(tau * (r - 1))``, whose slope in
+        ``r`` is 1 at ``r = 1``; the clip options, but for ``dual_clip`` / ``ratio_cap``,
+        which it rejects, are unused and its clip fractions 0; takes the two-pass route);
+        composes with every ``loss_agg``, KL variant and ``ratio_level`` (``"sequence"``:
+        the weight clips, or the gate reads, ``s``).
+      sapo_temperatures: ``objective="sapo"``'s ``(tau for A > 0, tau for A <= 0)``, two
+        numbers > 0 (TRL's ``sapo_temperature_pos`` / ``_neg``); None: ``(1.0, 1.05)``,
+        the paper's. A ``ValueError`` with another objective.
       entropy_coef: weight of the entropy bonus ``-entropy_coef * H`` in each token's
         loss, aggregated by the same ``loss_agg`` (verl's ``entropy_coeff``): any finite
         number (> 0 rewards entropy, < 0 penalises it) or a 0-d float $array (a schedule:

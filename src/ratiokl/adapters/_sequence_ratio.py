@@ -21,6 +21,14 @@ gives every token the gradient :math:`-a\,(P / L)\, q_+'(s)\, s`: the trainers' 
 :func:`~ratiokl.torch.loss.policy_objective`, one per side (the KL and the entropy
 terms, per token in both trainers, in the first only). :func:`clip_indicators` are the
 trainers' clip counts on the advantages as given.
+
+TRL's bias-corrected KL (``use_bias_correction_kl``) weighs each token's k3 by the same
+differentiated :math:`s`: :math:`a\, s\, k_t`, whose gradient on token :math:`u` is
+:math:`a\, s\, k_u' + a\, (s / L) \sum_t k_t`. ratiokl's ``"k3-is"`` at the sequence level
+has the value and the first part, and :math:`a\, s\, k_u` for the second.
+:func:`sequence_kl_spread` adds the difference, :math:`a\, s\, (\bar k - k_u)` on token
+:math:`u`, with value 0: the gradient of a CISPO term (weight :math:`\mathrm{sg}(s)`, never
+clipped) with the advantage :math:`c_\mathrm{KL} (k_u - \bar k)`, minus its own value.
 """
 
 from __future__ import annotations
@@ -29,9 +37,12 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
+import math
+
+from ratiokl.spec import DEFAULT_LOG_RATIO_BOUND
 from ratiokl.torch.loss import policy_objective
 
-__all__ = ["clip_indicators", "split_advantages", "spread_objective"]
+__all__ = ["clip_indicators", "sequence_kl_spread", "split_advantages", "spread_objective"]
 
 #: Options that belong to the KL and entropy terms (the first call's only).
 _TERM_OPTIONS = ("kl_agg", "entropy_agg", "kl_entropy_normalizer", "kl_clamp")
@@ -76,6 +87,26 @@ def spread_objective(logps: torch.Tensor, old_logps: Optional[torch.Tensor],
     other, _ = policy_objective(logps, old_logps, negative, mask,
                                 loss_normalizer=inputs.get("loss_normalizer"), **policy_only)
     return loss + other, metrics
+
+
+def sequence_kl_spread(logps: torch.Tensor, old_logps: Optional[torch.Tensor],
+                       ref_logps: torch.Tensor, mask: torch.Tensor, options: Dict[str, Any],
+                       loss_normalizer: Any) -> torch.Tensor:
+    """The 0-valued term that turns ``policy_objective``'s ``kl_estimator="k3-is"`` at
+    ``ratio_level="sequence"`` (``options``: ``kl_coef``, ``loss_agg``) into TRL's
+    ``k3 * s`` with ``s`` differentiated (the module docstring): ``[B, T]`` inputs, rows
+    the sequences; ``old_logps`` None: on-policy."""
+    detached = logps.detach()
+    k3, _ = policy_objective(detached, old_logps, torch.zeros_like(detached), mask,
+                             ref_logps=ref_logps, kl_coef=1.0, kl_estimator="k3",
+                             loss_agg="none")  # each active token's k3, 0 elsewhere
+    mean = k3.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+    never = math.exp(DEFAULT_LOG_RATIO_BOUND)  # above any bounded ratio: no clip
+    term, _ = policy_objective(
+        logps, old_logps, options["kl_coef"] * (k3 - mean), mask, objective="cispo",
+        clip_eps=1.0, clip_eps_high=never, ratio_level="sequence",
+        loss_agg=options["loss_agg"], loss_normalizer=loss_normalizer)
+    return term - term.detach()
 
 
 def clip_indicators(logps: torch.Tensor, old_logps: Optional[torch.Tensor],

@@ -1,8 +1,9 @@
 """TRL's entropy bonus between steps: the coefficient a step applies, and what it logs.
 
 TRL 1.16 subtracts ``c * mean(H) / GA`` from each micro-batch's loss (the mean over its
-active tokens). ``c`` is ``entropy_coef``, or with ``use_adaptive_entropy`` a controller
-(arXiv:2505.22312): ``c`` applies only while the previous optimizer step's entropy (the
+active tokens, or with ``top_entropy_quantile < 1`` its high-entropy ones). ``c`` is
+``entropy_coef``, or with ``use_adaptive_entropy`` a controller (arXiv:2505.22312): ``c``
+applies only while the previous optimizer step's entropy (the
 token mean over the accumulation window and every process) is at most
 ``entropy_target``, and after each optimizer step ``c`` moves by ``entropy_coef_delta``
 towards more bonus when that entropy is at most the target, less otherwise, within
@@ -13,14 +14,14 @@ checkpoints save and restore.
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any
 
 import torch
 
 __all__ = ["applied_coef", "after_step"]
 
 #: The loss types whose loss TRL logs per micro-batch, before dividing by ``GA``.
-_PER_MICRO_BATCH = ("grpo", "bnpo", "dr_grpo", "luspo")
+_PER_MICRO_BATCH = ("grpo", "bnpo", "dr_grpo", "luspo", "sapo")
 
 
 def applied_coef(trainer: Any) -> float:
@@ -55,19 +56,20 @@ def _update_controller(trainer: Any, entropy_sum: torch.Tensor, tokens: torch.Te
     trainer._entropy_window_stats = None
 
 
-def after_step(trainer: Any, mode: str, loss: torch.Tensor, metrics: Dict[str, torch.Tensor],
+def after_step(trainer: Any, mode: str, loss: torch.Tensor, entropy: torch.Tensor,
                tokens: torch.Tensor, coef: float, train: bool) -> None:
-    """After a micro-batch with the bonus ``coef`` (``tokens``: its active tokens): log
-    ``policy_loss`` (the loss without the bonus, times ``GA`` for the loss types TRL logs
-    per micro-batch; gathered, NaN-mean), move the adaptive controller (training only),
-    and at each optimizer step in training log ``entropy_coef``."""
+    """After a micro-batch with the bonus ``coef`` on the mean ``entropy`` of its
+    ``tokens`` (the active ones, or with ``top_entropy_quantile < 1`` the high-entropy
+    ones): log ``policy_loss`` (the loss without the bonus, times ``GA`` for the loss types
+    TRL logs per micro-batch; gathered, NaN-mean), move the adaptive controller (training
+    only), and at each optimizer step in training log ``entropy_coef``."""
     steps = trainer.current_gradient_accumulation_steps if train else 1
-    policy = loss.detach() + coef * metrics["entropy_mean"] / steps
+    policy = loss.detach() + coef * entropy / steps
     if trainer.args.loss_type in _PER_MICRO_BATCH:
         policy = policy * steps
     trainer._metrics[mode]["policy_loss"].append(
         trainer.accelerator.gather(policy).nanmean().item())
     if trainer.use_adaptive_entropy and train:
-        _update_controller(trainer, metrics["entropy_mean"] * tokens, tokens)
+        _update_controller(trainer, entropy * tokens, tokens)
     if train and trainer.accelerator.sync_gradients:
         trainer._metrics[mode]["entropy_coef"].append(trainer.entropy_coef)

@@ -15,7 +15,8 @@ __all__ = ["LOSS_AGG", "PPO_TYPES", "loss_options", "refuse_trl"]
 
 #: TRL ``loss_type`` -> ratiokl ``loss_agg`` (the denominators: ``GRPOTrainer._normalizer``).
 LOSS_AGG = {"grpo": "seq-mean-token-mean", "bnpo": "token-mean", "dr_grpo": "token-mean",
-            "dapo": "token-mean", "cispo": "token-mean", "luspo": "seq-mean-token-sum"}
+            "dapo": "token-mean", "cispo": "token-mean", "luspo": "seq-mean-token-sum",
+            "sapo": "seq-mean-token-mean", "vespo": "token-mean"}
 #: The loss types whose clipped ratio TRL logs as ``clip_ratio/*``.
 PPO_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 
@@ -31,17 +32,14 @@ def _entropy_options(args: Any, loss_type: str, quantile: float) -> Dict[str, An
     controller's value for the step: ``ratiokl.adapters._trl_bonus``): ratiokl's
     ``entropy_coef`` with ``entropy_agg="token-mean"`` over ``kl_entropy_normalizer =
     max(active tokens, 1) * GA`` (per step); for ``bnpo``, whose loss is that same token
-    mean, ``entropy_coef`` alone (the one-pass route). With ``top_entropy_quantile`` TRL
-    averages the bonus over the masked tokens only: refused."""
+    mean, ``entropy_coef`` alone (the one-pass route). With ``top_entropy_quantile < 1``
+    TRL averages the bonus over the high-entropy tokens only: the adapter passes the
+    entropy times that mask and their count as the normaliser (every ``loss_type``)."""
     coef = float(getattr(args, "entropy_coef", 0.0))
     adaptive = bool(getattr(args, "use_adaptive_entropy", False))
     if coef == 0.0 and not adaptive:
         return {"entropy_coef": 0.0}
-    if quantile < 1.0:
-        field, value = ("use_adaptive_entropy", True) if adaptive else ("entropy_coef", coef)
-        refuse_trl(field, value, "with top_entropy_quantile < 1 TRL's entropy bonus is a mean "
-                   "over the high-entropy tokens only, and ratiokl's over every active token")
-    if loss_type == "bnpo":
+    if loss_type == "bnpo" and quantile >= 1.0:
         return {"entropy_coef": coef}
     return {"entropy_coef": coef, "entropy_agg": "token-mean"}
 
@@ -50,6 +48,8 @@ def loss_options(args: Any) -> Dict[str, Any]:
     """The :func:`~ratiokl.torch.loss.policy_objective` options of a ``trl.GRPOConfig``
     (those fixed for the run; the denominator is per step, the entropy mask per batch).
 
+    ``vespo`` maps to CISPO's form, which the adapter runs on-policy with TRL's gamma
+    weight as ``importance_weights`` (``_trl_vespo``); ``sapo`` to ``objective="sapo"``.
     ``ratio_level`` is ``"token"`` or ``"sequence"`` (GSPO: TRL's
     ``exp(masked mean of the log-ratio)`` per sequence; ratiokl's GSPO-token form has its
     value and, with per-sequence advantages, its gradient). ``ValueError`` naming the field
@@ -63,11 +63,6 @@ def loss_options(args: Any) -> Dict[str, Any]:
         refuse_trl("importance_sampling_level", level, "TRL has 'token' and 'sequence'")
     quantile = float(getattr(args, "top_entropy_quantile", 1.0))
     bias_corrected = bool(getattr(args, "use_bias_correction_kl", False))
-    if level == "sequence" and args.beta != 0.0 and bias_corrected:
-        refuse_trl("use_bias_correction_kl", True, "with importance_sampling_level='sequence' "
-                   "TRL weighs each token's KL by the sequence ratio with its gradient on every "
-                   "token of the sequence; ratiokl's k3-is carries it to the token's own "
-                   "log-prob. Set use_bias_correction_kl=False (or beta=0)")
     eps_low = args.epsilon
     eps_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
     options: Dict[str, Any] = {
@@ -78,14 +73,35 @@ def loss_options(args: Any) -> Dict[str, Any]:
         **_entropy_options(args, loss_type, quantile),
     }
     if loss_type == "cispo":  # TRL: min(r, epsilon_high), detached, on logp; no floor
-        if not eps_high > 1.0:
-            refuse_trl("epsilon_high", eps_high, "CISPO's epsilon_high is the ratio's cap (e.g. "
-                       "5.0) and must be above 1")
+        if not eps_high > 0.0:
+            refuse_trl("epsilon_high", eps_high, "CISPO's epsilon_high is the cap of the "
+                       "ratio, a weight (e.g. 5.0), and ratiokl's ceiling is positive")
         options.update(objective="cispo", clip_eps=1.0, clip_eps_high=eps_high - 1.0)
+        if eps_high <= 1.0:  # a ceiling at or below 1 (e.g. TRL's default epsilon 0.2)
+            options.update(clip_eps_high=0.0, ratio_cap=eps_high)
+    elif loss_type == "vespo":  # TRL: -sg(phi) * A * logp; the adapter adds phi (trl.py)
+        options.update(objective="cispo", clip_eps=1.0, clip_eps_high=0.0)
+    elif loss_type == "sapo":  # TRL: -A * 4 / tau * sigmoid(tau * (r - 1)); no clip, no delta
+        options.update(objective="sapo", sapo_temperatures=(
+            float(args.sapo_temperature_pos), float(args.sapo_temperature_neg)))
     else:
-        if args.delta is not None and not args.delta > 1.0 + eps_high:
-            refuse_trl("delta", args.delta, f"TRL then caps the ratio of positive advantages "
-                       f"below the clip 1 + epsilon_high = {1.0 + eps_high}; ratiokl's "
-                       "ratio_cap is above it (INTELLECT-2's delta, e.g. 4.0)")
-        options.update(clip_eps=eps_low, clip_eps_high=eps_high, ratio_cap=args.delta)
+        options.update(_clip_options(eps_low, eps_high, args.delta))
     return options
+
+
+def _clip_options(eps_low: float, eps_high: float, delta: Any) -> Dict[str, Any]:
+    """TRL's PPO clip with ``delta``: ``-min(min(r, delta) A, clip(r, 1 - epsilon, 1 +
+    epsilon_high) A)``, whose ratio is capped at ``min(delta, 1 + epsilon_high)`` beside a
+    positive advantage and at ``max(delta, 1 + epsilon_high)`` beside a negative one.
+    ``delta > 1 + epsilon_high``: ratiokl's ``ratio_cap`` (the second cap); else the
+    first cap is the clip ``1 + clip_eps_high = delta`` and the second the dual clip
+    ``1 + epsilon_high``. Refused below 1 (ratiokl's ceiling is at least 1)."""
+    if delta is None or delta > 1.0 + eps_high:
+        return {"clip_eps": eps_low, "clip_eps_high": eps_high, "ratio_cap": delta}
+    if not delta >= 1.0 or eps_high == 0.0:
+        refuse_trl("delta", delta, "TRL then caps the ratio of positive advantages at "
+                   f"min(delta, 1 + epsilon_high) = {min(delta, 1.0 + eps_high)}, and "
+                   "ratiokl's clip ceiling 1 + clip_eps_high is above 1 (or equal to it with "
+                   "a dual clip above 1). Set delta >= 1 with epsilon_high > 0, or delta "
+                   "above 1 + epsilon_high (INTELLECT-2's delta, e.g. 4.0)")
+    return {"clip_eps": eps_low, "clip_eps_high": delta - 1.0, "dual_clip": 1.0 + eps_high}

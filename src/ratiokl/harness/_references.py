@@ -67,7 +67,7 @@ POLICY_KW = (
     "ref_logps", "clip_eps", "clip_eps_high", "dual_clip", "ratio_cap", "kl_coef",
     "kl_estimator", "loss_agg", "loss_normalizer", "ratio_level", "segment_ids",
     "importance_weights", "log_ratio_bound", "temperature", "objective", "entropy_coef",
-    "kl_agg", "entropy_agg", "kl_entropy_normalizer", "kl_clamp",
+    "kl_agg", "entropy_agg", "kl_entropy_normalizer", "kl_clamp", "sapo_temperatures",
 )
 POLICY_METRICS = (
     "clip_fraction", "clip_fraction_low", "clip_fraction_high", "dual_clip_fraction",

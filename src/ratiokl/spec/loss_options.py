@@ -42,6 +42,7 @@ class PolicyLossOptions:
     kl_agg_code: Optional[int] = None  # TERM_AGGS: the KL term aggregated apart; None: loss_agg's
     entropy_agg_code: Optional[int] = None  # the same for the entropy term
     kl_clamp: Optional[float] = None  # the KL estimator's value clamped to [-c, c]; None: not
+    sapo_tau: Tuple[float, float] = (1.0, 1.0)  # SAPO's temperatures (A > 0, A <= 0)
 
     @property
     def kl_agg(self) -> Optional[LossAgg]:
@@ -62,14 +63,19 @@ class PolicyLossOptions:
     def fuses(self) -> bool:
         """Whether the fused policy-loss kernels express these options: not with a term
         aggregated apart (the kernels weigh each row's whole loss by one weight) nor with
-        ``kl_clamp``; those calls take the two-pass route (the backend's log-probs and
-        entropies, then ``ratiokl._core.objective``)."""
-        return not self.split_terms and self.kl_clamp is None
+        ``kl_clamp``, nor SAPO's soft gate; those calls take the two-pass route (the
+        backend's log-probs and entropies, then ``ratiokl._core.objective``)."""
+        return not self.split_terms and self.kl_clamp is None and not self.sapo
 
     @property
     def cispo(self) -> bool:
         """Whether the policy term is CISPO's ``-sg(clip(r)) * A * logp``."""
         return self.objective_code == ObjectiveCode.CISPO
+
+    @property
+    def sapo(self) -> bool:
+        """Whether the policy term is SAPO's ``-A * 4 / tau * sigmoid(tau * (r - 1))``."""
+        return self.objective_code == ObjectiveCode.SAPO
 
     @property
     def uses_kl(self) -> bool:

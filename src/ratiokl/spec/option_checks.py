@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Optional
+from typing import Optional, Tuple
 
 from ratiokl._codes import Objective as ObjectiveCode
 from ratiokl.spec.loss_options import PolicyLossOptions
-from ratiokl.spec.options import (LOSS_AGGS, OBJECTIVES, POLICY_KL_ESTIMATORS, RATIO_LEVELS,
-                                  TERM_AGGS, Coefficient, option_code)
+from ratiokl.spec.options import (DEFAULT_SAPO_TEMPERATURES, LOSS_AGGS, OBJECTIVES,
+                                  POLICY_KL_ESTIMATORS, RATIO_LEVELS, TERM_AGGS, Coefficient,
+                                  option_code)
 
 __all__ = ["check_bool_option", "policy_loss_options"]
 
@@ -94,6 +95,7 @@ def policy_loss_options(
     kl_agg: Optional[str] = None,
     entropy_agg: Optional[str] = None,
     kl_clamp: Optional[float] = None,
+    sapo_temperatures: Optional[Tuple[float, float]] = None,
     cached: bool = True,
 ) -> PolicyLossOptions:
     """Check ``policy_loss``'s scalar options; errors name the argument and the fix.
@@ -102,12 +104,14 @@ def policy_loss_options(
     floating arrays (their values are then the caller's responsibility: reading them would
     synchronise). ``kl_agg`` / ``entropy_agg`` (``TERM_AGGS`` names or None) aggregate
     the KL / entropy term apart (not with ``loss_agg="none"``); ``kl_clamp`` (a number > 0
-    or None) clamps the KL value. With ``cached``, calls with Python values only are
+    or None) clamps the KL value; ``sapo_temperatures`` (two numbers > 0, or None: the
+    defaults) are ``objective="sapo"``'s. With ``cached``, calls with Python values only are
     cached: a step pays the checks once per distinct option set (a tracer such as
     ``torch.compile``, which sees through caches, passes False).
     """
     args = (clip_eps, clip_eps_high, dual_clip, ratio_cap, kl_coef, kl_estimator, loss_agg,
-            ratio_level, log_ratio_bound, objective, entropy_coef, kl_agg, entropy_agg, kl_clamp)
+            ratio_level, log_ratio_bound, objective, entropy_coef, kl_agg, entropy_agg, kl_clamp,
+            sapo_temperatures)
     # Python values only (their exact types: a subclass takes the checks every call):
     # the cache. One C-level pass, no Python call per value (host time per call).
     if cached and all(map(_SCALAR_TYPES.__contains__, map(type, args))):
@@ -118,9 +122,15 @@ def policy_loss_options(
 def _policy_loss_options(clip_eps, clip_eps_high, dual_clip, ratio_cap, kl_coef,
                          kl_estimator, loss_agg, ratio_level,
                          log_ratio_bound, objective, entropy_coef, kl_agg=None,
-                         entropy_agg=None, kl_clamp=None) -> PolicyLossOptions:
+                         entropy_agg=None, kl_clamp=None,
+                         sapo_temperatures=None) -> PolicyLossOptions:
     objective_code = option_code("objective", objective, OBJECTIVES)
     cispo = objective_code == ObjectiveCode.CISPO
+    sapo_tau = _sapo_temperatures(sapo_temperatures, objective_code == ObjectiveCode.SAPO)
+    if objective_code == ObjectiveCode.SAPO and (dual_clip is not None or ratio_cap is not None):
+        raise ValueError(
+            "`dual_clip` / `ratio_cap` have no meaning with objective=\"sapo\" (its soft gate "
+            "replaces the clip); pass dual_clip=None and ratio_cap=None")
     eps_low = _coefficient("clip_eps", clip_eps)
     # CISPO's weight may have no floor (clip_eps = 1, MiniMax-M1's setting); PPO's may not.
     if not _is_array(eps_low) and not (0.0 <= eps_low < 1.0 or (cispo and eps_low == 1.0)):
@@ -135,7 +145,11 @@ def _policy_loss_options(clip_eps, clip_eps_high, dual_clip, ratio_cap, kl_coef,
     dual = _number("dual_clip", dual_clip, allow_none=True)
     _above("dual_clip", dual, 1.0, "the dual-clip constant c > 1; None turns it off")
     cap = _number("ratio_cap", ratio_cap, allow_none=True)
-    _above("ratio_cap", cap, 1.0, "INTELLECT-2's delta, e.g. 4.0; None turns it off")
+    if cispo:  # the weight's ceiling, which may be below 1 (TRL's epsilon_high <= 1)
+        _above("ratio_cap", cap, 0.0, "with objective=\"cispo\" the ceiling of the detached "
+               "weight, e.g. 5.0; None turns it off")
+    else:
+        _above("ratio_cap", cap, 1.0, "INTELLECT-2's delta, e.g. 4.0; None turns it off")
     if cap is not None and _is_array(eps_high):
         raise ValueError(
             "`ratio_cap` needs Python-number clip bounds (the ceiling is "
@@ -185,7 +199,28 @@ def _policy_loss_options(clip_eps, clip_eps_high, dual_clip, ratio_cap, kl_coef,
         kl_agg_code=term_codes[0],
         entropy_agg_code=term_codes[1],
         kl_clamp=clamp,
+        sapo_tau=sapo_tau,
     )
+
+
+def _sapo_temperatures(value: object, sapo: bool) -> Tuple[float, float]:
+    """SAPO's ``(tau for A > 0, tau for A <= 0)``: two finite numbers > 0; None: the
+    defaults. ``ValueError`` naming ``sapo_temperatures`` when given without SAPO."""
+    if value is None:
+        return DEFAULT_SAPO_TEMPERATURES if sapo else (1.0, 1.0)
+    if not sapo:
+        raise ValueError(
+            "`sapo_temperatures` has no meaning without objective=\"sapo\"; pass "
+            "objective=\"sapo\", or sapo_temperatures=None")
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise ValueError(
+            f"`sapo_temperatures` must be a pair (tau for A > 0, tau for A <= 0), e.g. "
+            f"{DEFAULT_SAPO_TEMPERATURES}; got {value!r}")
+    pos, neg = (_number("sapo_temperatures", v) for v in value)
+    for tau in (pos, neg):
+        _above("sapo_temperatures", tau, 0.0, "the soft gate's temperatures, e.g. "
+               f"{DEFAULT_SAPO_TEMPERATURES}")
+    return pos, neg
 
 
 #: Python-valued option sets, checked once each (typed: ``True`` is not ``1``).

@@ -26,6 +26,7 @@ __all__ = [
     "RolloutCorrection",
     "TermAgg",
     "DEFAULT_LOG_RATIO_BOUND",
+    "DEFAULT_SAPO_TEMPERATURES",
     "KL_ESTIMATORS",
     "LOGIT_DTYPE_NAMES",
     "LOSS_AGGS",
@@ -49,7 +50,7 @@ PolicyKLEstimator = Literal["k1", "k2", "k3", "k1+", "k3+", "k3-is"]
 LossAgg = Literal["token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum",
                   "seq-mean-token-sum-norm", "none"]
 RatioLevel = Literal["token", "sequence"]
-Objective = Literal["ppo", "cispo"]
+Objective = Literal["ppo", "cispo", "sapo"]
 #: ``kl_agg`` / ``entropy_agg``: an aggregation of its own for the KL or entropy term
 #: (every ``LossAgg`` but ``"none"``).
 TermAgg = Literal["token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum",
@@ -102,9 +103,12 @@ TERM_AGGS: Mapping[str, int] = {name: LOSS_AGGS[name] for name in get_args(TermA
 #: Importance-ratio level: per token (PPO/GRPO) or per sequence (GSPO).
 RATIO_LEVELS: Mapping[str, int] = {name: code for code, name in enumerate(get_args(RatioLevel))}
 
-#: The per-token policy term: PPO's clipped surrogate, or CISPO's clipped, detached
-#: importance weight times the log-prob (MiniMax-M1).
-OBJECTIVES: Mapping[str, int] = {"ppo": ObjectiveCode.PPO, "cispo": ObjectiveCode.CISPO}
+#: The per-token policy term: PPO's clipped surrogate, CISPO's clipped, detached
+#: importance weight times the log-prob (MiniMax-M1), or SAPO's soft gate on the ratio.
+OBJECTIVES: Mapping[str, int] = {"ppo": ObjectiveCode.PPO, "cispo": ObjectiveCode.CISPO,
+                                 "sapo": ObjectiveCode.SAPO}
+#: SAPO's default temperatures ``(tau for A > 0, tau for A <= 0)`` (the paper's, TRL's).
+DEFAULT_SAPO_TEMPERATURES = (1.0, 1.05)
 
 #: Rollout correction (``ratiokl.spec.rollout``): the log-weight's level (token or sequence)
 #: and what the bounds do (truncate from above: TIS; clip to both bounds: TIS with a floor;

@@ -37,9 +37,11 @@ weight :math:`w_c` detached, for every advantage:
 
 so every active token carries a gradient, its size set by the clipped weight;
 ``clip_fraction_low`` / ``_high`` count ``r < 1 - clip_eps`` / ``r > ratio_high``
-whatever the sign of ``A``. ``dual_clip`` is rejected (the weight is bounded
-already); with ``ratio_level="sequence"`` ``r`` is the sequence ratio ``s_i``
-(a sequence-level truncated importance weight on each token's log-prob).
+whatever the sign of ``A``. ``r_high = min(1 + clip_eps_high, ratio_cap)``, where
+``ratio_cap`` may be any positive number (below 1: TRL's ``epsilon_high <= 1``).
+``dual_clip`` is rejected (the weight is bounded already); with ``ratio_level="sequence"``
+``r`` is the sequence ratio ``s_i`` (a sequence-level truncated importance weight on each
+token's log-prob).
 
 The PPO term equals ``max(-A*r, -A*clip(r, 1-eps, 1+eps_high))`` with the dual clip
 ``min(., -A*c)`` for ``A < 0`` (PPO, DAPO clip-higher, dual-clip PPO,

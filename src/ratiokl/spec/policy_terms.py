@@ -31,7 +31,7 @@ POLICY_LOSS_DEFAULTS = dict(
     clip_eps=0.2, clip_eps_high=None, dual_clip=None, ratio_cap=None, kl_coef=0.0,
     kl_estimator="k3", loss_agg="token-mean", ratio_level="token",
     log_ratio_bound=DEFAULT_LOG_RATIO_BOUND, objective="ppo", entropy_coef=0.0,
-    kl_agg=None, entropy_agg=None, kl_clamp=None,
+    kl_agg=None, entropy_agg=None, kl_clamp=None, sapo_temperatures=None,
 )
 
 
@@ -93,6 +93,14 @@ def _cispo_weight(r, opts: PolicyLossOptions):
     high, low = r > opts.ratio_high, r < opts.ratio_low
     weight = np.where(high, opts.ratio_high, np.where(low, opts.ratio_low, r))
     return weight, high, low, np.zeros_like(high)
+
+
+def _sapo_terms(r, dr, adv, w, opts: PolicyLossOptions):
+    """SAPO's ``pg = -A * w * 4 / tau * sigmoid(tau * (r - 1))`` (``tau`` by the sign of
+    ``A``) and ``d pg / d logp = -A * w * 4 * g * (1 - g) * dr``, ``g`` the sigmoid."""
+    tau = np.where(adv > 0, opts.sapo_tau[0], opts.sapo_tau[1])
+    gate = 1.0 / (1.0 + np.exp(-tau * (r - 1.0)))
+    return -adv * w * 4.0 / tau * gate, -adv * w * 4.0 * gate * (1.0 - gate) * dr
 
 
 def policy_loss_from_logps(
@@ -179,6 +187,9 @@ def policy_loss_terms(logp, logp_ref, old_logps, advantages, mask, entropy, *,
         if opts.cispo:
             wc, high, low, capped = _cispo_weight(r, opts)
             pg, dpg = -adv * wc * w * logp, -adv * wc * w
+        elif opts.sapo:
+            pg, dpg = _sapo_terms(r, dr, adv, w, opts)
+            high = low = capped = np.zeros(lead, bool)
         else:
             q, dq, high, low, capped = _clipped(r, adv, opts)
             # A clipped branch carries no gradient, selected: whatever A, w or dr hold

@@ -101,7 +101,7 @@ def _refusal(call: TargetCall) -> Optional[str]:
         if call.option(name) is not None:
             return f"OpenRLHF's PolicyLoss has no {name}"
     if call.option("objective", "ppo") != "ppo":
-        return "OpenRLHF has no CISPO objective"
+        return "OpenRLHF has no CISPO or SAPO objective"
     if call.option("kl_coef", 0.0) and call.option("kl_estimator", "k3") not in ("k1", "k2", "k3"):
         return f"OpenRLHF has no kl_estimator={call.option('kl_estimator')!r}"
     if call.option("log_ratio_bound", DEFAULT_LOG_RATIO_BOUND) != DEFAULT_LOG_RATIO_BOUND:

@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 from ratiokl.harness._protocol import TargetCall, TargetResult
 from ratiokl.harness.targets import _torch
-from ratiokl.spec import DEFAULT_LOG_RATIO_BOUND
+from ratiokl.spec import DEFAULT_LOG_RATIO_BOUND, DEFAULT_SAPO_TEMPERATURES
 
 __all__ = ["LOSS_TYPES", "NAN_PADDED", "OPTIONS", "TARGET", "TRLTarget"]
 
@@ -39,7 +39,8 @@ OPTIONS = {
     "clip_eps / clip_eps_high": "epsilon / epsilon_high (CISPO: epsilon_high = 1 + clip_eps_high)",
     "ratio_cap": "delta",
     "ratio_level": "importance_sampling_level",
-    "objective": "loss_type = 'cispo' (token-mean only)",
+    "objective": "loss_type = 'cispo' (token-mean only) or 'sapo' (seq-mean-token-mean only)",
+    "sapo_temperatures": "sapo_temperature_pos, sapo_temperature_neg",
     "kl_coef / kl_estimator": "beta, with k3; k3-is: use_bias_correction_kl",
     "importance_weights": "the vLLM importance_sampling_ratio (use_vllm, "
                           "vllm_importance_sampling_correction)",
@@ -65,6 +66,9 @@ def _refusal(call: TargetCall) -> Optional[str]:
     cispo = call.option("objective") == "cispo"
     if cispo and (mode != "token-mean" or call.option("ratio_cap") is not None):
         return "TRL's CISPO is token-mean (dapo's normalizer) with its own cap only"
+    if call.option("objective") == "sapo" and (
+            mode != "seq-mean-token-mean" or call.option("loss_normalizer") is not None):
+        return "TRL's SAPO is seq-mean-token-mean (grpo's aggregation) only"
     if call.option("loss_normalizer") is not None and mode != "token-mean":
         return f"TRL has no normalizer for loss_type {LOSS_TYPES[mode]!r}"
     return None
@@ -80,7 +84,9 @@ class _Host:
         cispo = call.option("objective") == "cispo"
         mode = call.option("loss_agg", "token-mean")
         dapo = call.option("loss_normalizer") is not None or cispo
-        self.loss_type = "cispo" if cispo else "dapo" if dapo else LOSS_TYPES[mode]
+        sapo = call.option("objective") == "sapo"
+        self.loss_type = "cispo" if cispo else "sapo" if sapo else "dapo" if dapo \
+            else LOSS_TYPES[mode]
         self.epsilon_low, self.epsilon_high = eps, (1.0 + high if cispo else high)
         self.importance_sampling_level = call.option("ratio_level", "token")
         self.beta = float(call.option("kl_coef", 0.0))
@@ -90,7 +96,9 @@ class _Host:
             call.option("importance_weights") is not None)
         self.args = SimpleNamespace(
             use_bias_correction_kl=call.option("kl_estimator", "k3") == "k3-is",
-            delta=call.option("ratio_cap"), steps_per_generation=1)
+            delta=call.option("ratio_cap"), steps_per_generation=1,
+            **dict(zip(("sapo_temperature_pos", "sapo_temperature_neg"),
+                       call.option("sapo_temperatures") or DEFAULT_SAPO_TEMPERATURES)))
         self.max_completion_length = batch.mask.shape[-1]
         self.top_entropy_quantile, self.off_policy_mask_threshold = 1.0, None
         self.use_adaptive_entropy, self.aux_loss_enabled = False, False

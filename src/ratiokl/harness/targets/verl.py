@@ -54,6 +54,8 @@ def _refusal(call: TargetCall) -> Optional[str]:
         return f"verl has no kl_loss_type for kl_estimator={call.option('kl_estimator')!r}"
     if call.option("log_ratio_bound", DEFAULT_LOG_RATIO_BOUND) != DEFAULT_LOG_RATIO_BOUND:
         return "verl's log-ratio clamp is fixed at 20 (log_ratio_bound)"
+    if call.option("objective") == "sapo":
+        return "verl's loss_mode 'sapo' is not mapped here"
     if call.option("objective") == "cispo" and call.option("ratio_level") == "sequence":
         return "verl has no sequence-level CISPO"
     return None
