@@ -152,13 +152,13 @@ def headline_launches(n_rows: int, vocab: int, dtype: torch.dtype) -> Dict[str, 
             k, policy, ids, mask, temp, row, row, row, row, row, row),
         "policy_loss fwd+bwd": lambda k: _launch.fused_policy_loss(
             k, policy, None, ids, mask, row, row, temp, row, 1, None, row, coefs, True, k3,
-            False, 20.0, 0, False, False),
+            False, 20.0, 0, False, False, None),
         "policy_loss fwd+bwd, entropy_coef": lambda k: _launch.fused_policy_loss(
             k, policy, None, ids, mask, row, row, temp, row, 1, None, row, coefs, True, k3,
-            False, 20.0, 0, True, False),
+            False, 20.0, 0, True, False, None),
         "policy_loss fwd": lambda k: _launch.fused_policy_loss(
             k, policy, None, ids, mask, row, row, temp, row, 1, None, row, coefs, False, k3,
-            False, 20.0, 0, False, False),
+            False, 20.0, 0, False, False, None),
     }
     recorded = {}
     for op, call in ops.items():
