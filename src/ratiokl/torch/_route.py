@@ -157,9 +157,10 @@ def _rows(logits: torch.Tensor, lead: Tuple[int, ...], ids: torch.Tensor, mask, 
     if vocab_group is None:
         run = _loaded(name)
     else:
-        from ratiokl.torch import _vocab_parallel
+        from ratiokl.torch import _vocab_linear, _vocab_parallel
 
-        run = _vocab_parallel.backend(vocab_group, lead, name != "native", check_ids)
+        run = _vocab_parallel.backend(vocab_group, lead, name != "native", check_ids,
+                                      _vocab_linear.selected_logprobs)
     if isinstance(temperature, torch.Tensor):
         temperature = XP.for_dtype(logits.dtype).flat(temperature)  # float64 logits: float64
         temperature = _checks.poison_bad_temperature(temperature)

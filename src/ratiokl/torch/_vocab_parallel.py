@@ -52,7 +52,7 @@ collectives are the same for every backend.
 from __future__ import annotations
 
 import functools
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -67,22 +67,23 @@ __all__ = ["VocabParallel", "backend"]
 
 
 def backend(group: dist.ProcessGroup, lead: Tuple[int, ...], kernels: bool,
-            check_ids: bool) -> Backend:
+            check_ids: bool, linear_selected_logprobs: Callable) -> Backend:
     """The vocabulary-parallel backend over ``group`` for inputs of leading shape ``lead``.
 
     ``kernels``: the per-shard math runs the Triton kernels (else framework ops);
-    ``check_ids``: range-check active ids against the global vocabulary.
+    ``check_ids``: range-check active ids against the global vocabulary;
+    ``linear_selected_logprobs``: the op from hidden states, called with the
+    :class:`VocabParallel` first (``ratiokl.torch._vocab_linear.selected_logprobs``, which
+    builds on this module).
     """
     if not dist.is_initialized():
         raise RuntimeError(
             "`vocab_group` needs torch.distributed: call "
             "torch.distributed.init_process_group first"
         )
-    from ratiokl.torch import _vocab_linear
-
     parallel = VocabParallel(group, lead, kernels, check_ids)
     return Backend(parallel.selected_logprobs, parallel.ratio_kl, parallel.logprobs_entropy,
-                   linear_selected_logprobs=functools.partial(_vocab_linear.selected_logprobs,
+                   linear_selected_logprobs=functools.partial(linear_selected_logprobs,
                                                               parallel))
 
 
