@@ -38,7 +38,8 @@ from jax import lax
 from ratiokl.jax import _linear_logprobs, _native
 from ratiokl.jax._checks import Temperature
 from ratiokl.jax._linear_logprobs import RowOps
-from ratiokl.jax._vocab_parallel import _ownership, block_logps, varies_over
+from ratiokl.jax._varying import varies_over
+from ratiokl.jax._vocab_parallel import _ownership, block_logps
 from ratiokl.spec import LogitTransform
 
 __all__ = ["kernel_rows", "native_rows", "selected_logprobs"]

@@ -53,10 +53,10 @@ from ratiokl._core import rows as _rows
 from ratiokl.jax import _native
 from ratiokl.jax._arrays import XP
 from ratiokl.jax._checks import Temperature
+from ratiokl.jax._varying import varies_over
 from ratiokl.spec import vocab_blocks
 
-__all__ = ["VocabParallel", "backend", "block_logps", "global_vocab",
-           "varies_over", "varying_axes"]
+__all__ = ["VocabParallel", "backend", "block_logps", "global_vocab"]
 
 
 def _axis_size(axis: str) -> int:
@@ -76,22 +76,6 @@ def global_vocab(local_vocab: int, axis: Optional[str], argument: str = "logits"
     if axis is None:
         return local_vocab
     return vocab_blocks([local_vocab] * _axis_size(axis), argument)[1]
-
-
-def varying_axes(x: jax.Array) -> frozenset:
-    """The mesh axes ``x`` is typed as varying over inside ``shard_map`` (none outside it,
-    or with ``check_vma=False``)."""
-    aval = jax.typeof(x)
-    vma = getattr(aval, "vma", None)  # JAX < 0.9 spelling
-    if vma is None:
-        manual = getattr(aval, "manual_axis_type", None)
-        vma = frozenset() if manual is None else manual.varying
-    return frozenset(vma)
-
-
-def varies_over(x: jax.Array, axis: str) -> bool:
-    """Whether ``x`` is typed as varying over mesh ``axis`` (never with ``check_vma=False``)."""
-    return axis in varying_axes(x)
 
 
 def backend(per_block: Backend, axis: str, explicit: bool) -> Backend:
