@@ -183,11 +183,12 @@ def _rows(logits: jax.Array, lead: Tuple[int, ...], ids: jax.Array, mask, temper
     if vocab_axis is None:
         vocab, run = vocab or logits.shape[-1], resolve(name)
     else:
-        from ratiokl.jax import _vocab_parallel
+        from ratiokl.jax import _vocab_linear, _vocab_parallel
 
         vocab = _vocab_parallel.global_vocab(vocab or logits.shape[-1], vocab_axis,
                                              "weight" if vocab else "logits")
-        run = _vocab_parallel.backend(resolve(name), vocab_axis, explicit=backend != "auto")
+        run = _vocab_parallel.backend(resolve(name), vocab_axis, explicit=backend != "auto",
+                                      linear_selected_logprobs=_vocab_linear.selected_logprobs)
     check = _checks.ActiveCheck(ids, mask, vocab, check_ids, temperature)
     if not isinstance(temperature, float):
         temperature = _checks.poison_bad_temperature(

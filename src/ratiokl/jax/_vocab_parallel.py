@@ -78,18 +78,20 @@ def global_vocab(local_vocab: int, axis: Optional[str], argument: str = "logits"
     return vocab_blocks([local_vocab] * _axis_size(axis), argument)[1]
 
 
-def backend(per_block: Backend, axis: str, explicit: bool) -> Backend:
+def backend(per_block: Backend, axis: str, explicit: bool,
+            linear_selected_logprobs: Callable) -> Backend:
     """The vocabulary-parallel backend over mesh axis ``axis`` (a static string).
 
     ``per_block``: the resolved backend; its ``shard_logps`` and ``shard_rows`` (the
     kernels), or the native math where it has none, compute each block's statistics.
     ``explicit``: it was asked for by name (not ``"auto"``).
+    ``linear_selected_logprobs``: the op from hidden states, called with ``axis`` and
+    ``per_block.shard_rows`` first (``ratiokl.jax._vocab_linear.selected_logprobs``, which
+    builds on this module).
     """
-    from ratiokl.jax import _vocab_linear
-
     _axis_size(axis)
     parallel = VocabParallel(axis, per_block.shard_logps, explicit)
-    linear = functools.partial(_vocab_linear.selected_logprobs, axis, per_block.shard_rows)
+    linear = functools.partial(linear_selected_logprobs, axis, per_block.shard_rows)
     return Backend(parallel.selected_logprobs, parallel.ratio_kl, parallel.logprobs_entropy,
                    linear_selected_logprobs=linear)
 
