@@ -60,6 +60,7 @@ def _triton(name: str) -> Backend:
     """The Triton binding's functions bound to the launch of ``name``: ``jax_triton``'s
     ``triton_call`` (``"triton"``) or the interpreter's stand-in (``"interpret"``), with
     results typed as ``_triton.typed_call`` says."""
+    # Import triton (and, for the interpreter, torch): only when a kernel backend runs.
     from ratiokl.jax import (_interpret, _linear, _linear_logprobs, _triton, _triton_loss,
                              _triton_shard, _vocab_linear)
 

@@ -71,7 +71,7 @@ def kernel_rows(call: Callable, axis: str) -> RowOps:
     """One block's row operations on the kernels launched through ``call``: the statistics
     from ``shard_stats_kernel`` (``_triton_shard.shard_stats``), the gradient from the unsharded
     rows' ``logp_backward_kernel`` given the block-local id (-1: no one-hot here)."""
-    from ratiokl.jax import _triton_shard
+    from ratiokl.jax import _triton_shard  # imports triton: only when a kernel backend runs
 
     rows = _linear_logprobs.triton_rows(call)
 

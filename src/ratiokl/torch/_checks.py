@@ -212,7 +212,7 @@ class ActiveCheck:
         if torch.cuda.is_current_stream_capturing():  # its wait would break the capture
             raise ValueError(_CAPTURE_ERROR)
         if one_launch:  # the Triton backends: one kernel (ratiokl._kernels.active_check)
-            from ratiokl.torch import _launch
+            from ratiokl.torch import _launch  # imports triton: only when a kernel backend runs
 
             self._flags, self._event = _FLAG_SLOTS.take(ids.device)
             _launch.active_flags(ids, mask, vocab_size, temperature if has_temp else None,

@@ -56,6 +56,7 @@ def _native(name: str) -> Backend:
 
 def _triton(name: str) -> Backend:
     """``"triton"`` and ``"interpret"`` alike: each launch binds by the tensors' device."""
+    # Import triton: only when a kernel backend runs.
     from ratiokl.torch import _linear, _linear_logprobs, _triton
 
     return Backend(_triton.selected_logprobs, _triton.ratio_kl, _triton.logprobs_entropy,

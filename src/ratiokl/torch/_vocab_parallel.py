@@ -118,7 +118,7 @@ class _AttachGrad(torch.autograd.Function):
         g_logp = zero if grad_logp is None else torch.where(mask, grad_logp, zero).float()
         g_ent = None if grad_ent is None else torch.where(mask, grad_ent, zero).float()
         if ctx.kernels:
-            from ratiokl.torch import _triton
+            from ratiokl.torch import _triton  # imports triton: only when a kernel backend runs
 
             grad = _triton.shard_grad(
                 logits, torch.where(owned, local_ids, -1), mask,
