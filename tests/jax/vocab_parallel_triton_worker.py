@@ -31,7 +31,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from ratiokl.jax import _interpret, _route, _vocab_parallel, loss  # noqa: E402
+from ratiokl.jax import _interpret, _route, _vocab_linear, _vocab_parallel, loss  # noqa: E402
 
 
 def _kernels(launches: List[_interpret.Launch]) -> set:
@@ -68,7 +68,8 @@ def check_vma_off() -> None:
         raise AssertionError("backend='interpret' ran under check_vma=False")
 
     def auto_on_kernels(policy, ids, mask):  # what the route builds for "auto" on a GPU
-        run = _vocab_parallel.backend(_route.resolve("interpret"), "tp", explicit=False)
+        run = _vocab_parallel.backend(_route.resolve("interpret"), "tp", explicit=False,
+                                      linear_selected_logprobs=_vocab_linear.selected_logprobs)
         logp = run.selected_logprobs(policy.reshape(-1, policy.shape[-1]), ids.reshape(-1),
                                      mask.reshape(-1), 1.0)
         return logp.reshape(ids.shape)

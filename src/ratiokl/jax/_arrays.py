@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ratiokl.jax._lm_head import head_logits
 from ratiokl.spec import LOGIT_DTYPE_NAMES
 
 __all__ = ["XP", "XP64"]
@@ -143,8 +144,6 @@ class _Jax:
     def head_logits(hidden, mask, weight, bias, transform):
         """Every row's logits ``[N, V]`` from ``hidden [N, H]`` (``ratiokl.jax._lm_head``),
         inactive rows' hidden states zeroed."""
-        from ratiokl.jax._lm_head import head_logits
-
         kept = jnp.where(mask[:, None], hidden, jnp.zeros((), hidden.dtype))
         return head_logits(kept, weight, bias, transform)
 

@@ -69,7 +69,7 @@ NATIVE_ROWS = RowOps(_native_forward, _native_backward)
 def triton_rows(call: "TritonCall") -> RowOps:
     """The row kernels launched through ``call`` (one :class:`RowOps` per launch function;
     ``_launch`` imported here: the native rows need no Triton)."""
-    from ratiokl.jax import _launch
+    from ratiokl.jax import _launch  # imports triton: only when a kernel backend runs
 
     def forward(x, ids, mask, temp, entropy):
         logp, _, ent, _, lse = _launch.forward_op(call, KL.NONE.value, False, entropy)(

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ratiokl.jax._vocab_parallel import varying_axes
+from ratiokl.jax._varying import varying_axes
 from ratiokl.spec import (GRAD_PIECES, LogitTransform, chunk_rows_for, grad_weight_accumulator,
                           head_dtypes, piece_pairs, split_bf16, split_pieces, transform_logits,
                           transform_slope)

@@ -60,6 +60,7 @@ def _triton(name: str) -> Backend:
     """The Triton binding's functions bound to the launch of ``name``: ``jax_triton``'s
     ``triton_call`` (``"triton"``) or the interpreter's stand-in (``"interpret"``), with
     results typed as ``_triton.typed_call`` says."""
+    # Import triton (and, for the interpreter, torch): only when a kernel backend runs.
     from ratiokl.jax import (_interpret, _linear, _linear_logprobs, _triton, _triton_loss,
                              _triton_shard, _vocab_linear)
 
@@ -183,11 +184,12 @@ def _rows(logits: jax.Array, lead: Tuple[int, ...], ids: jax.Array, mask, temper
     if vocab_axis is None:
         vocab, run = vocab or logits.shape[-1], resolve(name)
     else:
-        from ratiokl.jax import _vocab_parallel
+        from ratiokl.jax import _vocab_linear, _vocab_parallel
 
         vocab = _vocab_parallel.global_vocab(vocab or logits.shape[-1], vocab_axis,
                                              "weight" if vocab else "logits")
-        run = _vocab_parallel.backend(resolve(name), vocab_axis, explicit=backend != "auto")
+        run = _vocab_parallel.backend(resolve(name), vocab_axis, explicit=backend != "auto",
+                                      linear_selected_logprobs=_vocab_linear.selected_logprobs)
     check = _checks.ActiveCheck(ids, mask, vocab, check_ids, temperature)
     if not isinstance(temperature, float):
         temperature = _checks.poison_bad_temperature(

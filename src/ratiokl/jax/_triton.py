@@ -35,7 +35,7 @@ from ratiokl._codes import KL
 from ratiokl.jax import _launch
 from ratiokl.jax._checks import Temperature, kernel_rows
 from ratiokl.jax._launch import TritonCall
-from ratiokl.jax._vocab_parallel import varying_axes
+from ratiokl.jax._varying import varying_axes
 
 __all__ = ["logprobs_entropy", "ratio_kl", "selected_logprobs", "typed_call"]
 

@@ -19,7 +19,7 @@ from ratiokl._core.rows import bad_ids
 from ratiokl.jax import _launch, _native
 from ratiokl.jax._checks import Temperature, kernel_rows
 from ratiokl.jax._launch import TritonCall
-from ratiokl.jax._vocab_parallel import varies_over
+from ratiokl.jax._varying import varies_over
 
 __all__ = ["shard_logps", "shard_stats"]
 

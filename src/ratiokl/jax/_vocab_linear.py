@@ -38,7 +38,8 @@ from jax import lax
 from ratiokl.jax import _linear_logprobs, _native
 from ratiokl.jax._checks import Temperature
 from ratiokl.jax._linear_logprobs import RowOps
-from ratiokl.jax._vocab_parallel import _ownership, block_logps, varies_over
+from ratiokl.jax._varying import varies_over
+from ratiokl.jax._vocab_parallel import _ownership, block_logps
 from ratiokl.spec import LogitTransform
 
 __all__ = ["kernel_rows", "native_rows", "selected_logprobs"]
@@ -70,7 +71,7 @@ def kernel_rows(call: Callable, axis: str) -> RowOps:
     """One block's row operations on the kernels launched through ``call``: the statistics
     from ``shard_stats_kernel`` (``_triton_shard.shard_stats``), the gradient from the unsharded
     rows' ``logp_backward_kernel`` given the block-local id (-1: no one-hot here)."""
-    from ratiokl.jax import _triton_shard
+    from ratiokl.jax import _triton_shard  # imports triton: only when a kernel backend runs
 
     rows = _linear_logprobs.triton_rows(call)
 

@@ -53,10 +53,10 @@ from ratiokl._core import rows as _rows
 from ratiokl.jax import _native
 from ratiokl.jax._arrays import XP
 from ratiokl.jax._checks import Temperature
+from ratiokl.jax._varying import varies_over
 from ratiokl.spec import vocab_blocks
 
-__all__ = ["VocabParallel", "backend", "block_logps", "global_vocab",
-           "varies_over", "varying_axes"]
+__all__ = ["VocabParallel", "backend", "block_logps", "global_vocab"]
 
 
 def _axis_size(axis: str) -> int:
@@ -78,34 +78,20 @@ def global_vocab(local_vocab: int, axis: Optional[str], argument: str = "logits"
     return vocab_blocks([local_vocab] * _axis_size(axis), argument)[1]
 
 
-def varying_axes(x: jax.Array) -> frozenset:
-    """The mesh axes ``x`` is typed as varying over inside ``shard_map`` (none outside it,
-    or with ``check_vma=False``)."""
-    aval = jax.typeof(x)
-    vma = getattr(aval, "vma", None)  # JAX < 0.9 spelling
-    if vma is None:
-        manual = getattr(aval, "manual_axis_type", None)
-        vma = frozenset() if manual is None else manual.varying
-    return frozenset(vma)
-
-
-def varies_over(x: jax.Array, axis: str) -> bool:
-    """Whether ``x`` is typed as varying over mesh ``axis`` (never with ``check_vma=False``)."""
-    return axis in varying_axes(x)
-
-
-def backend(per_block: Backend, axis: str, explicit: bool) -> Backend:
+def backend(per_block: Backend, axis: str, explicit: bool,
+            linear_selected_logprobs: Callable) -> Backend:
     """The vocabulary-parallel backend over mesh axis ``axis`` (a static string).
 
     ``per_block``: the resolved backend; its ``shard_logps`` and ``shard_rows`` (the
     kernels), or the native math where it has none, compute each block's statistics.
     ``explicit``: it was asked for by name (not ``"auto"``).
+    ``linear_selected_logprobs``: the op from hidden states, called with ``axis`` and
+    ``per_block.shard_rows`` first (``ratiokl.jax._vocab_linear.selected_logprobs``, which
+    builds on this module).
     """
-    from ratiokl.jax import _vocab_linear
-
     _axis_size(axis)
     parallel = VocabParallel(axis, per_block.shard_logps, explicit)
-    linear = functools.partial(_vocab_linear.selected_logprobs, axis, per_block.shard_rows)
+    linear = functools.partial(linear_selected_logprobs, axis, per_block.shard_rows)
     return Backend(parallel.selected_logprobs, parallel.ratio_kl, parallel.logprobs_entropy,
                    linear_selected_logprobs=linear)
 

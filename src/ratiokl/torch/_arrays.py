@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from ratiokl.spec import LOGIT_DTYPE_NAMES
+from ratiokl.torch import _once
+from ratiokl.torch._lm_head import head_logits
 
 __all__ = ["XP", "XP64"]
 
@@ -162,8 +164,6 @@ class _Torch:
     def head_logits(hidden, mask, weight, bias, transform):
         """Every row's logits ``[N, V]`` from ``hidden [N, H]`` (``ratiokl.torch._lm_head``),
         inactive rows' hidden states zeroed (the GEMMs in float32 for float32 inputs)."""
-        from ratiokl.torch._lm_head import head_logits
-
         kept = torch.where(mask[:, None], hidden,
                            torch.zeros((), dtype=hidden.dtype, device=hidden.device))
         return head_logits(kept, weight, bias, transform)
@@ -175,8 +175,6 @@ class _Torch:
         several backwards through one graph)."""
         if self.float_dtype == torch.float64:
             return loss
-        from ratiokl.torch import _once
-
         return _once.backward_once(loss, op)
 
     # --- validation's questions (ratiokl._core.checks) -----------------------------------
@@ -210,12 +208,18 @@ class _Torch:
         return dtype == torch.bool
 
     @staticmethod
-    def same_device(**tensors) -> None:
-        """Raise unless the given tensors (None skipped) share one device
-        (``ratiokl.torch._checks.check_same_device``)."""
-        from ratiokl.torch import _checks
-
-        _checks.check_same_device(**tensors)
+    def same_device(**tensors) -> torch.device:
+        """The one device the given tensors (None skipped) live on; ``ValueError`` naming
+        the first that differs (``ratiokl.torch._checks.check_same_device``)."""
+        named = [(name, t) for name, t in tensors.items() if t is not None]
+        first_name, first = named[0]
+        for name, t in named[1:]:
+            if t.device != first.device:
+                raise ValueError(
+                    f"`{name}` is on {t.device} but `{first_name}` is on {first.device}; "
+                    f"move it with `{name}.to({first_name}.device)`"
+                )
+        return first.device
 
 
 XP = _Torch(torch.float32)

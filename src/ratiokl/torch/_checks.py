@@ -91,17 +91,9 @@ def check_transform_backend(backend: str, vocab_group: object, inplace_grad: boo
         )
 
 
-def check_same_device(**tensors: Optional[torch.Tensor]) -> torch.device:
-    """All given tensors live on one device; returns it (``ValueError`` otherwise)."""
-    named = [(name, t) for name, t in tensors.items() if t is not None]
-    first_name, first = named[0]
-    for name, t in named[1:]:
-        if t.device != first.device:
-            raise ValueError(
-                f"`{name}` is on {t.device} but `{first_name}` is on {first.device}; "
-                f"move it with `{name}.to({first_name}.device)`"
-            )
-    return first.device
+#: All given tensors (None skipped) live on one device; returns it (``ValueError``
+#: otherwise). The adapter's rule, which the framework-neutral core asks too.
+check_same_device = XP.same_device
 
 
 class _FlagSlots:
@@ -220,7 +212,7 @@ class ActiveCheck:
         if torch.cuda.is_current_stream_capturing():  # its wait would break the capture
             raise ValueError(_CAPTURE_ERROR)
         if one_launch:  # the Triton backends: one kernel (ratiokl._kernels.active_check)
-            from ratiokl.torch import _launch
+            from ratiokl.torch import _launch  # imports triton: only when a kernel backend runs
 
             self._flags, self._event = _FLAG_SLOTS.take(ids.device)
             _launch.active_flags(ids, mask, vocab_size, temperature if has_temp else None,

@@ -53,6 +53,7 @@ class RowOps(NamedTuple):
 
 
 def _triton_forward(x, ids, mask, temperature, entropy):
+    # Import triton: only when a kernel backend runs.
     from ratiokl.torch._launch import ENTROPY_FORWARD, FORWARD
     from ratiokl.torch._triton import kernel_temperature
 
@@ -65,7 +66,7 @@ def _triton_forward(x, ids, mask, temperature, entropy):
 
 
 def _triton_backward(x, ids, mask, temperature, lse, ent, g_logp, g_ent, out):
-    from ratiokl.torch._launch import BACKWARD
+    from ratiokl.torch._launch import BACKWARD  # imports triton: only when a kernel backend runs
     from ratiokl.torch._triton import kernel_temperature
 
     temp = kernel_temperature(temperature, x.device)

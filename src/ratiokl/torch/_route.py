@@ -56,6 +56,7 @@ def _native(name: str) -> Backend:
 
 def _triton(name: str) -> Backend:
     """``"triton"`` and ``"interpret"`` alike: each launch binds by the tensors' device."""
+    # Import triton: only when a kernel backend runs.
     from ratiokl.torch import _linear, _linear_logprobs, _triton
 
     return Backend(_triton.selected_logprobs, _triton.ratio_kl, _triton.logprobs_entropy,
@@ -157,9 +158,10 @@ def _rows(logits: torch.Tensor, lead: Tuple[int, ...], ids: torch.Tensor, mask, 
     if vocab_group is None:
         run = _loaded(name)
     else:
-        from ratiokl.torch import _vocab_parallel
+        from ratiokl.torch import _vocab_linear, _vocab_parallel
 
-        run = _vocab_parallel.backend(vocab_group, lead, name != "native", check_ids)
+        run = _vocab_parallel.backend(vocab_group, lead, name != "native", check_ids,
+                                      _vocab_linear.selected_logprobs)
     if isinstance(temperature, torch.Tensor):
         temperature = XP.for_dtype(logits.dtype).flat(temperature)  # float64 logits: float64
         temperature = _checks.poison_bad_temperature(temperature)

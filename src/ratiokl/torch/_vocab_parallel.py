@@ -52,7 +52,7 @@ collectives are the same for every backend.
 from __future__ import annotations
 
 import functools
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -67,22 +67,23 @@ __all__ = ["VocabParallel", "backend"]
 
 
 def backend(group: dist.ProcessGroup, lead: Tuple[int, ...], kernels: bool,
-            check_ids: bool) -> Backend:
+            check_ids: bool, linear_selected_logprobs: Callable) -> Backend:
     """The vocabulary-parallel backend over ``group`` for inputs of leading shape ``lead``.
 
     ``kernels``: the per-shard math runs the Triton kernels (else framework ops);
-    ``check_ids``: range-check active ids against the global vocabulary.
+    ``check_ids``: range-check active ids against the global vocabulary;
+    ``linear_selected_logprobs``: the op from hidden states, called with the
+    :class:`VocabParallel` first (``ratiokl.torch._vocab_linear.selected_logprobs``, which
+    builds on this module).
     """
     if not dist.is_initialized():
         raise RuntimeError(
             "`vocab_group` needs torch.distributed: call "
             "torch.distributed.init_process_group first"
         )
-    from ratiokl.torch import _vocab_linear
-
     parallel = VocabParallel(group, lead, kernels, check_ids)
     return Backend(parallel.selected_logprobs, parallel.ratio_kl, parallel.logprobs_entropy,
-                   linear_selected_logprobs=functools.partial(_vocab_linear.selected_logprobs,
+                   linear_selected_logprobs=functools.partial(linear_selected_logprobs,
                                                               parallel))
 
 
@@ -117,7 +118,7 @@ class _AttachGrad(torch.autograd.Function):
         g_logp = zero if grad_logp is None else torch.where(mask, grad_logp, zero).float()
         g_ent = None if grad_ent is None else torch.where(mask, grad_ent, zero).float()
         if ctx.kernels:
-            from ratiokl.torch import _triton
+            from ratiokl.torch import _triton  # imports triton: only when a kernel backend runs
 
             grad = _triton.shard_grad(
                 logits, torch.where(owned, local_ids, -1), mask,

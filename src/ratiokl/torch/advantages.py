@@ -106,7 +106,7 @@ def _scan(backend: str):
             elements = _math.gae_elements(XP, rewards, values, mask, gamma, lam)
             adv = torch.where(mask, _math.reverse_scan(XP, elements)[3], 0.0)
             return adv, torch.where(mask, adv + torch.where(mask, values.float(), 0.0), 0.0)
-        from ratiokl.torch._launch.gae import GAE
+        from ratiokl.torch._launch.gae import GAE  # imports triton: only when a kernel backend runs
 
         as_rows = lambda x: x.float().contiguous()  # noqa: E731 (column stride 1)
         return GAE(as_rows(rewards), as_rows(values), mask.contiguous(), gamma, lam)
