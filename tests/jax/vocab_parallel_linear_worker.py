@@ -276,35 +276,48 @@ def check_bad_ids() -> None:
     assert err.get() is not None and f"outside [0, {VOCAB})" in err.get(), err.get()
 
 
-def check_collectives() -> None:
-    """The compiled fwd+bwd: only all-reduces of ``[C]``-sized rows (per chunk) and the one
-    ``[N, H]`` of ``d hidden``; no all-gather."""
-    case = make_case(7, (3, 5), WIDTH, VOCAB, TP, "float32")
-    head, x = _arrays(case, "float32")
-    step = jax.jit(jax.value_and_grad(_sharded(_logprobs_objective(True, "tp"), (P(), P())),
-                                      has_aux=True))
-    text = step.lower(head, x).compile().as_text()
+def _all_reduces(step, *args) -> set:
+    """``(element type, size)`` of what each all-reduce (or its async start) of the compiled
+    ``step`` reduces; no all-gather in it."""
+    text = step.lower(*args).compile().as_text()
     assert "all-gather" not in text
-    sizes = set()
-    for line in text.splitlines():  # the arrays each all-reduce (or its async start) reduces
+    reduced = set()
+    for line in text.splitlines():
         match = re.search(r"=\s*(.*?)\s+all-reduce(?:-start)?\(", line)
         if match is not None:
-            sizes |= {int(np.prod([int(d) for d in dims.split(",") if d]))
-                      for dims in re.findall(r"\b[a-z]+\d*\[([\d,]*)\]", match.group(1))}
+            reduced |= {(kind, int(np.prod([int(d) for d in dims.split(",") if d])))
+                        for kind, dims in re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]",
+                                                     match.group(1))}
+    return reduced
+
+
+def check_collectives() -> None:
+    """The compiled fwd+bwd: only all-reduces of ``[C]``-sized rows (per chunk) and the one
+    ``[N, H]`` of ``d hidden``, float32 with a bfloat16 head too, none when only the head is
+    differentiated; no all-gather."""
+    case = make_case(7, (3, 5), WIDTH, VOCAB, TP, "float32")
     n_rows, chunk = 15, OPTIONS["chunk_rows"]  # 3 full chunks and one of 3 rows
     per_chunk = {k * c for k in (1, 2, 3) for c in (chunk, n_rows % chunk)}
-    assert n_rows * WIDTH in sizes and sizes - {n_rows * WIDTH} <= per_chunk, sizes
+    whole = ("f32", n_rows * WIDTH)  # d hidden: float32 partials, summed, rounded once
+    objective = _sharded(_logprobs_objective(True, "tp"), (P(), P()))
+    for dtype in ("float32", "bfloat16"):
+        head, x = _arrays(case, dtype)
+        reduced = _all_reduces(jax.jit(jax.value_and_grad(objective, has_aux=True)), head, x)
+        assert whole in reduced and {n for _, n in reduced - {whole}} <= per_chunk, reduced
+
+    def head_only(head, x):  # d weight and d bias alone
+        rest = {k: v for k, v in head.items() if k != "hidden"}
+        return jax.grad(lambda r: objective(dict(r, hidden=head["hidden"]), x)[0])(rest)
+
+    reduced = _all_reduces(jax.jit(head_only), head, x)
+    assert {n for _, n in reduced} <= per_chunk, reduced
 
 
 #: Linear fixtures run with the head's rows over 2 devices, one per behaviour (each case
 #: compiles its own program; ``fixtures_all`` runs every one the padding can take).
 FIXTURES = ("linear_masked_vocab_bf16", "linear_large_logits_argmax_fp32",
-            "linear_bf16_weight_fp32")
+            "linear_bf16_weight_fp32", "linear_fp32_weight_bf16")
 SHARDS = 2
-#: Fixtures the sharded linear ops miss: bfloat16 hidden states beside a float32 head, whose
-#: ``d hidden`` is judged as one float32 sum rounded once to bfloat16, while each rank's
-#: partial ``d hidden`` is rounded to bfloat16 before the all-reduce (1.8x the tolerance).
-PARTIALS_ROUNDED = ("linear_fp32_weight_bf16", "linear_fp32_weight_logprobs_bf16")
 
 
 def _padded_head(case, rows: int) -> Dict[str, np.ndarray]:
@@ -378,12 +391,10 @@ def check_fixtures() -> None:
 
 
 def check_fixtures_all() -> None:
-    """Every linear fixture the padding can take (no softcap, no expected error), but
-    ``PARTIALS_ROUNDED``."""
+    """Every linear fixture the padding can take (no softcap, no expected error)."""
     for name in harness.list_cases("linear_*"):
         case = harness.load_case(name)
-        if (case.expect_error is None and case.options.get("logit_softcap") is None
-                and name not in PARTIALS_ROUNDED):
+        if case.expect_error is None and case.options.get("logit_softcap") is None:
             run_fixture(name)
 
 

@@ -12,8 +12,8 @@ autograd ops, no Function of its own) runs the whole gradcheck here.
 Reached through the public functions, on ``native`` and ``interpret``: ``_native``'s two
 Functions, the Triton binding's generated ones (``_launch``: log-probs, entropy, the fused
 loss), ``_InplaceLoss``, ``_BackwardOnce``, the linear ops' (``_LinearLogprobs``,
-``_LinearLoss``, ``_HeadLogits``) and the vocabulary-parallel ones (``_AttachGrad``,
-``_SumGrad``) on a one-rank gloo group.
+``_LinearLoss``, ``_HeadLogits``) and the vocabulary-parallel ones (``_AttachGrad``, the
+linear ops' ``d hidden`` all-reduce) on a one-rank gloo group.
 """
 
 from __future__ import annotations

@@ -202,26 +202,29 @@ def check_bad_ids_and_empty(world: int, group, backend: str) -> None:
 
 def check_collectives(world: int, group, backend: str) -> None:
     """Forward: the shape agreement, then one MAX and one SUM all-reduce of ``[C]``-sized
-    rows per chunk (the entropy one more row of the SUM); backward: one ``[N, H]`` SUM of
-    ``d hidden``, nothing else."""
+    rows per chunk (the entropy one more row of the SUM); backward: one ``[N, H]`` float32
+    SUM of the partial ``d hidden`` (bfloat16 hidden states too), nothing else."""
     vocab = _vocab(world)
     case = make_case(13, (3, 5), WIDTH, vocab, world, "float32")
     start, stop = shard_bounds(vocab, world)[dist.get_rank(group)]
-    calls, real = [], dist.all_reduce
+    calls, dtypes, real = [], [], dist.all_reduce
 
     def counting(*args, **kwargs):
         calls.append(tuple(args[0].shape))
+        dtypes.append(args[0].dtype)
         return real(*args, **kwargs)
 
     dist.all_reduce = counting
     try:
-        for entropy in (False, True):
-            calls.clear()
-            _logprobs(case, "float32", slice(start, stop), group, backend, entropy)
-            chunks = [4, 4, 4, 3]  # 15 rows, chunk_rows = 4
-            forward = [(world, 10)] + [s for c in chunks
-                                       for s in ((c + world,), (2 + entropy, c))]
-            assert calls == forward + [(15, WIDTH)], (entropy, calls)
+        for dtype in DTYPES:
+            for entropy in (False, True):
+                calls.clear()
+                _logprobs(case, dtype, slice(start, stop), group, backend, entropy)
+                chunks = [4, 4, 4, 3]  # 15 rows, chunk_rows = 4
+                forward = [(world, 10)] + [s for c in chunks
+                                           for s in ((c + world,), (2 + entropy, c))]
+                assert calls == forward + [(15, WIDTH)], (dtype, entropy, calls)
+                assert dtypes[-1] == torch.float32, (dtype, entropy, dtypes[-1])
     finally:
         dist.all_reduce = real
 

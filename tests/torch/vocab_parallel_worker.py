@@ -304,24 +304,18 @@ def _conformance_call(case, start: int, stop: int, group, backend: str):
     )
 
 
-#: Fixtures the sharded linear ops miss: bfloat16 hidden states beside a float32 head, whose
-#: ``d hidden`` is judged as one float32 sum rounded once to bfloat16, while each rank's
-#: partial ``d hidden`` is rounded to bfloat16 before the all-reduce (1.8x the tolerance).
-PARTIALS_ROUNDED = ("linear_fp32_weight_bf16", "linear_fp32_weight_logprobs_bf16")
-
-
 def check_conformance(world: int, group, names=None, backend: str = "auto") -> int:
     """Every fixture (or those in ``names``) with ``V >= world``: ratio_kl, selected_logprobs
     with and without the entropy, policy_loss (the entropy's psum term included), and the
-    ops from hidden states with the lm_head's rows sharded (but ``PARTIALS_ROUNDED``).
+    ops from hidden states with the lm_head's rows sharded.
 
     Returns the count run.
     """
     ran = 0
     for name in harness.list_cases() if names is None else names:
         case = harness.load_case(name)
-        if case.spec.token_values or name in PARTIALS_ROUNDED:
-            continue  # per-token log-probs: no vocabulary to shard; PARTIALS_ROUNDED
+        if case.spec.token_values:
+            continue  # per-token log-probs: no vocabulary to shard
         if case.vocab < world:
             continue
         start, stop = shard_bounds(case.vocab, world)[dist.get_rank(group)]

@@ -17,13 +17,18 @@ through a launch function (:func:`triton_rows`: ``"triton"``, ``"interpret"``), 
 (:data:`NATIVE_ROWS`), or one vocabulary block's with ``vocab_axis``
 (``ratiokl.jax._vocab_linear``). Inside ``shard_map`` the hidden states, weight and bias
 are cast to vary over every mesh axis any input varies over (``_lm_head.vary_alike``), so
-each gradient is summed over the axes its input was replicated on.
+each gradient is summed over the axes its input was replicated on. Over a vocabulary-sharded
+head (``vocab_axis``) replicated hidden states are cast inside the backward instead: each
+device's partial ``d hidden`` is kept in float32 (``[N, H]``), one ``psum`` over the axis
+sums the partials and the total is rounded once to the hidden states' dtype, as the
+unsharded op rounds its one float32 sum (a ``pcast`` outside would sum partials already
+rounded to that dtype).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Callable, NamedTuple, Optional
+from typing import TYPE_CHECKING, Callable, NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +40,7 @@ from ratiokl.jax import _native
 from ratiokl.jax._checks import Temperature, kernel_rows
 from ratiokl.jax._lm_head import (add_grad_weight, chunk_size, grad_weight_zeros, head_grads,
                                   head_logits, vary_alike)
+from ratiokl.jax._vocab_parallel import varies_over
 from ratiokl.spec import LogitTransform
 
 if TYPE_CHECKING:
@@ -93,6 +99,7 @@ class _Static(NamedTuple):
     transform: LogitTransform
     chunk: int
     entropy: bool
+    summed: Tuple[str, ...]  # axes over which the backward psums d hidden, in float32
 
 
 def _kept(hidden: jax.Array, mask: jax.Array) -> jax.Array:
@@ -136,11 +143,14 @@ def _forward(static: _Static, hidden, weight, bias, ids, mask, temp):
 def _backward(static: _Static, hidden, weight, bias, ids, mask, temp, lse, ent, g_logp,
               g_ent):
     """``(d hidden, d weight, d bias | None)`` in the inputs' dtypes."""
-    n_rows = hidden.shape[0]
+    n_rows, dtype = hidden.shape[0], hidden.dtype
     per_row_temp = temp.shape[0] == n_rows and n_rows > 1
+    if static.summed:  # this device's partial d hidden, in float32 until summed
+        hidden = lax.pcast(hidden, static.summed, to="varying")
+    grad_dtype = jnp.float32 if static.summed else dtype
     # zeros_like: typed as the inputs are inside shard_map (a vocabulary-sharded weight's
     # gradient varies over the axis).
-    carry = (jnp.zeros_like(hidden), grad_weight_zeros(weight, static.transform),
+    carry = (jnp.zeros_like(hidden, grad_dtype), grad_weight_zeros(weight, static.transform),
              jnp.zeros_like(weight, jnp.float32, shape=weight.shape[:1]))
 
     def step(start, size: int, carry):
@@ -155,12 +165,14 @@ def _backward(static: _Static, hidden, weight, bias, ids, mask, temp, lse, ent, 
         dx = static.ops.backward(x, part(ids), mask_c, part(temp) if per_row_temp else temp,
                                  part(lse), part(ent), part(g_logp), part(g_ent))
         dh, dw, db = head_grads(dx, x, kept, weight, static.transform)
-        return (lax.dynamic_update_slice_in_dim(grad_hidden, dh.astype(hidden.dtype), start, 0),
+        return (lax.dynamic_update_slice_in_dim(grad_hidden, dh.astype(grad_dtype), start, 0),
                 add_grad_weight(grad_weight, dw), grad_bias + db)
 
     if g_logp is not None or g_ent is not None:
         carry = _loop(n_rows, static.chunk, step, carry)
     grad_hidden, grad_weight, grad_bias = carry
+    if static.summed:  # the float32 partials summed, rounded once
+        grad_hidden = lax.psum(grad_hidden, static.summed).astype(dtype)
     return (grad_hidden, grad_weight.astype(weight.dtype),
             None if bias is None else grad_bias.astype(bias.dtype))
 
@@ -196,12 +208,16 @@ _linear.defvjp(_linear_fwd, _linear_bwd, symbolic_zeros=True)
 def selected_logprobs(ops: RowOps, hidden: jax.Array, weight: jax.Array,
                       bias: Optional[jax.Array], ids: jax.Array, mask: jax.Array,
                       temperature: Temperature, transform: LogitTransform, chunk_rows: int,
-                      entropy: bool):
+                      entropy: bool, vocab_axis: Optional[str] = None):
     """``logp`` float32 ``[N]``, or ``(logp, entropy)``, of ``hidden [N, H]`` through the
     head ``weight [V, H]`` / ``bias [V]`` (one dtype), ``chunk_rows`` rows at a time
     (static); ``ids``, ``mask`` and a per-row ``temperature`` are ``[N]``. Differentiable
-    w.r.t. ``hidden``, ``weight`` and ``bias``."""
+    w.r.t. ``hidden``, ``weight`` and ``bias``. ``vocab_axis``: the mesh axis the head's
+    rows are sharded over, whose ``psum`` of ``d hidden`` the backward takes in float32
+    (module docstring)."""
     ids, mask_k, temp = kernel_rows(ids, mask, temperature)
-    static = _Static(ops, transform, chunk_size(chunk_rows, hidden, weight, transform), entropy)
-    hidden, weight, bias = vary_alike(hidden, weight, bias, ids, mask_k, temp)
+    summed = () if vocab_axis is None or varies_over(hidden, vocab_axis) else (vocab_axis,)
+    static = _Static(ops, transform, chunk_size(chunk_rows, hidden, weight, transform), entropy,
+                     summed)
+    hidden, weight, bias = vary_alike(hidden, weight, bias, ids, mask_k, temp, summed=summed)
     return _linear(static, hidden, weight, bias, ids, mask_k, lax.stop_gradient(temp))

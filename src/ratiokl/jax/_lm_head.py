@@ -137,18 +137,21 @@ def _logits(kept: jax.Array, weight: jax.Array, bias: Optional[jax.Array],
     return x.astype(logits)
 
 
-def vary_alike(hidden: jax.Array, weight: jax.Array, bias: Optional[jax.Array], *others):
+def vary_alike(hidden: jax.Array, weight: jax.Array, bias: Optional[jax.Array], *others,
+               summed: Tuple[str, ...] = ()):
     """``hidden``, ``weight`` and ``bias`` typed as varying over every mesh axis that any
-    argument varies over (inside ``shard_map``; nothing changes outside it). Their
-    gradients, sums over rows and vocabulary, vary over all of them; JAX transposes each
-    ``pcast`` into the ``psum`` over the axes the input did not vary over: the whole
-    ``d hidden`` of replicated hidden states over a vocabulary-sharded head, the whole
-    ``d weight`` of a weight replicated over data-parallel rows."""
+    argument varies over (inside ``shard_map``; nothing changes outside it), ``hidden``
+    except over the axes in ``summed``. Their gradients, sums over rows and vocabulary, vary over
+    all of them; JAX transposes each ``pcast`` into the ``psum`` over the axes the input did
+    not vary over, in the gradient's dtype: the whole ``d weight`` of a weight replicated
+    over data-parallel rows. ``summed``: axes whose ``psum`` of ``d hidden`` the caller's
+    backward takes itself (in float32, over a vocabulary-sharded head)."""
     arrays = (hidden, weight, bias)
     axes = frozenset().union(*(varying_axes(x) for x in arrays + others if x is not None))
-    return tuple(x if x is None or axes <= varying_axes(x) else
-                 lax.pcast(x, tuple(sorted(axes - varying_axes(x))), to="varying")
-                 for x in arrays)
+    wanted = (axes - frozenset(summed), axes, axes)
+    return tuple(x if x is None or want <= varying_axes(x) else
+                 lax.pcast(x, tuple(sorted(want - varying_axes(x))), to="varying")
+                 for x, want in zip(arrays, wanted))
 
 
 def head_logits(kept: jax.Array, weight: jax.Array, bias: Optional[jax.Array],

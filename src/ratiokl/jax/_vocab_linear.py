@@ -13,13 +13,20 @@ device; the backward's block gradient ``dx = (g (onehot(a) - p) - g_H p (log p +
 from the global ``lse`` and ``H`` (the one-hot on the owning device only), no collective.
 
 ``d weight`` and ``d bias`` are the device's rows of the unsharded gradients. ``d hidden``:
-the hidden states enter the chunk loop as ``pcast(hidden, axis, to="varying")``
-(``_linear_logprobs._alike``, as the weight varies over the axis); the block's partial
-``du_k W_k`` is that varying value's cotangent, and JAX transposes the ``pcast`` into one
-``psum`` of ``[N, H]``, the full gradient on every device (hidden states already typed as
-varying over the axis keep their partial, as JAX's typing asks). Other mesh axes compose
-the same way (rows split over a data-parallel axis: the weight is cast along it, so its
-gradient is summed over it).
+replicated hidden states enter the op's ``custom_vjp`` invariant over the axis; its
+backward casts them to varying (``pcast``), keeps the block's partial ``du_k W_k`` in
+float32 (``[N, H]``) and takes one ``psum`` of ``[N, H]`` float32 over the axis, rounded
+once to the hidden states' dtype: the full gradient on every device, invariant as the
+hidden states are, rounded as the unsharded op rounds its one float32 sum
+(``_linear_logprobs``, ``vocab_axis``). A ``pcast`` before the op, transposed by JAX, would
+``psum`` partials already rounded to the hidden states' dtype. Hidden states already typed
+as varying over the axis keep their partial, in their dtype, as JAX's typing asks. Other
+mesh axes compose through ``_lm_head.vary_alike`` (rows split over a data-parallel axis:
+the weight is cast along it, so JAX sums its gradient over it).
+
+Collectives: one ``pmax`` and one ``psum`` of ``[C]``-sized rows per chunk, and in the
+backward the one float32 ``psum`` of ``d hidden`` (none in the compiled program when
+``hidden`` is not differentiated).
 
 The ``jax.custom_vjp`` around the chunks holds the collectives, so the types must tell JAX
 what varies: ``check_vma=True`` (``shard_map``'s default), ``weight`` / ``bias`` varying
@@ -108,4 +115,4 @@ def selected_logprobs(axis: str, shard_rows: Optional[Callable], hidden: jax.Arr
             )
     ops = native_rows(axis) if shard_rows is None else shard_rows(axis)
     return _linear_logprobs.selected_logprobs(ops, hidden, weight, bias, ids, mask, temperature,
-                                              transform, chunk_rows, entropy)
+                                              transform, chunk_rows, entropy, axis)

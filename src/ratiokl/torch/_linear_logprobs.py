@@ -13,6 +13,11 @@ With ``x = softcap((h @ W.T + b) * scale)`` (``ratiokl.spec.linear``) the rows g
   where(mask, h, 0)`` added to ``d W`` and ``du``'s column sums to ``d b``
   (``_lm_head.chunk_grads``).
 
+Over a vocabulary-sharded head (``ratiokl.torch._vocab_linear``) a rank's ``d hidden`` is a
+partial sum: given ``sum_hidden``, the loop writes it in float32 (``[N, H]``), ``sum_hidden``
+sums it over the ranks in place and the total is rounded once to the hidden states' dtype,
+as the unsharded op rounds its one float32 sum.
+
 Memory beyond the inputs, outputs and gradients: one ``[C, V]`` buffer (two in the backward
 with a softcap) and O(N). The backward costs four GEMMs per chunk in all (the forward's,
 its recomputation, two for the gradients). A row's values come from its own GEMM row and
@@ -103,6 +108,9 @@ class _Inputs(NamedTuple):
     chunk: int
     ops: RowOps
     entropy: bool
+    #: sums a float32 partial ``d hidden [N, H]`` over the ranks in place (a vocabulary-
+    #: sharded head), or None: this ``d hidden`` is the whole gradient
+    sum_hidden: Optional[Callable[[Tensor], object]] = None
 
 
 def _chunk(inputs: _Inputs, head: Head, n_rows: int, vocab: int) -> int:
@@ -140,8 +148,9 @@ def _backward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], lse: Tenso
     """``(d hidden, d weight, d bias)`` (None where not wanted) from the chunk loop."""
     n_rows, vocab = hidden.shape[0], weight.shape[0]
     head = head_operands(hidden.dtype, weight, inputs.transform)
-    grad_hidden = torch.zeros(hidden.shape, dtype=hidden.dtype, device=hidden.device) \
-        if wants[0] else None
+    partial = inputs.sum_hidden is not None  # d hidden in float32 until summed
+    grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32 if partial else hidden.dtype,
+                              device=hidden.device) if wants[0] else None
     grad_weight = torch.zeros(weight.shape, dtype=head.accumulate, device=weight.device) \
         if wants[1] else None
     grad_bias = torch.zeros(vocab, dtype=torch.float32, device=weight.device) \
@@ -163,6 +172,9 @@ def _backward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], lse: Tenso
                 softcap_slope_(dx, x, inputs.transform)
                 chunk_grads(dx, kept, head, inputs.transform, _at(grad_hidden, part),
                             grad_weight, i == 0, grad_bias)
+    if grad_hidden is not None and partial:  # the float32 partials summed, rounded once
+        inputs.sum_hidden(grad_hidden)
+        grad_hidden = grad_hidden.to(hidden.dtype)
     if grad_weight is not None:
         grad_weight = grad_weight.to(weight.dtype)
     if grad_bias is not None:
@@ -197,12 +209,15 @@ class _LinearLogprobs(torch.autograd.Function):
 
 def selected_logprobs(ops: RowOps, hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
                       ids: Tensor, mask: Tensor, temperature: Temperature,
-                      transform: LogitTransform, chunk_rows: int, entropy: bool):
+                      transform: LogitTransform, chunk_rows: int, entropy: bool,
+                      sum_hidden: Optional[Callable[[Tensor], object]] = None):
     """``logp`` float32 ``[N]``, or ``(logp, entropy)``, of ``hidden [N, H]`` through the
     head ``weight [V, H]`` / ``bias [V]`` (one dtype, one device), ``chunk_rows`` rows at a
     time; ``ids``, ``mask`` and a per-row ``temperature`` are ``[N]``. Differentiable
-    w.r.t. ``hidden``, ``weight`` and ``bias`` (whichever requires a gradient)."""
-    inputs = _Inputs(ids, mask, temperature, transform, chunk_rows, ops, entropy)
+    w.r.t. ``hidden``, ``weight`` and ``bias`` (whichever requires a gradient).
+    ``sum_hidden``: sums the float32 partial ``d hidden`` over a vocabulary-sharded head's
+    ranks, in place, inside the backward (module docstring)."""
+    inputs = _Inputs(ids, mask, temperature, transform, chunk_rows, ops, entropy, sum_hidden)
     tensors = (hidden, weight) + (() if bias is None else (bias,))
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return _LinearLogprobs.apply(hidden, weight, bias, inputs)

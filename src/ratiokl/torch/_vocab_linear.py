@@ -22,17 +22,25 @@ share of the gradients:
     dW_r = du_r^\top \bar h, \qquad db_r = \textstyle\sum_{\text{rows}} du_r, \qquad
     dh = \textstyle\sum_r du_r W_r
 
-``dW_r`` and ``db_r`` are this rank's rows of the unsharded gradients; ``dh`` is summed
-over the ranks by one SUM all-reduce of ``[N, H]`` (:class:`_SumGrad`, Megatron's
-``copy_to_tensor_model_parallel_region``), so every rank holds the full gradient.
+``dW_r`` and ``db_r`` are this rank's rows of the unsharded gradients. ``dh``: each rank
+writes its partial ``du_r W_r`` in float32 (``[N, H]``: 128 MiB at N = 8192, H = 4096), one
+SUM all-reduce of ``[N, H]`` float32 inside the op's backward sums the partials over the
+ranks, and the total is rounded once to the hidden states' dtype (``sum_hidden`` of
+``_linear_logprobs``), so every rank holds the full gradient, rounded as the unsharded op
+rounds its one float32 sum. The sum sits inside the backward because autograd casts a
+Function's gradient to its input's dtype: summed after it (Megatron's
+``copy_to_tensor_model_parallel_region``), each rank's partial would be rounded to bfloat16
+before the sum, 1.8x the linear fixtures' tolerance with bfloat16 hidden states beside a
+float32 head.
 
 Collectives per call: the shape agreement (``check_ids=True``), one MAX and one SUM
-all-reduce per chunk, and in the backward the one ``[N, H]`` all-reduce of ``dh`` (none
-when ``hidden`` needs no gradient). Nothing ``[N, V]``, nothing gathered.
+all-reduce per chunk, and in the backward the one ``[N, H]`` float32 all-reduce of ``dh``
+(none when ``hidden`` needs no gradient). Nothing ``[N, V]``, nothing gathered.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -94,21 +102,6 @@ class _BlockRows:
                                  temperature, g_logp, g_ent, ent)
 
 
-class _SumGrad(torch.autograd.Function):
-    """The identity forward; the backward sums the gradient over ``group`` (in place)."""
-
-    @staticmethod
-    def forward(ctx, hidden: Tensor, group: dist.ProcessGroup) -> Tensor:
-        ctx.group = group
-        return hidden.view_as(hidden)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
-        return grad, None
-
-
 def selected_logprobs(parallel: VocabParallel, hidden: Tensor, weight: Tensor,
                       bias: Optional[Tensor], ids: Tensor, mask: Tensor,
                       temperature: Temperature, transform: LogitTransform, chunk_rows: int,
@@ -123,8 +116,7 @@ def selected_logprobs(parallel: VocabParallel, hidden: Tensor, weight: Tensor,
                                      hidden.dtype)
         _vocab_agree.agree(parallel.group, row, parallel.lead, ids, mask)
     rows = _BlockRows(parallel)
-    if torch.is_grad_enabled() and hidden.requires_grad:
-        hidden = _SumGrad.apply(hidden, parallel.group)
+    sum_hidden = functools.partial(dist.all_reduce, op=dist.ReduceOp.SUM, group=parallel.group)
     return _linear_logprobs.selected_logprobs(
         _linear_logprobs.RowOps(rows.forward, rows.backward), hidden, weight, bias, ids, mask,
-        temperature, transform, chunk_rows, entropy)
+        temperature, transform, chunk_rows, entropy, sum_hidden)
