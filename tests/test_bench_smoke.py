@@ -266,7 +266,8 @@ def test_rollout_ops_call_the_correction():
         value, metrics = ratiokl_op(loss, op, x, "native", True)
         assert torch.isfinite(value) and 0.5 < float(metrics["rollout_weight_mean"]) < 2.0
         assert set(metrics) == set(plain) | {"rollout_weight_mean", "rollout_masked_fraction",
-                                             "rollout_k3"}
+                                             "rollout_k3", "rollout_logp_off_1pct_fraction",
+                                             "rollout_logp_off_5pct_fraction"}
 
 
 def test_entropy_bonus_target_against_the_same_call_without():

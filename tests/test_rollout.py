@@ -105,7 +105,8 @@ def test_the_weight_is_an_importance_weight_on_the_policy_term_only(correction) 
     assert_close(_spec_call(x, spec.policy_loss_grad, **options, **rollout), grad,
                  spec.paths_tolerance(13, float(np.abs(grad).max()), "float64"), "grad")
     assert {k: metrics[k] for k in weighted_metrics} == weighted_metrics
-    assert set(metrics) - set(weighted_metrics) == set(spec.ROLLOUT_METRIC_NAMES)
+    assert set(metrics) - set(weighted_metrics) == set(spec.ROLLOUT_METRIC_NAMES
+                                                        + spec.ROLLOUT_PARITY_NAMES)
 
 
 def test_metrics_only_leaves_the_loss_alone() -> None:
@@ -198,8 +199,9 @@ def test_rollout_metrics_appear_only_with_rollout_logps(framework) -> None:
     x = _inputs()
     _, plain = _framework_call(framework, x)
     _, with_logps = _framework_call(framework, x, rollout_logps=x["rollout_logps"])
-    assert not set(plain) & set(spec.ROLLOUT_METRIC_NAMES)
-    assert list(with_logps) == list(plain) + list(spec.ROLLOUT_METRIC_NAMES)
+    rollout_names = spec.ROLLOUT_METRIC_NAMES + spec.ROLLOUT_PARITY_NAMES
+    assert not set(plain) & set(rollout_names)
+    assert list(with_logps) == list(plain) + list(rollout_names)
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)

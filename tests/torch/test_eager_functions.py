@@ -68,7 +68,7 @@ def _fused_args(x, p):
     w = torch.where(x["mask"], 1.0 / x["mask"].sum(), 0.0)
     coefs = torch.tensor([0.1, 0.8, 1.2, float("inf"), 0.05])  # entropy_coef 0.05
     return (p, None, x["ids"], x["mask"], x["old"], x["old"] + 0.05, x["temp"], x["adv"], 1,
-            None, w, coefs, True, 3, False, 20.0, 0, True, False)
+            None, w, coefs, True, 3, False, 20.0, 0, True, False, None)
 
 
 @pytest.mark.parametrize("scale", [1.0, -2.5])

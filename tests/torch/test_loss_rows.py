@@ -22,6 +22,7 @@ from ratiokl._kernels.loss_rows import (  # noqa: E402
     METRIC_NAMES,
     ROWS_BLOCK,
     ROWS_WARPS,
+    parity_constexprs,
     policy_metrics_kernel,
 )
 from ratiokl._kernels.objective import CLIP_CAPPED, CLIP_HIGH, CLIP_LOW  # noqa: E402
@@ -61,7 +62,8 @@ def test_metrics_match_objective_ops(shape, density):
     total = torch.tensor(float("nan"))
     with np.errstate(all="ignore"):
         interpreted(policy_metrics_kernel)[(1,)](
-            mask, logp, ratio, kl, ent, bits, old, loss_rows.detach(), out, total, n,
+            mask, logp, ratio, kl, ent, bits, old, loss_rows.detach(), old, out, total, n,
+            HAS_ROLLOUT=False, **parity_constexprs(spec.ROLLOUT_PARITY_TOLERANCES),
             BLOCK=ROWS_BLOCK, num_warps=ROWS_WARPS)
     loss_tol = spec.paths_tolerance(n, float(loss_rows.detach().abs().sum()))
     assert_close(total, loss_rows.detach().sum(), loss_tol, "loss")
