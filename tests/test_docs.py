@@ -271,5 +271,14 @@ def test_policy_loss_md_rollout_parity_table_is_the_examples_output():
                       r"table -->", text, re.S)
     assert match, "docs/policy_loss.md lost its rollout parity table markers"
     module = runpy.run_path(str(ROOT / match.group(1)), run_name="rollout_parity")
-    assert match.group(2).strip() == module["markdown"](module["fractions"]()).strip(), (
+    got = module["markdown"](module["fractions"]()).strip()
+    # The labels exactly; each percentage within 0.3 points (3 of the 1024 tokens): the bf16
+    # head's logits come from the CPU's bf16 GEMM, whose summation order (so a token on a
+    # band's edge) may differ from one CPU to another.
+    number = r"(\d+(?:\.\d+)?) %"
+    assert re.sub(number, "#", match.group(2).strip()) == re.sub(number, "#", got), (
         f"regenerate: python {match.group(1)}")
+    typed = [float(v) for v in re.findall(number, match.group(2))]
+    computed = [float(v) for v in re.findall(number, got)]
+    assert typed and max(abs(a - b) for a, b in zip(typed, computed)) <= 0.3, (
+        typed, computed, f"regenerate: python {match.group(1)}")
