@@ -121,6 +121,17 @@ def test_singleton_groups_equal_trl(tmp_path, scale):
                           singleton="zero"), expected)
 
 
+def _normalize_then_sum(rewards):
+    """ratiokl's recipe for TRL's ``normalize_then_sum``: GDPO per reward function (no
+    whitening), then GRPO over the whole batch as one group; a sample is valid unless every
+    reward is None."""
+    valid = ~torch.isnan(rewards).all(-1)
+    summed = advantages.gdpo(rewards, group_size=G, valid=valid, weights=WEIGHTS, eps=1e-4,
+                             singleton="zero", whiten="none")
+    return advantages.grpo(summed, group_size=rewards.shape[0], valid=valid, eps=1e-4,
+                           singleton="zero")
+
+
 def test_normalize_then_sum_equals_trl(tmp_path):
     """GDPO per reward function, then TRL's batch step: GRPO over one group of the batch.
     Each sample's rewards are all given or all None (see the next test)."""
@@ -129,11 +140,7 @@ def test_normalize_then_sum_equals_trl(tmp_path):
     rewards = rewards[whole][:16]
     trainer = _trainer(tmp_path, multi_objective_aggregation="normalize_then_sum")
     expected = trl_advantages(trainer, rewards)
-    valid = ~torch.isnan(rewards).all(-1)
-    summed = advantages.gdpo(rewards, group_size=G, valid=valid, weights=WEIGHTS, eps=1e-4,
-                             singleton="zero", whiten="none")
-    actual = advantages.grpo(summed, group_size=rewards.shape[0], valid=valid, eps=1e-4,
-                             singleton="zero")
+    actual = _normalize_then_sum(rewards)
     close(actual, expected)
 
 
@@ -143,9 +150,5 @@ def test_normalize_then_sum_with_a_missing_reward_differs_from_gdpo(tmp_path):
     rewards = torch.tensor(REWARDS[8:12])
     trainer = _trainer(tmp_path, multi_objective_aggregation="normalize_then_sum")
     expected = trl_advantages(trainer, rewards)
-    valid = ~torch.isnan(rewards).all(-1)
-    summed = advantages.gdpo(rewards, group_size=G, valid=valid, weights=WEIGHTS, eps=1e-4,
-                             singleton="zero", whiten="none")
-    actual = advantages.grpo(summed, group_size=rewards.shape[0], valid=valid, eps=1e-4,
-                             singleton="zero")
+    actual = _normalize_then_sum(rewards)
     assert not torch.allclose(actual, expected, rtol=RTOL, atol=ATOL)
