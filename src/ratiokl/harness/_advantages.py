@@ -20,9 +20,9 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
-from ratiokl.harness._cases import read_npz, sha256
+from ratiokl.harness._cases import read_npz
 from ratiokl.harness._compare import Check, compare_close
-from ratiokl.harness._fixtures import fixtures_root
+from ratiokl.harness._fixtures import fixtures_root, read_case_file
 from ratiokl.harness._frameworks import TARGETS
 from ratiokl.harness._runner import CaseResult
 from ratiokl.spec.tolerances import Tolerance
@@ -82,11 +82,7 @@ def list_advantage_cases(pattern: str = "*", root: Optional[Path] = None) -> Lis
 def load_advantage_case(name: str, root: Optional[Path] = None) -> AdvantageCase:
     """Read one case; ``ValueError`` if its file does not match the manifest's hash."""
     entry = _manifest(root)[name]
-    path = _root(root) / entry["file"]
-    data = path.read_bytes()
-    if sha256(data) != entry["sha256"]:
-        raise ValueError(f"{path} does not match its sha256 in the manifest")
-    arrays = read_npz(data)
+    arrays = read_npz(read_case_file(_root(root), entry))
     expected = {k[len("expected_"):]: v for k, v in arrays.items() if k.startswith("expected_")}
     inputs = {k: v for k, v in arrays.items() if not k.startswith("expected_")}
     return AdvantageCase(name, entry["function"], inputs, entry["options"], expected,

@@ -59,13 +59,21 @@ def list_cases(pattern: str = "*", root: Optional[Path] = None) -> List[str]:
                   if fnmatch.fnmatch(name, pattern) or fnmatch.fnmatch(entry["group"], pattern))
 
 
+def read_case_file(root: Path, entry: Dict[str, Any]) -> bytes:
+    """The bytes of a manifest ``entry``'s file under ``root``; ``ValueError`` if they do
+    not match the entry's sha256."""
+    path = root / entry["file"]
+    data = path.read_bytes()
+    if sha256(data) != entry["sha256"]:
+        raise ValueError(f"{path} does not match its sha256 in the manifest")
+    return data
+
+
 def load_case(name: str, root: Optional[Path] = None) -> Case:
     """Read one case; ``ValueError`` if its file does not match the manifest's hash."""
     root = Path(root) if root is not None else fixtures_root()
     entry = load_manifest(root)["cases"][name]
-    data = (root / entry["file"]).read_bytes()
-    if sha256(data) != entry["sha256"]:
-        raise ValueError(f"{root / entry['file']} does not match its sha256 in the manifest")
+    data = read_case_file(root, entry)
     return Case(
         name=name,
         group=entry["group"],
