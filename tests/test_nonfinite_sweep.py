@@ -80,6 +80,9 @@ SCENARIOS: Dict[str, Scenario] = {
     "policy_loss_cispo": Scenario(
         "policy_loss", {"objective": "cispo", "kl_coef": 0.1, "entropy_coef": 0.1},
         ("policy_logits", "ref_logits", "old_logps", "advantages")),
+    "policy_loss_sapo": Scenario(
+        "policy_loss", {"objective": "sapo", "kl_coef": 0.1},
+        ("policy_logits", "ref_logits", "old_logps", "advantages")),
     "policy_loss_per_token": Scenario(
         "policy_loss", {"loss_agg": "none", "kl_coef": 0.1, "entropy_coef": 0.1},
         ("policy_logits", "ref_logits", "old_logps", "advantages")),
